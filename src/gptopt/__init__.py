@@ -1,0 +1,3 @@
+"""gptopt: make GPT-2-class Transformers train, benchmark, profile, generate and serve fast."""
+
+__version__ = "0.1.0"

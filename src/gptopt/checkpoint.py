@@ -1,0 +1,132 @@
+"""Checkpoints on disk: model weights as safetensors plus a JSON config, written atomically.
+
+A gptopt model directory holds `model.safetensors` and `gptopt.json` ({"format": "gptopt",
+"model": GPTConfig fields, "environment": ..., plus whatever the writer adds, e.g. the tokenizer}).
+`generate`, `serve`, `bench` and the Hugging Face export all read this one layout.
+
+    python -c "from gptopt.checkpoint import load_model; print(load_model('out/final'))"
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptopt.config import GPTConfig
+from gptopt.model import GPT
+
+WEIGHTS = "model.safetensors"
+META = "gptopt.json"
+
+
+def is_gptopt_dir(path: str | os.PathLike[str]) -> bool:
+    return (Path(path) / META).is_file()
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename durable: the directory entry itself must reach the disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return  # not supported on this platform (Windows); the rename is still atomic
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_model_files(model: GPT, directory: Path, extra: dict[str, Any] | None = None) -> None:
+    """Weights + config into an existing directory, each file fsync'd (no rename: see save_model)."""
+    # The tied lm_head shares wte's storage; safetensors refuses shared tensors, so store it once.
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
+    meta = {"format": "gptopt", "model": model.config.to_dict(), **(extra or {})}
+    with open(directory / META, "w") as fh:
+        json.dump(meta, fh, indent=2, sort_keys=True, default=str)
+        fh.flush()
+        os.fsync(fh.fileno())
+    with open(directory / WEIGHTS, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def save_model(model: GPT, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
+    """Write a model directory atomically: into a temporary sibling, then one rename.
+
+    A crash at any point leaves either the old directory or the complete new one, never half.
+    """
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write_model_files(model, tmp, extra)
+        replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def replace_dir(src: Path, dst: Path) -> None:
+    """Move the finished directory src to dst, replacing an old dst only after src is complete."""
+    if dst.exists():
+        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
+        os.replace(dst, old)
+        os.replace(src, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(src, dst)
+    fsync_dir(dst.parent)
+
+
+def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    path = Path(directory) / META
+    try:
+        with open(path) as fh:
+            meta = json.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"{directory}: not a gptopt model directory ({META} missing)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: corrupt JSON ({e}); the checkpoint is damaged, use an earlier one") from None
+    if meta.get("format") != "gptopt" or "model" not in meta:
+        raise ValueError(f"{path}: not a gptopt model config (needs format='gptopt' and a 'model' table)")
+    return meta
+
+
+def load_model(directory: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> GPT:
+    """A GPT from a gptopt model directory; every key and shape is checked against the config."""
+    directory = Path(directory)
+    meta = read_meta(directory)
+    config = GPTConfig.from_dict(meta["model"])
+    weights = directory / WEIGHTS
+    if not weights.is_file():
+        raise ValueError(f"{directory}: {WEIGHTS} is missing")
+    try:
+        state = load_file(str(weights), device=str(map_location))
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        raise ValueError(f"{weights}: cannot read weights ({e}); the file is truncated or corrupt") from None
+    model = GPT(config)
+    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    check_state(expected, state, str(weights))
+    model.load_state_dict(state, strict=False)  # lm_head is tied to wte and loaded through it
+    return model
+
+
+def check_state(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor], where: str) -> None:
+    """Raise ValueError naming the first missing, unexpected or mis-shaped key."""
+    for key, ref in expected.items():
+        if key not in got:
+            raise ValueError(f"{where}: missing weight {key!r} (expected shape {tuple(ref.shape)})")
+        if tuple(got[key].shape) != tuple(ref.shape):
+            raise ValueError(
+                f"{where}: weight {key!r} has shape {tuple(got[key].shape)}, the config needs {tuple(ref.shape)}"
+            )
+    extra = sorted(set(got) - set(expected))
+    if extra:
+        raise ValueError(f"{where}: unexpected weight {extra[0]!r} ({len(extra)} unexpected in all)")

@@ -1,0 +1,207 @@
+"""The command line: one verb -> function table; every option comes from a config dataclass.
+
+    gptopt --help
+    gptopt doctor --smoke --config my.toml --device cpu
+
+Precedence: dataclass default < --config FILE.toml < flags on the command line. Unknown options,
+bad values and unknown TOML keys exit 2 with a message naming the option.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from gptopt import __version__
+from gptopt.extras import MissingExtra
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    config: str  # "module:Class" of its config dataclass
+    run: str  # "module:function" taking the config, returning the exit status
+    help: str
+
+
+# Entries are imported only when their verb runs, so `gptopt --help` is fast and a verb whose
+# extra is missing does not break the others.
+COMMANDS: dict[str, Command] = {
+    "doctor": Command("gptopt.config:DoctorConfig", "gptopt.doctor:run", "check this machine's setup and name the fixes"),
+}
+
+
+def _load(ref: str) -> Any:
+    module, name = ref.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of a field annotation such as `int`, `str | None`."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported option type {tp}")
+        return args[0], True
+    return tp, False
+
+
+def _parse_value(kind: type, optional: bool, name: str) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        if optional and text.lower() in ("none", "null", ""):
+            return None
+        try:
+            return kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__} for --{name}, got {text!r}") from None
+
+    parse.__name__ = kind.__name__  # argparse names the type in its error message
+    return parse
+
+
+def cli_fields(cls: type) -> list[tuple[dataclasses.Field[Any], type, bool]]:
+    hints = typing.get_type_hints(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if not f.metadata.get("cli", True):
+            continue
+        kind, optional = _base_type(hints[f.name])
+        out.append((f, kind, optional))
+    return out
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
+    for f, kind, optional in cli_fields(cls):
+        help_text = f.metadata.get("help", "")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if f.metadata.get("positional"):
+            parser.add_argument(f.name, nargs="?", help=f"{help_text} (default: {default})")
+            continue
+        flags = [f"--{f.name}"] + list(f.metadata.get("aliases", ()))
+        if kind is bool:
+            parser.add_argument(
+                *flags, action=argparse.BooleanOptionalAction, help=f"{help_text} (default: {default})"
+            )
+        else:
+            parser.add_argument(
+                *flags,
+                type=_parse_value(kind, optional, f.name),
+                choices=f.metadata.get("choices"),
+                metavar=kind.__name__.upper() if not f.metadata.get("choices") else None,
+                help=f"{help_text} (default: {default})",
+            )
+
+
+def load_toml(path: str, cls: type, verb: str | None = None) -> dict[str, Any]:
+    """Options from a TOML file: flat `key = value` keys, then those of a [verb] table over them.
+
+    Other tables are ignored (one file may configure several verbs); unknown keys are errors.
+    """
+    try:
+        with open(path, "rb") as fh:
+            data = tomllib.load(fh)
+    except FileNotFoundError:
+        raise ValueError(f"--config {path}: no such file") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"--config {path}: not valid TOML ({e})") from None
+    flat = {k: v for k, v in data.items() if not isinstance(v, dict)}
+    section = data.get(verb, {}) if verb else {}
+    return {**_check_toml(path, flat, cls), **_check_toml(path, section, cls)}
+
+
+def _check_toml(path: str, table: dict[str, Any], cls: type) -> dict[str, Any]:
+    fields = {f.name: kind for f, kind, _ in cli_fields(cls)}
+    values: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in fields:
+            raise ValueError(f"--config {path}: unknown option {key!r}; valid: {', '.join(sorted(fields))}")
+        kind = fields[key]
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise ValueError(f"--config {path}: {key} must be {kind.__name__}, got {value!r}")
+        values[key] = value
+    return values
+
+
+def parse_config(verb: str, cls: type, argv: Sequence[str], parser: argparse.ArgumentParser) -> Any:
+    ns = vars(parser.parse_args(argv))
+    config_path = ns.pop("config", None)
+    values: dict[str, Any] = {}
+    if config_path:
+        try:
+            values.update(load_toml(config_path, cls, verb))
+        except ValueError as e:
+            parser.error(str(e))
+    values.update(ns)  # only the flags given: the parser's defaults are suppressed
+    try:
+        return cls(**values)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+
+
+def build_parser(verb: str, cls: type) -> argparse.ArgumentParser:
+    cmd = COMMANDS[verb]
+    parser = argparse.ArgumentParser(
+        prog=f"gptopt {verb}", description=cmd.help, argument_default=argparse.SUPPRESS, allow_abbrev=False
+    )
+    parser.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file; flags override it")
+    add_options(parser, cls)
+    return parser
+
+
+def top_parser() -> argparse.ArgumentParser:
+    lines = "\n".join(f"  {verb:<10} {cmd.help}" for verb, cmd in COMMANDS.items())
+    parser = argparse.ArgumentParser(
+        prog="gptopt",
+        description="Make GPT-2-class Transformers train, benchmark, profile, generate and serve fast.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"commands:\n{lines}\n\n`gptopt COMMAND --help` lists a command's options.",
+        usage="gptopt [-h] [--version] COMMAND [options]",
+    )
+    parser.add_argument("--version", action="version", version=f"gptopt {__version__}")
+    parser.add_argument("command", nargs="?", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="gptopt: %(message)s", stream=sys.stderr)
+    if not argv or argv[0].startswith("-"):
+        top = top_parser()
+        top.parse_args(argv)
+        top.print_help()
+        return 0 if argv else 2
+    verb, rest = argv[0], argv[1:]
+    if verb not in COMMANDS:
+        print(f"gptopt: unknown command {verb!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    cls = _load(COMMANDS[verb].config)
+    parser = build_parser(verb, cls)
+    config = parse_config(verb, cls, rest, parser)
+    try:
+        run = _load(COMMANDS[verb].run)
+        return int(run(config) or 0)
+    except MissingExtra as e:
+        print(f"gptopt {verb}: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError) as e:
+        if os.environ.get("GPTOPT_DEBUG"):
+            raise
+        print(f"gptopt {verb}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

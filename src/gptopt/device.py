@@ -1,0 +1,272 @@
+"""Device and precision policy, in one place: which device, which autocast dtype, and why.
+
+Also the hardware ceilings every MFU and bandwidth figure is measured against: a table of
+NVIDIA GPUs matched by device name, and a short measured matmul peak for everything else.
+
+    python -c "from gptopt.device import resolve, peak_flops; p = resolve(); print(p.reason, peak_flops(p))"
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import platform
+import re
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+log = logging.getLogger("gptopt")
+
+AMP_DTYPES = ("auto", "bf16", "fp16", "fp32")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class DevicePlan:
+    """The resolved device and precision; `reason` is the one line that explains the choice."""
+
+    device: torch.device
+    amp_dtype: torch.dtype | None  # None: plain fp32, no autocast
+    use_grad_scaler: bool  # fp16 needs loss scaling; bf16 has fp32's exponent range and does not
+    tf32: bool
+    reason: str
+
+    @property
+    def amp_name(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.amp_dtype]
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        elif self.device.type == "mps":
+            torch.mps.synchronize()
+
+
+def cpu_has_fast_bf16() -> bool:
+    """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX), so bf16 matmuls beat fp32."""
+    cap = ""
+    with contextlib.suppress(Exception):
+        cap = torch.backends.cpu.get_cpu_capability()
+    if "AMX" in cap.upper():
+        return True
+    if sys.platform.startswith("linux"):
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = f.read()
+        except OSError:
+            return False
+        return bool(re.search(r"\b(avx512_bf16|amx_bf16)\b", flags))
+    if sys.platform == "darwin" and platform.machine() == "arm64":
+        return False  # Apple CPUs lack bf16 matmul units reachable from torch; mps is the fast path there
+    return False
+
+
+def _pick_device(device: str) -> torch.device:
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"unknown device {device!r}: use auto, cpu, cuda, cuda:N or mps") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device {device}: CUDA is not available to this torch ({torch.__version__}); "
+                "run `gptopt doctor` for the reason, or use --device cpu"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+    elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ValueError(f"--device {device}: MPS is not available; use --device cpu")
+    elif dev.type not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"unsupported device type {dev.type!r}: use cpu, cuda or mps")
+    return dev
+
+
+def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True) -> DevicePlan:
+    """Choose the device and autocast dtype once; raise ValueError naming the fix for impossible asks."""
+    if amp_dtype not in AMP_DTYPES:
+        raise ValueError(f"unknown amp dtype {amp_dtype!r}; choose one of: {', '.join(AMP_DTYPES)}")
+    dev = _pick_device(device)
+    why: list[str] = []
+    if dev.type == "cuda":
+        name = torch.cuda.get_device_name(dev)
+        major, minor = torch.cuda.get_device_capability(dev)
+        bf16_ok = major >= 8
+        where = f"{name} (sm_{major}{minor})"
+        if amp_dtype == "auto":
+            amp = "bf16" if bf16_ok else "fp16"
+            why.append(f"{where}: {'bf16 autocast (compute capability >= 8.0)' if bf16_ok else 'fp16 autocast + GradScaler (no fast bf16 before sm_80)'}")
+        else:
+            if amp_dtype == "bf16" and not bf16_ok:
+                raise ValueError(f"bf16 needs compute capability >= 8.0; {where} has none: use --amp_dtype fp16")
+            amp = amp_dtype
+            why.append(f"{where}: {amp} as asked")
+        use_tf32 = tf32 and major >= 8
+        if use_tf32:
+            why.append("TF32 for fp32 matmuls")
+    elif dev.type == "mps":
+        amp = "fp16" if amp_dtype == "auto" else amp_dtype
+        use_tf32 = False
+        why.append(f"Apple MPS: {amp}{' (auto)' if amp_dtype == 'auto' else ' as asked'}")
+    else:
+        fast = cpu_has_fast_bf16()
+        if amp_dtype == "fp16":
+            raise ValueError("fp16 autocast on a CPU is slow and needs loss scaling: use --amp_dtype bf16 or fp32")
+        if amp_dtype == "auto":
+            amp = "bf16" if fast else "fp32"
+            why.append(
+                "CPU with native bf16 (AVX512-BF16/AMX): bf16 autocast"
+                if fast
+                else "CPU without native bf16 matmul: fp32 (bf16 would be emulated and slower)"
+            )
+        else:
+            amp = amp_dtype
+            why.append(f"CPU: {amp} as asked" + ("" if fast or amp == "fp32" else " (no native bf16: expect it slower)"))
+        use_tf32 = False
+    if use_tf32:
+        torch.set_float32_matmul_precision("high")
+    dtype = None if amp == "fp32" else _DTYPES[amp]
+    plan = DevicePlan(
+        device=dev, amp_dtype=dtype, use_grad_scaler=amp == "fp16" and dev.type == "cuda", tf32=use_tf32,
+        reason=f"device {dev}: " + "; ".join(why),
+    )
+    log.info(plan.reason)
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------
+# Hardware ceilings. Dense (no sparsity) tensor-core peaks in TFLOP/s, bandwidth in GB/s, from the
+# vendors' data sheets. Consumer cards list the fp32-accumulate rate, which is what autocast uses.
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    name: str
+    bf16: float | None  # TFLOP/s; None where the chip has no bf16 tensor cores
+    fp16: float
+    tf32: float | None
+    bandwidth_gbs: float
+
+
+# Order matters: the first pattern that matches the device name wins (A100 before A10, L40S before L4).
+GPU_SPECS: list[tuple[str, GPUSpec]] = [
+    (r"B200", GPUSpec("B200", 2250, 2250, 1100, 8000)),
+    (r"H200", GPUSpec("H200", 989, 989, 494, 4800)),
+    (r"H100.*PCIe", GPUSpec("H100 PCIe", 756, 756, 378, 2000)),
+    (r"H100", GPUSpec("H100 SXM", 989, 989, 494, 3350)),
+    (r"A100.*80\s*GB.*PCIe|A100.*PCIe.*80\s*GB", GPUSpec("A100 80GB PCIe", 312, 312, 156, 1935)),
+    (r"A100.*80\s*GB", GPUSpec("A100 80GB SXM", 312, 312, 156, 2039)),
+    (r"A100", GPUSpec("A100 40GB", 312, 312, 156, 1555)),
+    (r"L40S", GPUSpec("L40S", 362, 362, 183, 864)),
+    (r"\bL4\b", GPUSpec("L4", 121, 121, 60, 300)),
+    (r"\bA10\b", GPUSpec("A10", 125, 125, 62.5, 600)),
+    (r"RTX 4090", GPUSpec("RTX 4090", 165, 165, 82.6, 1008)),
+    (r"RTX 3090", GPUSpec("RTX 3090", 71, 71, 35.6, 936)),
+    (r"V100", GPUSpec("V100", None, 125, None, 900)),
+    (r"\bT4\b", GPUSpec("T4", None, 65, None, 320)),
+]
+
+
+def gpu_spec(device_name: str) -> GPUSpec | None:
+    for pattern, spec in GPU_SPECS:
+        if re.search(pattern, device_name, flags=re.IGNORECASE):
+            return spec
+    return None
+
+
+@functools.cache
+def measured_matmul_flops(device: str, dtype: torch.dtype) -> float:
+    """Best FLOP/s of a square matmul on the device: a short measurement, cached for the process."""
+    dev = torch.device(device)
+    n = 2048 if dev.type == "cpu" else 8192
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    for _ in range(2):  # warm-up: library init, thread pool, clocks
+        a @ b
+    sync()
+    best = float("inf")
+    deadline = time.perf_counter() + (1.0 if dev.type == "cpu" else 0.5)
+    reps = 0
+    while reps < 3 or time.perf_counter() < deadline:
+        t0 = time.perf_counter()
+        a @ b
+        sync()
+        best = min(best, time.perf_counter() - t0)
+        reps += 1
+        if reps >= 50:
+            break
+    return 2 * n**3 / best
+
+
+def peak_flops(plan: DevicePlan, dtype: torch.dtype | None = None) -> tuple[float, str]:
+    """The peak FLOP/s MFU is measured against, and where that number comes from."""
+    dtype = dtype if dtype is not None else (plan.amp_dtype or torch.float32)
+    key = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "tf32" if plan.tf32 else "fp32"}[dtype]
+    if plan.device.type == "cuda":
+        name = torch.cuda.get_device_name(plan.device)
+        spec = gpu_spec(name)
+        value = getattr(spec, key, None) if spec is not None and key != "fp32" else None
+        if value:
+            return value * 1e12, f"{spec.name} {key} table peak ({value:g} TFLOP/s)"
+    flops = measured_matmul_flops(str(plan.device), dtype)
+    dt = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}[dtype]
+    return flops, f"measured matmul peak ({dt}, {plan.device.type}: {flops / 1e12:.3g} TFLOP/s)"
+
+
+def memory_bandwidth(plan: DevicePlan) -> tuple[float | None, str]:
+    """Peak memory bandwidth in bytes/s from the table, or None with the reason where unknown."""
+    if plan.device.type == "cuda":
+        spec = gpu_spec(torch.cuda.get_device_name(plan.device))
+        if spec is not None:
+            return spec.bandwidth_gbs * 1e9, f"{spec.name} table ({spec.bandwidth_gbs:g} GB/s)"
+        return None, "GPU not in gptopt's table"
+    return None, f"no bandwidth table for {plan.device.type}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The environment record stored with every checkpoint and benchmark result.
+
+
+def environment(plan: DevicePlan | None = None) -> dict[str, Any]:
+    from gptopt import __version__
+
+    rec: dict[str, Any] = {
+        "gptopt": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "cpu": platform.processor() or platform.machine(),
+    }
+    if plan is not None:
+        rec["device"] = str(plan.device)
+        rec["amp_dtype"] = plan.amp_name
+        if plan.device.type == "cuda":
+            rec["device_name"] = torch.cuda.get_device_name(plan.device)
+            rec["gpu_count"] = torch.cuda.device_count()
+        else:
+            import os
+
+            rec["device_name"] = rec["cpu"]
+            rec["cpu_threads"] = torch.get_num_threads()
+            rec["cpu_count"] = os.cpu_count()
+    return rec

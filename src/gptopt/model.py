@@ -1,0 +1,193 @@
+"""The GPT-2 model: one readable module with Hugging Face GPT-2's parameter names.
+
+Single-device and plain on purpose: torch.compile, DDP/FSDP and quantisation are applied from
+outside (prepare_model.py). Names match HF (wte, wpe, h.N.ln_1, attn.c_attn, ...) so weights map
+1:1; HF's Conv1D stores (in, out) and is transposed once at load time in hf.py.
+
+    python -c "from gptopt.model import GPT; from gptopt.config import preset; print(GPT(preset('tiny')))"
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from gptopt.config import GPTConfig
+
+__all__ = ["GPT", "GPTConfig", "KVCacheLayer"]
+
+
+class KVCacheLayer(Protocol):
+    """One layer's key/value cache: stores the new keys/values and returns all the layer may attend to."""
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.n_head = config.n_head
+        self.n_embd = config.n_embd
+        self.attention = config.attention
+        self.dropout = config.dropout
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.attn_dropout = nn.Dropout(config.dropout)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        kv_cache: KVCacheLayer | None = None,
+        attn_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        B, T, C = x.shape
+        hs = C // self.n_head
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)  # (B, nh, S, hs), S >= T
+        S = k.size(2)
+        # Without a mask the T queries are the last T of S positions. SDPA's is_causal aligns the
+        # triangle top-left, which is only right when S == T; otherwise build the bottom-right mask.
+        is_causal = attn_mask is None and S == T and T > 1
+        if attn_mask is None and S != T and T > 1:
+            attn_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        dropout_p = self.dropout if self.training else 0.0
+
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+        else:  # the textbook path, kept as the baseline that bench compares SDPA against
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, S)
+            if is_causal:
+                attn_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril()
+            if attn_mask is not None:
+                att = att.masked_fill(~attn_mask, float("-inf"))
+            att = F.softmax(att, dim=-1)
+            att = self.attn_dropout(att)
+            y = att @ v  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.attn = CausalSelfAttention(config)
+        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(
+        self, x: torch.Tensor, kv_cache: KVCacheLayer | None = None, attn_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        V = config.padded_vocab_size
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(V, config.n_embd),
+                wpe=nn.Embedding(config.block_size, config.n_embd),
+                drop=nn.Dropout(config.dropout),
+                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
+                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias),
+            )
+        )
+        self.lm_head = nn.Linear(config.n_embd, V, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        self.apply(self._init_weights)
+        # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) so the residual stream's
+        # variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        """Parameters, the tied lm_head counted once; non_embedding drops the position table (for FLOPs)."""
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
+        if non_embedding:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        targets: torch.Tensor | None = None,
+        *,
+        pos: torch.Tensor | None = None,
+        kv_cache: Sequence[KVCacheLayer] | None = None,
+        attn_mask: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
+        """Logits (B, T, vocab_size), or the mean cross-entropy when targets (B, T) are given.
+
+        pos: positions (T,) or (B, T), default 0..T-1. kv_cache: one cache per layer.
+        attn_mask: bool, True = may attend, broadcastable to (B, nh, T, S).
+        last_only: logits of the last position only, (B, 1, vocab_size), for decoding.
+        Targets equal to -100 are ignored by the loss.
+        """
+        B, T = idx.shape
+        if pos is None:
+            if T > self.config.block_size:
+                raise ValueError(f"sequence length {T} exceeds the model's context {self.config.block_size}")
+            pos = torch.arange(T, device=idx.device)
+        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = self.transformer.drop(x)
+        recompute = self.config.gradient_checkpointing and self.training and kv_cache is None
+        for i, block in enumerate(self.transformer.h):
+            cache = kv_cache[i] if kv_cache is not None else None
+            if recompute:
+                x = checkpoint(block, x, None, attn_mask, use_reentrant=False)
+            else:
+                x = block(x, cache, attn_mask)
+        x = self.transformer.ln_f(x)
+        V = self.config.vocab_size
+        if targets is None:
+            if last_only:
+                x = x[:, -1:, :]  # only the last position feeds the next token
+            return self.lm_head(x)[..., :V]
+        logits = self.lm_head(x)[..., :V]  # padded rows are never real tokens
+        return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=-100)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, **overrides: Any) -> GPT:
+        """A gptopt checkpoint directory, a Hugging Face GPT-2 directory, or a hub name (gpt2, ...)."""
+        # Imported here so model.py keeps depending on config alone; hf.py owns every file format.
+        from gptopt.hf import load_pretrained
+
+        return load_pretrained(name_or_path, **overrides)
