@@ -42,12 +42,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_model_files(model: GPT, directory: Path, extra: dict[str, Any] | None = None) -> None:
+def write_model_files(
+    config: GPTConfig, state: dict[str, torch.Tensor], directory: Path, extra: dict[str, Any] | None = None
+) -> None:
     """Weights + config into an existing directory, each file fsync'd (no rename: see save_model)."""
     # The tied lm_head shares wte's storage; safetensors refuses shared tensors, so store it once.
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
-    save_file(state, str(directory / WEIGHTS), metadata={"format": "pt"})
-    meta = {"format": "gptopt", "model": model.config.to_dict(), **(extra or {})}
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if k != "lm_head.weight"}
+    save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
+    meta = {"format": "gptopt", "model": config.to_dict(), **(extra or {})}
     with open(directory / META, "w") as fh:
         json.dump(meta, fh, indent=2, sort_keys=True, default=str)
         fh.flush()
@@ -65,7 +67,7 @@ def save_model(model: GPT, directory: str | os.PathLike[str], extra: dict[str, A
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        write_model_files(model, tmp, extra)
+        write_model_files(model.config, model.state_dict(), tmp, extra)
         replace_dir(tmp, target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -130,3 +132,72 @@ def check_state(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
     extra = sorted(set(got) - set(expected))
     if extra:
         raise ValueError(f"{where}: unexpected weight {extra[0]!r} ({len(extra)} unexpected in all)")
+
+
+# ----------------------------------------------------------------------------------------------
+# Training checkpoints: a model directory plus train_state.pt, named ckpt-<step>, the last K kept.
+
+TRAIN_STATE = "train_state.pt"
+PREFIX = "ckpt-"
+
+
+def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[Path]:
+    """Complete checkpoints in output_dir, oldest first. Temporary (in-progress) dirs are never listed."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for d in root.iterdir():
+        if d.is_dir() and d.name.startswith(PREFIX) and d.name[len(PREFIX) :].isdigit():
+            if (d / META).is_file() and (d / TRAIN_STATE).is_file():
+                found.append(d)
+    return sorted(found, key=lambda d: int(d.name[len(PREFIX) :]))
+
+
+def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
+    dirs = checkpoint_dirs(output_dir)
+    return dirs[-1] if dirs else None
+
+
+def save_checkpoint(
+    output_dir: str | os.PathLike[str],
+    step: int,
+    config: GPTConfig,
+    model_state: dict[str, torch.Tensor],
+    train_state: dict[str, Any],
+    *,
+    meta: dict[str, Any] | None = None,
+    keep: int = 3,
+) -> Path:
+    """Write ckpt-<step> atomically (temporary dir, fsync, rename), then drop all but the last `keep`.
+
+    A crash in the middle leaves the previous checkpoints untouched and no partial ckpt-<step>.
+    """
+    root = Path(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    target = root / f"{PREFIX}{step:07d}"
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    try:
+        write_model_files(config, model_state, tmp, {**(meta or {}), "step": step})
+        with open(tmp / TRAIN_STATE, "wb") as fh:
+            torch.save(train_state, fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    for old in checkpoint_dirs(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return target
+
+
+def load_train_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
+    """The train state of a checkpoint, through the safe (weights_only) unpickler only."""
+    path = Path(directory) / TRAIN_STATE
+    if not path.is_file():
+        raise ValueError(f"{directory}: not a training checkpoint ({TRAIN_STATE} missing)")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # truncated zip, bad pickle opcodes, disallowed globals
+        raise ValueError(f"{path}: cannot read the train state ({e}); the checkpoint is corrupt, use an earlier one") from None

@@ -40,6 +40,8 @@ class Command:
 # extra is missing does not break the others.
 COMMANDS: dict[str, Command] = {
     "doctor": Command("gptopt.config:DoctorConfig", "gptopt.doctor:run", "check this machine's setup and name the fixes"),
+    "prepare": Command("gptopt.config:PrepareConfig", "gptopt.data:prepare_main", "tokenize a corpus into train/val token shards"),
+    "train": Command("gptopt.config:TrainConfig", "gptopt.train:main", "train or fine-tune, on one device or many (torchrun)"),
 }
 
 

@@ -105,3 +105,133 @@ class DoctorConfig:
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+
+
+@dataclass(kw_only=True)
+class PrepareConfig:
+    input: str | None = opt(None, "text file or folder to tokenize (*.txt, *.md, *.py, ...); default: the stdlib corpus")
+    dataset: str | None = opt(None, "Hugging Face dataset name instead of --input (needs the 'data' extra, online)")
+    dataset_config: str | None = opt(None, "the dataset's configuration name, if it has several")
+    dataset_split: str = opt("train", "which split of the dataset to read")
+    text_field: str = opt("text", "the dataset column that holds the text")
+    max_documents: int | None = opt(None, "stop after this many documents (quick experiments on big datasets)")
+    tokenizer: str = opt(
+        "bpe", "bpe (train a byte-level BPE on the corpus), gpt2 (GPT-2's own), or a tokenizer.json / directory"
+    )
+    vocab_size: int = opt(8192, "vocabulary size of the trained BPE (ignored for gpt2 or a given tokenizer)")
+    val_fraction: float = opt(0.005, "share of documents held out for validation")
+    output_dir: str = opt("data/stdlib", "where train.bin, val.bin, meta.json and tokenizer.json go")
+    num_workers: int = opt(0, "tokenizer processes; 0 = every core")
+    seed: int = opt(1337, "seed of the document shuffle that makes the train/val split")
+    overwrite: bool = opt(False, "replace an existing output_dir")
+
+    def __post_init__(self) -> None:
+        if self.input and self.dataset:
+            raise ValueError("give either --input or --dataset, not both")
+        if not 0.0 < self.val_fraction < 0.5:
+            raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
+        if self.vocab_size < 256 + 1:
+            raise ValueError(f"vocab_size must exceed 256 (the byte alphabet), got {self.vocab_size}")
+        if self.vocab_size > 2**32 - 1:
+            raise ValueError("vocab_size must fit in uint32")
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '10m', '1.5h' -> seconds."""
+    units = {"s": 1.0, "m": 60.0, "h": 3600.0}
+    t = text.strip().lower()
+    try:
+        if t and t[-1] in units:
+            return float(t[:-1]) * units[t[-1]]
+        return float(t)
+    except ValueError:
+        raise ValueError(f"bad duration {text!r}: use seconds or a suffix, e.g. 90s, 10m, 1.5h") from None
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    # what to train
+    preset: str = opt("tiny", "model size when training from scratch: " + ", ".join(PRESETS))
+    init_from: str = field(
+        default="scratch",
+        metadata={
+            "help": "scratch (random --preset), a GPT-2 name (gpt2, gpt2-medium, ... from the hub), "
+            "or a Hugging Face / gptopt model directory to fine-tune",
+            "aliases": ("--model_name",),  # the playbook's spelling
+        },
+    )
+    data_dir: str = opt("data/stdlib", "token shards written by `gptopt prepare` (or nanoGPT train.bin/val.bin)")
+    output_dir: str = opt("out", "checkpoints, metrics.jsonl, TensorBoard logs and traces go here")
+    seq_len: int | None = opt(None, "tokens per sequence; default: the model's context")
+    dropout: float = opt(0.0, "dropout (0 for pretraining; 0.1 is common when fine-tuning small data)")
+    vocab_pad_multiple: int = opt(64, "pad the vocabulary to a multiple of this (tensor-core friendly shapes)")
+    # batch and length of the run
+    batch_size: int = opt(16, "micro-batch: sequences per forward/backward on each device")
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step (global batch = this x batch x ranks)")
+    auto_batch_size: bool = opt(False, "find the largest micro-batch that fits and raise accumulation to keep the global batch")
+    max_steps: int = opt(1000, "optimizer steps to run")
+    max_tokens: int | None = opt(None, "stop after this many training tokens (all ranks together)")
+    time_budget: str | None = opt(None, "stop (and save) after this wall time, e.g. 10m, 2h")
+    # optimizer
+    learning_rate: float = opt(1e-3, "peak learning rate")
+    min_lr: float | None = opt(None, "final learning rate of the cosine decay; default: learning_rate / 10")
+    warmup_steps: int = opt(100, "linear warmup steps")
+    weight_decay: float = opt(0.1, "AdamW weight decay on matrices (not biases or LayerNorm)")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
+    fused_optimizer: bool = opt(True, "the fused AdamW kernel where torch has it")
+    # speed
+    device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    use_amp: bool = opt(False, "mixed precision autocast (bf16, or fp16 with GradScaler on older GPUs)")
+    amp_dtype: str = opt("auto", "autocast dtype: auto picks by device", choices=("auto", "bf16", "fp16"))
+    use_compile: bool = opt(False, "torch.compile the model (compile time is reported apart from step time)")
+    compile_mode: str = opt("default", "torch.compile mode", choices=("default", "reduce-overhead", "max-autotune"))
+    compile_fullgraph: bool = opt(False, "fail on graph breaks instead of splitting the graph (reports the reason)")
+    attention: str = opt("sdpa", "attention kernel", choices=("sdpa", "eager"))
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward: less memory, more compute")
+    # data loading
+    num_workers: int | None = opt(None, "DataLoader worker processes; default chosen for the device")
+    pin_memory: bool | None = opt(None, "page-locked host batches for async copies; default: on with CUDA")
+    prefetch_factor: int | None = opt(None, "batches each worker prepares ahead; default 2 with workers")
+    persistent_workers: bool | None = opt(None, "keep workers alive between epochs/evals; default: on with workers")
+    # several devices
+    fsdp: bool = opt(False, "shard parameters, gradients and optimizer state with FSDP2 (under torchrun)")
+    cpu_offload: bool = opt(False, "with --fsdp: keep parameters, gradients and optimizer state in host memory")
+    # evaluation, logging, checkpoints
+    eval_interval: int = opt(250, "evaluate (val loss, perplexity, a sample) every N steps; 0 disables")
+    eval_iters: int = opt(20, "val batches per evaluation")
+    sample_tokens: int = opt(48, "tokens of generated sample shown at each evaluation; 0 disables")
+    log_interval: int = opt(10, "write a metrics.jsonl record every N steps")
+    save_interval: int = opt(500, "checkpoint every N steps (and always at the end)")
+    save_total_limit: int = opt(3, "keep the last K checkpoints")
+    resume: str | None = opt(None, "auto (latest checkpoint in output_dir, if any) or a checkpoint directory")
+    max_bad_steps: int = opt(5, "stop after this many consecutive NaN/Inf steps (each one is skipped)")
+    profile: bool = opt(False, "write torch.profiler traces of a few steady-state steps (TensorBoard opens them)")
+    tensorboard: bool = opt(True, "TensorBoard event files under output_dir/logs (if tensorboard is installed)")
+    seed: int = opt(1337, "seed for init, data order and dropout")
+    overwrite: bool = opt(False, "start afresh even if output_dir holds checkpoints of another run")
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        for name in ("batch_size", "gradient_accumulation_steps", "max_steps", "save_total_limit", "max_bad_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_interval", "eval_iters", "log_interval", "save_interval", "sample_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"--seq_len must be >= 1, got {self.seq_len}")
+        if self.learning_rate <= 0:
+            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        if self.cpu_offload and not self.fsdp:
+            raise ValueError("--cpu_offload needs --fsdp (it is FSDP2's offload policy)")
+        if self.time_budget is not None:
+            parse_duration(self.time_budget)
+        if self.min_lr is None:
+            self.min_lr = self.learning_rate / 10
+
+    @property
+    def time_budget_s(self) -> float | None:
+        return None if self.time_budget is None else parse_duration(self.time_budget)

@@ -1,0 +1,37 @@
+"""FLOPs per token and model FLOPs utilisation (MFU).
+
+Convention (PaLM appendix B, as nanoGPT): 6N + 12*L*d*T FLOPs per trained token, where N counts
+parameters without the position table and the tied lm_head once; the second term is attention's
+QK^T and AV, which N does not see. Inference (forward only) is a third of that.
+
+    python -c "from gptopt.flops import flops_per_token; from gptopt.config import preset; print(flops_per_token(preset('gpt2'), 1024))"
+"""
+
+from __future__ import annotations
+
+from gptopt.config import GPTConfig
+
+
+def non_embedding_params(config: GPTConfig) -> int:
+    """Parameter count without position embeddings, lm_head tied to wte (counted once), from the config."""
+    d, L, V = config.n_embd, config.n_layer, config.padded_vocab_size
+    b = 1 if config.bias else 0
+    per_block = (
+        2 * d * (1 + b)  # ln_1, ln_2 (weight, bias)
+        + d * 3 * d + b * 3 * d  # c_attn
+        + d * d + b * d  # attn.c_proj
+        + d * 4 * d + b * 4 * d  # mlp.c_fc
+        + 4 * d * d + b * d  # mlp.c_proj
+    )
+    return V * d + L * per_block + d * (1 + b)
+
+
+def flops_per_token(config: GPTConfig, seq_len: int, *, training: bool = True) -> float:
+    """Model FLOPs for one token at context seq_len: 6N + 12*L*d*T when training, a third when not."""
+    train = 6 * non_embedding_params(config) + 12 * config.n_layer * config.n_embd * seq_len
+    return train if training else train / 3
+
+
+def mfu(tokens_per_s: float, config: GPTConfig, seq_len: int, peak_flops: float, *, training: bool = True) -> float:
+    """Achieved model FLOP/s as a fraction of the peak (the caller names the peak's source)."""
+    return tokens_per_s * flops_per_token(config, seq_len, training=training) / peak_flops

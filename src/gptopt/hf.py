@@ -1,0 +1,404 @@
+"""Hugging Face GPT-2 checkpoints <-> gptopt: config mapping, Conv1D transpose, shape checks, export.
+
+gptopt keeps GPT-2's parameter names, so the conversion is small: HF's Conv1D layers store their
+weights (in, out) and nn.Linear wants (out, in); HF's causal-mask buffers are dropped; lm_head is
+tied to wte on both sides. Local directories need only safetensors and torch; the `hf` extra
+(transformers, huggingface-hub) is needed to download a hub name and to export.
+
+    python -c "from gptopt.hf import load_pretrained; print(load_pretrained('gpt2'))"   # online or cached
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import pickle
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from gptopt.checkpoint import META, check_state, fsync_dir, is_gptopt_dir, load_model, replace_dir
+from gptopt.config import GPTConfig
+from gptopt.extras import require
+from gptopt.model import GPT
+
+__all__ = [
+    "config_from_hf",
+    "export_hf",
+    "gptopt_state_to_hf",
+    "hf_state_to_gptopt",
+    "load_hf_dir",
+    "load_pretrained",
+]
+
+HF_CONFIG = "config.json"
+SAFETENSORS = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PT_BIN = "pytorch_model.bin"
+PT_BIN_INDEX = "pytorch_model.bin.index.json"
+
+# HF's Conv1D layers: weight stored (in, out), transposed once here for nn.Linear's (out, in).
+CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+# HF GPT-2 checkpoints may carry the causal mask and its fill value as buffers; they are not weights.
+_MASK_BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")
+# What the hub accepts as a repo id ("gpt2", "openai-community/gpt2"); anything else is a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+# Settings that do not live in the weights; every other GPTConfig field is fixed by the checkpoint.
+OVERRIDABLE = ("vocab_pad_multiple", "dropout", "attention", "gradient_checkpointing")
+_GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # the two HF names of model.py's GELU(approximate="tanh")
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+def config_from_hf(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfig:
+    """A GPTConfig from a Hugging Face GPT-2 config.json; refuse what gptopt cannot represent exactly.
+
+    Missing keys take GPT2Config's defaults (old config.json files omit the newer flags).
+    Dropout is not copied: gptopt's default (0) holds unless the caller overrides it.
+    """
+
+    def refuse(reason: str) -> None:
+        raise ValueError(f"{where}: {reason}; gptopt's GPT-2 cannot represent this model exactly")
+
+    if hf.get("model_type") != "gpt2":
+        refuse(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
+    act = hf.get("activation_function", "gelu_new")
+    if act not in _GELU_TANH:
+        refuse(f"activation_function is {act!r}, gptopt uses the tanh GELU ({' / '.join(_GELU_TANH)})")
+    for flag in ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"):
+        if hf.get(flag, False):
+            refuse(f"{flag} is true")
+    if not hf.get("scale_attn_weights", True):
+        refuse("scale_attn_weights is false (attention without the 1/sqrt(head_dim) scale)")
+    n_embd = hf.get("n_embd", 768)
+    n_inner = hf.get("n_inner")
+    if n_inner is not None and n_inner != 4 * n_embd:
+        refuse(f"n_inner is {n_inner}, gptopt's MLP is 4 * n_embd = {4 * n_embd} wide")
+    if not hf.get("tie_word_embeddings", True):
+        refuse("tie_word_embeddings is false (a separate lm_head), gptopt ties lm_head to wte")
+    try:
+        return GPTConfig(
+            n_layer=hf.get("n_layer", 12),
+            n_head=hf.get("n_head", 12),
+            n_embd=n_embd,
+            block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),  # n_ctx: very old configs
+            vocab_size=hf.get("vocab_size", 50257),
+            layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from None
+
+
+def apply_overrides(config: GPTConfig, overrides: dict[str, Any], where: str) -> GPTConfig:
+    """The checkpoint's config with run-time settings replaced; shape-defining fields must not change."""
+    known = {f.name for f in dataclasses.fields(GPTConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown model setting(s) {unknown}; overridable: {', '.join(OVERRIDABLE)}")
+    for name, value in overrides.items():
+        # Repeating the checkpoint's own value is harmless (callers may pass a whole config).
+        if name not in OVERRIDABLE and value != getattr(config, name):
+            raise ValueError(
+                f"{where} fixes {name}={getattr(config, name)!r}, it cannot be changed to {value!r}; "
+                f"overridable: {', '.join(OVERRIDABLE)}"
+            )
+    return dataclasses.replace(config, **overrides)
+
+
+def _hf_config(config: GPTConfig, dtype: torch.dtype) -> Any:
+    transformers = require("transformers", "hf", "exporting to Hugging Face format")
+    # <|endoftext|> is GPT-2's last token; for other tokenizers the id is unknown here, so leave it unset.
+    eot = 50256 if config.vocab_size == 50257 else None
+    return transformers.GPT2Config(
+        n_layer=config.n_layer,
+        n_head=config.n_head,
+        n_embd=config.n_embd,
+        n_positions=config.block_size,
+        vocab_size=config.vocab_size,
+        layer_norm_epsilon=config.layer_norm_epsilon,
+        activation_function="gelu_new",
+        n_inner=None,
+        resid_pdrop=config.dropout,
+        embd_pdrop=config.dropout,
+        attn_pdrop=config.dropout,
+        tie_word_embeddings=True,
+        bos_token_id=eot,
+        eos_token_id=eot,
+        architectures=["GPT2LMHeadModel"],
+        torch_dtype=str(dtype).removeprefix("torch."),  # accepted by transformers 4.x and 5.x
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+
+
+def _expected_hf_shapes(config: GPTConfig) -> dict[str, torch.Tensor]:
+    """Empty tensors with the shapes a HF GPT-2 state for this config has (real vocab, Conv1D layout)."""
+    with torch.device("meta"):  # shapes only: no memory, no init time, even for gpt2-xl
+        ref = GPT(dataclasses.replace(config, vocab_pad_multiple=1))
+    return {
+        k: (v.t() if k.endswith(CONV1D) else v) for k, v in ref.state_dict().items() if k != "lm_head.weight"
+    }
+
+
+def _pad_rows(wte: torch.Tensor, rows: int) -> torch.Tensor:
+    """Zero rows up to `rows`: padded ids are never real tokens, zeros keep them inert."""
+    if wte.shape[0] == rows:
+        return wte
+    return torch.cat([wte, wte.new_zeros(rows - wte.shape[0], wte.shape[1])])
+
+
+def hf_state_to_gptopt(
+    state: dict[str, torch.Tensor], config: GPTConfig, *, where: str = "Hugging Face GPT-2 state"
+) -> dict[str, torch.Tensor]:
+    """A HF GPT-2 state dict (with or without the `transformer.` prefix) as gptopt's GPT(config) keys.
+
+    Every key and shape is checked (ValueError naming the first bad one). lm_head.weight is left
+    out: it is tied to wte. Conv1D weights come back as transposed views, not copies, so loading
+    a large model does not hold a third copy in memory.
+    """
+    lm_head = state.get("lm_head.weight")
+    hf: dict[str, torch.Tensor] = {}
+    for key, tensor in state.items():
+        if key == "lm_head.weight":
+            continue
+        name = key if key.startswith("transformer.") else f"transformer.{key}"
+        if not _MASK_BUFFER.fullmatch(name):
+            hf[name] = tensor
+    check_state(_expected_hf_shapes(config), hf, where)
+    wte = hf["transformer.wte.weight"]
+    if lm_head is not None and not torch.equal(lm_head, wte):
+        raise ValueError(
+            f"{where}: lm_head.weight differs from wte; gptopt ties them, so it cannot load this model"
+        )
+    out = {k: (v.t() if k.endswith(CONV1D) else v) for k, v in hf.items()}
+    out["transformer.wte.weight"] = _pad_rows(wte, config.padded_vocab_size)
+    return out
+
+
+def gptopt_state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
+    """The model's weights as a HF GPT2LMHeadModel state dict: contiguous CPU tensors, real vocab rows only."""
+    config = model.config
+    if not config.bias:
+        raise ValueError(
+            "the model has bias=False; Hugging Face GPT-2 always has biases, so it cannot be exported"
+        )
+    out = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":
+            continue  # tied: HF re-ties it from wte on load, and safetensors refuses shared tensors
+        tensor = tensor.detach()
+        if name == "transformer.wte.weight":
+            tensor = tensor[: config.vocab_size]  # padding rows are a gptopt speed detail
+        if name.endswith(CONV1D):
+            tensor = tensor.t()
+        out[name] = tensor.cpu().contiguous()
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path), device="cpu")
+    except Exception as e:  # safetensors raises its own error types for truncated files
+        raise ValueError(f"{path}: cannot read weights ({e}); the file is truncated or corrupt") from None
+
+
+def _read_bin(path: Path) -> dict[str, torch.Tensor]:
+    # weights_only: a .bin is a pickle, and a pickle from the internet can run code when loaded.
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ValueError(
+            f"{path}: refused to unpickle, the file holds more than tensors ({first}); "
+            f"convert it to {SAFETENSORS} with a tool you trust"
+        ) from None
+    except Exception as e:
+        raise ValueError(
+            f"{path}: cannot read weights ({type(e).__name__}: {e}); the file is truncated or corrupt"
+        ) from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path}: not a state dict of tensors")
+    return state
+
+
+def _weight_files(directory: Path) -> list[Path]:
+    """The weight files of a HF directory: safetensors first, the pickle format only as a fallback."""
+    for single, index in ((SAFETENSORS, SAFETENSORS_INDEX), (PT_BIN, PT_BIN_INDEX)):
+        if (directory / single).is_file():
+            return [directory / single]
+        if (directory / index).is_file():  # a sharded checkpoint: the index maps each key to its file
+            try:
+                weight_map = json.loads((directory / index).read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{directory / index}: not a weight index ({e})") from None
+            files = [directory / name for name in sorted(set(weight_map.values()))]
+            missing = [f.name for f in files if not f.is_file()]
+            if missing:
+                raise ValueError(f"{directory}: shard {missing[0]} listed in {index} is missing")
+            return files
+    raise ValueError(
+        f"{directory}: {HF_CONFIG} is there but no weights: expected {SAFETENSORS} (or {SAFETENSORS_INDEX} "
+        f"with its shards) or {PT_BIN}"
+    )
+
+
+def read_hf_weights(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """The raw HF state dict of a directory, read without pickle unless only a .bin is there."""
+    state: dict[str, torch.Tensor] = {}
+    for path in _weight_files(Path(directory)):
+        state.update(_read_safetensors(path) if path.suffix == ".safetensors" else _read_bin(path))
+    return state
+
+
+def _build(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
+    model = GPT(config)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    # Shapes and keys were checked already; lm_head is tied to wte and loads through it.
+    assert missing == ["lm_head.weight"] and not unexpected, (missing, unexpected)
+    return model
+
+
+def load_hf_dir(directory: str | os.PathLike[str], **overrides: Any) -> GPT:
+    """A GPT from a local Hugging Face GPT-2 directory (config.json + safetensors or pytorch_model.bin)."""
+    directory = Path(directory)
+    config_path = directory / HF_CONFIG
+    if not config_path.is_file():
+        raise ValueError(
+            f"{directory}: not a model directory, {HF_CONFIG} is missing (a Hugging Face GPT-2 directory "
+            f"has {HF_CONFIG} and {SAFETENSORS} or {PT_BIN}; a gptopt one has {META} and {SAFETENSORS})"
+        )
+    try:
+        hf = json.loads(config_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_path}: corrupt JSON ({e})") from None
+    config = apply_overrides(config_from_hf(hf, where=str(config_path)), overrides, str(directory))
+    state = hf_state_to_gptopt(read_hf_weights(directory), config, where=str(directory))
+    return _build(config, state)
+
+
+def _load_gptopt_dir(directory: Path, overrides: dict[str, Any]) -> GPT:
+    model = load_model(directory)
+    if not overrides:
+        return model
+    config = apply_overrides(model.config, overrides, str(directory))
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    # The stored padding may differ from the requested one: keep the real rows, re-pad with zeros.
+    state["transformer.wte.weight"] = _pad_rows(
+        state["transformer.wte.weight"][: config.vocab_size], config.padded_vocab_size
+    )
+    return _build(config, state)
+
+
+def _env_true(name: str) -> bool:
+    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _download(name: str) -> Path:
+    """Fetch config + weights of a hub model into the HF cache; safetensors, the .bin only if there is none."""
+    hub = require("huggingface_hub", "hf", f"downloading {name!r} from the Hugging Face Hub")
+    # huggingface_hub reads HF_HUB_OFFLINE once, at import; read it again so a later setting counts.
+    offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+
+    def fetch(patterns: list[str]) -> Path:
+        return Path(
+            hub.snapshot_download(
+                name, allow_patterns=patterns, local_files_only=offline, library_name="gptopt"
+            )
+        )
+
+    try:
+        folder = fetch([HF_CONFIG, SAFETENSORS, SAFETENSORS_INDEX, "model-*-of-*.safetensors"])
+        if not any((folder / f).is_file() for f in (SAFETENSORS, SAFETENSORS_INDEX)):
+            folder = fetch([HF_CONFIG, PT_BIN, PT_BIN_INDEX, "pytorch_model-*-of-*.bin"])
+    except Exception as e:  # offline, unreachable, no such repo, gated: one clear message for all
+        lines = str(e).strip().splitlines()
+        cause = f"{type(e).__name__}: {lines[0] if lines else ''}"
+        how = (
+            "HF_HUB_OFFLINE is set and it is not in the local Hugging Face cache; unset HF_HUB_OFFLINE "
+            "to download it once"
+            if offline
+            else "check the name and the network"
+        )
+        raise ValueError(
+            f"{name!r} is not a local directory, and fetching it from the Hugging Face Hub failed ({cause}); "
+            f"{how}, or give a local model directory"
+        ) from None
+    return folder
+
+
+def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> GPT:
+    """A GPT from a gptopt model directory, a local HF GPT-2 directory, or a hub name (gpt2, ...).
+
+    overrides set run-time fields (attention, dropout, gradient_checkpointing, vocab_pad_multiple);
+    the fields the weights fix may only be repeated. The model comes back on the CPU in fp32.
+    """
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ValueError(
+                f"{path} is a file, not a model directory; give the directory that holds {HF_CONFIG} "
+                f"(Hugging Face) or {META} (gptopt)"
+            )
+        if is_gptopt_dir(path):
+            return _load_gptopt_dir(path, overrides)
+        return load_hf_dir(path, **overrides)
+    name = str(name_or_path)
+    if not _HUB_ID.fullmatch(name):
+        raise ValueError(f"{name}: no such model directory (and not a Hugging Face Hub name like 'gpt2')")
+    return load_hf_dir(_download(name), **overrides)
+
+
+# ----------------------------------------------------------------------------------------------
+# Export
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as fh:
+        os.fsync(fh.fileno())
+
+
+def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+    """Write a directory `transformers.GPT2LMHeadModel.from_pretrained` loads: config.json + model.safetensors.
+
+    Written into a temporary sibling and renamed, so a crash never leaves half a directory.
+    overwrite=True replaces an existing directory and everything in it.
+    """
+    target = Path(directory)
+    if target.exists():
+        if not target.is_dir():
+            raise ValueError(f"{target} exists and is a file; choose a directory path for the export")
+        if any(target.iterdir()) and not overwrite:
+            raise ValueError(
+                f"{target} is not empty; pass overwrite=True to replace it (all of its contents), "
+                "or choose a new directory"
+            )
+    state = gptopt_state_to_hf(model)  # refuses what HF cannot hold before anything is written
+    hf_config = _hf_config(model.config, model.transformer.wte.weight.dtype)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        hf_config.to_json_file(str(tmp / HF_CONFIG))
+        # transformers refuses safetensors files without the "format" metadata.
+        save_file(state, str(tmp / SAFETENSORS), metadata={"format": "pt"})
+        for name in (HF_CONFIG, SAFETENSORS):
+            _fsync_file(tmp / name)
+        fsync_dir(tmp)
+        replace_dir(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target

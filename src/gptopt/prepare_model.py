@@ -1,0 +1,70 @@
+"""The one place that applies runtime transforms to a plain model, in a fixed order:
+device -> FSDP2 or DDP -> torch.compile. (Quantisation, for inference, swaps modules before compile.)
+
+The model code stays single-device; train, bench and tune all call this.
+
+    python -c "from gptopt.prepare_model import compile_model; help(compile_model)"
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from gptopt import distributed
+from gptopt.device import DevicePlan
+from gptopt.distributed import DistInfo
+
+
+@dataclass
+class Prepared:
+    model: nn.Module  # what the step calls: maybe wrapped, maybe compiled
+    raw: nn.Module  # the plain GPT underneath (weights, config, sampling)
+    sharded: bool  # FSDP2: parameters are DTensors, state dicts need gathering
+
+
+def compile_model(model: nn.Module, *, mode: str = "default", fullgraph: bool = False) -> nn.Module:
+    # "default" is passed as None: torch.compile's own default, without the mode lookup
+    return torch.compile(model, mode=None if mode == "default" else mode, fullgraph=fullgraph)
+
+
+def prepare(
+    model: nn.Module,
+    plan: DevicePlan,
+    info: DistInfo,
+    *,
+    fsdp: bool = False,
+    cpu_offload: bool = False,
+    use_compile: bool = False,
+    compile_mode: str = "default",
+    compile_fullgraph: bool = False,
+) -> Prepared:
+    raw = model
+    if fsdp:
+        if not info.enabled:
+            raise ValueError("--fsdp needs torchrun: torchrun --nproc_per_node N -m gptopt train --fsdp ...")
+        if not cpu_offload:
+            model.to(plan.device)
+        model = distributed.wrap_fsdp(model, param_dtype=plan.amp_dtype, cpu_offload=cpu_offload)
+    else:
+        model.to(plan.device)
+        if info.enabled and info.world_size > 1:
+            model = distributed.wrap_ddp(model, plan.device)
+    if use_compile:
+        model = compile_model(model, mode=compile_mode, fullgraph=compile_fullgraph)
+    return Prepared(model=model, raw=raw, sharded=fsdp)
+
+
+def graph_break_reason(exc: BaseException) -> str | None:
+    """The reason torch.compile gave up under fullgraph=True, or None if exc is something else."""
+    try:
+        from torch._dynamo import exc as dynamo_exc
+    except ImportError:  # pragma: no cover
+        return None
+    kinds = tuple(k for k in (getattr(dynamo_exc, "Unsupported", None), getattr(dynamo_exc, "UserError", None)) if k)
+    if isinstance(exc, kinds):
+        return str(exc).strip().splitlines()[0]
+    return None
+

@@ -1,0 +1,133 @@
+"""The command line: verbs, options from the config dataclasses, TOML configs, errors.
+
+    pytest -q tests/test_cli.py
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gptopt import cli
+from gptopt.config import DoctorConfig
+
+# The option surface grows only on purpose: a new flag must be added here too.
+EXPECTED_OPTIONS = {
+    "doctor": {"device", "preset", "smoke", "json"},
+}
+
+
+def test_help_lists_every_verb(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for verb in cli.COMMANDS:
+        assert verb in out
+
+
+def test_python_dash_m_entry_point_runs() -> None:
+    res = subprocess.run([sys.executable, "-m", "gptopt", "--help"], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0
+    assert "doctor" in res.stdout
+
+
+def test_no_arguments_prints_help_and_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "commands:" in capsys.readouterr().out
+
+
+def test_unknown_verb_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["trian"]) == 2
+    assert "unknown command 'trian'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("verb", sorted(EXPECTED_OPTIONS))
+def test_option_surface_is_pinned(verb: str) -> None:
+    cls = cli._load(cli.COMMANDS[verb].config)
+    assert {f.name for f, _, _ in cli.cli_fields(cls)} == EXPECTED_OPTIONS[verb]
+
+
+def test_every_verb_has_help(capsys: pytest.CaptureFixture[str]) -> None:
+    for verb in cli.COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            cli.main([verb, "--help"])
+        assert e.value.code == 0
+        assert f"gptopt {verb}" in capsys.readouterr().out
+
+
+def _parse(argv: list[str]) -> DoctorConfig:
+    parser = cli.build_parser("doctor", DoctorConfig)
+    return cli.parse_config("doctor", DoctorConfig, argv, parser)
+
+
+def test_defaults_come_from_the_dataclass() -> None:
+    assert _parse([]) == DoctorConfig()
+
+
+def test_toml_config_then_flags_override(tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text('preset = "debug"\nsmoke = true\n[doctor]\ndevice = "cpu"\n[train]\nbatch_size = 8\n')
+    cfg = _parse(["--config", str(path)])
+    assert (cfg.preset, cfg.smoke, cfg.device) == ("debug", True, "cpu")
+    cfg = _parse(["--config", str(path), "--preset", "tiny", "--no-smoke"])
+    assert (cfg.preset, cfg.smoke, cfg.device) == ("tiny", False, "cpu")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--preset", "gpt5"], "unknown preset 'gpt5'"),
+        (["--smok"], "unrecognized arguments: --smok"),  # no silent abbreviations
+    ],
+)
+def test_bad_options_exit_2_naming_the_option(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["doctor", *argv])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('presett = "tiny"\n', "unknown option 'presett'"),
+        ("smoke = 3\n", "smoke must be bool"),
+        ("preset = [\n", "not valid TOML"),
+    ],
+)
+def test_bad_toml_exits_2(tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["doctor", "--config", str(path)])
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_missing_toml_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["doctor", "--config", str(tmp_path / "nope.toml")])
+    assert e.value.code == 2
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_int_option_rejects_non_numbers() -> None:
+    from dataclasses import dataclass
+
+    from gptopt.config import opt
+
+    @dataclass(kw_only=True)
+    class C:
+        steps: int = opt(10, "steps")
+        lr: float | None = opt(None, "lr")
+
+    parser = cli.argparse.ArgumentParser(argument_default=cli.argparse.SUPPRESS)
+    cli.add_options(parser, C)
+    assert parser.parse_args(["--steps", "5", "--lr", "none"]).lr is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--steps", "five"])

@@ -1,0 +1,105 @@
+"""The device and precision policy, the GPU peak table and the measured peak.
+
+    pytest -q tests/test_device.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gptopt import device as dev
+from gptopt.device import gpu_spec, peak_flops, resolve
+
+
+def test_cpu_plan_names_its_reason() -> None:
+    plan = resolve("cpu")
+    assert plan.device.type == "cpu"
+    assert plan.reason.startswith("device cpu:")
+    assert not plan.use_grad_scaler
+    expected = torch.bfloat16 if dev.cpu_has_fast_bf16() else None
+    assert plan.amp_dtype == expected
+
+
+def test_cpu_without_native_bf16_stays_fp32(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dev, "cpu_has_fast_bf16", lambda: False)
+    plan = resolve("cpu")
+    assert plan.amp_dtype is None
+    assert "fp32" in plan.reason
+
+
+def test_explicit_dtypes_on_cpu() -> None:
+    assert resolve("cpu", "fp32").amp_dtype is None
+    assert resolve("cpu", "bf16").amp_dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="fp16 autocast on a CPU"):
+        resolve("cpu", "fp16")
+    with pytest.raises(ValueError, match="unknown amp dtype"):
+        resolve("cpu", "int3")
+
+
+def test_bad_devices_get_the_fix() -> None:
+    with pytest.raises(ValueError, match="unknown device"):
+        resolve("gpu0")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="--device cpu"):
+            resolve("cuda")
+
+
+def test_autocast_context_casts_matmuls() -> None:
+    plan = resolve("cpu", "bf16")
+    a = torch.randn(4, 4)
+    with plan.autocast():
+        assert (a @ a).dtype == torch.bfloat16
+    with resolve("cpu", "fp32").autocast():
+        assert (a @ a).dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    ("name", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", "H100 SXM"),
+        ("NVIDIA H100 PCIe", "H100 PCIe"),
+        ("NVIDIA H200", "H200"),
+        ("NVIDIA A100-SXM4-40GB", "A100 40GB"),
+        ("NVIDIA A100-SXM4-80GB", "A100 80GB SXM"),
+        ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe"),
+        ("NVIDIA A10", "A10"),
+        ("NVIDIA L4", "L4"),
+        ("NVIDIA L40S", "L40S"),
+        ("Tesla V100-SXM2-16GB", "V100"),
+        ("Tesla T4", "T4"),
+        ("NVIDIA GeForce RTX 3090", "RTX 3090"),
+        ("NVIDIA GeForce RTX 4090", "RTX 4090"),
+        ("NVIDIA B200", "B200"),
+    ],
+)
+def test_gpu_table_matches_device_names(name: str, expected: str) -> None:
+    spec = gpu_spec(name)
+    assert spec is not None and spec.name == expected
+
+
+def test_unknown_gpu_is_not_guessed() -> None:
+    assert gpu_spec("NVIDIA GeForce GTX 1080") is None
+
+
+def test_table_peaks_are_dense_figures() -> None:
+    # H100 SXM: 989 TFLOP/s dense bf16 (1979 is the sparse figure, which MFU must not use)
+    assert gpu_spec("NVIDIA H100 80GB HBM3").bf16 == 989
+    assert gpu_spec("Tesla T4").bf16 is None  # Turing has no bf16 tensor cores
+
+
+def test_cpu_peak_is_measured_labelled_and_cached() -> None:
+    plan = resolve("cpu", "bf16")
+    flops, source = peak_flops(plan)
+    assert flops > 1e9
+    assert source.startswith("measured matmul peak (bf16, cpu")
+    assert peak_flops(plan)[0] == flops  # cached for the process, not re-measured
+    fp32, source32 = peak_flops(plan, torch.float32)
+    assert "fp32" in source32 and fp32 > 1e9
+
+
+def test_environment_record_says_what_it_ran_on() -> None:
+    rec = dev.environment(resolve("cpu"))
+    for key in ("gptopt", "python", "torch", "cuda", "cudnn", "device", "device_name", "amp_dtype"):
+        assert key in rec
+    assert rec["torch"] == torch.__version__
