@@ -34,14 +34,16 @@ def healthy_cpu(**overrides: Any) -> Facts:
     return dataclasses.replace(base, **overrides)
 
 
-H100 = GPU(index=0, name="NVIDIA H100 80GB HBM3", memory_total=80 * GiB, memory_free=79 * GiB, capability=(9, 0))
+H100 = GPU(index=0, name="NVIDIA H100 80GB HBM3", memory_total=80 * GiB, memory_free=79 * GiB,
+           capability=(9, 0))
 ARCHS_CU126 = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
 
 
 def healthy_gpu(**overrides: Any) -> Facts:
     base = healthy_cpu(
-        torch_version="2.13.0+cu126", torch_cuda="12.6", cuda_available=True, cudnn=91000, arch_list=ARCHS_CU126,
-        flash_build=True, gpus=[H100], driver="560.35.03", driver_cuda="12.6", driver_source="nvml",
+        torch_version="2.13.0+cu126", torch_cuda="12.6", cuda_available=True, cudnn=91000,
+        arch_list=ARCHS_CU126, flash_build=True, gpus=[H100], driver="560.35.03", driver_cuda="12.6",
+        driver_source="nvml",
         driver_gpus=[dataclasses.replace(H100, capability=None, memory_free=None)], nccl="2.21.5",
         triton="3.1.0", device="cuda:0", device_reason="device cuda:0: bf16",
     )
@@ -78,7 +80,8 @@ def test_cpu_torch_on_a_gpu_machine_fails_with_the_cuda_reinstall(driver_cuda: s
     torch_check = by_name(checks(facts, "tiny"))["torch"]
     assert torch_check.status == "fail"
     assert "A100" in torch_check.value
-    assert f"pip install --force-reinstall torch --index-url https://download.pytorch.org/whl/{tag}" in torch_check.fix
+    url = f"https://download.pytorch.org/whl/{tag}"
+    assert f"pip install --force-reinstall torch --index-url {url}" in torch_check.fix
 
 
 def test_driver_older_than_torch_cuda_fails_with_both_fixes() -> None:
@@ -106,8 +109,8 @@ def test_gpu_newer_than_the_build_fails_with_a_build_that_has_its_kernels() -> N
 
 def test_gpu_older_than_the_build_fails_with_the_cuda_12_6_build() -> None:
     p100 = GPU(index=0, name="Tesla P100", memory_total=16 * GiB, memory_free=15 * GiB, capability=(6, 0))
-    facts = healthy_gpu(gpus=[p100], torch_cuda="12.8", arch_list=["sm_75", "sm_80", "sm_90", "sm_100", "sm_120"],
-                        driver_cuda="12.8")
+    archs = ["sm_75", "sm_80", "sm_90", "sm_100", "sm_120"]
+    facts = healthy_gpu(gpus=[p100], torch_cuda="12.8", arch_list=archs, driver_cuda="12.8")
     gpu0 = by_name(checks(facts, "tiny"))["gpu0"]
     assert gpu0.status == "fail" and "whl/cu126" in gpu0.fix
 
@@ -124,13 +127,16 @@ def test_gpu_older_than_the_build_fails_with_the_cuda_12_6_build() -> None:
         ((12, 0), ["sm_120"], True),  # three-digit capability parsing
     ],
 )
-def test_arch_support_follows_cuda_compatibility_rules(cap: tuple[int, int], archs: list[str], ok: bool) -> None:
+def test_arch_support_follows_cuda_compatibility_rules(cap: tuple[int, int], archs: list[str],
+                                                        ok: bool) -> None:
     assert doctor.arch_supported(cap, archs) is ok
 
 
 def test_rocm_build_is_not_judged_by_cuda_arch_names() -> None:
-    mi300 = GPU(index=0, name="AMD Instinct MI300X", memory_total=192 * GiB, memory_free=190 * GiB, capability=(9, 4))
-    facts = healthy_cpu(torch_hip="6.2", cuda_available=True, gpus=[mi300], arch_list=["gfx942"], device="cuda:0")
+    mi300 = GPU(index=0, name="AMD Instinct MI300X", memory_total=192 * GiB, memory_free=190 * GiB,
+                capability=(9, 4))
+    facts = healthy_cpu(torch_hip="6.2", cuda_available=True, gpus=[mi300], arch_list=["gfx942"],
+                        device="cuda:0")
     assert by_name(checks(facts, "tiny"))["gpu0"].status == "ok"
 
 
@@ -158,7 +164,7 @@ def test_too_little_gpu_memory_for_the_preset_fails() -> None:
     small = GPU(index=0, name="NVIDIA L4", memory_total=24 * GiB, memory_free=8 * GiB, capability=(8, 9))
     results = by_name(checks(healthy_gpu(gpus=[small]), "gpt2-xl"))
     assert results["gpu memory"].status == "fail"
-    assert "FSDP" in results["gpu memory"].fix
+    assert "gptopt train --fsdp" in results["gpu memory"].fix
     assert results["ram"].status == "ok"  # on a GPU the host only stages weights, 48 GiB is plenty
 
 
@@ -192,8 +198,10 @@ def test_impossible_device_is_a_failure_not_a_crash() -> None:
     assert device.status == "fail" and "--device cpu" in device.fix
 
 
-@pytest.mark.parametrize("cfg", [preset("debug"), preset("tiny"), GPTConfig(**{**preset("debug").to_dict(),
-                                                                               "bias": False, "vocab_pad_multiple": 64})])
+NO_BIAS_PADDED = GPTConfig(**{**preset("debug").to_dict(), "bias": False, "vocab_pad_multiple": 64})
+
+
+@pytest.mark.parametrize("cfg", [preset("debug"), preset("tiny"), NO_BIAS_PADDED])
 def test_param_count_matches_the_model(cfg: GPTConfig) -> None:
     assert doctor.param_count(cfg) == GPT(cfg).num_params()
 
@@ -208,7 +216,8 @@ def test_nvidia_smi_is_parsed_when_nvml_is_absent(monkeypatch: pytest.MonkeyPatc
     }
     monkeypatch.setattr(doctor, "_run", lambda cmd: answers[cmd[1] if len(cmd) > 1 else ""])
     found = doctor.probe_driver()
-    assert found["driver"] == "550.54.15" and found["driver_cuda"] == "12.4" and found["driver_source"] == "nvidia-smi"
+    assert found["driver"] == "550.54.15" and found["driver_cuda"] == "12.4"
+    assert found["driver_source"] == "nvidia-smi"
     assert [g.memory_total for g in found["driver_gpus"]] == [81559 * 1024**2] * 2
 
 
@@ -219,7 +228,8 @@ def test_a_hung_command_times_out(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_smoke_failure_is_a_failed_check() -> None:
     # A device where nothing can run (meta tensors have no data) must report, not raise.
-    plan = DevicePlan(device=torch.device("meta"), amp_dtype=None, use_grad_scaler=False, tf32=False, reason="meta")
+    plan = DevicePlan(device=torch.device("meta"), amp_dtype=None, use_grad_scaler=False, tf32=False,
+                      reason="meta")
     result = doctor.smoke(plan)
     assert result["passed"] is False and result["error"]
     assert doctor.smoke_check(result).status == "fail"
@@ -255,3 +265,15 @@ def test_a_failing_check_exits_1_and_prints_the_fix(monkeypatch: pytest.MonkeyPa
     assert "[FAIL] torch" in out and "whl/cu124" in out
     assert main(["doctor", "--device", "cpu", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["summary"]["exit_status"] == 1
+
+
+@pytest.mark.cuda
+def test_gpu_machine_reports_its_gpu_and_trains_on_it(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["doctor", "--json", "--smoke", "--device", "cuda"])
+    doc = json.loads(capsys.readouterr().out)
+    found = by_name([Check(**c) for c in doc["checks"]])
+    assert doc["facts"]["gpus"] and found["gpu0"].status == "ok"
+    assert torch.cuda.get_device_name(0) in found["gpu0"].value
+    assert doc["facts"]["driver"] and found["driver"].status != "fail"
+    assert doc["smoke"]["passed"] is True and doc["smoke"]["device"].startswith("cuda")
+    assert status == 0, [c for c in found.values() if c.status == "fail"]

@@ -52,6 +52,18 @@ class DevicePlan:
             torch.mps.synchronize()
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux), else what platform knows."""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def cpu_has_fast_bf16() -> bool:
     """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX), so bf16 matmuls beat fp32."""
     cap = ""
@@ -255,7 +267,7 @@ def environment(plan: DevicePlan | None = None) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
     }
     if plan is not None:
         rec["device"] = str(plan.device)

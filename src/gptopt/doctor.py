@@ -22,15 +22,15 @@ import shutil
 import subprocess
 import sys
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
 import torch
 
 from gptopt import device as device_mod
-from gptopt.config import PRESETS, DoctorConfig, GPTConfig, preset
+from gptopt.config import PRESETS, DoctorConfig, GPTConfig, TrainConfig, preset
 from gptopt.extras import installed_extras
 
 log = logging.getLogger("gptopt")
@@ -39,7 +39,6 @@ log = logging.getLogger("gptopt")
 # torch release ships only some of them; pip picks the newest torch that index has.
 WHEEL_CUDA = ("13.0", "12.9", "12.8", "12.6", "12.4", "12.1", "11.8")
 DEFAULT_WHEEL_CUDA = "12.6"
-KEEP_CHECKPOINTS = 3  # resumable checkpoints kept on disk, each weights + AdamW state
 SMI_TIMEOUT_S = 5  # a hung driver must not hang the doctor
 ENV_PREFIXES = ("NCCL_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_")
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
@@ -66,7 +65,7 @@ class Facts:
     torch_cuda: str | None = None  # CUDA the torch build targets; None for a CPU build
     torch_hip: str | None = None
     cuda_available: bool = False
-    cuda_error: str | None = None  # torch's warning when CUDA init failed
+    cuda_error: str | None = None  # why CUDA init failed, in torch's words
     cudnn: int | None = None
     arch_list: list[str] = field(default_factory=list)  # kernels in the torch build: sm_80, compute_90, ...
     flash_build: bool | None = None  # flash attention compiled into this torch
@@ -116,9 +115,9 @@ def _run(cmd: list[str]) -> str | None:
 
 
 def _bytes(text: str) -> int:
-    """'81920 MiB' or '81920' (nounits) from nvidia-smi, in bytes."""
-    num = float(re.findall(r"[\d.]+", text)[0])
-    return int(num * 1024**3) if "GiB" in text else int(num * 1024**2)
+    """'81920 MiB' or '81920' (nounits) from nvidia-smi, in bytes; 0 for '[N/A]' (some MIG setups)."""
+    num = re.findall(r"[\d.]+", text)
+    return int(float(num[0]) * 1024 ** (3 if "GiB" in text else 2)) if num else 0
 
 
 def probe_driver() -> dict[str, Any]:
@@ -152,7 +151,7 @@ def probe_driver() -> dict[str, Any]:
         for i, line in enumerate(ln for ln in out.splitlines() if ln.strip()):
             name, ver, mem = (p.strip() for p in line.rsplit(",", 2))
             gpus.append(GPU(index=i, name=name, memory_total=_bytes(mem)))
-    except (ValueError, IndexError):  # a format this parser does not know: report no driver, not a crash
+    except ValueError:  # a format this parser does not know: report no driver, not a crash
         log.warning("could not parse nvidia-smi output: %r", out)
         return {}
     header = re.search(r"CUDA Version:\s*([\d.]+)", _run(["nvidia-smi"]) or "")
@@ -161,32 +160,25 @@ def probe_driver() -> dict[str, Any]:
 
 
 def _triton_version() -> str | None:
-    for dist in ("triton", "pytorch-triton", "triton-windows", "pytorch-triton-rocm"):  # same module, 4 wheels
+    for dist in ("triton", "pytorch-triton", "triton-windows", "pytorch-triton-rocm"):  # one module, 4 wheels
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(dist)
     return None
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def _which(*names: str | None) -> str | None:
+    return next((path for n in names if n and (path := shutil.which(n))), None)
 
 
 def probe(plan: device_mod.DevicePlan | None, device_error: str | None = None) -> Facts:
-    import psutil
-
     f = Facts(os_name=platform.system(), os_detail=platform.platform(), torch_cuda=torch.version.cuda,
               torch_hip=getattr(torch.version, "hip", None))
-    with warnings.catch_warnings(record=True) as caught:  # torch says *why* CUDA init failed only in a warning
-        warnings.simplefilter("always")
-        f.cuda_available = torch.cuda.is_available()
-    f.cuda_error = next((str(w.message) for w in caught if "CUDA" in str(w.message)), None)
+    f.cuda_available = torch.cuda.is_available()
+    if f.torch_cuda and not f.cuda_available:
+        try:  # is_available() only warns, once per process; init raises the reason every time
+            torch.cuda.init()
+        except Exception as e:
+            f.cuda_error = str(e).strip().splitlines()[0]
     if torch.backends.cudnn.is_available():
         f.cudnn = torch.backends.cudnn.version()
     if f.cuda_available:
@@ -206,9 +198,9 @@ def probe(plan: device_mod.DevicePlan | None, device_error: str | None = None) -
     for k, v in probe_driver().items():
         setattr(f, k, v)
     f.triton = _triton_version()
-    f.cxx = next((p for n in (os.environ.get("CXX"), "g++", "c++", "clang++") if n and (p := shutil.which(n))), None)
-    f.cc = next((p for n in (os.environ.get("CC"), "cc", "gcc", "clang") if n and (p := shutil.which(n))), None)
-    f.cpu_model = _cpu_model()
+    f.cxx = _which(os.environ.get("CXX"), "g++", "c++", "clang++")
+    f.cc = _which(os.environ.get("CC"), "cc", "gcc", "clang")
+    f.cpu_model = device_mod.cpu_name()
     f.cpu_logical = os.cpu_count() or 1
     f.cpu_usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else f.cpu_logical
     f.cpu_physical = psutil.cpu_count(logical=False)
@@ -246,7 +238,10 @@ def train_bytes(cfg: GPTConfig) -> int:
 
 
 def disk_bytes(cfg: GPTConfig) -> int:
-    return KEEP_CHECKPOINTS * 12 * param_count(cfg)  # fp32 weights (4 B) + AdamW moments (8 B) each
+    """`gptopt train` keeps the last K resumable checkpoints, each fp32 weights (4 B/param) + AdamW's
+    moments (8 B/param), and writes the newest before dropping the oldest: K + 1 at the peak."""
+    keep = TrainConfig().save_total_limit
+    return (keep + 1) * 12 * param_count(cfg)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -340,8 +335,8 @@ def checks(facts: Facts, preset_name: str) -> list[Check]:
     gpu_here = bool(f.gpus or f.driver_gpus)
 
     if f.os_name == "Windows":
-        add(Check("os", "warn", f.os_detail or "Windows", "torch.compile needs Triton, which official Windows "
-                  "builds lack: use WSL2 or Linux, or train without --use_compile"))
+        add(Check("os", "warn", f.os_detail or "Windows", "torch.compile needs Triton, which official "
+                  "Windows builds lack: use WSL2 or Linux, or train without --use_compile"))
     else:
         add(Check("os", "ok", f.os_detail or f.os_name))
     add(Check("python", "ok", f.python))
@@ -408,7 +403,7 @@ def checks(facts: Facts, preset_name: str) -> list[Check]:
         g = next((g for g in f.gpus if g.index == idx), None)
         have = None if g is None else g.memory_free if g.memory_free is not None else g.memory_total
         add(_fits("gpu memory", have, train_bytes, cfg, f"free on {f.device}",
-                  "shard it over several GPUs with FSDP (torchrun)"))
+                  "shard it over GPUs: torchrun --nproc_per_node N -m gptopt train --fsdp"))
     add(_fits("disk", f.disk_free, disk_bytes, cfg, f"free in {f.disk_path}",
               "free space, or point --output_dir at a larger disk"))
 
@@ -417,7 +412,8 @@ def checks(facts: Facts, preset_name: str) -> list[Check]:
     if "gpu" in absent and gpu_here:
         add(Check("extras", "warn", installed, "GPU monitoring needs NVML: pip install 'gptopt[gpu]'"))
     else:
-        add(Check("extras", "ok", installed, f"optional: pip install 'gptopt[{','.join(absent)}]'" if absent else ""))
+        hint = f"optional: pip install 'gptopt[{','.join(absent)}]'" if absent else ""
+        add(Check("extras", "ok", installed, hint))
 
     env_warn = []
     if f.env.get("CUDA_LAUNCH_BLOCKING", "0") not in ("", "0"):

@@ -127,6 +127,8 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        with torch.no_grad():  # padding rows are never tokens: zeros, as the HF loader writes them
+            self.transformer.wte.weight[config.vocab_size :].zero_()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
 from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
 
 
