@@ -121,7 +121,7 @@ class PrepareConfig:
     vocab_size: int = opt(8192, "vocabulary size of the trained BPE (ignored for gpt2 or a given tokenizer)")
     val_fraction: float = opt(0.005, "share of documents held out for validation")
     output_dir: str = opt("data/stdlib", "where train.bin, val.bin, meta.json and tokenizer.json go")
-    num_workers: int = opt(0, "tokenizer processes; 0 = every core")
+    num_workers: int = opt(0, "tokenizer threads; 0 = every core")
     seed: int = opt(1337, "seed of the document shuffle that makes the train/val split")
     overwrite: bool = opt(False, "replace an existing output_dir")
 

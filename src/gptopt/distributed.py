@@ -150,6 +150,27 @@ def load_full_state_dicts(
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     set_state_dict(
-        model, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+        model, optimizer, model_state_dict=model_state,
+        optim_state_dict=optim_state_by_name(model, optimizer, optim_state),
         options=StateDictOptions(full_state_dict=True),
     )
+
+
+def optim_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state: dict) -> dict:
+    """An optimizer state dict keyed by parameter name, the form set_state_dict reads.
+
+    A checkpoint written without FSDP (one process, or DDP) keys it by position, 0, 1, ...; under
+    FSDP it is keyed by name already. torch's own Optimizer.load_state_dict reads either.
+    """
+    saved = [key for group in optim_state["param_groups"] for key in group["params"]]
+    if all(isinstance(key, str) for key in saved):
+        return optim_state
+    names = {id(p): name for name, p in model.named_parameters()}
+    ours = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    if len(saved) != len(ours):
+        raise ValueError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model {len(ours)}")
+    rename = dict(zip(saved, ours, strict=True))
+    return {
+        "state": {rename[key]: value for key, value in optim_state["state"].items()},
+        "param_groups": [{**g, "params": [rename[k] for k in g["params"]]} for g in optim_state["param_groups"]],
+    }

@@ -126,6 +126,27 @@ def sample(model: GPT, plan: DevicePlan, tokenizer: Any, eot_id: int | None, n_t
     return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
 
 
+def forward_backward(
+    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, plan: DevicePlan,
+    scaler: torch.amp.GradScaler | None, accum: int,
+) -> torch.Tensor:
+    """One micro-step: the loss is divided by the accumulation count so the summed gradients are
+    those of the mean over the whole global batch. Returns that scaled loss, detached."""
+    try:
+        with plan.autocast():
+            loss = model(x, y) / accum
+    except Exception as e:
+        reason = graph_break_reason(e)
+        if reason:
+            raise ValueError(
+                f"graph break under --compile_fullgraph: {reason}; drop --compile_fullgraph to let torch.compile "
+                "split the graph"
+            ) from e
+        raise
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    return loss.detach()
+
+
 class Metrics:
     """metrics.jsonl (one JSON object per logged step or eval) and TensorBoard scalars, rank 0 only."""
 
@@ -171,8 +192,8 @@ class Trainer:
         self.seq_len = cfg.seq_len or self.model_config.block_size
         if self.seq_len > self.model_config.block_size:
             raise ValueError(f"--seq_len {self.seq_len} exceeds the model's context {self.model_config.block_size}: use --seq_len {self.model_config.block_size} or less")
-        self.data.check_vocab(self.model_config.vocab_size)
         self.raw = self._build_model(resume_dir)
+        self.data.check_vocab(self.model_config.vocab_size)
         self.state: dict[str, Any] = checkpoint.load_train_state(resume_dir) if resume_dir else {}
 
     # -- setup -----------------------------------------------------------------------------
@@ -282,6 +303,9 @@ class Trainer:
                 loader_opts[key] = getattr(cfg, key)
         batches = iter(data.make_loader(ds, step * accum, **loader_opts))
         peak, peak_source = peak_flops(plan)
+        peak *= info.world_size  # MFU of the whole job: every rank brings its own device
+        if info.world_size > 1:
+            peak_source += f" x {info.world_size} ranks"
         fpt = flops_per_token(self.model_config, self.seq_len)
         tokens_per_step = B * self.seq_len * accum * info.world_size
         metrics = Metrics(self.out, step, cfg.tensorboard) if main else None
@@ -320,16 +344,7 @@ class Trainer:
                     x = x.to(plan.device, non_blocking=True)
                     y = y.to(plan.device, non_blocking=True)
                     with distributed.no_sync(model, micro < accum - 1 and info.world_size > 1):
-                        try:
-                            with plan.autocast():
-                                loss = model(x, y) / accum
-                        except Exception as e:
-                            reason = graph_break_reason(e) if cfg.use_compile else None
-                            if reason:
-                                raise ValueError(f"graph break under --compile_fullgraph: {reason}; drop --compile_fullgraph to let torch.compile split the graph") from e
-                            raise
-                        (scaler.scale(loss) if scaler else loss).backward()
-                    loss_sum += loss.detach()
+                        loss_sum += forward_backward(model, x, y, plan, scaler, accum)
                 if scaler is not None:
                     scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
@@ -501,6 +516,8 @@ class Trainer:
 
 def main(cfg: TrainConfig) -> int:
     info, device = distributed.init(cfg.device)
+    if not info.is_main:  # one voice: only rank 0 logs
+        logging.getLogger("gptopt").setLevel(logging.WARNING)
     try:
         return Trainer(cfg, info, device).run()
     except RuntimeError as e:

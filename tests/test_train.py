@@ -1,0 +1,347 @@
+"""The training loop on one process: learning, metrics, checkpoints, exact resume, faults, bad input.
+
+    pytest -q tests/test_train.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gptopt import checkpoint, cli, train
+from gptopt.config import TrainConfig, preset
+from gptopt.device import resolve
+from gptopt.model import GPT
+
+FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
+            eval_interval=0, log_interval=1, warmup_steps=2)
+
+
+def run(data: Path, out: Path, **kw: Any) -> int:
+    return train.main(TrainConfig(data_dir=str(data), output_dir=str(out), **{**FAST, **kw}))
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in records(out) if "loss" in r}
+
+
+def cli_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--data_dir", str(data), "--output_dir", str(out), "--preset", "debug", "--seq_len", "32",
+            "--batch_size", "4", "--device", "cpu", "--sample_tokens", "0", "--no-tensorboard", "--warmup_steps", "2",
+            "--eval_interval", "0", "--log_interval", "1", *extra]  # the same settings as FAST
+
+
+def test_training_learns_and_logs_every_required_field(train_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert run(train_data, out, max_steps=40, eval_interval=20, learning_rate=3e-3) == 0
+    recs = records(out)
+    steps = [r for r in recs if "loss" in r]
+    for key in ("step", "loss", "lr", "tokens_per_s", "mfu", "step_time_s", "data_wait_frac", "grad_norm",
+                "peak_mem_bytes"):
+        assert key in steps[0], key
+    assert [r["step"] for r in steps] == list(range(1, 41))
+    assert sum(r["loss"] for r in steps[-5:]) / 5 < steps[0]["loss"] - 0.5  # it learns
+    evals = [r for r in recs if "val_loss" in r]
+    assert [r["step"] for r in evals] == [20, 40]
+    assert evals[1]["val_loss"] < evals[0]["val_loss"]
+    assert evals[1]["val_ppl"] == pytest.approx(2.718281828 ** evals[1]["val_loss"], rel=1e-6)
+    info = json.loads((out / "run.json").read_text())
+    assert info["peak_source"].startswith("measured matmul peak")
+    assert info["environment"]["torch"] == torch.__version__
+    # the final checkpoint loads as a model for generate/serve
+    model = checkpoint.load_model(checkpoint.latest_checkpoint(out))
+    assert model.config.n_layer == preset("debug").n_layer
+
+
+def test_lr_follows_warmup_then_cosine(train_data: Path, tmp_path: Path) -> None:
+    run(train_data, tmp_path / "r", max_steps=20, warmup_steps=5, learning_rate=1e-3, min_lr=1e-4)
+    lrs = {r["step"]: r["lr"] for r in records(tmp_path / "r") if "lr" in r}
+    assert lrs[1] == pytest.approx(2e-4)  # (step 0 + 1) / 5 of the peak
+    assert lrs[5] == pytest.approx(1e-3)
+    assert lrs[20] < lrs[10] < lrs[6]
+    assert lrs[20] >= 1e-4
+
+
+def test_resume_is_bitwise_exact(train_data: Path, tmp_path: Path) -> None:
+    # dropout on, so the RNG state must be restored too, not only weights and optimizer
+    kw = dict(dropout=0.1, save_interval=5, max_steps=10)
+    assert run(train_data, tmp_path / "straight", **kw) == 0
+    # the first leg stops after 5 steps of the same 10-step schedule (as a crash or a signal would)
+    assert run(train_data, tmp_path / "split", max_tokens=5 * 4 * 32, **kw) == 0
+    assert run(train_data, tmp_path / "split", resume="auto", **kw) == 0
+    straight, split = losses(tmp_path / "straight"), losses(tmp_path / "split")
+    assert list(split) == list(range(1, 11))  # no step logged twice after the resume
+    assert split == straight  # bitwise: == on floats
+    a = checkpoint.load_model(tmp_path / "straight" / "ckpt-0000010").state_dict()
+    b = checkpoint.load_model(tmp_path / "split" / "ckpt-0000010").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_keeps_the_last_k_checkpoints(train_data: Path, tmp_path: Path) -> None:
+    run(train_data, tmp_path / "r", max_steps=12, save_interval=2, save_total_limit=2)
+    assert [d.name for d in checkpoint.checkpoint_dirs(tmp_path / "r")] == ["ckpt-0000010", "ckpt-0000012"]
+    state = checkpoint.load_train_state(tmp_path / "r" / "ckpt-0000012")
+    assert state["step"] == 12 and state["tokens_seen"] == 12 * 4 * 32
+
+
+def test_crash_while_saving_keeps_the_previous_checkpoint(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "r"
+    run(train_data, out, max_steps=4, save_interval=4)
+    real_save = torch.save
+
+    def crash(obj: Any, f: Any, *a: Any, **k: Any) -> None:
+        real_save({"half": torch.zeros(3)}, f)  # something reached the disk, then the process died
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(KeyboardInterrupt):
+        run(train_data, out, max_steps=8, save_interval=8, resume="auto")
+    monkeypatch.setattr(torch, "save", real_save)
+    assert [d.name for d in out.iterdir() if d.name.startswith((".ckpt", "ckpt"))] == ["ckpt-0000004"]
+    assert run(train_data, out, max_steps=8, resume="auto") == 0  # the old one still resumes
+
+
+def test_gradient_accumulation_equals_the_full_batch() -> None:
+    plan = resolve("cpu", "fp32")
+    a, b = GPT(preset("debug")), GPT(preset("debug"))
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 512, (8, 16))
+    y = torch.randint(0, 512, (8, 16))
+    total = train.forward_backward(a, x, y, plan, None, accum=1)
+    parts = sum(train.forward_backward(b, x[i : i + 4], y[i : i + 4], plan, None, accum=2) for i in (0, 4))
+    torch.testing.assert_close(parts, total)
+    for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
+        torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_bf16_autocast_training_on_cpu(train_data: Path, tmp_path: Path) -> None:
+    assert run(train_data, tmp_path / "r", max_steps=15, use_amp=True, amp_dtype="bf16", learning_rate=3e-3) == 0
+    ls = list(losses(tmp_path / "r").values())
+    assert all(torch.isfinite(torch.tensor(ls)))
+    assert ls[-1] < ls[0]
+    assert json.loads((tmp_path / "r" / "run.json").read_text())["environment"]["amp_dtype"] == "bf16"
+
+
+def test_nan_steps_are_skipped_then_the_run_stops(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls = {"n": 0}
+    real_forward = GPT.forward
+
+    def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+        calls["n"] += 1
+        out = real_forward(self, idx, targets, **kw)
+        # step 3 is poisoned once (skipped, training goes on); from step 7 on every step is
+        return out * float("nan") if self.training and (calls["n"] == 3 or calls["n"] >= 7) else out
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    out = tmp_path / "r"
+    code = run(train_data, out, max_steps=30, max_bad_steps=3, save_interval=5)
+    assert code == 1
+    assert "3 consecutive non-finite steps" in capsys.readouterr().err
+    ls = losses(out)
+    assert ls[3] != ls[3]  # NaN logged for the skipped step
+    assert all(v == v for s, v in ls.items() if s not in (3, 7, 8, 9))
+    # the last good checkpoint survives, and no checkpoint holds poisoned weights
+    last = checkpoint.latest_checkpoint(out)
+    assert last.name == "ckpt-0000005"
+    assert all(torch.isfinite(t).all() for t in checkpoint.load_model(last).state_dict().values())
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
+def test_signal_saves_at_the_step_boundary_and_resume_continues(
+    train_data: Path, tmp_path: Path, sig: signal.Signals, code: int
+) -> None:
+    out = tmp_path / "r"
+    args = cli_args(train_data, out, "--max_steps", "100000")
+    proc = subprocess.Popen([sys.executable, "-m", "gptopt", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # same thread count as this process: bitwise-equal sums
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # wait until it is really training
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.2)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == code, err
+    last = checkpoint.latest_checkpoint(out)
+    assert last is not None and "resume with --resume auto" in err
+    stopped = checkpoint.load_train_state(last)["step"]
+    assert max(losses(out)) == stopped
+    # resuming continues exactly where a run that was never interrupted would be (same schedule)
+    tokens = str((stopped + 3) * 4 * 32)
+    assert cli.main(cli_args(train_data, out, "--max_steps", "100000", "--max_tokens", tokens, "--resume", "auto")) == 0
+    assert run(train_data, tmp_path / "straight", max_steps=100000, max_tokens=int(tokens)) == 0
+    assert losses(out) == losses(tmp_path / "straight")
+
+
+def test_time_budget_and_max_tokens_stop_and_save(train_data: Path, tmp_path: Path) -> None:
+    assert run(train_data, tmp_path / "t", max_steps=10**6, time_budget="2s") == 0
+    assert checkpoint.latest_checkpoint(tmp_path / "t") is not None
+    assert run(train_data, tmp_path / "m", max_steps=100, max_tokens=4 * 32 * 7) == 0
+    assert max(losses(tmp_path / "m")) == 7
+
+
+def test_auto_batch_size_backs_off_from_out_of_memory(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_forward = GPT.forward
+
+    def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+        if idx.size(0) > 4:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return real_forward(self, idx, targets, **kw)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    out = tmp_path / "r"
+    assert run(train_data, out, batch_size=16, gradient_accumulation_steps=1, max_steps=3, auto_batch_size=True) == 0
+    cfg = json.loads((out / "run.json").read_text())["config"]
+    assert (cfg["batch_size"], cfg["gradient_accumulation_steps"]) == (4, 4)  # global batch 16 kept
+    assert checkpoint.load_train_state(checkpoint.latest_checkpoint(out))["tokens_seen"] == 3 * 16 * 32
+
+
+def test_out_of_memory_names_the_options(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def forward(self: GPT, *a: Any, **k: Any) -> torch.Tensor:
+        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    assert run(train_data, tmp_path / "r", batch_size=8, max_steps=3) == 1
+    err = capsys.readouterr().err
+    assert "out of memory at micro-batch 8" in err
+    for fix in ("--batch_size 4 --gradient_accumulation_steps 2", "--gradient_checkpointing", "--auto_batch_size"):
+        assert fix in err
+
+
+def test_fine_tune_from_a_hugging_face_directory(train_data: Path, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=64,
+                                                              vocab_size=400))
+    hf.save_pretrained(tmp_path / "hf")
+    out = tmp_path / "ft"
+    assert cli.main(cli_args(train_data, out, "--init_from", str(tmp_path / "hf"), "--max_steps", "3")) == 0
+    model = checkpoint.load_model(checkpoint.latest_checkpoint(out))
+    assert model.config.vocab_size == 400 and model.config.n_embd == 64
+
+
+def test_the_playbook_command_line_parses() -> None:
+    parser = cli.build_parser("train", TrainConfig)
+    cfg = cli.parse_config("train", TrainConfig, "--model_name gpt2 --batch_size 8 --use_compile --use_amp "
+                           "--profile --output_dir ./checkpoints".split(), parser)
+    assert (cfg.init_from, cfg.batch_size, cfg.use_compile, cfg.use_amp, cfg.profile, cfg.output_dir) == (
+        "gpt2", 8, True, True, True, "./checkpoints")
+
+
+def test_profile_writes_a_trace(train_data: Path, tmp_path: Path) -> None:
+    assert run(train_data, tmp_path / "r", max_steps=10, profile=True) == 0
+    traces = list((tmp_path / "r" / "logs" / "profile").glob("*.pt.trace.json*"))
+    assert traces, "no torch.profiler trace written"
+
+
+def test_tensorboard_event_files(train_data: Path, tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    assert run(train_data, tmp_path / "r", max_steps=3, tensorboard=True) == 0
+    assert list((tmp_path / "r" / "logs").glob("events.out.tfevents.*"))
+
+
+def test_graph_break_under_fullgraph_is_reported(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    real_forward = GPT.forward
+
+    def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+        print("side effect")  # noqa: T201 - print is a graph break torch.compile cannot trace through
+        return real_forward(self, idx, targets, **kw)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    code = cli.main(cli_args(train_data, tmp_path / "r", "--max_steps", "2", "--use_compile", "--compile_fullgraph"))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "graph break under --compile_fullgraph" in err and "drop --compile_fullgraph" in err
+
+
+@pytest.mark.slow
+def test_compiled_training_matches_eager(train_data: Path, tmp_path: Path) -> None:
+    run(train_data, tmp_path / "eager", max_steps=5)
+    run(train_data, tmp_path / "compiled", max_steps=5, use_compile=True)
+    eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    for step in eager:
+        assert compiled[step] == pytest.approx(eager[step], rel=1e-3)
+
+
+# -- bad input: one line naming the fix, exit 2, nothing overwritten -----------------------------
+
+
+def test_missing_or_empty_data_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(cli_args(tmp_path / "nope", tmp_path / "o")) == 2
+    assert "gptopt prepare" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(cli_args(tmp_path / "empty", tmp_path / "o")) == 2
+    assert "gptopt prepare" in capsys.readouterr().err
+
+
+def test_token_ids_beyond_the_model_vocabulary(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    small = GPT(preset("debug", vocab_size=100))
+    checkpoint.save_model(small, tmp_path / "small")
+    assert cli.main(cli_args(train_data, tmp_path / "o", "--init_from", str(tmp_path / "small"))) == 2
+    assert "vocabulary" in capsys.readouterr().err
+
+
+def test_seq_len_beyond_the_context(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(cli_args(train_data, tmp_path / "o", "--seq_len", "65")) == 2
+    assert "exceeds the model's context 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["truncate_state", "truncate_weights", "garbage_meta"])
+def test_corrupt_checkpoint_is_refused(
+    train_data: Path, tmp_path: Path, damage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    run(train_data, out, max_steps=2)
+    ckpt = checkpoint.latest_checkpoint(out)
+    target = {"truncate_state": checkpoint.TRAIN_STATE, "truncate_weights": checkpoint.WEIGHTS,
+              "garbage_meta": checkpoint.META}[damage]
+    blob = (ckpt / target).read_bytes()
+    (ckpt / target).write_bytes(blob[: len(blob) // 2] if damage.startswith("truncate") else b"{not json")
+    before = (ckpt / target).read_bytes()
+    assert cli.main(cli_args(train_data, out, "--resume", str(ckpt), "--max_steps", "4")) == 2
+    assert "corrupt" in capsys.readouterr().err or "truncated" in capsys.readouterr().err
+    assert (ckpt / target).read_bytes() == before
+
+
+def test_contradicting_flags(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(cli_args(train_data, tmp_path / "o", "--use_amp", "--amp_dtype", "fp16")) == 2
+    assert "fp16 autocast on a CPU" in capsys.readouterr().err
+    assert cli.main(cli_args(train_data, tmp_path / "o", "--fsdp")) == 2
+    assert "torchrun" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        cli.main(cli_args(train_data, tmp_path / "o", "--cpu_offload"))
+    assert e.value.code == 2
+    assert "--cpu_offload needs --fsdp" in capsys.readouterr().err
+
+
+def test_existing_run_is_not_overwritten(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r"
+    run(train_data, out, max_steps=2)
+    before = (checkpoint.latest_checkpoint(out) / checkpoint.WEIGHTS).read_bytes()
+    assert cli.main(cli_args(train_data, out, "--max_steps", "2")) == 2
+    assert "--resume auto" in capsys.readouterr().err
+    assert (out / "ckpt-0000002" / checkpoint.WEIGHTS).read_bytes() == before
+    assert cli.main(cli_args(train_data, out, "--max_steps", "3", "--overwrite")) == 0
+    assert [d.name for d in checkpoint.checkpoint_dirs(out)] == ["ckpt-0000003"]
