@@ -235,3 +235,63 @@ class TrainConfig:
     @property
     def time_budget_s(self) -> float | None:
         return None if self.time_budget is None else parse_duration(self.time_budget)
+
+
+@dataclass(kw_only=True)
+class BenchConfig:
+    preset: str | None = opt(None, "model size; default: tiny on a CPU, gpt2 on a GPU")
+    batch_size: int | None = opt(None, "micro-batch of every rung; default: 16 on a CPU, 16 on a GPU")
+    seq_len: int | None = opt(None, "sequence length; default: 256 on a CPU, 1024 on a GPU")
+    steps: int = opt(10, "timed steps per rung (after warm-up); the median and p10/p90 come from these")
+    warmup: int = opt(3, "untimed steps per rung before timing (compile happens in the first)")
+    rungs: str = opt("default", "comma-separated rungs, 'default' or 'all'; `--rungs list` prints them")
+    loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails")
+    device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
+    output_dir: str = opt("bench_out", "report.md, results.json, results.csv, plots and best.toml go here")
+    seed: int = opt(1337, "seed for weights and data: every rung trains on identical batches")
+    json: bool = opt(False, "print the results JSON as the last line of stdout")
+
+    def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        if self.steps < 10:
+            raise ValueError(f"--steps must be >= 10 for a median with p10/p90, got {self.steps}")
+        if self.warmup < 1:
+            raise ValueError(f"--warmup must be >= 1 (the first step compiles and warms caches), got {self.warmup}")
+        for name in ("batch_size", "seq_len"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.loss_tolerance < 1:
+            raise ValueError(f"--loss_tolerance must be in (0, 1), got {self.loss_tolerance}")
+
+
+@dataclass(kw_only=True)
+class ProfileConfig:
+    preset: str = opt("tiny", "model size: " + ", ".join(PRESETS))
+    mode: str = opt("train", "what to profile: training steps or generation steps", choices=("train", "generate"))
+    batch_size: int = opt(8, "micro-batch")
+    seq_len: int | None = opt(None, "sequence length; default: the model's context")
+    device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    use_amp: bool = opt(False, "profile under autocast")
+    use_compile: bool = opt(False, "profile the compiled model (graph breaks are counted and explained)")
+    attention: str = opt("sdpa", "attention kernel", choices=("sdpa", "eager"))
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward")
+    num_workers: int = opt(0, "DataLoader workers feeding the profiled steps")
+    data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
+    wait: int = opt(2, "steps skipped before profiling (compile, caches)")
+    warmup: int = opt(2, "profiled-but-discarded steps (profiler warm-up)")
+    active: int = opt(4, "recorded steps")
+    row_limit: int = opt(15, "rows of the operator table")
+    output_dir: str = opt("profile_out", "TensorBoard traces, Chrome trace, memory snapshot, diagnosis.json")
+    json: bool = opt(False, "print the diagnosis JSON as the last line of stdout")
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        for name in ("batch_size", "active", "row_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("wait", "warmup", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")

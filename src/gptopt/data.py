@@ -634,6 +634,25 @@ class TokenData:
 ENDLESS = 1 << 62
 
 
+DEFAULT_DATA = "data/stdlib"
+
+
+def open_data(data_dir: str | os.PathLike[str], *, is_main: bool = True, barrier: Any = None) -> TokenData:
+    """TokenData of data_dir; the embedded default (data/stdlib) is prepared on first use, on rank 0.
+
+    Everything else that is missing is an error naming `gptopt prepare`: only the default needs
+    nothing from outside, so only it is made silently.
+    """
+    path = Path(data_dir)
+    if str(data_dir) == DEFAULT_DATA and not (path / "meta.json").is_file():
+        if is_main:
+            log.info(f"{DEFAULT_DATA} not found: preparing the default stdlib corpus (once)")
+            prepare(PrepareConfig(output_dir=DEFAULT_DATA))
+        if barrier is not None:
+            barrier()
+    return TokenData(data_dir)
+
+
 class BatchDataset(torch.utils.data.Dataset):
     """Item `step` is the whole micro-batch (x, y) of that step: int64 (B, T), y = x shifted by one token,
     from B random windows of T + 1 tokens. The windows are a pure function of (seed, step), so a resumed

@@ -170,7 +170,6 @@ def optim_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, opti
     if len(saved) != len(ours):
         raise ValueError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model {len(ours)}")
     rename = dict(zip(saved, ours, strict=True))
-    return {
-        "state": {rename[key]: value for key, value in optim_state["state"].items()},
-        "param_groups": [{**g, "params": [rename[k] for k in g["params"]]} for g in optim_state["param_groups"]],
-    }
+    state = {rename[key]: value for key, value in optim_state["state"].items()}
+    groups = [{**g, "params": [rename[key] for key in g["params"]]} for g in optim_state["param_groups"]]
+    return {"state": state, "param_groups": groups}

@@ -113,7 +113,8 @@ def apply_overrides(config: GPTConfig, overrides: dict[str, Any], where: str) ->
     return dataclasses.replace(config, **overrides)
 
 
-def _hf_config(config: GPTConfig, dtype: torch.dtype) -> Any:
+def hf_config(config: GPTConfig, dtype: torch.dtype = torch.float32) -> Any:
+    """The transformers.GPT2Config that describes a gptopt model."""
     transformers = require("transformers", "hf", "exporting to Hugging Face format")
     # <|endoftext|> is GPT-2's last token; for other tokenizers the id is unknown here, so leave it unset.
     eot = 50256 if config.vocab_size == 50257 else None
@@ -203,6 +204,18 @@ def gptopt_state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
             tensor = tensor.t()
         out[name] = tensor.cpu().contiguous()
     return out
+
+
+def to_hf_model(model: GPT, attn_implementation: str = "eager") -> Any:
+    """A transformers GPT2LMHeadModel with the same weights: the baseline bench measures against."""
+    transformers = require("transformers", "hf", "the Hugging Face baseline")
+    hf = transformers.GPT2LMHeadModel._from_config(hf_config(model.config), attn_implementation=attn_implementation)
+    missing, unexpected = hf.load_state_dict(gptopt_state_to_hf(model), strict=False)
+    leftover = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
+    if leftover or unexpected:
+        raise ValueError(f"weights do not map onto GPT2LMHeadModel: missing {leftover[:3]}, unexpected {unexpected[:3]}")
+    hf.tie_weights()
+    return hf.to(model.transformer.wte.weight.device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -387,11 +400,11 @@ def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool 
                 "or choose a new directory"
             )
     state = gptopt_state_to_hf(model)  # refuses what HF cannot hold before anything is written
-    hf_config = _hf_config(model.config, model.transformer.wte.weight.dtype)
+    hf_cfg = hf_config(model.config, model.transformer.wte.weight.dtype)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        hf_config.to_json_file(str(tmp / HF_CONFIG))
+        hf_cfg.to_json_file(str(tmp / HF_CONFIG))
         # transformers refuses safetensors files without the "format" metadata.
         save_file(state, str(tmp / SAFETENSORS), metadata={"format": "pt"})
         for name in (HF_CONFIG, SAFETENSORS):

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from gptopt import checkpoint, data, distributed
-from gptopt.config import PRESETS, GPTConfig, PrepareConfig, TrainConfig, preset
+from gptopt.config import PRESETS, GPTConfig, TrainConfig, preset
 from gptopt.device import DevicePlan, environment, peak_flops, resolve
 from gptopt.distributed import DistInfo
 from gptopt.flops import flops_per_token
@@ -40,7 +40,6 @@ from gptopt.optim import lr_at, make_adamw
 from gptopt.prepare_model import graph_break_reason, prepare
 
 log = logging.getLogger("gptopt")
-DEFAULT_DATA = "data/stdlib"
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
@@ -199,15 +198,8 @@ class Trainer:
     # -- setup -----------------------------------------------------------------------------
 
     def _load_data(self) -> data.TokenData:
-        cfg = self.cfg
-        path = Path(cfg.data_dir)
-        if cfg.data_dir == DEFAULT_DATA and not (path / "meta.json").is_file():
-            # The embedded default needs nothing from outside: tokenize the stdlib once, on rank 0.
-            if self.info.is_main:
-                log.info(f"{DEFAULT_DATA} not found: preparing the default stdlib corpus (once)")
-                data.prepare(PrepareConfig(output_dir=DEFAULT_DATA))
-            distributed.barrier(self.info)
-        return data.TokenData(cfg.data_dir)
+        return data.open_data(self.cfg.data_dir, is_main=self.info.is_main,
+                              barrier=lambda: distributed.barrier(self.info))
 
     def _resume_dir(self) -> Path | None:
         cfg, latest = self.cfg, checkpoint.latest_checkpoint(self.cfg.output_dir)
@@ -328,9 +320,7 @@ class Trainer:
         bar = tqdm(total=cfg.max_steps, initial=step, disable=not main, dynamic_ncols=True, mininterval=1.0, desc="train")
         last_good = self.resume_dir
         try:
-            while step < cfg.max_steps:
-                if cfg.max_tokens is not None and tokens_seen >= cfg.max_tokens:
-                    break
+            while step < cfg.max_steps and not (cfg.max_tokens is not None and tokens_seen >= cfg.max_tokens):
                 lr = lr_at(step, cfg.learning_rate, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
@@ -389,7 +379,7 @@ class Trainer:
                         })
                 if profiler is not None:
                     profiler.step()
-                last_step = step >= cfg.max_steps
+                last_step = step >= cfg.max_steps or (cfg.max_tokens is not None and tokens_seen >= cfg.max_tokens)
                 if cfg.eval_interval and (step % cfg.eval_interval == 0 or last_step):
                     self._evaluate(step, metrics)
                 out_of_time = budget is not None and time.perf_counter() - t_start >= budget

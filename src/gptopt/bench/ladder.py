@@ -1,0 +1,358 @@
+"""The training ladder: each playbook optimisation measured on this machine against the naive baseline.
+
+    gptopt bench                                  # tiny @ 256 on a CPU, gpt2 @ 1024 on a GPU
+    gptopt bench --preset gpt2 --rungs default,ckpt,batch_sweep --json
+
+Every rung starts from the same weights and trains on the same batches, so its loss after the timed
+steps can be compared with the baseline's: a rung that is faster at computing something else fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from gptopt import data
+from gptopt.config import BenchConfig, preset
+from gptopt.device import environment, peak_flops, resolve
+from gptopt.extras import has
+from gptopt.flops import flops_per_token
+from gptopt.model import GPT
+from gptopt.prepare_model import compile_model
+from gptopt.train import forward_backward, is_oom
+
+log = logging.getLogger("gptopt")
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    what: str  # the one change this rung makes, for the report
+    hf: bool = False
+    attention: str = "sdpa"  # "best": the faster of the eager and sdpa rungs measured in this run
+    amp: bool = False
+    compile: bool = False
+    compile_mode: str = "default"
+    fused: bool = False
+    tuned_loader: bool = False
+    checkpointing: bool = False
+    batch_size: int | None = None  # None: the bench's batch
+
+
+LADDER: list[Rung] = [
+    Rung("hf", "Hugging Face GPT2LMHeadModel, eager attention, fp32: the naive script", hf=True, attention="eager"),
+    Rung("eager", "gptopt's model, eager attention, fp32", attention="eager"),
+    Rung("sdpa", "+ scaled_dot_product_attention (flash / memory-efficient kernels)"),
+    Rung("amp", "+ autocast mixed precision", amp=True),
+    Rung("compile", "+ torch.compile, fp32", compile=True),
+    Rung("compile_amp", "torch.compile + autocast", compile=True, amp=True),
+    Rung("all", "compile + autocast + fused AdamW + tuned DataLoader + the faster attention",
+         attention="best", compile=True, amp=True, fused=True, tuned_loader=True),
+]
+OPTIONAL: list[Rung] = [
+    Rung("ckpt", "'all' + activation checkpointing (memory against time)", attention="best", compile=True, amp=True,
+         fused=True, tuned_loader=True, checkpointing=True),
+    Rung("reduce_overhead", "'all' with compile mode reduce-overhead (CUDA graphs)", attention="best", compile=True,
+         amp=True, fused=True, tuned_loader=True, compile_mode="reduce-overhead"),
+    Rung("max_autotune", "'all' with compile mode max-autotune", attention="best", compile=True, amp=True, fused=True,
+         tuned_loader=True, compile_mode="max-autotune"),
+]
+SWEEP = "batch_sweep"  # expands to 'all' at doubling micro-batches until one does not fit
+
+
+def select_rungs(spec: str) -> list[Rung]:
+    by_name = {r.name: r for r in LADDER + OPTIONAL}
+    names: list[str] = []
+    for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        if part == "default":
+            names += [r.name for r in LADDER]
+        elif part == "all":
+            names += [r.name for r in LADDER + OPTIONAL] + [SWEEP]
+        elif part in by_name or part == SWEEP:
+            names.append(part)
+        else:
+            valid = ", ".join([*by_name, SWEEP, "default", "all"])
+            raise ValueError(f"unknown rung {part!r}; valid rungs: {valid}")
+    seen: list[str] = []
+    for n in names:
+        if n not in seen:
+            seen.append(n)
+    return [by_name[n] if n in by_name else Rung(SWEEP, "batch sweep") for n in seen]
+
+
+class HFLoss(nn.Module):
+    """The naive script's step: HF logits, then cross-entropy against the same targets gptopt uses."""
+
+    def __init__(self, hf_model: nn.Module) -> None:
+        super().__init__()
+        self.model = hf_model
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.model(input_ids=x).logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), y.reshape(-1))
+
+
+@dataclass
+class RungResult:
+    name: str
+    what: str
+    status: str = "ok"  # ok | oom | skipped | failed
+    note: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)
+    batch_size: int = 0
+    compile_s: float | None = None  # the first (warm-up) step: compile, autotune, caches
+    step_time_s: float | None = None  # median
+    step_time_p10_s: float | None = None
+    step_time_p90_s: float | None = None
+    step_times_s: list[float] = field(default_factory=list)
+    tokens_per_s: float | None = None
+    tflops: float | None = None
+    mfu: float | None = None
+    peak_mem_bytes: int | None = None
+    reserved_mem_bytes: int | None = None
+    loss: float | None = None
+    loss_ok: bool | None = None
+    speedup_vs_baseline: float | None = None
+    speedup_vs_previous: float | None = None
+
+
+def _percentile(values: list[float], q: float) -> float:
+    s = sorted(values)
+    k = (len(s) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+class Bench:
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        self.plan = resolve(cfg.device)
+        gpu = self.plan.device.type == "cuda"
+        self.preset = cfg.preset or ("gpt2" if gpu else "tiny")
+        self.data = data.open_data(cfg.data_dir)
+        vocab = self.data.vocab_size or self.data.max_token_id() + 1
+        if self.preset.startswith("gpt2") and vocab < 50257:
+            vocab = 50257  # GPT-2's tokenizer size: the FLOPs of the real model, whatever the bench's corpus
+        self.model_config = preset(self.preset, vocab_size=vocab)
+        self.seq_len = cfg.seq_len or (1024 if gpu else 256)
+        self.seq_len = min(self.seq_len, self.model_config.block_size)
+        self.batch_size = cfg.batch_size or 16
+        self.data.check_vocab(self.model_config.vocab_size)
+        self.fpt = flops_per_token(self.model_config, self.seq_len)
+        torch.manual_seed(cfg.seed)
+        init = GPT(self.model_config)
+        self.params = init.num_params()
+        self.init_state = {k: v.clone() for k, v in init.state_dict().items()}
+        self.results: list[RungResult] = []
+
+    # -- one rung --------------------------------------------------------------------------
+
+    def _attention(self, rung: Rung) -> str:
+        if rung.attention != "best":
+            return rung.attention
+        times = {r.name: r.step_time_s for r in self.results if r.name in ("eager", "sdpa") and r.step_time_s}
+        if "eager" in times and "sdpa" in times:
+            return "eager" if times["eager"] < times["sdpa"] else "sdpa"
+        return "sdpa"
+
+    def _build(self, rung: Rung, attention: str) -> nn.Module:
+        cfg = dataclasses.replace(self.model_config, attention=attention, gradient_checkpointing=rung.checkpointing)
+        model = GPT(cfg)
+        model.load_state_dict(self.init_state)
+        if rung.hf:
+            from gptopt.hf import to_hf_model
+
+            return HFLoss(to_hf_model(model).train()).to(self.plan.device)
+        return model.to(self.plan.device)
+
+    def run_rung(self, rung: Rung, batch_size: int | None = None) -> RungResult:
+        cfg, plan = self.cfg, self.plan
+        B = batch_size or rung.batch_size or self.batch_size
+        attention = self._attention(rung)
+        res = RungResult(name=rung.name if batch_size is None else f"{rung.name}_b{B}", what=rung.what, batch_size=B)
+        res.settings = dict(attention=attention, use_amp=rung.amp, use_compile=rung.compile,
+                            compile_mode=rung.compile_mode, fused_optimizer=rung.fused,
+                            gradient_checkpointing=rung.checkpointing, batch_size=B, hf=rung.hf)
+        if rung.hf and not has("transformers"):
+            res.status, res.note = "skipped", "needs the 'hf' extra: pip install 'gptopt[hf]'"
+            return res
+        rplan = plan if rung.amp else dataclasses.replace(plan, amp_dtype=None, use_grad_scaler=False)
+        loader_opts = data.default_loader_settings(plan.device.type) if rung.tuned_loader else dict(num_workers=0)
+        res.settings.update({k: v for k, v in loader_opts.items()})
+        model = opt = None
+        try:
+            model = self._build(rung, attention)
+            step_model = compile_model(model, mode=rung.compile_mode) if rung.compile else model
+            params = [p for p in model.parameters() if p.requires_grad]
+            # the naive script's optimizer is torch's default AdamW; 'all' takes the fused kernel
+            opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **({"fused": True} if rung.fused else {}))
+            scaler = torch.amp.GradScaler(plan.device.type) if rplan.use_grad_scaler else None
+            ds = data.BatchDataset(self.data, "train", B, self.seq_len, cfg.seed)
+            batches = iter(data.make_loader(ds, 0, **loader_opts))
+            times, losses = [], []
+            rss0 = psutil.Process().memory_info().rss
+            rss_peak = rss0
+            if plan.device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(plan.device)
+            for i in range(cfg.warmup + cfg.steps):
+                plan.synchronize()
+                t0 = time.perf_counter()
+                x, y = next(batches)
+                x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
+                loss = forward_backward(step_model, x, y, rplan, scaler, 1)
+                if scaler is not None:
+                    scaler.step(opt)
+                    scaler.update()
+                else:
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+                plan.synchronize()
+                dt = time.perf_counter() - t0
+                losses.append(loss.item())
+                rss_peak = max(rss_peak, psutil.Process().memory_info().rss)
+                if i == 0:
+                    res.compile_s = dt
+                elif i >= cfg.warmup:
+                    times.append(dt)
+            res.step_times_s = times
+            res.step_time_s = statistics.median(times)
+            res.step_time_p10_s, res.step_time_p90_s = _percentile(times, 0.1), _percentile(times, 0.9)
+            res.tokens_per_s = B * self.seq_len / res.step_time_s
+            res.tflops = res.tokens_per_s * self.fpt / 1e12
+            peak, _ = peak_flops(rplan if rung.amp else dataclasses.replace(plan, amp_dtype=None))
+            res.mfu = res.tokens_per_s * self.fpt / peak
+            res.loss = statistics.mean(losses[-3:])
+            if plan.device.type == "cuda":
+                res.peak_mem_bytes = torch.cuda.max_memory_allocated(plan.device)
+                res.reserved_mem_bytes = torch.cuda.max_memory_reserved(plan.device)
+            else:
+                res.peak_mem_bytes = rss_peak - rss0
+        except Exception as e:
+            if is_oom(e):
+                res.status = "oom"
+                res.note = f"out of memory at micro-batch {B}" + (
+                    f" ({torch.cuda.memory_allocated(plan.device) / 2**30:.1f} GiB allocated, "
+                    f"{torch.cuda.get_device_properties(plan.device).total_memory / 2**30:.1f} GiB total)"
+                    if plan.device.type == "cuda" else "")
+            else:
+                res.status, res.note = "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                log.warning(f"rung {rung.name} failed: {res.note}")
+        finally:
+            del model, opt
+            gc.collect()
+            if plan.device.type == "cuda":
+                torch.cuda.empty_cache()
+            torch._dynamo.reset()  # each rung compiles afresh; caches must not leak between rungs
+        return res
+
+    # -- the ladder ------------------------------------------------------------------------
+
+    def run(self, rungs: list[Rung], progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+        bar = tqdm(rungs, desc="bench", dynamic_ncols=True, file=sys.stderr)
+        for rung in bar:
+            bar.set_postfix_str(rung.name)
+            if rung.name == SWEEP:
+                self.results += self._sweep()
+            else:
+                self.results.append(self.run_rung(rung))
+        bar.close()
+        self._compare()
+        return self.summary()
+
+    def _sweep(self) -> list[RungResult]:
+        base = next(r for r in LADDER if r.name == "all")
+        out, b = [], 1
+        while b <= 4096:
+            res = self.run_rung(dataclasses.replace(base, name="sweep", what=f"'all' at micro-batch {b}"), batch_size=b)
+            out.append(res)
+            if res.status != "ok" or (self.plan.device.type == "cpu" and b >= 2 * self.batch_size):
+                break  # on a CPU nothing runs out of memory soon: stop past the bench's batch
+            b *= 2
+        return out
+
+    def _compare(self) -> None:
+        ok = [r for r in self.results if r.status == "ok"]
+        if not ok:
+            return
+        baseline = ok[0]
+        prev: RungResult | None = None
+        for r in ok:
+            r.speedup_vs_baseline = r.tokens_per_s / baseline.tokens_per_s
+            r.speedup_vs_previous = r.tokens_per_s / prev.tokens_per_s if prev else 1.0
+            same_batch = r.batch_size == baseline.batch_size
+            r.loss_ok = abs(r.loss - baseline.loss) <= self.cfg.loss_tolerance * abs(baseline.loss) if same_batch else None
+            if r.loss_ok is False:
+                r.status, r.note = "failed", f"loss {r.loss:.4f} departs from the baseline's {baseline.loss:.4f}"
+            prev = r
+
+    def best(self) -> RungResult | None:
+        good = [r for r in self.results if r.status == "ok" and r.loss_ok is not False and not r.settings.get("hf")]
+        return max(good, key=lambda r: r.tokens_per_s) if good else None
+
+    def summary(self) -> dict[str, Any]:
+        peak, source = peak_flops(self.plan)
+        best = self.best()
+        baseline = next((r for r in self.results if r.status == "ok"), None)
+        return {
+            "preset": self.preset, "seq_len": self.seq_len, "batch_size": self.batch_size, "steps": self.cfg.steps,
+            "warmup": self.cfg.warmup, "model": self.model_config.to_dict(), "params": self.params,
+            "flops_per_token": self.fpt, "peak_flops": peak, "peak_source": source, "device_policy": self.plan.reason,
+            "baseline": baseline.name if baseline else None, "best": best.name if best else None,
+            "environment": environment(self.plan), "rungs": [dataclasses.asdict(r) for r in self.results],
+        }
+
+
+def best_train_config(summary: dict[str, Any], data_dir: str) -> dict[str, Any] | None:
+    """The winning rung as `gptopt train` options (what best.toml holds)."""
+    best = next((r for r in summary["rungs"] if r["name"] == summary["best"]), None)
+    if best is None:
+        return None
+    s = best["settings"]
+    opts: dict[str, Any] = {
+        "preset": summary["preset"], "data_dir": data_dir, "seq_len": summary["seq_len"], "batch_size": s["batch_size"],
+        "attention": s["attention"], "use_amp": s["use_amp"], "use_compile": s["use_compile"],
+        "compile_mode": s["compile_mode"], "fused_optimizer": s["fused_optimizer"],
+        "gradient_checkpointing": s["gradient_checkpointing"], "num_workers": s["num_workers"],
+    }
+    for key in ("pin_memory", "prefetch_factor", "persistent_workers"):
+        if s.get(key) is not None:
+            opts[key] = s[key]
+    return opts
+
+
+def main(cfg: BenchConfig) -> int:
+    from gptopt.bench import report
+
+    if cfg.rungs.strip() == "list":
+        for r in LADDER + OPTIONAL:
+            print(f"{r.name:<16} {r.what}")
+        print(f"{SWEEP:<16} 'all' at doubling micro-batches until one does not fit")
+        return 0
+    rungs = select_rungs(cfg.rungs)
+    bench = Bench(cfg)
+    log.info(f"bench: {bench.preset} at {bench.seq_len} tokens x micro-batch {bench.batch_size}, "
+             f"{cfg.warmup} warm-up + {cfg.steps} timed steps per rung, {len(rungs)} rungs")
+    summary = bench.run(rungs)
+    out = Path(cfg.output_dir)
+    report.write_all(summary, out, best_train_config(summary, cfg.data_dir))
+    print(report.table(summary))
+    best = summary["best"]
+    print(f"\nreport: {out / 'report.md'}" + (f"; best rung '{best}' -> {out / 'best.toml'}" if best else ""))
+    if cfg.json:
+        print(report.to_json(summary))
+    return 0 if best else 1

@@ -1,0 +1,184 @@
+"""Bench output: the terminal table, report.md, results.json / .csv, PNG plots and best.toml.
+
+    python -c "import json; from gptopt.bench.report import table; print(table(json.load(open('bench_out/results.json'))))"
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+from gptopt.extras import has
+
+log = logging.getLogger("gptopt")
+
+CSV_FIELDS = ["name", "status", "batch_size", "tokens_per_s", "step_time_s", "step_time_p10_s", "step_time_p90_s",
+              "compile_s", "tflops", "mfu", "peak_mem_bytes", "reserved_mem_bytes", "loss", "loss_ok",
+              "speedup_vs_baseline", "speedup_vs_previous", "note"]
+
+
+def _fmt(v: Any, kind: str) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if kind == "int":
+        return f"{v:,.0f}"
+    if kind == "ms":
+        return f"{v * 1e3:,.1f}"
+    if kind == "pct":
+        return f"{v:.1%}"
+    if kind == "x":
+        return f"{v:.2f}x"
+    if kind == "mib":
+        return f"{v / 2**20:,.0f}"
+    if kind == "s":
+        return f"{v:.1f}"
+    return f"{v:.4f}" if isinstance(v, float) else str(v)
+
+
+COLUMNS = [("rung", "name", "str"), ("tokens/s", "tokens_per_s", "int"), ("step ms (p10-p90)", None, "range"),
+           ("first step s", "compile_s", "s"), ("MFU", "mfu", "pct"), ("peak MiB", "peak_mem_bytes", "mib"),
+           ("loss", "loss", "f"), ("loss ok", "loss_ok", "str"), ("vs baseline", "speedup_vs_baseline", "x"),
+           ("vs previous", "speedup_vs_previous", "x"), ("status", "status", "str")]
+
+
+def rows(summary: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for r in summary["rungs"]:
+        row = []
+        for _, key, kind in COLUMNS:
+            if kind == "range":
+                row.append("-" if r["step_time_s"] is None else
+                           f"{r['step_time_s'] * 1e3:,.1f} ({r['step_time_p10_s'] * 1e3:,.0f}-{r['step_time_p90_s'] * 1e3:,.0f})")
+            else:
+                row.append(_fmt(r[key], kind))
+        out.append(row)
+    return out
+
+
+def table(summary: dict[str, Any]) -> str:
+    head = [c[0] for c in COLUMNS]
+    body = rows(summary)
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
+    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))  # noqa: E731
+    notes = [f"  {r['name']}: {r['note']}" for r in summary["rungs"] if r.get("note")]
+    title = (f"{summary['preset']} @ {summary['seq_len']} tokens x {summary['batch_size']}; MFU against "
+             f"{summary['peak_source']}")
+    return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, body), *notes])
+
+
+def markdown(summary: dict[str, Any], plots: list[str], best_toml: str | None) -> str:
+    head = [c[0] for c in COLUMNS]
+    md = [f"# gptopt bench: {summary['preset']}", ""]
+    env = summary["environment"]
+    md += [f"- device: {env.get('device_name', env.get('device'))} ({summary['device_policy']})",
+           f"- torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}, gptopt {env['gptopt']}",
+           f"- model: {summary['params'] / 1e6:.2f}M parameters, {summary['flops_per_token'] / 1e6:.1f} MFLOP/token "
+           f"(6N + 12LdT); sequence {summary['seq_len']}, micro-batch {summary['batch_size']}",
+           f"- {summary['warmup']} warm-up + {summary['steps']} timed steps per rung, device-synchronised; "
+           f"MFU against {summary['peak_source']}", ""]
+    md += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    md += ["| " + " | ".join(r) + " |" for r in rows(summary)]
+    md += ["", "## What each rung changes", ""]
+    md += [f"- **{r['name']}**: {r['what']}" + (f" — {r['note']}" if r.get("note") else "") for r in summary["rungs"]]
+    md += ["", "## Recommendation", ""]
+    best = next((r for r in summary["rungs"] if r["name"] == summary["best"]), None)
+    if best is None:
+        md.append("No rung finished with a matching loss; see the notes above.")
+    else:
+        s = best["settings"]
+        flags = ["--use_amp" if s["use_amp"] else "", "--use_compile" if s["use_compile"] else "",
+                 f"--attention {s['attention']}", f"--batch_size {s['batch_size']}"]
+        md.append(f"Fastest rung with a matching loss: **{best['name']}**, {best['tokens_per_s']:,.0f} tokens/s, "
+                  f"{best['speedup_vs_baseline']:.2f}x the baseline ({summary['baseline']}), MFU {best['mfu']:.1%}.")
+        md.append(f"Train with it: `gptopt train --config best.toml` (or `{' '.join(f for f in flags if f)}`).")
+        if best_toml:
+            md += ["", "```toml", best_toml.rstrip(), "```"]
+    if plots:
+        md += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    if summary.get("monitor"):
+        md += ["", "## Monitor", "", summary["monitor"]]
+    return "\n".join(md) + "\n"
+
+
+def toml_text(opts: dict[str, Any]) -> str:
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, str):
+            return json.dumps(v)  # a JSON string is a valid TOML basic string
+        return repr(v)
+
+    lines = ["# written by `gptopt bench`: the fastest rung whose loss matched the baseline", "# gptopt train --config best.toml"]
+    return "\n".join(lines + [f"{k} = {value(v)}" for k, v in opts.items() if v is not None]) + "\n"
+
+
+def plot(summary: dict[str, Any], out: Path) -> list[str]:
+    """PNG plots (plot extra): tokens/s and speedup, peak memory, step-time distribution per rung."""
+    if not has("matplotlib"):
+        log.info("plots skipped: pip install 'gptopt[plot]'")
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in summary["rungs"] if r["status"] in ("ok", "failed") and r["tokens_per_s"]]
+    if not ok:
+        return []
+    names = [r["name"] for r in ok]
+    files = []
+    fig, ax = plt.subplots(figsize=(8, 4))
+    bars = ax.bar(names, [r["tokens_per_s"] for r in ok], color=["#c44" if r["status"] != "ok" else "#4a7" for r in ok])
+    for b, r in zip(bars, ok, strict=True):
+        ax.annotate(f"{r['speedup_vs_baseline']:.2f}x" if r["speedup_vs_baseline"] else "",
+                    (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{summary['preset']}: throughput per rung (speedup vs {summary['baseline']})")
+    plt.xticks(rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=110)
+    files.append("throughput.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(names, [(r["peak_mem_bytes"] or 0) / 2**20 for r in ok], color="#47a")
+    ax.set_ylabel("peak memory (MiB)")
+    ax.set_title("peak memory per rung")
+    plt.xticks(rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(out / "memory.png", dpi=110)
+    files.append("memory.png")
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.boxplot([[t * 1e3 for t in r["step_times_s"]] for r in ok])
+    ax.set_xticks(range(1, len(names) + 1), names, rotation=30, ha="right")
+    ax.set_ylabel("step time (ms)")
+    ax.set_title("step-time distribution")
+    fig.tight_layout()
+    fig.savefig(out / "step_times.png", dpi=110)
+    files.append("step_times.png")
+    plt.close(fig)
+    return files
+
+
+def to_json(summary: dict[str, Any]) -> str:
+    return json.dumps(summary, default=str, separators=(",", ":"))
+
+
+def write_all(summary: dict[str, Any], out: Path, best_opts: dict[str, Any] | None) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(summary, indent=2, default=str))
+    with open(out / "results.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(summary["rungs"])
+    best_toml = toml_text(best_opts) if best_opts else None
+    if best_toml:
+        (out / "best.toml").write_text(best_toml)
+    plots = plot(summary, out)
+    (out / "report.md").write_text(markdown(summary, plots, best_toml))

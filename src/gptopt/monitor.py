@@ -1,0 +1,221 @@
+"""A background sampler of GPU (NVML) and host (psutil) figures during `gptopt bench` and `gptopt train`.
+
+    python -c "import time; from gptopt.monitor import Monitor, format_summary; m = Monitor().start(); time.sleep(2); m.stop(); print(format_summary(m.summary()))"
+
+Sample keys are flat numbers, so a sample merges straight into metrics.jsonl: `t` (s since start),
+`proc_cpu_pct` (this process, % of all cores), `sys_cpu_pct`, `proc_rss_bytes`, `sys_mem_pct`, and per
+GPU i (its CUDA index): `gpu{i}_util_pct`, `gpu{i}_mem_busy_pct`, `gpu{i}_mem_used_bytes`,
+`gpu{i}_mem_total_bytes`, `gpu{i}_power_w`, `gpu{i}_power_limit_w`, `gpu{i}_temp_c`, `gpu{i}_sm_clock_mhz`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import psutil
+
+from gptopt.extras import require
+
+log = logging.getLogger("gptopt")
+Reader = tuple[str, Callable[[], dict[str, float]]]  # (label for error reasons, one call -> fields)
+
+
+class _Stats:
+    """Count, sum, min and max per field, updated per sample: a week-long run costs the same memory."""
+
+    def __init__(self) -> None:
+        self.fields: dict[str, list[float]] = {}  # name -> [n, sum, min, max]
+        self.n, self.t_first, self.t_last = 0, 0.0, 0.0
+
+    def add(self, sample: dict[str, Any]) -> None:
+        t = float(sample.get("t", 0.0))
+        self.t_first, self.t_last, self.n = (t if self.n == 0 else self.t_first), t, self.n + 1
+        for k, v in sample.items():
+            if k == "t" or isinstance(v, bool) or not isinstance(v, (int, float)):
+                continue
+            s = self.fields.get(k)
+            if s is None:
+                self.fields[k] = [1, v, v, v]
+            else:
+                s[0], s[1], s[2], s[3] = s[0] + 1, s[1] + v, min(s[2], v), max(s[3], v)
+
+    def result(self) -> dict[str, Any]:
+        out: dict[str, Any] = {k: {"mean": s[1] / s[0], "min": s[2], "max": s[3]} for k, s in sorted(self.fields.items())}
+        out.update(n_samples=self.n, duration_s=self.t_last - self.t_first,
+                   gpu_available=any(k.startswith("gpu") for k in self.fields), gpu_reason=None)
+        return out
+
+
+def summarize(samples: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """Per field {mean, min, max}, plus n_samples, duration_s (span of `t`), gpu_available, gpu_reason."""
+    stats = _Stats()
+    for s in samples:
+        stats.add(s)
+    return stats.result()
+
+
+def _visible_handles(nv: Any) -> list[Any]:
+    """NVML handles in CUDA's numbering: NVML counts every GPU, CUDA only those CUDA_VISIBLE_DEVICES lists."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    count = nv.nvmlDeviceGetCount()
+    if env is None:
+        return [nv.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
+    handles = []
+    for tok in (t.strip() for t in env.split(",")):
+        if tok.isdigit() and int(tok) < count:
+            handles.append(nv.nvmlDeviceGetHandleByIndex(int(tok)))
+        elif tok.startswith(("GPU-", "MIG-")):
+            handles.append(nv.nvmlDeviceGetHandleByUUID(tok.encode()))
+        else:
+            break  # CUDA ignores everything from the first invalid entry on ("-1" hides all GPUs)
+    return handles
+
+
+def _gpu_readers(nv: Any, i: int, h: Any) -> list[Reader]:
+    def util() -> dict[str, float]:
+        u = nv.nvmlDeviceGetUtilizationRates(h)  # memory: % of time DRAM was read or written, not % full
+        return {f"gpu{i}_util_pct": u.gpu, f"gpu{i}_mem_busy_pct": u.memory}
+
+    def memory() -> dict[str, float]:
+        m = nv.nvmlDeviceGetMemoryInfo(h)
+        return {f"gpu{i}_mem_used_bytes": m.used, f"gpu{i}_mem_total_bytes": m.total}
+
+    # One reader per NVML call: a call a GPU does not support (power on some boards, most on MIG) drops
+    # only its own fields.
+    return [
+        (f"gpu{i} utilization", util),
+        (f"gpu{i} memory", memory),
+        (f"gpu{i} power", lambda: {f"gpu{i}_power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000}),  # mW
+        (f"gpu{i} power limit", lambda: {f"gpu{i}_power_limit_w": nv.nvmlDeviceGetEnforcedPowerLimit(h) / 1000}),
+        (f"gpu{i} temperature", lambda: {f"gpu{i}_temp_c": nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU)}),
+        (f"gpu{i} SM clock", lambda: {f"gpu{i}_sm_clock_mhz": nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM)}),
+    ]
+
+
+class Monitor:
+    """Samples every `interval_s` on a daemon thread; `device_index` (CUDA numbering) or None for every visible GPU.
+
+    Never raises into the caller: NVML missing or GPU-less gives `gpu_reason`; a call that fails mid-run is
+    recorded once and not made again. The last `max_samples` raw samples are kept; summary() covers all.
+    """
+
+    def __init__(self, device_index: int | None = None, interval_s: float = 0.5, *, max_samples: int = 10_000) -> None:
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+        self.device_index, self.interval_s = device_index, interval_s
+        self._samples: deque[dict[str, Any]] = deque(maxlen=max_samples)
+        self._stats = _Stats()
+        self._lock = threading.Lock()  # the thread appends while callers read
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._t0 = self._t_end = 0.0
+        self.gpu_errors: list[str] = []
+        self.host_errors: list[str] = []
+
+    def start(self) -> Monitor:
+        if self._thread is not None:
+            raise RuntimeError("a Monitor runs once: make a new one")
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="gptopt-monitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        if self._thread is None or self._stop.is_set():
+            return
+        self._stop.set()
+        self._thread.join(timeout=5.0)  # a hung driver call must not hang the caller; the thread is a daemon
+        self._t_end = time.perf_counter()
+
+    def __enter__(self) -> Monitor:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def samples(self) -> list[dict[str, Any]]:
+        with self._lock:
+            return list(self._samples)
+
+    def latest(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._samples[-1]) if self._samples else {}
+
+    def summary(self) -> dict[str, Any]:
+        with self._lock:
+            out = self._stats.result()
+        if self._thread is not None:
+            out["duration_s"] = (self._t_end or time.perf_counter()) - self._t0
+        errors = self.gpu_errors[:]
+        out["gpu_reason"] = errors[0] + (f" (+{len(errors) - 1} more)" if len(errors) > 1 else "") if errors else None
+        out["host_reason"] = "; ".join(self.host_errors) or None
+        return out
+
+    # -- the thread ----------------------------------------------------------------------------
+
+    def _host_readers(self) -> list[Reader]:
+        proc, ncpu = psutil.Process(), psutil.cpu_count() or 1
+        proc.cpu_percent(), psutil.cpu_percent()  # the first call only sets the reference point (psutil 7: per thread)
+        return [
+            ("process CPU", lambda: {"proc_cpu_pct": proc.cpu_percent() / ncpu}),  # psutil: 100 per busy core
+            ("system CPU", lambda: {"sys_cpu_pct": psutil.cpu_percent()}),
+            ("process memory", lambda: {"proc_rss_bytes": proc.memory_info().rss}),
+            ("system memory", lambda: {"sys_mem_pct": psutil.virtual_memory().percent}),
+        ]
+
+    def _open_nvml(self) -> tuple[Any, list[Reader]]:
+        try:
+            nv = require("pynvml", "gpu", "GPU monitoring")
+            nv.nvmlInit()  # once per run; handles are cached in the readers' closures
+        except Exception as e:  # not installed, or no driver library: a CPU machine
+            self.gpu_errors.append(f"NVML unavailable: {e}")
+            return None, []
+        try:
+            visible = _visible_handles(nv)
+            wanted = range(len(visible)) if self.device_index is None else [self.device_index]
+            if not visible or not 0 <= wanted[-1] < len(visible):
+                raise ValueError(f"GPU {self.device_index} is not visible ({len(visible)} visible)"
+                                 if visible else "NVML sees no GPU")
+            return nv, [r for i in wanted for r in _gpu_readers(nv, i, visible[i])]
+        except Exception as e:
+            self.gpu_errors.append(f"no GPU sampled: {e}")
+            nv.nvmlShutdown()
+            return None, []
+
+    def _sample(self, sources: list[tuple[list[Reader], list[str]]]) -> None:
+        sample: dict[str, Any] = {"t": time.perf_counter() - self._t0}
+        for readers, errors in sources:
+            for reader in list(readers):
+                try:
+                    sample.update(reader[1]())
+                except Exception as e:
+                    readers.remove(reader)  # recorded once: a failing call would only fail again, at a cost
+                    errors.append(f"{reader[0]}: {type(e).__name__}: {e}")
+                    log.debug("monitor: %s failed (%s); no longer sampled", reader[0], e)
+        with self._lock:
+            self._samples.append(sample)
+            self._stats.add(sample)
+
+    def _run(self) -> None:
+        nv = None
+        try:
+            nv, gpu = self._open_nvml()
+            sources = [(self._host_readers(), self.host_errors), (gpu, self.gpu_errors)]
+            while not self._stop.wait(self.interval_s):  # wakes at once on stop(), unlike sleep
+                self._sample(sources)
+            self._sample(sources)  # a last reading at stop: a block shorter than one interval still has one
+        except Exception as e:  # the last line of defence: a monitor must never take the run down
+            self.host_errors.append(f"monitor stopped: {type(e).__name__}: {e}")
+        finally:
+            if nv is not None:
+                try:
+                    nv.nvmlShutdown()
+                except Exception as e:
+                    log.debug("monitor: nvmlShutdown failed: %s", e)
