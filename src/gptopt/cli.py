@@ -181,9 +181,30 @@ def top_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.Handler):
+    """Writes to whatever sys.stderr is at the time (test runners and tqdm swap it)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), file=sys.stderr)
+        except Exception:
+            self.handleError(record)
+
+
+def _setup_logging() -> None:
+    # Our logger only: configuring the root logger would print every library's INFO chatter too.
+    logger = logging.getLogger("gptopt")
+    if not logger.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(logging.Formatter("gptopt: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO, format="gptopt: %(message)s", stream=sys.stderr)
+    _setup_logging()
     if not argv or argv[0].startswith("-"):
         top = top_parser()
         top.parse_args(argv)

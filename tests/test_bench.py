@@ -1,0 +1,159 @@
+"""gptopt bench: rung selection, the results contract, loss checks, out-of-memory rungs, reports.
+
+    pytest -q tests/test_bench.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from gptopt import cli
+from gptopt.bench import ladder
+from gptopt.bench.ladder import Bench, select_rungs
+from gptopt.config import BenchConfig, TrainConfig
+from gptopt.model import GPT
+
+
+def bench_args(data: Path, out: Path, rungs: str, *extra: str) -> list[str]:
+    return ["bench", "--preset", "debug", "--seq_len", "32", "--batch_size", "4", "--warmup", "1", "--device", "cpu",
+            "--data_dir", str(data), "--output_dir", str(out), "--rungs", rungs, *extra]
+
+
+def test_default_ladder_is_the_playbook_order() -> None:
+    assert [r.name for r in select_rungs("default")] == ["hf", "eager", "sdpa", "amp", "compile", "compile_amp", "all"]
+    assert [r.name for r in select_rungs("eager,ckpt,eager")] == ["eager", "ckpt"]
+    assert "batch_sweep" in [r.name for r in select_rungs("all")]
+
+
+def test_unknown_rung_lists_the_valid_ones(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(ValueError) as e:
+        select_rungs("eager,turbo")
+    for name in ("hf", "compile_amp", "ckpt", "batch_sweep"):
+        assert name in str(e.value)
+    assert cli.main(bench_args(tmp_path, tmp_path / "o", "turbo")) == 2
+    assert "unknown rung 'turbo'" in capsys.readouterr().err
+
+
+def test_unknown_preset_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["bench", "--preset", "gpt3"])
+    assert e.value.code == 2
+    assert "gpt2-medium" in capsys.readouterr().err
+
+
+def test_bench_writes_the_contract_and_a_best_toml_train_accepts(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "b"
+    assert cli.main(bench_args(train_data, out, "hf,eager,sdpa,amp", "--json")) == 0
+    stdout = capsys.readouterr().out
+    last = json.loads(stdout.strip().splitlines()[-1])  # --json: the results are the last line
+    results = json.loads((out / "results.json").read_text())
+    assert last["rungs"] == json.loads(json.dumps(results["rungs"]))
+    assert results["peak_flops"] > 0 and results["peak_source"].startswith("measured matmul peak")
+    names = [r["name"] for r in results["rungs"]]
+    assert names == ["hf", "eager", "sdpa", "amp"]
+    for r in results["rungs"]:
+        for key in ("name", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes", "loss", "loss_ok",
+                    "speedup_vs_baseline"):
+            assert key in r, key
+        assert r["status"] == "ok" and r["loss_ok"] is True
+        assert len(r["step_times_s"]) == 10
+        assert r["step_time_p10_s"] <= r["step_time_s"] <= r["step_time_p90_s"]
+        assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_time_s"])
+    assert results["rungs"][0]["speedup_vs_baseline"] == 1.0
+    # identical weights and batches: gptopt's eager fp32 rung computes the HF baseline's loss
+    assert results["rungs"][1]["loss"] == pytest.approx(results["rungs"][0]["loss"], rel=1e-4)
+    for f in ("report.md", "results.csv", "best.toml"):
+        assert (out / f).is_file()
+    assert "## Recommendation" in (out / "report.md").read_text()
+    # best.toml is a config `gptopt train` takes as it is
+    parser = cli.build_parser("train", TrainConfig)
+    cfg = cli.parse_config("train", TrainConfig, ["--config", str(out / "best.toml")], parser)
+    best = next(r for r in results["rungs"] if r["name"] == results["best"])
+    assert (cfg.use_amp, cfg.attention, cfg.batch_size) == (best["settings"]["use_amp"], best["settings"]["attention"], 4)
+    assert results["best"] != "hf"  # the baseline is never the recommendation
+    assert cli.main(["train", "--config", str(out / "best.toml"), "--output_dir", str(tmp_path / "t"),
+                     "--max_steps", "2", "--sample_tokens", "0", "--no-tensorboard"]) == 0
+
+
+def test_plots_are_written_with_the_plot_extra(train_data: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    assert cli.main(bench_args(train_data, tmp_path / "b", "eager,sdpa")) == 0
+    for name in ("throughput.png", "memory.png", "step_times.png"):
+        assert (tmp_path / "b" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_rung_that_computes_something_else_fails_the_loss_check(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_build = Bench._build
+
+    def build(self: Bench, rung: ladder.Rung, attention: str) -> torch.nn.Module:
+        model = real_build(self, rung, attention)
+        if rung.name == "amp":  # a "fast" rung that silently breaks the model
+            with torch.no_grad():
+                model.transformer.wte.weight.mul_(30.0)
+        return model
+
+    monkeypatch.setattr(Bench, "_build", build)
+    cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
+                      output_dir=str(tmp_path / "b"), rungs="eager,sdpa,amp")
+    bench = Bench(cfg)
+    summary = bench.run(select_rungs(cfg.rungs))
+    amp = next(r for r in summary["rungs"] if r["name"] == "amp")
+    assert amp["loss_ok"] is False and amp["status"] == "failed" and "departs" in amp["note"]
+    assert summary["best"] in ("eager", "sdpa")
+
+
+def test_out_of_memory_rung_is_reported_and_the_bench_goes_on(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_forward = GPT.forward
+
+    def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+        if self.config.attention == "sdpa" and self.training:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB (injected)")
+        return real_forward(self, idx, targets, **kw)
+
+    monkeypatch.setattr(GPT, "forward", forward)
+    cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
+                      output_dir=str(tmp_path / "b"), rungs="eager,sdpa")
+    summary = Bench(cfg).run(select_rungs(cfg.rungs))
+    status = {r["name"]: (r["status"], r["note"]) for r in summary["rungs"]}
+    assert status["sdpa"][0] == "oom" and "out of memory at micro-batch 4" in status["sdpa"][1]
+    assert status["eager"][0] == "ok" and summary["best"] == "eager"
+
+
+def test_missing_hf_extra_skips_the_baseline_with_the_install_line(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ladder, "has", lambda module: module != "transformers")
+    cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
+                      output_dir=str(tmp_path / "b"), rungs="hf,eager")
+    summary = Bench(cfg).run(select_rungs(cfg.rungs))
+    hf = summary["rungs"][0]
+    assert hf["status"] == "skipped" and "pip install 'gptopt[hf]'" in hf["note"]
+    assert summary["baseline"] == "eager"
+
+
+def test_rungs_list_prints_every_rung(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--rungs", "list"]) == 0
+    out = capsys.readouterr().out
+    for r in ladder.LADDER + ladder.OPTIONAL:
+        assert r.name in out
+
+
+@pytest.mark.slow
+def test_the_default_ladder_with_compiled_rungs(train_data: Path, tmp_path: Path) -> None:
+    cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
+                      output_dir=str(tmp_path / "b"), rungs="default")
+    summary = Bench(cfg).run(select_rungs(cfg.rungs))
+    assert all(r["status"] in ("ok", "skipped") for r in summary["rungs"]), summary["rungs"]
+    assert summary["best"] is not None
