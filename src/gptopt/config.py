@@ -188,7 +188,8 @@ class TrainConfig:
     use_compile: bool = opt(False, "torch.compile the model (compile time is reported apart from step time)")
     compile_mode: str = opt("default", "torch.compile mode", choices=("default", "reduce-overhead", "max-autotune"))
     compile_fullgraph: bool = opt(False, "fail on graph breaks instead of splitting the graph (reports the reason)")
-    attention: str = opt("sdpa", "attention kernel", choices=("sdpa", "eager"))
+    attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs (measured faster there)",
+                         choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward: less memory, more compute")
     # data loading
     num_workers: int | None = opt(None, "DataLoader worker processes; default chosen for the device")
@@ -274,10 +275,13 @@ class ProfileConfig:
     seq_len: int | None = opt(None, "sequence length; default: the model's context")
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     use_amp: bool = opt(False, "profile under autocast")
+    amp_dtype: str = opt("auto", "autocast dtype: auto picks by device", choices=("auto", "bf16", "fp16"))
     use_compile: bool = opt(False, "profile the compiled model (graph breaks are counted and explained)")
+    compile_mode: str = opt("default", "torch.compile mode", choices=("default", "reduce-overhead", "max-autotune"))
     attention: str = opt("sdpa", "attention kernel", choices=("sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward")
-    num_workers: int = opt(0, "DataLoader workers feeding the profiled steps")
+    num_workers: int | None = opt(None, "DataLoader workers feeding the profiled steps; default: as `gptopt train` picks")
+    pin_memory: bool | None = opt(None, "page-locked host batches; default: on with CUDA, as `gptopt train` picks")
     data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
     wait: int = opt(2, "steps skipped before profiling (compile, caches)")
     warmup: int = opt(2, "profiled-but-discarded steps (profiler warm-up)")
@@ -293,5 +297,7 @@ class ProfileConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         for name in ("wait", "warmup", "num_workers"):
-            if getattr(self, name) < 0:
+            if getattr(self, name) is not None and getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
+        if self.seq_len is not None and self.seq_len < 1:
+            raise ValueError(f"--seq_len must be >= 1, got {self.seq_len}")

@@ -163,6 +163,16 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True)
     return plan
 
 
+def default_attention(device_type: str) -> str:
+    """The attention kernel to use when the user does not say.
+
+    CUDA/MPS: SDPA (flash / memory-efficient kernels). CPU: the eager path, by measurement: on a
+    2-core AVX512-BF16 CPU (torch 2.13, tiny preset, batch 16, bf16, compiled) a training step took
+    0.69 s with eager attention against 0.85 s with SDPA's CPU flash kernel.
+    """
+    return "eager" if device_type == "cpu" else "sdpa"
+
+
 # ----------------------------------------------------------------------------------------------
 # Hardware ceilings. Dense (no sparsity) tensor-core peaks in TFLOP/s, bandwidth in GB/s, from the
 # vendors' data sheets. Consumer cards list the fp32-accumulate rate, which is what autocast uses.

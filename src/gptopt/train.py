@@ -32,10 +32,11 @@ from tqdm import tqdm
 
 from gptopt import checkpoint, data, distributed
 from gptopt.config import PRESETS, GPTConfig, TrainConfig, preset
-from gptopt.device import DevicePlan, environment, peak_flops, resolve
+from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve
 from gptopt.distributed import DistInfo
 from gptopt.flops import flops_per_token
 from gptopt.model import GPT
+from gptopt.monitor import Monitor
 from gptopt.optim import lr_at, make_adamw
 from gptopt.prepare_model import graph_break_reason, prepare
 
@@ -183,6 +184,7 @@ class Trainer:
         self.cfg, self.info = cfg, info
         self.plan = resolve(device, cfg.amp_dtype if cfg.use_amp else "fp32")
         self.out = Path(cfg.output_dir)
+        self.attention = cfg.attention if cfg.attention != "auto" else default_attention(self.plan.device.type)
         torch.manual_seed(cfg.seed)
         self.data = self._load_data()
         resume_dir = self._resume_dir()
@@ -226,7 +228,7 @@ class Trainer:
 
     def _model_config(self, resume_dir: Path | None) -> GPTConfig:
         cfg = self.cfg
-        runtime = dict(attention=cfg.attention, gradient_checkpointing=cfg.gradient_checkpointing, dropout=cfg.dropout)
+        runtime = dict(attention=self.attention, gradient_checkpointing=cfg.gradient_checkpointing, dropout=cfg.dropout)
         if resume_dir is not None:
             stored = GPTConfig.from_dict(checkpoint.read_meta(resume_dir)["model"])
             return dataclasses.replace(stored, **runtime)
@@ -245,7 +247,7 @@ class Trainer:
         else:
             if cfg.init_from in PRESETS and cfg.init_from in ("debug", "tiny"):
                 raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
-            overrides = dict(attention=cfg.attention, gradient_checkpointing=cfg.gradient_checkpointing,
+            overrides = dict(attention=self.attention, gradient_checkpointing=cfg.gradient_checkpointing,
                              dropout=cfg.dropout, vocab_pad_multiple=cfg.vocab_pad_multiple)
             model = GPT.from_pretrained(cfg.init_from, **overrides)
             self.model_config = model.config
@@ -309,6 +311,7 @@ class Trainer:
                 f"MFU against {peak_source}"
             )
         profiler = self._profiler(step) if cfg.profile and main else None
+        monitor = Monitor(plan.device.index if plan.device.type == "cuda" else None).start() if main else None
         stop_signal: list[int] = []
         old_handlers = self._install_signals(stop_signal)
         t_start = time.perf_counter()
@@ -376,6 +379,7 @@ class Trainer:
                             "step_time_s": dt, "data_wait_frac": wait / dt, "grad_norm": norm_val,
                             "peak_mem_bytes": peak_memory_bytes(plan), "tokens_seen": tokens_seen,
                             "elapsed_s": time.perf_counter() - t_start,
+                            **{k: v for k, v in monitor.latest().items() if k != "t"},
                         })
                 if profiler is not None:
                     profiler.step()
@@ -403,6 +407,9 @@ class Trainer:
             self._restore_signals(old_handlers)
             if profiler is not None:
                 profiler.stop()
+            if monitor is not None:
+                monitor.stop()
+                (self.out / "monitor.json").write_text(json.dumps(monitor.summary(), indent=2))
             if metrics is not None:
                 metrics.close()
         if main:

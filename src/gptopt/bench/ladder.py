@@ -15,7 +15,6 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from gptopt.device import environment, peak_flops, resolve
 from gptopt.extras import has
 from gptopt.flops import flops_per_token
 from gptopt.model import GPT
+from gptopt.monitor import Monitor, format_summary
 from gptopt.prepare_model import compile_model
 from gptopt.train import forward_backward, is_oom
 
@@ -159,6 +159,7 @@ class Bench:
         self.init_state = {k: v.clone() for k, v in init.state_dict().items()}
         self.peak, self.peak_source = peak_flops(self.plan)
         self.results: list[RungResult] = []
+        self.monitor: dict[str, Any] = {}
 
     # -- one rung --------------------------------------------------------------------------
 
@@ -263,16 +264,21 @@ class Bench:
 
     # -- the ladder ------------------------------------------------------------------------
 
-    def run(self, rungs: list[Rung], progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    def run(self, rungs: list[Rung]) -> dict[str, Any]:
         bar = tqdm(rungs, desc="bench", dynamic_ncols=True, file=sys.stderr)
-        for rung in bar:
-            bar.set_postfix_str(rung.name)
-            if rung.name == SWEEP:
-                self.results += self._sweep()
-            else:
-                self.results.append(self.run_rung(rung))
-        bar.close()
+        monitor = Monitor(self.plan.device.index if self.plan.device.type == "cuda" else None).start()
+        try:
+            for rung in bar:
+                bar.set_postfix_str(rung.name)
+                if rung.name == SWEEP:
+                    self.results += self._sweep()
+                else:
+                    self.results.append(self.run_rung(rung))
+        finally:
+            bar.close()
+            monitor.stop()
         self._compare()
+        self.monitor = monitor.summary()
         return self.summary()
 
     def _sweep(self) -> list[RungResult]:
@@ -315,6 +321,7 @@ class Bench:
             "flops_per_token": self.fpt, "peak_flops": peak, "peak_source": source, "device_policy": self.plan.reason,
             "baseline": baseline.name if baseline else None, "best": best.name if best else None,
             "environment": environment(self.plan), "rungs": [dataclasses.asdict(r) for r in self.results],
+            "monitor": format_summary(self.monitor) if self.monitor else None, "monitor_stats": self.monitor,
         }
 
 
