@@ -44,6 +44,9 @@ COMMANDS: dict[str, Command] = {
     "train": Command("gptopt.config:TrainConfig", "gptopt.train:main", "train or fine-tune, on one device or many (torchrun)"),
     "bench": Command("gptopt.config:BenchConfig", "gptopt.bench.ladder:main", "measure every optimisation against the naive baseline"),
     "profile": Command("gptopt.config:ProfileConfig", "gptopt.profile:main", "find where the time goes, and what to change"),
+    "generate": Command("gptopt.config:GenerateConfig", "gptopt.generate:main", "generate text from a checkpoint, streaming"),
+    "serve": Command("gptopt.config:ServeConfig", "gptopt.serve.app:main", "HTTP API: /generate, OpenAI /v1/completions, /metrics"),
+    "loadtest": Command("gptopt.config:LoadtestConfig", "gptopt.loadtest:main", "drive a /v1/completions server; TTFT, TPOT, throughput"),
 }
 
 

@@ -301,3 +301,100 @@ class ProfileConfig:
                 raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
         if self.seq_len is not None and self.seq_len < 1:
             raise ValueError(f"--seq_len must be >= 1, got {self.seq_len}")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """Sampling options shared by generate and serve (serve takes them per request)."""
+
+    max_new_tokens: int = opt(128, "tokens to generate per prompt")
+    temperature: float = opt(0.8, "softmax temperature; 0 = greedy")
+    top_k: int | None = opt(50, "sample from the k most likely tokens (none = all)")
+    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches p")
+    repetition_penalty: float = opt(1.0, "divide the logits of tokens already present by this (> 1 discourages repeats)")
+    seed: int | None = opt(None, "seed: the same seed and prompt give the same sample")
+    stop: str | None = opt(None, "stop when this text appears (\\n escapes allowed); it is not included")
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"--top_k must be >= 1, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"--repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+
+@dataclass(kw_only=True)
+class GenerateConfig(SamplingConfig):
+    prompt: str | None = field(default=None, metadata={"help": "the prompt; '-' or none reads stdin", "positional": True})
+    model: str = opt("out", "a training output dir (its latest checkpoint), a checkpoint, a HF GPT-2 dir, or gpt2")
+    tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the checkpoint was trained with")
+    input: str | None = opt(None, "batch mode: a file of prompts, one per line (or .jsonl with a 'prompt' field)")
+    output: str | None = opt(None, "batch mode: write one JSON object per prompt here (.jsonl)")
+    batch_size: int = opt(8, "batch mode: prompts decoded together")
+    device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
+                     choices=("auto", "bf16", "fp16", "fp32"))
+    compile: bool = opt(False, "compile the decode step (reduce-overhead: CUDA graphs on GPUs)")
+    quantize: str = opt("none", "int8: torchao int8 weight-only (quant extra)", choices=("none", "int8"))
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.batch_size < 1:
+            raise ValueError(f"--batch_size must be >= 1, got {self.batch_size}")
+        if self.output and not self.input:
+            raise ValueError("--output needs --input (batch mode)")
+
+
+@dataclass(kw_only=True)
+class ServeConfig:
+    model: str = opt("out", "a training output dir, a checkpoint, a HF GPT-2 dir, or gpt2")
+    tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the checkpoint was trained with")
+    model_name: str | None = opt(None, "the model id /v1/models reports and requests may name; default: the dir name")
+    host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
+    port: int = opt(8000, "port (0 picks a free one)")
+    max_batch_size: int = opt(8, "KV-cache slots: requests decoded together (1 = one request at a time)")
+    max_queue: int = opt(64, "requests waiting beyond the running ones; more get 429 with Retry-After")
+    max_tokens_limit: int = opt(1024, "the largest max_tokens a request may ask for")
+    request_timeout: float = opt(120.0, "seconds a request may take before it is ended")
+    device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
+                     choices=("auto", "bf16", "fp16", "fp32"))
+    compile: bool = opt(False, "compile the decode step")
+    quantize: str = opt("none", "int8: torchao int8 weight-only (quant extra)", choices=("none", "int8"))
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)")
+    cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
+    blocklist: str | None = opt(None, "file of terms or regular expressions (one a line) refused in prompts and cut from output")
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch_size", "max_tokens_limit"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queue < 0 or not 0 <= self.port <= 65535 or self.request_timeout <= 0:
+            raise ValueError("--max_queue must be >= 0, --port in 0..65535 and --request_timeout > 0")
+
+
+@dataclass(kw_only=True)
+class LoadtestConfig:
+    url: str = opt("http://127.0.0.1:8000", "server base URL (its /v1/completions is driven)")
+    requests: int = opt(100, "requests to send in all")
+    concurrency: int = opt(16, "requests in flight at once (closed loop); ignored with --rate")
+    rate: float | None = opt(None, "open loop: Poisson arrivals at this many requests per second")
+    prompt_tokens: int = opt(32, "approximate prompt length in tokens (words of a fixed text)")
+    max_tokens: int = opt(64, "max_tokens of each request")
+    temperature: float = opt(0.0, "temperature of each request")
+    model: str | None = opt(None, "the model field of each request")
+    api_key: str | None = opt(None, "Bearer key, if the server needs one")
+    timeout: float = opt(300.0, "seconds before a request counts as an error")
+    seed: int = opt(0, "seed of arrivals and prompt choice")
+    json: bool = opt(False, "print the summary JSON as the last line of stdout")
+
+    def __post_init__(self) -> None:
+        if self.requests < 1 or self.concurrency < 1 or self.max_tokens < 1 or self.prompt_tokens < 1:
+            raise ValueError("--requests, --concurrency, --max_tokens and --prompt_tokens must be >= 1")
+        if self.rate is not None and self.rate <= 0:
+            raise ValueError(f"--rate must be > 0, got {self.rate}")
