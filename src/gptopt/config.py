@@ -169,7 +169,7 @@ class TrainConfig:
     batch_size: int = opt(16, "micro-batch: sequences per forward/backward on each device")
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step (global batch = this x batch x ranks)")
     auto_batch_size: bool = opt(False, "find the largest micro-batch that fits and raise accumulation to keep the global batch")
-    max_steps: int = opt(1000, "optimizer steps to run")
+    max_steps: int = opt(600, "optimizer steps to run")
     max_tokens: int | None = opt(None, "stop after this many training tokens (all ranks together)")
     time_budget: str | None = opt(None, "stop (and save) after this wall time, e.g. 10m, 2h")
     # optimizer
