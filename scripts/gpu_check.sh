@@ -24,5 +24,10 @@ step() {  # step NAME SECONDS COMMAND...: run with a timeout, log to DIR/NAME.lo
 
 nvidia-smi >"$out/nvidia-smi.txt" 2>&1 || true
 step doctor 60 sh -c "python -m gptopt doctor --smoke --json > '$out/doctor.json'"
-step cuda_tests 240 python -m pytest -q -m cuda -p no:cacheprovider tests
+step cuda_tests 120 python -m pytest -q -m cuda -p no:cacheprovider tests
+step prepare 60 python -m gptopt prepare --output_dir data/stdlib
+# issue targets: gpt2 (124M) at 1024 context, bf16 + compile, MFU against the table peak
+step train_gpt2 120 python -m gptopt train --preset gpt2 --seq_len 1024 --batch_size 16 --use_amp --use_compile \
+  --max_steps 40 --eval_interval 0 --save_interval 1000 --output_dir "$out/train_gpt2" --overwrite
+step bench 270 python -m gptopt bench --output_dir "$out/bench" --json
 echo "done in ${SECONDS}s" | tee -a "$out/summary.txt"

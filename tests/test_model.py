@@ -179,3 +179,12 @@ def test_bf16_autocast_forward_backward_on_cpu(debug_model: GPT) -> None:
     loss.backward()
     assert torch.isfinite(loss)
     assert all(torch.isfinite(p.grad).all() for p in debug_model.parameters())
+
+
+def test_presets_sized_for_a_corpus() -> None:
+    from gptopt.config import preset_for_data
+
+    # GPT-2 sizes keep GPT-2's embedding (their FLOPs are GPT-2's); small presets take the corpus' vocab
+    assert preset_for_data("gpt2", 8192).vocab_size == 50257
+    assert preset_for_data("gpt2", 60000).vocab_size == 60000
+    assert preset_for_data("tiny", 320).vocab_size == 320

@@ -91,6 +91,14 @@ def preset(name: str, **overrides: Any) -> GPTConfig:
     return GPTConfig(**{**PRESETS[name], **overrides})
 
 
+def preset_for_data(name: str, data_vocab: int, **overrides: Any) -> GPTConfig:
+    """The preset sized for a corpus: the GPT-2 sizes keep GPT-2's 50257-token embedding (their
+    FLOPs and memory are GPT-2's whatever the corpus' tokenizer), the small ones take the data's."""
+    base = PRESETS.get(name, {}).get("vocab_size", 0)
+    vocab = max(base, data_vocab) if name.startswith("gpt2") else data_vocab
+    return preset(name, **{"vocab_size": vocab, **overrides})
+
+
 # ----------------------------------------------------------------------------------------------
 # Commands
 

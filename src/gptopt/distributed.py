@@ -139,19 +139,18 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, sharded
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_full_state_dicts(
-    model: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict, sharded: bool
-) -> None:
-    """Inverse of full_state_dicts: every rank holds the full state and keeps its own shard."""
+def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state: dict, sharded: bool) -> None:
+    """Load a full (unsharded) optimizer state; under FSDP every rank keeps its own shard of it.
+
+    The weights are already in place: they were loaded into the plain model before wrapping.
+    """
     if not sharded:
-        model.load_state_dict(model_state)
         optimizer.load_state_dict(optim_state)
         return
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_state_dict(
-        model, optimizer, model_state_dict=model_state,
-        optim_state_dict=optim_state_by_name(model, optimizer, optim_state),
+    set_optimizer_state_dict(
+        model, optimizer, optim_state_dict=optim_state_by_name(model, optimizer, optim_state),
         options=StateDictOptions(full_state_dict=True),
     )
 

@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from gptopt import checkpoint, data, distributed
-from gptopt.config import PRESETS, GPTConfig, TrainConfig, preset
+from gptopt.config import PRESETS, GPTConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve
 from gptopt.distributed import DistInfo
 from gptopt.flops import flops_per_token
@@ -234,7 +234,7 @@ class Trainer:
             return dataclasses.replace(stored, **runtime)
         if cfg.init_from == "scratch":
             vocab = self.data.vocab_size or self.data.max_token_id() + 1
-            return preset(cfg.preset, vocab_size=vocab, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
+            return preset_for_data(cfg.preset, vocab, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
         return GPTConfig()  # replaced by the pretrained model's own config in _build_model
 
     def _build_model(self, resume_dir: Path | None) -> GPT:
@@ -283,7 +283,7 @@ class Trainer:
         scaler = torch.amp.GradScaler(plan.device.type) if plan.use_grad_scaler else None
         step, tokens_seen, bad_steps = 0, 0, 0
         if self.state:
-            distributed.load_full_state_dicts(self.raw, optimizer, self.raw.state_dict(), self.state["optimizer"], prep.sharded)
+            distributed.load_optimizer_state(self.raw, optimizer, self.state["optimizer"], prep.sharded)
             if scaler is not None and self.state.get("scaler"):
                 scaler.load_state_dict(self.state["scaler"])
             set_rng_state(self.state["rng"])

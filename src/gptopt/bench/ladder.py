@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gptopt import data
-from gptopt.config import BenchConfig, preset
+from gptopt.config import BenchConfig, preset_for_data
 from gptopt.device import environment, peak_flops, resolve
 from gptopt.extras import has
 from gptopt.flops import flops_per_token
@@ -145,9 +145,7 @@ class Bench:
         self.preset = cfg.preset or ("gpt2" if gpu else "tiny")
         self.data = data.open_data(cfg.data_dir)
         vocab = self.data.vocab_size or self.data.max_token_id() + 1
-        if self.preset.startswith("gpt2") and vocab < 50257:
-            vocab = 50257  # GPT-2's tokenizer size: the FLOPs of the real model, whatever the bench's corpus
-        self.model_config = preset(self.preset, vocab_size=vocab)
+        self.model_config = preset_for_data(self.preset, vocab)
         self.seq_len = cfg.seq_len or (1024 if gpu else 256)
         self.seq_len = min(self.seq_len, self.model_config.block_size)
         self.batch_size = cfg.batch_size or 16
