@@ -103,3 +103,12 @@ def test_environment_record_says_what_it_ran_on() -> None:
     for key in ("gptopt", "python", "torch", "cuda", "cudnn", "device", "device_name", "amp_dtype"):
         assert key in rec
     assert rec["torch"] == torch.__version__
+
+
+def test_measuring_the_peak_leaves_the_global_rng_alone() -> None:
+    dev.measured_matmul_flops.cache_clear()
+    torch.manual_seed(0)
+    expected = torch.rand(3)
+    torch.manual_seed(0)
+    dev.measured_matmul_flops("cpu", torch.float32)
+    assert torch.equal(torch.rand(3), expected)

@@ -218,8 +218,10 @@ def measured_matmul_flops(device: str, dtype: torch.dtype) -> float:
     """Best FLOP/s of a square matmul on the device: a short measurement, cached for the process."""
     dev = torch.device(device)
     n = 2048 if dev.type == "cpu" else 8192
-    a = torch.randn(n, n, device=dev, dtype=dtype)
-    b = torch.randn(n, n, device=dev, dtype=dtype)
+    # its own generator: measuring must not move the global RNG (dropout, init) of the run it serves
+    g = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
+    b = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     for _ in range(2):  # warm-up: library init, thread pool, clocks
         a @ b
