@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig, preset
 from gptopt.model import GPT
@@ -54,4 +55,39 @@ def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (src / f"{name}.txt").write_text((stdlib / name).read_text(encoding="utf-8"), encoding="utf-8")
     out = tmp_path_factory.mktemp("prepared") / "data"
     prepare(PrepareConfig(input=str(src), output_dir=str(out), vocab_size=320, val_fraction=0.3))
+    return out
+
+
+@pytest.fixture(scope="session")
+def debug_tokenizer(train_data: Path) -> Tokenizer:
+    """train_data's byte-level BPE (vocab 320): multi-byte characters (emoji) span several tokens."""
+    from gptopt.data import load_tokenizer
+
+    return load_tokenizer(train_data / "tokenizer.json")
+
+
+@pytest.fixture
+def varied_model(debug_tokenizer: Tokenizer) -> GPT:
+    """The debug preset sized to debug_tokenizer, with wide random weights (std 0.5): its greedy text
+    changes from token to token, where GPT-2's 0.02 init makes a random model repeat one token."""
+    torch.manual_seed(0)
+    model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size()))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def trained_out(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A `gptopt train` output dir (2 steps of the debug preset on train_data, ~3 s): what generate and serve load."""
+    from gptopt import train
+    from gptopt.config import TrainConfig
+
+    out = tmp_path_factory.mktemp("trained") / "out"
+    rc = train.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), preset="debug", seq_len=32, batch_size=4,
+                                max_steps=2, warmup_steps=1, device="cpu", sample_tokens=0, eval_interval=0,
+                                tensorboard=False))
+    assert rc == 0
     return out

@@ -111,8 +111,10 @@ def _pick_device(device: str) -> torch.device:
     return dev
 
 
-def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True) -> DevicePlan:
-    """Choose the device and autocast dtype once; raise ValueError naming the fix for impossible asks."""
+def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True, quiet: bool = False) -> DevicePlan:
+    """Choose the device and autocast dtype once; raise ValueError naming the fix for impossible asks.
+
+    quiet: do not log the reason (inference logs its own line: it runs in the weights' dtype)."""
     if amp_dtype not in AMP_DTYPES:
         raise ValueError(f"unknown amp dtype {amp_dtype!r}; choose one of: {', '.join(AMP_DTYPES)}")
     dev = _pick_device(device)
@@ -159,7 +161,8 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True)
         device=dev, amp_dtype=dtype, use_grad_scaler=amp == "fp16" and dev.type == "cuda", tf32=use_tf32,
         reason=f"device {dev}: " + "; ".join(why),
     )
-    log.info(plan.reason)
+    if not quiet:
+        log.info(plan.reason)
     return plan
 
 

@@ -1,0 +1,641 @@
+"""Generation: a preallocated KV cache, prefill + decode, sampling on the device, one token generator.
+
+`gptopt generate`, the bench inference rungs and the server's continuous-batching engine all drive
+one `Generator`: `prefill` a prompt into a cache slot, `decode` one token for several slots at their
+own positions, `sample` the next tokens, `free` the slot. Shaped after gpt-fast's generate.py.
+
+    gptopt generate --model out/ "def fib(n):"
+    echo "import os" | gptopt generate --model gpt2 --temperature 0 --max_new_tokens 32
+    gptopt generate --model out/ --input prompts.txt --output completions.jsonl --batch_size 16
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from gptopt import checkpoint, hf
+from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
+from gptopt.data import EOT_CANDIDATES, TOKENIZER, load_tokenizer
+from gptopt.device import DevicePlan, resolve
+from gptopt.extras import require
+from gptopt.model import GPT, KVCacheLayer
+from gptopt.prepare_model import compile_model
+
+__all__ = ["Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate",
+           "load_for_inference", "main", "stream"]
+
+log = logging.getLogger("gptopt")
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def unescape(text: str) -> str:
+    """The escapes a shell cannot type easily (\\n, \\t, \\r, \\\\) -> their characters; other text as it is."""
+    return re.sub(r"\\[ntr\\]", lambda m: {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[m.group()[1]], text)
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """How one sequence is sampled (the server builds one per request)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.8  # 0 = greedy (argmax)
+    top_k: int | None = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0  # HF's rule: a seen token's logit / p if positive, * p if negative
+    seed: int | None = None  # the same seed and prompt give the same sample, alone or in a batch
+    stop: tuple[str, ...] = ()  # texts that end the sequence (StopChecker); not part of the output
+    stop_token_ids: tuple[int, ...] = ()  # ids that end it (e.g. <|endoftext|>); not part of the output
+
+    def __post_init__(self) -> None:
+        self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
+        for ok, rule, value in [
+            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1", self.max_new_tokens),
+            (self.temperature >= 0, "temperature must be >= 0", self.temperature),
+            (self.top_k is None or self.top_k >= 1, "top_k must be >= 1 (or None: all tokens)", self.top_k),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty),
+            (all(self.stop), "stop strings must not be empty", self.stop),
+        ]:
+            if not ok:
+                raise ValueError(f"{rule}, got {value!r}")
+
+    @classmethod
+    def from_config(cls, c: SamplingConfig) -> SamplingParams:
+        return cls(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+                   repetition_penalty=c.repetition_penalty, seed=c.seed, stop=(unescape(c.stop),) if c.stop else ())
+
+
+# ----------------------------------------------------------------------------------------------
+# KV cache
+
+
+class _LayerView:
+    """One layer of a KVCache as one forward sees it: these rows, writing at these positions."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | slice, index: torch.Tensor,
+                 positions: torch.Tensor, length: int) -> None:
+        self.k, self.v, self.rows, self.index, self.positions, self.length = k, v, rows, index, positions, length
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Each row writes at its own positions: rows at different lengths share one forward.
+        self.k[self.index, :, self.positions] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, nh, hs)
+        self.v[self.index, :, self.positions] = v.transpose(1, 2).to(self.v.dtype)
+        return self.k[self.rows, :, : self.length], self.v[self.rows, :, : self.length]  # (B, nh, S, hs)
+
+
+class KVCache:
+    """Preallocated keys/values for `slots` sequences of up to `max_len` tokens, every layer: (slots, nh, max_len, hs)."""
+
+    def __init__(self, config: GPTConfig, slots: int, max_len: int, *, device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        shape = (slots, config.n_head, max_len, config.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.slots, self.max_len, self.device = slots, max_len, torch.device(device)
+
+    def layers(self, rows: torch.Tensor | slice, positions: torch.Tensor, length: int | None = None) -> list[KVCacheLayer]:
+        """Per-layer views for one forward. rows: (B,) slot indices, or a slice of consecutive slots (the
+        layers then return views of the cache, no gather copy). positions: (B, T) being written.
+        length: return only the first `length` positions (more than any written), so fewer keys are attended."""
+        if isinstance(rows, slice):
+            start, stop, step = rows.indices(self.slots)
+            assert step == 1, "a slice of rows must be consecutive"
+            index = torch.arange(start, stop, device=self.device)
+        else:
+            index = rows
+        length = self.max_len if length is None else length
+        return [_LayerView(k, v, rows, index[:, None], positions, length) for k, v in zip(self.k, self.v, strict=True)]
+
+    def mask(self, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
+        """(B, 1, T, length) bool, True where the key's position <= the query's: each row sees its own past only."""
+        keys = torch.arange(self.max_len if length is None else length, device=positions.device)
+        return (keys <= positions[..., None]).unsqueeze(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The generator
+
+
+class Generator:
+    """Owns the model and one KVCache with max_batch_size slots; the single token generator behind CLI, bench and server.
+
+    Runs in the weights' dtype (load_for_inference casts them once), so there is no autocast here.
+    Not thread-safe: one thread (the server's engine thread) drives it.
+    """
+
+    def __init__(self, model: GPT, plan: DevicePlan, *, max_batch_size: int = 8, max_len: int | None = None,
+                 compile: bool = False) -> None:
+        cfg = model.config
+        self.max_len = cfg.block_size if max_len is None else max_len
+        if not 2 <= self.max_len <= cfg.block_size:
+            raise ValueError(f"max_len must be in 2..{cfg.block_size} (the model's context), got {self.max_len}")
+        if max_batch_size < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model.eval().to(plan.device)
+        self.plan, self.device = plan, plan.device
+        self.max_batch_size, self.vocab_size = max_batch_size, cfg.vocab_size
+        dtype = model.transformer.wte.weight.dtype
+        self.cache = KVCache(cfg, max_batch_size, self.max_len, device=plan.device, dtype=dtype)
+        self.lengths = [0] * max_batch_size  # tokens cached per slot: where an idle row of a static decode writes
+        self._used: set[int] = set()
+        self._step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        if compile:
+            if self.device.type == "cuda":
+                for t in self.cache.k + self.cache.v:
+                    torch._dynamo.mark_static_address(t)  # lets CUDA graphs update the cache in place
+            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+            self._step = compile_model(self._decode_all, mode=mode)  # type: ignore[arg-type]
+
+    # slots ------------------------------------------------------------------------------------
+    def alloc(self) -> int:
+        """The lowest free slot (an engine may track slots itself and only call prefill/free)."""
+        free = sorted(set(range(self.max_batch_size)) - self._used)
+        if not free:
+            raise RuntimeError(f"all {self.max_batch_size} cache slots are in use")
+        self._used.add(free[0])
+        return free[0]
+
+    def free(self, slot: int) -> None:
+        self._check_slot(slot)
+        self._used.discard(slot)
+        self.lengths[slot] = 0  # nothing to clear on the device: positions past a sequence are masked
+
+    def rng(self, seed: int | None) -> torch.Generator | None:
+        """A per-sequence random generator on the device for `sample`, or None (the global RNG) without a seed."""
+        return None if seed is None else torch.Generator(device=self.device).manual_seed(seed)
+
+    def check_prompt(self, tokens: Sequence[int]) -> None:
+        if not tokens:
+            raise ValueError("the prompt is empty: give at least one token")
+        if len(tokens) > self.max_len - 1:
+            raise ValueError(f"the prompt has {len(tokens)} tokens; at most {self.max_len - 1} fit "
+                             f"(max_len {self.max_len} leaves room for one new token)")
+        self._check_ids(tokens)
+
+    def _check_ids(self, tokens: Sequence[int]) -> None:
+        if min(tokens) < 0 or max(tokens) >= self.vocab_size:
+            raise ValueError(f"token ids must be in 0..{self.vocab_size - 1} (does the tokenizer belong to the model?)")
+
+    def _check_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_batch_size:
+            raise ValueError(f"slot {slot} is outside 0..{self.max_batch_size - 1}")
+
+    def _tensor(self, values: Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
+        # From pinned memory the copy is asynchronous: the host does not wait for the GPU to catch up.
+        pinned = self.device.type == "cuda"
+        return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=pinned)
+
+    # forward ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
+        """Run the prompt in one forward into the slot's cache (positions 0..L-1); logits (V,) of its last token."""
+        self._check_slot(slot)
+        self.check_prompt(tokens)
+        L = len(tokens)
+        idx = self._tensor(tokens).view(1, L)
+        pos = torch.arange(L, device=self.device).view(1, L)
+        kv = self.cache.layers(slice(slot, slot + 1), pos, length=L)
+        # No mask: with S == T the model takes SDPA's causal path (flash kernels where available).
+        logits = self.model(idx, pos=pos, kv_cache=kv, last_only=True)
+        self._used.add(slot)
+        self.lengths[slot] = L
+        return logits[0, -1].float()
+
+    @torch.no_grad()
+    def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        """One token for each slot, at that slot's own position (its tokens cached so far); logits (B, V)."""
+        B = len(slots)
+        if not B == len(tokens) == len(positions) > 0 or len(set(slots)) != B:
+            raise ValueError(f"decode needs distinct slots, each with one token and one position: {slots}, {tokens}, {positions}")
+        for s in slots:
+            self._check_slot(s)
+        if min(positions) < 0 or max(positions) >= self.max_len:
+            raise ValueError(f"positions must be in 0..{self.max_len - 1} (the cache's max_len), got {positions}")
+        self._check_ids(tokens)
+        if self._step is not None:
+            logits = self._decode_static(slots, tokens, positions)
+        else:
+            consecutive = slots == list(range(slots[0], slots[0] + B))
+            rows = slice(slots[0], slots[0] + B) if consecutive else self._tensor(slots)
+            # Attend over the longest row's positions only, not the whole cache.
+            logits = self._forward(self._tensor(tokens).view(B, 1), self._tensor(positions).view(B, 1), rows,
+                                   max(positions) + 1)
+        for s, p in zip(slots, positions, strict=True):
+            self.lengths[s] = p + 1
+        return logits
+
+    def _forward(self, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | slice, length: int) -> torch.Tensor:
+        kv = self.cache.layers(rows, pos, length)
+        mask = self.cache.mask(pos, length)
+        return self.model(tok, pos=pos, kv_cache=kv, attn_mask=mask, last_only=True)[:, -1].float()
+
+    def _decode_all(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return self._forward(tok, pos, slice(None), self.max_len)
+
+    def _decode_static(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        # Every slot runs every step, so the compiled graph (and its CUDA graph) sees one shape only.
+        # A row not asked for writes at its slot's next free position, which that slot overwrites
+        # before it ever attends to it (a full slot cannot decode again), so no cache is harmed.
+        tok_all = [0] * self.max_batch_size
+        pos_all = [min(n, self.max_len - 1) for n in self.lengths]
+        for s, t, p in zip(slots, tokens, positions, strict=True):
+            tok_all[s], pos_all[s] = t, p
+        if self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+        assert self._step is not None
+        logits = self._step(self._tensor(tok_all).view(-1, 1), self._tensor(pos_all).view(-1, 1))
+        return logits[self._tensor(slots)]  # a copy: CUDA graphs reuse their output buffer next step
+
+    # sampling ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+               generators: list[torch.Generator | None]) -> list[int]:
+        """The next token of each row: repetition penalty, then argmax (temperature 0) or temperature,
+        top-k and top-p sampling. On the device throughout; the one host sync is the final .tolist().
+
+        histories: each row's prompt + generated ids (for the penalty). generators: Generator.rng(seed)
+        per row, or None for the global RNG.
+        """
+        B, V = logits.shape
+        logits = logits.float()
+        if any(p.repetition_penalty != 1.0 for p in params):
+            seen = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
+            rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 for _ in histories[i]]
+            cols = [t for i, p in enumerate(params) if p.repetition_penalty != 1.0 for t in histories[i]]
+            seen[self._tensor(rows), self._tensor(cols)] = True
+            pen = self._tensor([p.repetition_penalty for p in params], torch.float32).view(B, 1)
+            logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+        greedy = logits.argmax(dim=-1)
+        if all(p.temperature == 0 for p in params):
+            return greedy.tolist()
+        # Work in the k_max best logits, sorted; k_max = V (a full sort) when some row has no top-k.
+        k_max = min(V, max(p.top_k or V for p in params))
+        vals, idx = logits.topk(k_max, dim=-1)  # (B, k_max)
+        vals = vals / self._tensor([p.temperature or 1.0 for p in params], torch.float32).view(B, 1)
+        ranks = torch.arange(k_max, device=logits.device)
+        keep = ranks < self._tensor([min(p.top_k or V, k_max) for p in params]).view(B, 1)
+        probs = vals.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+        if any(p.top_p < 1.0 for p in params):
+            # The smallest prefix whose mass reaches p: a token stays while the mass before it is < p.
+            top_p = self._tensor([p.top_p for p in params], torch.float32).view(B, 1)
+            probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
+        # argmax(probs / Exp(1) noise) is how torch.multinomial draws one sample (same generator, same
+        # draw), minus its input check, which syncs with the host. Unnormalised probs are fine for it.
+        noise = torch.empty_like(probs)
+        if any(g is None for g in generators):
+            noise.exponential_()
+        for i, g in enumerate(generators):
+            if g is not None:
+                noise[i].exponential_(generator=g)
+        sampled = idx.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
+        is_greedy = self._tensor([p.temperature == 0 for p in params], torch.bool)
+        return torch.where(is_greedy, greedy, sampled).tolist()
+
+
+# ----------------------------------------------------------------------------------------------
+# Token generators on top of Generator
+
+
+def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
+         finished: set[int]) -> Iterator[tuple[int, int | None, str | None]]:
+    """Decode prompts together: yields (row, token, finish) as tokens come. finish is None while the
+    row goes on, "length" on its last token, "stop" with token None for a stop token id. Rows the
+    caller adds to `finished` end after their current token. Slots are freed however this ends."""
+    if len(prompts) > gen.max_batch_size:
+        raise ValueError(f"{len(prompts)} prompts exceed the {gen.max_batch_size} cache slots")
+    for p in prompts:
+        gen.check_prompt(p)
+    slots: list[int] = []
+    try:
+        for _ in prompts:
+            slots.append(gen.alloc())
+        budgets = [min(params.max_new_tokens, gen.max_len - len(p)) for p in prompts]
+        rngs = [gen.rng(params.seed) for _ in prompts]
+        histories = [list(p) for p in prompts]
+        logits = torch.stack([gen.prefill(s, p) for s, p in zip(slots, prompts, strict=True)])
+        active = list(range(len(prompts)))
+        while active:
+            tokens = gen.sample(logits, [params] * len(active), [histories[i] for i in active],
+                                [rngs[i] for i in active])
+            going = []
+            for i, t in zip(active, tokens, strict=True):
+                if t in params.stop_token_ids:
+                    yield i, None, "stop"
+                    continue
+                histories[i].append(t)
+                last = len(histories[i]) - len(prompts[i]) >= budgets[i]
+                yield i, t, "length" if last else None
+                if not last and i not in finished:
+                    going.append(i)
+            active = going
+            if active:
+                logits = gen.decode([slots[i] for i in active], [histories[i][-1] for i in active],
+                                    [len(histories[i]) - 1 for i in active])
+    finally:
+        for s in slots:
+            gen.free(s)
+
+
+def complete(gen: Generator, prompts: list[list[int]], params: SamplingParams,
+             on_token: Callable[[int, int], bool] | None = None) -> list[tuple[list[int], str]]:
+    """(new token ids, finish reason "stop" | "length") per prompt, decoded in groups of gen.max_batch_size.
+
+    on_token(row, token) is called for every new token; returning True ends that row ("stop"), e.g.
+    when its StopChecker found a stop string. Stop token ids end a row and are not returned.
+    """
+    for p in prompts:
+        gen.check_prompt(p)  # every prompt, before any work
+    out: list[list[int]] = [[] for _ in prompts]
+    reasons = ["length"] * len(prompts)
+    for start in range(0, len(prompts), gen.max_batch_size):
+        finished: set[int] = set()
+        for row, token, finish in _run(gen, prompts[start : start + gen.max_batch_size], params, finished):
+            r = start + row
+            if token is not None:
+                out[r].append(token)
+                if on_token is not None and on_token(r, token):
+                    finished.add(row)
+                    reasons[r] = "stop"
+                    continue
+            if finish is not None:
+                reasons[r] = finish
+    return list(zip(out, reasons, strict=True))
+
+
+def generate(gen: Generator, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    """New token ids for each prompt (prompts of any lengths, batched); stop_token_ids end a sequence."""
+    return [ids for ids, _ in complete(gen, prompts, params)]
+
+
+def stream(gen: Generator, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+    """The new token ids of one prompt, one at a time; leaving the loop early frees the slot."""
+    gen.check_prompt(prompt)  # now, not at the first next()
+
+    def tokens() -> Iterator[int]:
+        with contextlib.closing(_run(gen, [prompt], params, set())) as steps:
+            for _, token, _ in steps:
+                if token is not None:
+                    yield token
+
+    return tokens()
+
+
+class StopChecker:
+    """Incremental detokenizer: a growing list of token ids -> text safe to show, ended at a stop string.
+
+    Byte-level BPE splits multi-byte characters (emoji, accents) across tokens, so text ending in
+    U+FFFD (an incomplete UTF-8 sequence) is held back until a later token completes it. A stop
+    string may span tokens, so the longest tail that could begin one is held back too. The text
+    before a stop string is emitted; the stop string and anything after it never are.
+
+        checker = StopChecker(tokenizer, ("\\n\\n",))
+        for token in stream(gen, ids, params):
+            print(checker.add(token), end="")
+            if checker.stopped:
+                break
+        print(checker.finish())
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
+        self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.text = ""  # everything emitted so far
+        self.stopped = False
+        # ids[_prefix:_read] is text already accounted for: decoding a short window, not the whole
+        # list, keeps each step O(1) and still gives the decoder its context (vLLM's scheme).
+        self._prefix = self._read = 0
+        self._pending = ""  # decoded but held back: it may be the start of a stop string
+
+    def add(self, token: int) -> str:
+        """Take one token; the new text that is safe to show now (often "")."""
+        if self.stopped:
+            return ""
+        self.ids.append(token)
+        return self._advance(final=False)
+
+    def finish(self) -> str:
+        """The held-back rest, when no more tokens come (an incomplete character stays U+FFFD)."""
+        return "" if self.stopped else self._advance(final=True)
+
+    def _advance(self, *, final: bool) -> str:
+        decode = self.tokenizer.decode  # skips special tokens (<|endoftext|>) by default
+        before, after = decode(self.ids[self._prefix : self._read]), decode(self.ids[self._prefix :])
+        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
+            return ""  # an incomplete character: wait for the token that completes it
+        self._prefix, self._read = self._read, len(self.ids)
+        text = self._pending + after[len(before) :]
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            out, self._pending, self.stopped = text[: min(hits)], "", True
+        else:  # hold back the longest tail that may begin a stop string
+            hold = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            out, self._pending = text[: len(text) - hold], text[len(text) - hold :]
+        self.text += out
+        return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+# Names that are hub models rather than missing directories: GPT-2's own, or anything "org/name".
+_HUB_NAME = re.compile(r"(openai-community/)?(distil)?gpt2(-medium|-large|-xl)?|[\w.-]+/[\w.-]+")
+_NO_MODEL = ("train one first (`gptopt train --output_dir {0}`), or pass --model: a training output dir, "
+             "a checkpoint dir, a Hugging Face GPT-2 dir or a hub name like gpt2")
+
+
+def _model_source(model: str) -> Path | str:
+    """The directory (or hub name) to load: a training output dir means its latest checkpoint."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        latest = checkpoint.latest_checkpoint(p)
+        if latest is not None:
+            return latest
+        if not checkpoint.is_gptopt_dir(p) and not (p / hf.HF_CONFIG).is_file():
+            raise ValueError(f"--model {p}: no checkpoint or model files in this directory; " + _NO_MODEL.format(p))
+        return p
+    if p.exists():
+        raise ValueError(f"--model {p} is a file; give the model's directory")
+    if _HUB_NAME.fullmatch(model):
+        return model
+    raise ValueError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
+
+
+def _find_tokenizer(source: Path | str) -> Tokenizer:
+    """meta["tokenizer"] of a gptopt checkpoint, else tokenizer files beside the model, else GPT-2's."""
+    ours = isinstance(source, Path) and checkpoint.is_gptopt_dir(source)
+    recorded = checkpoint.read_meta(source).get("tokenizer") if ours else None
+    candidates = [recorded] if recorded else []
+    if isinstance(source, Path):  # a folder with tokenizer.json (or GPT-2's vocab.json + merges.txt)
+        candidates += [str(d) for d in (source, source.parent)
+                       if (d / TOKENIZER).is_file() or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()]
+    for c in candidates:
+        if Path(c).exists():
+            return load_tokenizer(c)
+    if not ours:  # a GPT-2 from the hub or a HF folder without tokenizer files: GPT-2's own
+        for name in dict.fromkeys(([source] if isinstance(source, str) else []) + ["gpt2"]):
+            with contextlib.suppress(ValueError):
+                return load_tokenizer(name)
+    where = f"{recorded} (recorded in the checkpoint), " if recorded else ""
+    raise ValueError(f"no tokenizer found for {source} (looked for {where}tokenizer.json beside the model"
+                     f"{'' if ours else ', GPT-2s from the Hugging Face Hub'}); pass --tokenizer with the "
+                     "tokenizer.json the model was trained with (or a folder holding it)")
+
+
+def _weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
+    """auto: the plan's half precision on GPUs (bf16 from sm_80, else fp16), fp32 on CPUs (no autocast there)."""
+    if name == "auto":
+        return torch.float32 if plan.device.type == "cpu" else (plan.amp_dtype or torch.float32)
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def quantize_int8(model: GPT, plan: DevicePlan) -> GPT:
+    """torchao int8 weight-only on every Linear: half of bf16's bytes read per decode step (gpt-fast's int8)."""
+    quant = require("torchao.quantization", "quant", "--quantize int8")
+    if plan.device.type == "cpu":
+        log.warning("--quantize int8 on a CPU: torchao's int8 kernels measured slower than fp32 on CPUs "
+                    "(docs: 2-core AVX-512, torch 2.13); running it as asked, compare tokens/s with --quantize none")
+    quant.quantize_(model, quant.Int8WeightOnlyConfig())
+    return model
+
+
+def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, dtype: str = "auto",
+                       quantize: str = "none") -> tuple[GPT, Tokenizer]:
+    """The model (eval, on plan.device, in `dtype`) and its tokenizer, from a training output dir (its
+    latest checkpoint), a checkpoint or model dir, a Hugging Face GPT-2 dir or a hub name."""
+    if quantize not in ("none", "int8"):
+        raise ValueError(f"unknown quantize {quantize!r}; choose none or int8")
+    source = _model_source(model)
+    dt = _weights_dtype(dtype, plan)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else _find_tokenizer(source)
+    net = hf.load_pretrained(source)
+    if tok.get_vocab_size() > net.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, the model only {net.config.vocab_size}: "
+                         "they do not belong together; pass the --tokenizer the model was trained with")
+    net = net.to(device=plan.device, dtype=dt).eval()
+    log.info("model %s: %.1fM parameters, %s weights on %s (generation runs in the weights' dtype, no autocast)",
+             source, net.num_params() / 1e6, str(dt).removeprefix("torch."), plan.device)
+    if quantize == "int8":
+        quantize_int8(net, plan)
+    return net, tok
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def _eot(tok: Tokenizer) -> int | None:
+    return next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
+
+
+def _encode(tok: Tokenizer, text: str, eot: int | None) -> list[int]:
+    ids = tok.encode(text).ids
+    if not ids:
+        if eot is None:
+            raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
+        ids = [eot]  # an empty prompt starts a fresh document
+    return ids
+
+
+def _read_prompts(path: str) -> list[str]:
+    """One prompt per non-blank line; in a .jsonl file, each line's "prompt" field."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--input {p}: no such file")
+    prompts = []
+    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip() or p.suffix != ".jsonl":
+            prompts += [line] if line.strip() else []
+            continue
+        row = None
+        with contextlib.suppress(json.JSONDecodeError):
+            row = json.loads(line)
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            raise ValueError(f'{p}:{n}: expected a JSON object with a "prompt" string, got {line[:80]!r}')
+        prompts.append(row["prompt"])
+    if not prompts:
+        raise ValueError(f"--input {p}: no prompts in it")
+    return prompts
+
+
+def _prompt_text(prompt: str | None) -> str:
+    if prompt is not None and prompt != "-":
+        return prompt
+    if sys.stdin.isatty():
+        print("gptopt generate: reading the prompt from stdin (Ctrl-D ends it)", file=sys.stderr)
+    return sys.stdin.read().removesuffix("\n")  # the newline echo adds is not part of the prompt
+
+
+def _stream_text(gen: Generator, tok: Tokenizer, ids: list[int], params: SamplingParams) -> int:
+    """Print the completion as it comes; the number of tokens generated."""
+    checker, n = StopChecker(tok, params.stop), 0
+    for token in stream(gen, ids, params):
+        n += 1
+        sys.stdout.write(checker.add(token))
+        sys.stdout.flush()
+        if checker.stopped:
+            break
+    sys.stdout.write(checker.finish() + "\n")
+    return n
+
+
+def _batch_jsonl(gen: Generator, tok: Tokenizer, prompts: list[str], encoded: list[list[int]],
+                 params: SamplingParams, output: str | None) -> int:
+    """Write {"prompt", "completion", "tokens", "finish_reason"} per prompt; the number of tokens generated."""
+    n, size = 0, gen.max_batch_size
+    sink = open(output, "x", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout)
+    with sink as fh, tqdm(total=len(prompts), desc="generate", unit=" prompt", file=sys.stderr) as bar:
+        for start in range(0, len(prompts), size):
+            checkers = [StopChecker(tok, params.stop) for _ in encoded[start : start + size]]
+
+            def stopped(row: int, token: int, checkers: list[StopChecker] = checkers) -> bool:
+                checkers[row].add(token)
+                return checkers[row].stopped  # its stop string ends this row; the rest of the batch goes on
+
+            results = complete(gen, encoded[start : start + size], params, stopped)
+            for prompt, checker, (ids, reason) in zip(prompts[start : start + size], checkers, results, strict=True):
+                checker.finish()
+                fh.write(json.dumps({"prompt": prompt, "completion": checker.text, "tokens": len(ids),
+                                     "finish_reason": reason}, ensure_ascii=False) + "\n")
+                n += len(ids)
+            fh.flush()
+            bar.update(len(checkers))
+    return n
+
+
+def main(cfg: GenerateConfig) -> int:
+    if cfg.output and Path(cfg.output).exists():
+        raise ValueError(f"--output {cfg.output} exists; it is never overwritten: delete it or choose another path")
+    batch = _read_prompts(cfg.input) if cfg.input else None
+    plan = resolve(cfg.device, quiet=True)
+    model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
+                                    quantize=cfg.quantize)
+    eot = _eot(tok)
+    params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=() if eot is None else (eot,))
+    gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile)
+    encoded = [_encode(tok, text, eot) for text in (batch or [_prompt_text(cfg.prompt)])]
+    for ids in encoded:
+        gen.check_prompt(ids)  # a bad line fails before the batch runs, not after
+    t0 = time.perf_counter()
+    n = _stream_text(gen, tok, encoded[0], params) if batch is None else _batch_jsonl(
+        gen, tok, batch, encoded, params, cfg.output)
+    dt = time.perf_counter() - t0
+    print(f"gptopt generate: {n} tokens in {dt:.2f} s: {n / max(dt, 1e-9):.1f} tokens/s "
+          f"(prefill + decode, batch {gen.max_batch_size}, {plan.device})", file=sys.stderr)
+    return 0

@@ -1,0 +1,185 @@
+"""Load test an OpenAI-compatible /v1/completions server with streaming requests.
+
+    gptopt loadtest --url http://127.0.0.1:8000 --requests 200 --concurrency 16 --json
+    gptopt loadtest --rate 5 --requests 100          # open loop: Poisson arrivals, 5 per second
+
+Closed loop (--concurrency) keeps that many requests in flight, which measures capacity; open loop
+(--rate) sends on a Poisson schedule whatever the server's speed, which shows queueing. Reported:
+request and output-token throughput, time to first token (TTFT), time per output token after the
+first (TPOT), the gaps between streamed chunks (ITL), and errors by HTTP status (or 'timeout',
+'connect', 'stream'). Only cfg.url is contacted; every request ends within cfg.timeout seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from tqdm import tqdm
+
+from gptopt.config import LoadtestConfig
+
+# Prompts are windows of this text, one word per requested token: every request differs, none is empty.
+TEXT = (
+    "The quick brown fox jumps over the lazy dog while the compiler checks every type and the kernel "
+    "schedules threads across cores so that memory bandwidth is used well and the model answers fast "
+    "a function returns a value a class defines methods and a module groups related code into one file "
+    "tests prove behaviour numbers are measured never guessed and every benchmark warms up first"
+).split()
+
+
+@dataclass
+class Sample:
+    """One request's outcome; times in seconds from its start."""
+
+    status: str = "ok"  # "ok", an HTTP status code, "timeout", "connect" or "stream"
+    ttft: float | None = None
+    e2e: float = 0.0
+    tokens: int = 0
+    gaps: list[float] = field(default_factory=list)  # between successive text chunks
+
+
+def make_prompt(rng: random.Random, n_words: int) -> str:
+    start = rng.randrange(len(TEXT))
+    return " ".join(TEXT[(start + i) % len(TEXT)] for i in range(n_words))
+
+
+async def one_request(client: Any, cfg: LoadtestConfig, prompt: str) -> Sample:
+    """Send one streaming request; never raises: failures come back as the Sample's status."""
+    import httpx
+
+    t0 = time.perf_counter()
+    try:
+        s = await asyncio.wait_for(_stream(client, cfg, prompt, t0), cfg.timeout)  # the whole request, not per read
+    except asyncio.TimeoutError:  # builtin TimeoutError only from 3.11 on
+        s = Sample(status="timeout")
+    except httpx.TimeoutException:
+        s = Sample(status="timeout")
+    except (httpx.HTTPError, OSError):
+        s = Sample(status="connect")
+    except (json.JSONDecodeError, KeyError, TypeError):
+        s = Sample(status="stream")
+    s.e2e = time.perf_counter() - t0
+    return s
+
+
+async def _stream(client: Any, cfg: LoadtestConfig, prompt: str, t0: float) -> Sample:
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if cfg.model:
+        body["model"] = cfg.model
+    s, chunks, last = Sample(), 0, t0
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            return Sample(status=str(r.status_code))
+        async for line in r.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                s.tokens = s.tokens or chunks  # a server without usage in its stream: one token per chunk
+                return s
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                return Sample(status="stream")
+            if obj.get("usage"):
+                s.tokens = obj["usage"]["completion_tokens"]
+            if any(c.get("text") for c in obj.get("choices", ())):
+                now = time.perf_counter()
+                if s.ttft is None:
+                    s.ttft = now - t0
+                else:
+                    s.gaps.append(now - last)
+                last, chunks = now, chunks + 1
+    return Sample(status="stream")  # the stream ended without [DONE]
+
+
+def distribution(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    a = np.asarray(values, dtype=np.float64)
+    p50, p90, p99 = np.percentile(a, [50, 90, 99])
+    return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
+
+
+def summarize(samples: list[Sample], wall: float, cfg: LoadtestConfig) -> dict[str, Any]:
+    ok = [s for s in samples if s.status == "ok"]
+    tokens = sum(s.tokens for s in ok)
+    return {
+        "url": cfg.url, "mode": f"rate {cfg.rate}/s" if cfg.rate else f"concurrency {cfg.concurrency}",
+        "requests": len(samples), "completed": len(ok), "duration_s": wall, "output_tokens": tokens,
+        "requests_per_s": len(ok) / wall, "output_tokens_per_s": tokens / wall,
+        "ttft_s": distribution([s.ttft for s in ok if s.ttft is not None]),
+        # the first token's wait is TTFT's; TPOT is the pace after it
+        "tpot_s": distribution([(s.e2e - s.ttft) / (s.tokens - 1) for s in ok if s.ttft is not None and s.tokens > 1]),
+        "itl_s": distribution([g for s in ok for g in s.gaps]),
+        "e2e_s": distribution([s.e2e for s in ok]),
+        "errors": dict(collections.Counter(s.status for s in samples if s.status != "ok")),
+    }
+
+
+async def run(cfg: LoadtestConfig) -> dict[str, Any]:
+    """Send cfg.requests requests and summarise them."""
+    import httpx
+
+    rng = random.Random(cfg.seed)
+    prompts = [make_prompt(rng, cfg.prompt_tokens) for _ in range(cfg.requests)]
+    headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
+    in_flight = cfg.concurrency if cfg.rate is None else min(cfg.requests, 1000)
+    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+    samples: list[Sample] = []
+    bar = tqdm(total=cfg.requests, desc="requests", unit="req", file=sys.stderr, leave=False)
+    async with httpx.AsyncClient(base_url=cfg.url, headers=headers, limits=limits, follow_redirects=False,
+                                 timeout=httpx.Timeout(cfg.timeout)) as client:
+
+        async def send(prompt: str) -> None:
+            samples.append(await one_request(client, cfg, prompt))
+            bar.update()
+
+        t0 = time.perf_counter()
+        if cfg.rate is None:  # closed loop: each worker sends its next request when the last one ends
+            queue = collections.deque(prompts)
+
+            async def worker() -> None:
+                while queue:
+                    await send(queue.popleft())
+
+            await asyncio.gather(*(worker() for _ in range(min(cfg.concurrency, cfg.requests))))
+        else:  # open loop: exponential gaps between arrivals make a Poisson process
+            tasks = []
+            for prompt in prompts:
+                tasks.append(asyncio.create_task(send(prompt)))
+                await asyncio.sleep(rng.expovariate(cfg.rate))
+            await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    bar.close()
+    return summarize(samples, wall, cfg)
+
+
+def _fmt(d: dict[str, float | None], scale: float = 1000.0) -> str:
+    return "  ".join(f"{k} {'-' if v is None else f'{v * scale:.1f}'}" for k, v in d.items())
+
+
+def main(cfg: LoadtestConfig) -> int:
+    """`gptopt loadtest`: 0 when every request succeeded, 1 otherwise (the summary says which failed)."""
+    from gptopt.extras import require
+
+    require("httpx", "serve", "gptopt loadtest")
+    summary = asyncio.run(run(cfg))
+    print(f"{cfg.url}: {summary['completed']}/{summary['requests']} requests in {summary['duration_s']:.2f} s "
+          f"({summary['mode']})")
+    print(f"  throughput   {summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tokens/s")
+    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "latency")):
+        print(f"  {name:<12} ms: {_fmt(summary[key])}")
+    if summary["errors"]:
+        print("  errors       " + ", ".join(f"{k}: {v}" for k, v in sorted(summary["errors"].items())))
+    if cfg.json:
+        print(json.dumps(summary))
+    return 0 if not summary["errors"] else 1

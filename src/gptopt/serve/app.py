@@ -1,0 +1,481 @@
+"""The HTTP API: the playbook's POST /generate, OpenAI-compatible /v1/completions, health and metrics.
+
+    gptopt serve --model out/ --port 8000
+    curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+         -d '{"prompt": "def fib(n):", "max_tokens": 32, "stream": true}'
+
+The `openai` Python client works unchanged against base_url=http://HOST:PORT/v1. Every bad input
+gets OpenAI's error body {"error": {"message", "type", "param", "code"}} with a 4xx status, checked
+before any model work; generation itself runs on the engine thread (engine.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import os
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+from gptopt.config import ServeConfig
+from gptopt.extras import require
+
+for _module in ("fastapi", "uvicorn"):
+    require(_module, "serve", "gptopt serve")
+import uvicorn  # noqa: E402
+from fastapi import Depends, FastAPI, Request  # noqa: E402
+from fastapi.exceptions import RequestValidationError  # noqa: E402
+from fastapi.middleware.cors import CORSMiddleware  # noqa: E402
+from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
+from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
+from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
+
+from gptopt.serve.engine import Draining, Engine, Event, QueueFull, asyncio_sink, load_blocklist  # noqa: E402
+from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
+
+log = logging.getLogger(__name__)
+
+# Request limits, all checked before any model work.
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a GPT-2 context
+MAX_N = 8  # completions per prompt
+MAX_PROMPTS = 16  # prompts in one request's list
+MAX_CHOICES = 32  # prompts x n: sequences one request may put into the engine
+MAX_STOP = 4  # stop strings, as OpenAI allows
+MAX_STOP_CHARS = 256
+ROUTES = ("/generate", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")  # metric labels
+
+
+class APIError(Exception):
+    """An error with OpenAI's body; raised by handlers, rendered by one exception handler."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.type, self.param, self.code, self.headers = status, type, param, code, headers
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
+
+
+# -- schemas ------------------------------------------------------------------------------------
+
+_STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")  # unknown OpenAI fields are ignored
+
+
+class StreamOptions(BaseModel):
+    model_config = _STRICT
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str | list[str] = Field(description="a string, or a list of strings (one completion each)")
+    max_tokens: int | None = Field(16, ge=1, description="tokens to generate; null: up to the context end")
+    temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    echo: bool = False
+    logprobs: int | None = Field(None, description="not supported: must be null")
+    top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
+
+
+class GenerateRequest(BaseModel):
+    """The playbook's request: max_length counts the prompt's tokens too, as in Hugging Face generate."""
+
+    model_config = _STRICT
+    prompt: str = Field(min_length=1)
+    max_length: int = Field(100, ge=1, description="total tokens, prompt included (capped at the context)")
+    temperature: float = Field(1.0, ge=0, le=2)
+
+
+class GenerateResponse(BaseModel):
+    generated_text: str  # the prompt followed by its continuation, as HF's decode of the output
+    inference_time: float  # seconds
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+class _Guard:
+    """ASGI middleware: 413 for bodies over MAX_BODY_BYTES, and the request counter by route and status.
+
+    The body is read here (at most the limit) and replayed, so no handler ever sees a bigger one."""
+
+    def __init__(self, app: Any, metrics: ServeMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        route = scope["path"] if scope["path"] in ROUTES else "other"
+        status = {"code": 500}
+
+        async def counted_send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        try:
+            if scope["method"] in ("POST", "PUT", "PATCH"):
+                body = bytearray()
+                length = dict(scope["headers"]).get(b"content-length", b"0")
+                too_big = not length.isdigit() or int(length) > MAX_BODY_BYTES
+                while not too_big:  # a chunked body has no length: count what arrives
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body += message.get("body", b"")
+                    too_big = len(body) > MAX_BODY_BYTES
+                    if not message.get("more_body"):
+                        break
+                if too_big:
+                    err = APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
+                    return await JSONResponse(err.body(), 413)(scope, receive, counted_send)
+                receive = _replay(bytes(body), receive)
+            await self.app(scope, receive, counted_send)
+        finally:
+            self.metrics.requests.labels(route, str(status["code"])).inc()
+
+
+def _replay(body: bytes, receive: Any) -> Any:
+    sent = False
+
+    async def replay() -> dict[str, Any]:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # after the body: the disconnect, which streaming watches for
+
+    return replay
+
+
+async def _watch_disconnect(request: Request, requests: list[Any]) -> None:
+    """Cancel the engine requests when the client goes away, so their slots free up at once."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            for r in requests:
+                r.cancel()
+            return
+
+
+def _finish_error(ev: Event, timeout: float) -> APIError:
+    if ev.finish_reason == "timeout":
+        return APIError(504, f"generation took longer than the server's {timeout:g} s limit",
+                        type="timeout_error", code="timeout")
+    if ev.finish_reason == "cancelled":
+        return APIError(503, "the server stopped before the request finished", type="server_error")
+    return APIError(500, f"generation failed: {ev.error}", type="server_error")
+
+
+# -- the app ------------------------------------------------------------------------------------
+
+
+def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) -> FastAPI:
+    """The app for `cfg`. Without `model`, loads cfg.model (and its tokenizer) now, once; warms up."""
+    from gptopt.data import eot_id
+    from gptopt.device import resolve
+    from gptopt.generate import Generator, SamplingParams, load_for_inference
+
+    plan = resolve(cfg.device, quiet=True)
+    if model is None:
+        model, tokenizer = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
+                                              quantize=cfg.quantize)
+    if tokenizer is None:
+        raise ValueError("create_app: a model was given without its tokenizer")
+    metrics = ServeMetrics()
+    generator = Generator(model, plan, max_batch_size=cfg.max_batch_size, compile=cfg.compile)
+    engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
+                    blocklist=load_blocklist(cfg.blocklist), metrics=metrics)
+    try:
+        engine.warmup()
+    except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel
+        raise ValueError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
+                         "lower --max_batch_size, or use --dtype bf16 or --quantize int8") from None
+    metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
+    eot = eot_id(tokenizer)
+    context = generator.max_len
+    model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name or cfg.model
+    api_key = cfg.api_key or os.environ.get("GPTOPT_API_KEY")
+    started = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown, cfg.request_timeout)  # drain: finish in-flight requests
+
+    app = FastAPI(title="gptopt", version="1", lifespan=lifespan,
+                  description="GPT-2-class text generation: the playbook's /generate and OpenAI /v1/completions")
+    app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
+    if cfg.cors_origin:
+        app.add_middleware(CORSMiddleware, allow_origins=[cfg.cors_origin], allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(_Guard, metrics=metrics)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+        return JSONResponse(APIError(400, f"{where + ': ' if where else ''}{first['msg']}", param=where or None,
+                                     code=first.get("type")).body(), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code, headers=e.headers)
+
+    async def authorize(request: Request) -> None:
+        if api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        token = given[7:] if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    def check_prompt(text: str, param: str) -> None:
+        if not text:
+            raise APIError(400, "the prompt is empty", param=param)
+        if any(p.search(text) for p in engine.blocklist):
+            raise APIError(400, "the prompt contains blocked content", param=param, code="content_filter")
+
+    def submit(prompts: list[list[int]], params: list[Any]) -> tuple[asyncio.Queue[Event], list[Any]]:
+        """Every sequence into the engine, or none of them (429 / 503)."""
+        queue: asyncio.Queue[Event] = asyncio.Queue()
+        sink, reqs = asyncio_sink(queue), []
+        try:
+            for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
+                reqs.append(engine.submit(ids, p, sink, index=i))
+        except (QueueFull, Draining) as e:
+            for r in reqs:
+                r.cancel()
+            if isinstance(e, Draining):
+                raise APIError(503, str(e), type="server_error", code="draining") from None
+            raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        return queue, reqs
+
+    async def collect(request: Request, queue: asyncio.Queue[Event], reqs: list[Any]) -> list[Event]:
+        """Wait for every sequence; the accumulated text and the last event's reason, per sequence."""
+        texts, results = [""] * len(reqs), [Event(i, "") for i in range(len(reqs))]
+        watcher = asyncio.create_task(_watch_disconnect(request, reqs))
+        try:
+            for _ in range(len(reqs)):  # one last event per sequence
+                while (ev := await queue.get()).finish_reason is None:
+                    texts[ev.index] += ev.text
+                ev.text, results[ev.index] = texts[ev.index] + ev.text, ev
+                if ev.finish_reason not in ("stop", "length", "content_filter"):
+                    for r in reqs:
+                        r.cancel()
+                    if watcher.done():  # the client left; nginx's 499 keeps these apart in /metrics
+                        raise APIError(499, "the client closed the request", code="client_closed_request")
+                    raise _finish_error(ev, cfg.request_timeout)
+        finally:
+            watcher.cancel()
+            for r in reqs:  # no-op for finished requests; frees the others if we were cancelled
+                r.cancel()
+        return results
+
+    async def encode(texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in await asyncio.to_thread(tokenizer.encode_batch, texts)]
+
+    def fit(ids: list[int], max_tokens: int | None, param: str) -> int:
+        """max_tokens for this prompt, or 400 context_length_exceeded."""
+        room = context - len(ids)
+        if room < 1:
+            raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {context} tokens",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return min(room, cfg.max_tokens_limit)
+        if max_tokens > room:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) plus {param}={max_tokens} exceeds this model's "
+                           f"context of {context} tokens", param=param, code="context_length_exceeded")
+        return max_tokens
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        if body.model is not None and body.model != model_name:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
+                           param="model", code="model_not_found")
+        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if not 1 <= len(prompts) <= MAX_PROMPTS:
+            raise APIError(400, f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings", param="prompt")
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise APIError(400, f"len(prompt) x n may be at most {MAX_CHOICES}", param="n")
+        if body.max_tokens is not None and body.max_tokens > cfg.max_tokens_limit:
+            raise APIError(400, f"max_tokens may be at most {cfg.max_tokens_limit}", param="max_tokens")
+        if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+            raise APIError(400, f"stop: up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                           param="stop")
+        if body.logprobs is not None:
+            raise APIError(400, "logprobs are not supported", param="logprobs")
+        for text in prompts:
+            check_prompt(text, "prompt")
+        ids = await encode(prompts)
+        budgets = [fit(x, body.max_tokens, "max_tokens") for x in ids]
+        seqs, params = [], []
+        for i, (x, budget) in enumerate(zip(ids, budgets, strict=True)):
+            for j in range(body.n):
+                seqs.append(x)
+                params.append(SamplingParams(
+                    max_new_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                    repetition_penalty=body.repetition_penalty, stop=tuple(stop), stop_token_ids=(eot,),
+                    seed=None if body.seed is None else body.seed + i * body.n + j))  # choices differ
+        queue, reqs = submit(seqs, params)
+        head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": model_name}
+        echo = [prompts[k // body.n] if body.echo else "" for k in range(len(seqs))]
+        prompt_tokens = sum(len(x) for x in ids)
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(
+                _sse(request, queue, reqs, head, echo, prompt_tokens, usage, cfg.request_timeout),
+                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        results = await collect(request, queue, reqs)
+        completion_tokens = sum(r.completion_tokens for r in results)
+        return {**head, "choices": [{"index": r.index, "text": echo[r.index] + r.text, "logprobs": None,
+                                     "finish_reason": r.finish_reason} for r in results],
+                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                          "total_tokens": prompt_tokens + completion_tokens}}
+
+    @app.post("/generate", dependencies=[Depends(authorize)], response_model=GenerateResponse)
+    async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+        t0 = time.perf_counter()
+        check_prompt(body.prompt, "prompt")
+        (ids,) = await encode([body.prompt])
+        budget = fit(ids, None, "max_length")
+        if body.max_length <= len(ids):
+            raise APIError(400, f"max_length ({body.max_length}) must exceed the prompt's {len(ids)} tokens: it "
+                           "counts the prompt too", param="max_length")
+        params = SamplingParams(max_new_tokens=min(budget, body.max_length - len(ids)),
+                                temperature=body.temperature, top_k=None, top_p=1.0, repetition_penalty=1.0,
+                                seed=None, stop=(), stop_token_ids=(eot,))
+        queue, reqs = submit([ids], [params])
+        (result,) = await collect(request, queue, reqs)
+        return GenerateResponse(generated_text=body.prompt + result.text, inference_time=time.perf_counter() - t0)
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
+                                            "owned_by": "gptopt", "max_model_len": context}]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}  # liveness: the process answers
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if engine.draining or not engine.alive:
+            return JSONResponse({"status": "draining" if engine.draining else "starting"}, 503)
+        return JSONResponse({"status": "ready", **engine.stats()})
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+    return app
+
+
+async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], head: dict[str, Any],
+               echo: list[str], prompt_tokens: int, usage: bool, timeout: float) -> AsyncIterator[bytes]:
+    """OpenAI's completion stream: one chunk per text delta, per-choice finish, usage, then [DONE]."""
+
+    def frame(obj: Any) -> bytes:  # ensure_ascii=False: deltas are whole characters, sent as UTF-8
+        return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
+
+    def chunk(index: int, text: str, reason: str | None) -> bytes:
+        extra = {"usage": None} if usage else {}
+        return frame({**head, "choices": [{"index": index, "text": text, "logprobs": None,
+                                           "finish_reason": reason}], **extra})
+
+    watcher = asyncio.create_task(_watch_disconnect(request, reqs))
+    try:
+        completion_tokens, open_ = 0, len(reqs)
+        for i, prefix in enumerate(echo):
+            if prefix:
+                yield chunk(i, prefix, None)
+        while open_:
+            ev = await queue.get()
+            if ev.finish_reason is None:
+                yield chunk(ev.index, ev.text, None)
+                continue
+            open_ -= 1
+            completion_tokens += ev.completion_tokens
+            if ev.finish_reason not in ("stop", "length", "content_filter"):
+                yield frame(_finish_error(ev, timeout).body())
+                break
+            yield chunk(ev.index, ev.text, ev.finish_reason)
+        else:
+            if usage:
+                yield frame({**head, "choices": [], "usage": {
+                    "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                    "total_tokens": prompt_tokens + completion_tokens}})
+        yield b"data: [DONE]\n\n"
+    finally:
+        watcher.cancel()
+        for r in reqs:
+            r.cancel()
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn that, on SIGTERM/SIGINT, first stops the engine admitting (so /ready turns 503), then lets
+    uvicorn finish the open requests (up to timeout_graceful_shutdown) before the engine stops."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        engine = getattr(getattr(self.config.app, "state", None), "engine", None)
+        if engine is not None:
+            engine.begin_drain()
+        super().handle_exit(sig, frame)
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[DrainingServer]:
+    """Run `app` on a real uvicorn server in a background thread (tests, notebooks); `.port` is bound."""
+    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                                           timeout_graceful_shutdown=30))
+    thread = threading.Thread(target=server.run, name="gptopt-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the server did not start")
+        time.sleep(0.01)
+    server.port = server.servers[0].sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    server.thread = thread  # type: ignore[attr-defined]
+    try:
+        yield server
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+
+
+def main(cfg: ServeConfig) -> int:
+    """`gptopt serve`: load the model once, warm up, serve until SIGTERM/SIGINT, drain, exit 0."""
+    app = create_app(cfg)
+    engine: Engine = app.state.engine
+    log.info("serving %s on http://%s:%d (batch %d, queue %d); OpenAI base_url http://%s:%d/v1",
+             app.state.model_name, cfg.host, cfg.port, engine.generator.max_batch_size, cfg.max_queue,
+             cfg.host, cfg.port)
+    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
+                                           timeout_graceful_shutdown=int(cfg.request_timeout) + 1))
+    server.run()
+    return 0 if server.started else 1

@@ -1,0 +1,384 @@
+"""Continuous batching: one thread owns the model and its KV-cache slots; requests meet it through queues.
+
+    pytest -q tests/test_serve.py -k batching
+
+Every iteration of the engine thread: drop cancelled and timed-out requests, admit waiting requests
+into free slots (one prefill each), run ONE decode step for all running requests together, sample,
+push each request's new text to its client, and retire the finished ones, so a slot is free again
+within one iteration. Requests join and leave the batch at token granularity: a short request
+never waits for a long one to finish, and N requests share each forward pass.
+
+Only this thread touches the model; other threads (the HTTP event loop) only submit, cancel and
+read stats, under one lock. Text goes back through a `sink`: for asyncio clients,
+`asyncio_sink(queue)` hands each event to the event loop with call_soon_threadsafe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gptopt.generate import Generator, SamplingParams, StopChecker
+
+log = logging.getLogger(__name__)
+
+# Why a sequence ended. stop/length/content_filter are OpenAI's; the others end it without a result.
+FINISH_REASONS = ("stop", "length", "content_filter", "cancelled", "timeout", "error")
+
+
+class QueueFull(Exception):
+    """The waiting queue is at max_queue; retry after `retry_after` seconds (HTTP 429)."""
+
+    def __init__(self, retry_after: int) -> None:
+        super().__init__(f"the server is at capacity; retry in {retry_after} s")
+        self.retry_after = retry_after
+
+
+class Draining(Exception):
+    """The engine is shutting down and admits no new requests (HTTP 503)."""
+
+
+@dataclass
+class Event:
+    """What a client receives: new text of one sequence, and at the end why it finished."""
+
+    index: int  # which sequence of the client's request (OpenAI's choice index)
+    text: str  # complete UTF-8 characters only; "" when the new token's text is held back
+    finish_reason: str | None = None  # set on the last event of the sequence
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+Sink = Callable[[Event], None]
+
+
+def asyncio_sink(queue: asyncio.Queue[Event], loop: asyncio.AbstractEventLoop | None = None) -> Sink:
+    """A sink that delivers events into `queue` on its event loop (call from that loop)."""
+    loop = loop or asyncio.get_running_loop()
+
+    def push(event: Event) -> None:
+        try:
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+        except RuntimeError:  # the loop is closed: the client is gone, nothing to deliver to
+            pass
+
+    return push
+
+
+def load_blocklist(path: str | None) -> list[re.Pattern[str]]:
+    """One term or regular expression a line, matched case-insensitively; '#' lines and blanks skipped."""
+    if not path:
+        return []
+    patterns = []
+    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip() and not line.lstrip().startswith("#"):
+            try:
+                patterns.append(re.compile(line.strip(), re.IGNORECASE))
+            except re.error as e:
+                raise ValueError(f"--blocklist {path}:{i}: not a valid regular expression ({e})") from None
+    return patterns
+
+
+class TextFilter:
+    """Cuts generated text at the first match of a blocklist pattern, holding back what could still match.
+
+    Stop strings are handled by generate.StopChecker; this adds the blocklist on top of its output.
+    Streaming cannot take text back, so the last `holdback` characters wait until the match is
+    decided; holdback is the longest pattern's source length, exact for plain terms.
+    """
+
+    def __init__(self, patterns: Sequence[re.Pattern[str]]) -> None:
+        self.patterns = list(patterns)
+        self.holdback = max((len(p.pattern) for p in self.patterns), default=0)
+        self.text = ""  # everything received
+        self.sent = 0  # characters of self.text already released
+
+    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
+        """(text to release now, matched?). After a match nothing more is released."""
+        self.text += text
+        start = max(0, self.sent - self.holdback)
+        cut = min((m.start() for p in self.patterns if (m := p.search(self.text, start))), default=None)
+        if cut is not None:
+            out, self.sent = self.text[self.sent : max(cut, self.sent)], len(self.text)
+            return out, True
+        end = len(self.text) if final else max(self.sent, len(self.text) - self.holdback)
+        out, self.sent = self.text[self.sent : end], end
+        return out, False
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence to generate. The client side may call cancel(); the rest is the engine's."""
+
+    prompt: list[int]
+    params: SamplingParams
+    sink: Sink
+    index: int = 0
+    timeout: float = 120.0
+    submitted: float = field(default_factory=time.perf_counter)
+    cancelled: bool = False  # set from the client thread; a plain bool store is atomic
+    # engine state
+    slot: int = -1
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    admitted: float = 0.0
+    last_token: float = 0.0
+    text: StopChecker | None = None  # incremental detokenizer: whole characters, stop strings
+    filter: TextFilter | None = None
+    rng: torch.Generator | None = None
+    engine: Engine | None = None
+
+    def cancel(self) -> None:
+        """Ask the engine to drop this request; its slot is free after the engine's next iteration."""
+        self.cancelled = True
+        if self.engine is not None:
+            self.engine.wake()
+
+    @property
+    def history(self) -> list[int]:
+        return self.prompt + self.tokens
+
+
+class Engine:
+    """Continuous-batching scheduler around a Generator; see the module docstring."""
+
+    def __init__(self, generator: Generator, tokenizer: Any, *, max_queue: int = 64,
+                 request_timeout: float = 120.0, blocklist: Sequence[re.Pattern[str]] = (),
+                 metrics: Any = None) -> None:
+        self.generator = generator
+        self.tokenizer = tokenizer
+        self.max_queue = max_queue
+        self.request_timeout = request_timeout
+        self.blocklist = list(blocklist)
+        self.metrics = metrics  # serve.metrics.ServeMetrics or None
+        self._cv = threading.Condition()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._running: list[Request] = []  # engine thread only
+        self._free = list(range(generator.max_batch_size - 1, -1, -1))  # engine thread only
+        self._n_running = 0  # mirror of len(_running), read under the lock by stats()
+        self._draining = False
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self._mean_latency = 1.0  # moving average of request latency, for Retry-After
+        self.steps = 0  # decode steps run, for tests and logs
+
+    # -- client side (any thread) -----------------------------------------------------------
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> Request:
+        """Queue a request; raises QueueFull beyond max_queue waiting, Draining when shutting down."""
+        req = Request(prompt=list(prompt), params=params, sink=sink, index=index, timeout=self.request_timeout)
+        req.engine = self
+        with self._cv:
+            if self._draining or self._stop or (self._thread is not None and not self._thread.is_alive()):
+                raise Draining("the server is shutting down")
+            # Free slots absorb requests at once; beyond them at most max_queue may wait.
+            capacity = self.generator.max_batch_size + self.max_queue
+            if self._n_running + len(self._waiting) >= capacity:
+                raise QueueFull(self.retry_after())
+            self._waiting.append(req)
+            self._cv.notify()
+        return req
+
+    def retry_after(self) -> int:
+        """Seconds until a slot is likely free: queue depth times the mean latency per slot."""
+        depth = (len(self._waiting) + 1) / self.generator.max_batch_size
+        return int(min(60, max(1, math.ceil(depth * self._mean_latency))))
+
+    def stats(self) -> dict[str, int]:
+        with self._cv:
+            return {"running": self._n_running, "waiting": len(self._waiting)}
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wake(self) -> None:
+        with self._cv:
+            self._cv.notify()
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def warmup(self) -> None:
+        """One long prefill and one full-batch decode step, before serving: the first request is not
+        slow, and a configuration whose activations do not fit fails at start-up, not on a user."""
+        g = self.generator
+        with torch.inference_mode():
+            g.prefill(0, [0] * max(1, g.max_len - 1))
+            slots = list(range(g.max_batch_size))
+            g.decode(slots, [0] * len(slots), [min(g.max_len - 1, 1)] * len(slots))
+            for s in slots:
+                g.free(s)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="gptopt-engine", daemon=True)
+        self._thread.start()
+
+    def begin_drain(self) -> None:
+        """Stop admitting new requests; those already submitted run to the end."""
+        with self._cv:
+            self._draining = True
+            self._cv.notify()
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Drain (finish in-flight requests, up to `timeout` s), then stop the thread.
+
+        Requests still unfinished at the deadline end with finish_reason 'cancelled'."""
+        self.begin_drain()
+        deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        with self._cv:
+            while (self._n_running or self._waiting) and self._thread and self._thread.is_alive():
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cv.wait(min(left, 0.05))
+            self._stop = True
+            self._cv.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    # -- engine thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            with torch.inference_mode():
+                while True:
+                    try:
+                        if not self._iterate():
+                            break
+                    except Exception as e:  # a bug in one step must not leave clients waiting forever
+                        log.exception("engine iteration failed; ending the running requests")
+                        for r in list(self._running):
+                            self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+        finally:  # whatever ended the loop, no client may wait forever
+            with self._cv:
+                left = self._running + list(self._waiting)
+                self._waiting.clear()
+            for req in left:
+                self._finish(req, "cancelled")
+
+    def _iterate(self) -> bool:
+        with self._cv:
+            while not (self._waiting or self._running or self._stop):
+                self._cv.wait()
+            if self._stop:
+                return False
+            now = time.perf_counter()
+            dead = [r for r in self._waiting if r.cancelled or now - r.submitted > r.timeout]
+            for r in dead:
+                self._waiting.remove(r)
+        for r in dead:
+            self._finish(r, "cancelled" if r.cancelled else "timeout")
+        for r in [r for r in self._running if r.cancelled or now - r.submitted > r.timeout]:
+            self._finish(r, "cancelled" if r.cancelled else "timeout")
+        self._admit()
+        if self._running:
+            self._decode()
+        return True
+
+    def _admit(self) -> None:
+        while self._free:
+            with self._cv:
+                if not self._waiting:
+                    return
+                req = self._waiting.popleft()
+                self._n_running += 1
+            req.slot = self._free.pop()
+            self._running.append(req)
+            req.admitted = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.queue_time.observe(req.admitted - req.submitted)
+                self.metrics.prompt_tokens.inc(len(req.prompt))
+            req.text = StopChecker(self.tokenizer, req.params.stop)
+            req.filter = TextFilter(self.blocklist) if self.blocklist else None
+            req.rng = self.generator.rng(req.params.seed)
+            try:
+                logits = self.generator.prefill(req.slot, req.prompt)
+                token = self.generator.sample(logits[None], [req.params], [req.history], [req.rng])[0]
+            except Exception as e:  # one bad request (or out of memory) must not take the server down
+                log.exception("prefill failed")
+                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+                continue
+            self._accept(req, token)
+
+    def _decode(self) -> None:
+        reqs = list(self._running)
+        try:
+            logits = self.generator.decode(
+                [r.slot for r in reqs], [r.tokens[-1] for r in reqs], [len(r.history) - 1 for r in reqs]
+            )
+            tokens = self.generator.sample(logits, [r.params for r in reqs], [r.history for r in reqs],
+                                           [r.rng for r in reqs])
+        except Exception as e:
+            log.exception("decode step failed")
+            for r in reqs:
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            return
+        self.steps += 1
+        for r, t in zip(reqs, tokens, strict=True):
+            self._accept(r, t)
+
+    def _accept(self, req: Request, token: int) -> None:
+        """Record one sampled token: send its text, and finish the request if it is done."""
+        now = time.perf_counter()
+        if self.metrics is not None:
+            self.metrics.generated_tokens.inc()
+            if req.tokens:
+                self.metrics.itl.observe(now - req.last_token)
+            else:
+                self.metrics.ttft.observe(now - req.submitted)
+        req.last_token = now
+        req.tokens.append(token)
+        p = req.params
+        if token in p.stop_token_ids:
+            req.tokens.pop()  # the end-of-text token is no text and no completion token
+            return self._finish(req, "stop")
+        assert req.text is not None
+        text = req.text.add(token)
+        reason = "stop" if req.text.stopped else None
+        if reason is None and len(req.tokens) >= p.max_new_tokens:
+            reason = "length"
+        if reason is None and len(req.history) >= self.generator.max_len:
+            reason = "length"  # the context is full: the last token cannot be fed back
+        if reason is not None:
+            text += req.text.finish()  # "" after a stop string
+        if req.filter is not None:
+            text, matched = req.filter.push(text, final=reason is not None)
+            if matched:
+                reason = "content_filter"
+        if reason is not None:
+            return self._finish(req, reason, text=text)
+        if text:
+            req.sink(Event(req.index, text, completion_tokens=len(req.tokens)))
+
+    def _finish(self, req: Request, reason: str, *, text: str = "", error: str | None = None) -> None:
+        """Free the request's slot (if it has one) and send its last event."""
+        if req.slot >= 0 and req in self._running:
+            self._running.remove(req)
+            self.generator.free(req.slot)
+            self._free.append(req.slot)
+            with self._cv:
+                self._n_running -= 1
+                self._cv.notify_all()  # shutdown() waits for the engine to empty
+        latency = time.perf_counter() - req.submitted
+        if self.metrics is not None:
+            self.metrics.finished.labels(reason).inc()
+            if reason in ("stop", "length", "content_filter"):
+                self.metrics.e2e.observe(latency)
+        if reason in ("stop", "length", "content_filter"):
+            self._mean_latency = 0.9 * self._mean_latency + 0.1 * latency
+        req.sink(Event(req.index, text, reason, len(req.prompt), len(req.tokens), error))

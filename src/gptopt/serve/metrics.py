@@ -1,0 +1,54 @@
+"""Prometheus metrics of the server: latency histograms, load gauges, token and request counters.
+
+    curl -s http://127.0.0.1:8000/metrics | grep gptopt_
+
+Each app gets its own CollectorRegistry: the global default registry would refuse a second app in
+one process (tests build several), and /metrics should show this server's figures only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from gptopt.extras import require
+
+prometheus_client = require("prometheus_client", "serve", "gptopt serve")
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+
+# Latency buckets from a tiny CPU model (sub-millisecond steps) up to long generations on a busy GPU.
+TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
+WAIT_BUCKETS = tuple(sorted(set(TOKEN_BUCKETS + REQUEST_BUCKETS)))  # a wait may be a step or a whole queue
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+
+
+class ServeMetrics:
+    """The server's metrics, in a private registry. Thread-safe: the engine thread observes them too."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("gptopt_time_to_first_token_seconds", "submit to first generated token (queue + prefill)",
+                              buckets=WAIT_BUCKETS, registry=r)
+        self.itl = Histogram("gptopt_inter_token_latency_seconds", "time between two tokens of one request",
+                             buckets=TOKEN_BUCKETS, registry=r)
+        self.e2e = Histogram("gptopt_e2e_request_latency_seconds", "submit to last token of a request",
+                             buckets=REQUEST_BUCKETS, registry=r)
+        self.queue_time = Histogram("gptopt_queue_time_seconds", "submit to admission into a KV-cache slot",
+                                    buckets=WAIT_BUCKETS, registry=r)
+        self.running = Gauge("gptopt_requests_running", "requests holding a KV-cache slot", registry=r)
+        self.waiting = Gauge("gptopt_requests_waiting", "requests queued for a slot", registry=r)
+        self.prompt_tokens = Counter("gptopt_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("gptopt_generation_tokens", "tokens generated", registry=r)
+        self.requests = Counter("gptopt_requests", "HTTP requests by route and status code",
+                                ["route", "status"], registry=r)
+        self.finished = Counter("gptopt_finished_sequences", "generated sequences by finish reason",
+                                ["reason"], registry=r)
+
+    def bind_load(self, running: Callable[[], float], waiting: Callable[[], float]) -> None:
+        """Read the gauges from the engine at scrape time, so they can never drift from its state."""
+        self.running.set_function(running)
+        self.waiting.set_function(waiting)
+
+    def render(self) -> bytes:
+        return prometheus_client.generate_latest(self.registry)

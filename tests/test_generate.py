@@ -1,0 +1,309 @@
+"""Generation: cached decoding equals uncached, batching and slots change nothing, sampling, stop text, CLI.
+
+    pytest -q tests/test_generate.py
+
+Every model is the debug preset with random weights (fp32, CPU) and train_data's byte-level BPE.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from gptopt import checkpoint, cli
+from gptopt import generate as gen_mod
+from gptopt.config import GenerateConfig
+from gptopt.device import resolve
+from gptopt.generate import (
+    Generator,
+    SamplingParams,
+    StopChecker,
+    complete,
+    generate,
+    load_for_inference,
+    stream,
+)
+from gptopt.model import GPT
+
+CPU = resolve("cpu")
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
+PROMPTS = [[5, 17, 99, 4, 200, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [120, 3, 64]]
+
+
+@torch.no_grad()
+def uncached_greedy(model: GPT, prompt: list[int], n: int) -> list[int]:
+    idx = torch.tensor([prompt])
+    for _ in range(n):
+        idx = torch.cat([idx, model(idx)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return idx[0, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_cached_greedy_equals_uncached_greedy(varied_model: GPT, attention: str) -> None:
+    model = GPT(dataclasses.replace(varied_model.config, attention=attention)).eval()
+    model.load_state_dict(varied_model.state_dict())
+    ref = uncached_greedy(model, PROMPTS[0], 40)
+    assert len(set(ref)) > 5  # a varied sequence, not one token repeated
+    assert generate(Generator(model, CPU), [PROMPTS[0]], dataclasses.replace(GREEDY, max_new_tokens=40)) == [ref]
+
+
+def test_prompt_alone_equals_the_prompt_in_a_batch_of_other_lengths(varied_model: GPT) -> None:
+    alone = [generate(Generator(varied_model, CPU, max_batch_size=1), [p], GREEDY)[0] for p in PROMPTS]
+    assert generate(Generator(varied_model, CPU, max_batch_size=4), PROMPTS, GREEDY) == alone
+    # More prompts than slots: decoded in groups, same tokens.
+    assert generate(Generator(varied_model, CPU, max_batch_size=3), PROMPTS, GREEDY) == alone
+
+
+def test_greedy_equals_hugging_face_greedy(varied_model: GPT) -> None:
+    pytest.importorskip("transformers")
+    from gptopt.hf import to_hf_model
+
+    hf_model = to_hf_model(varied_model).eval()
+    idx = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        ref = hf_model.generate(idx, attention_mask=torch.ones_like(idx), do_sample=False, max_new_tokens=20,
+                                pad_token_id=0)
+    ours = generate(Generator(varied_model, CPU), [PROMPTS[0]], dataclasses.replace(GREEDY, max_new_tokens=20))
+    assert ours[0] == ref[0, idx.shape[1] :].tolist()
+
+
+def test_decode_of_slots_at_different_positions_equals_separate_generation(varied_model: GPT) -> None:
+    """The engine's use: sequences join at different times, sit in any slots, decode together."""
+    a, b = PROMPTS[0], PROMPTS[2]
+    ref_a, ref_b = (generate(Generator(varied_model, CPU, max_batch_size=1), [p], GREEDY)[0] for p in (a, b))
+    gen = Generator(varied_model, CPU, max_batch_size=4)
+    params, rng = [GREEDY], [None]
+    out_a = [gen.sample(gen.prefill(3, a)[None], params, [a], rng)[0]]
+    for _ in range(5):  # `a` runs alone for a while in slot 3 ...
+        out_a += gen.sample(gen.decode([3], [out_a[-1]], [len(a) + len(out_a) - 1]), params, [a + out_a], rng)
+    out_b = [gen.sample(gen.prefill(0, b)[None], params, [b], rng)[0]]  # ... then `b` joins in slot 0
+    for _ in range(GREEDY.max_new_tokens - len(out_b)):
+        logits = gen.decode([3, 0], [out_a[-1], out_b[-1]], [len(a) + len(out_a) - 1, len(b) + len(out_b) - 1])
+        ta, tb = gen.sample(logits, params * 2, [a + out_a, b + out_b], rng * 2)
+        out_a.append(ta)
+        out_b.append(tb)
+    assert out_a[: len(ref_a)] == ref_a
+    assert out_b == ref_b
+
+
+def test_the_same_seed_gives_the_same_sample_and_another_seed_another(varied_model: GPT) -> None:
+    gen = Generator(varied_model, CPU, max_batch_size=4)
+    params = SamplingParams(temperature=1.0, top_k=None, max_new_tokens=20, seed=123)
+    first = generate(gen, [PROMPTS[0]], params)
+    assert generate(gen, [PROMPTS[0]], params) == first
+    # Each sequence has its own generator: the same sample alone or among other prompts.
+    assert generate(gen, [PROMPTS[1], PROMPTS[0]], params)[1] == first[0]
+    assert generate(gen, [PROMPTS[0]], dataclasses.replace(params, seed=124)) != first
+
+
+def test_top_k_1_and_a_tiny_top_p_equal_greedy(varied_model: GPT) -> None:
+    gen = Generator(varied_model, CPU, max_batch_size=4)
+    greedy = generate(gen, PROMPTS, GREEDY)
+    sampled = dataclasses.replace(GREEDY, temperature=1.5, seed=0)
+    assert generate(gen, PROMPTS, dataclasses.replace(sampled, top_k=1)) == greedy
+    assert generate(gen, PROMPTS, dataclasses.replace(sampled, top_k=None, top_p=1e-6)) == greedy
+
+
+def test_sample_applies_each_rows_own_settings(debug_model: GPT) -> None:
+    gen = Generator(debug_model, CPU, max_batch_size=4)
+    logits = torch.tensor([[0.0, 3.0, 2.5, -1.0, -2.0]]).repeat(4, 1)
+    seen = [[1], [1], [1, 3], []]
+    params = [SamplingParams(temperature=0),  # greedy: token 1
+              SamplingParams(temperature=0, repetition_penalty=2.0),  # 3.0 / 2 < 2.5: token 2
+              SamplingParams(temperature=0, repetition_penalty=2.0),  # the negative -1.0 becomes -2.0: still token 2
+              SamplingParams(temperature=1.0, top_k=2, seed=0)]  # only tokens 1 and 2 can come
+    draws = {gen.sample(logits, params, seen, [None, None, None, gen.rng(s)])[3] for s in range(40)}
+    assert gen.sample(logits, params, seen, [None] * 4)[:3] == [1, 2, 2]
+    assert draws == {1, 2}
+
+
+def test_repetition_penalty_changes_greedy_output_on_a_repetitive_prompt(varied_model: GPT) -> None:
+    gen = Generator(varied_model, CPU)
+    prompt = [11, 12, 13] * 6
+    plain = generate(gen, [prompt], GREEDY)[0]
+    penalised = generate(gen, [prompt], dataclasses.replace(GREEDY, repetition_penalty=5.0))[0]
+    assert penalised != plain
+    # Every token the model saw is discouraged: the penalised text repeats fewer of them.
+    assert len(set(penalised)) > len(set(plain))
+
+
+def test_stop_token_ids_end_a_sequence_and_are_not_returned(varied_model: GPT) -> None:
+    gen = Generator(varied_model, CPU)
+    full = generate(gen, [PROMPTS[0]], GREEDY)[0]
+    stop = full[5]
+    ((ids, reason),) = complete(gen, [PROMPTS[0]], dataclasses.replace(GREEDY, stop_token_ids=(stop,)))
+    assert (ids, reason) == (full[: full.index(stop)], "stop")
+    assert complete(gen, [PROMPTS[0]], GREEDY)[0][1] == "length"
+
+
+def test_prompts_that_do_not_fit_are_refused(varied_model: GPT) -> None:
+    gen = Generator(varied_model, CPU, max_len=16)
+    with pytest.raises(ValueError, match="at most 15 fit"):
+        generate(gen, [[1] * 16], GREEDY)
+    assert len(generate(gen, [[1] * 15], GREEDY)[0]) == 1  # the context ends the sequence
+    with pytest.raises(ValueError, match="max_len must be in 2..64"):
+        Generator(varied_model, CPU, max_len=65)
+    with pytest.raises(ValueError, match="positions must be in 0..15"):
+        gen.decode([0], [1], [16])
+
+
+def test_leaving_a_stream_early_frees_its_slot(varied_model: GPT) -> None:
+    gen = Generator(varied_model, CPU, max_batch_size=1)
+    tokens = stream(gen, PROMPTS[0], GREEDY)
+    first = [next(tokens), next(tokens)]
+    tokens.close()
+    assert list(stream(gen, PROMPTS[0], GREEDY))[:2] == first  # the one slot is free again
+
+
+# ----------------------------------------------------------------------------------------------
+# Text: stop strings and UTF-8 across token boundaries
+
+
+def feed(checker: StopChecker, ids: list[int]) -> list[str]:
+    chunks = []
+    for t in ids:
+        chunks.append(checker.add(t))
+        if checker.stopped:
+            break
+    return chunks + [checker.finish()]
+
+
+def test_stop_string_across_token_boundaries(debug_tokenizer: Tokenizer) -> None:
+    text = "def parse(args):\n    return args\n\nclass Parser:\n"
+    ids = debug_tokenizer.encode(text).ids
+    assert "\n\n" not in [debug_tokenizer.decode([t]) for t in ids]  # the stop spans tokens
+    checker = StopChecker(debug_tokenizer, stop=("rn a", "\n\nclass"))
+    assert "".join(feed(checker, ids)) == "def parse(args):\n    retu"
+    assert checker.stopped and checker.text == "def parse(args):\n    retu"
+
+
+def test_text_ending_in_a_stop_prefix_is_emitted_at_the_end(debug_tokenizer: Tokenizer) -> None:
+    checker = StopChecker(debug_tokenizer, stop=("\n\n\n",))
+    chunks = feed(checker, debug_tokenizer.encode("x = 1\n\n").ids)
+    assert chunks[-1].endswith("\n\n") and "".join(chunks) == "x = 1\n\n" and not checker.stopped
+
+
+def test_no_broken_utf8_when_a_character_spans_tokens(debug_tokenizer: Tokenizer) -> None:
+    text = "naïve café 😀 ok 🚀!"
+    ids = debug_tokenizer.encode(text).ids
+    assert any("\ufffd" in debug_tokenizer.decode([t]) for t in ids)  # emoji bytes are separate tokens
+    chunks = feed(StopChecker(debug_tokenizer), ids)
+    assert all("\ufffd" not in c for c in chunks)
+    assert "".join(chunks) == text
+    assert "".join(feed(StopChecker(debug_tokenizer, stop=("🚀",)), ids)) == "naïve café 😀 ok "
+
+
+def test_sampling_params_from_config_decodes_escapes() -> None:
+    params = SamplingParams.from_config(GenerateConfig(stop="\\n\\nclass", temperature=0.0))
+    assert params.stop == ("\n\nclass",) and params.temperature == 0.0
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading and the CLI
+
+
+@pytest.fixture
+def model_dir(varied_model: GPT, train_data: Path, tmp_path: Path) -> Path:
+    """A gptopt model dir whose meta names its tokenizer, as training checkpoints do."""
+    return checkpoint.save_model(varied_model, tmp_path / "model", extra={"tokenizer": str(train_data / "tokenizer.json")})
+
+
+def greedy_cli(model: Path | str, *extra: str) -> list[str]:
+    return ["generate", "--model", str(model), "--device", "cpu", "--temperature", "0", "--max_new_tokens", "12",
+            *extra]
+
+
+def test_cli_prompt_argument_streams_the_completion(model_dir: Path, debug_tokenizer: Tokenizer,
+                                                    varied_model: GPT, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(greedy_cli(model_dir, "def f(x):")) == 0
+    out, err = capsys.readouterr()
+    ids = debug_tokenizer.encode("def f(x):").ids
+    eot = debug_tokenizer.token_to_id("<|endoftext|>")  # the CLI stops at the end of a document
+    params = dataclasses.replace(GREEDY, max_new_tokens=12, stop_token_ids=(eot,))
+    expected = generate(Generator(varied_model, CPU), [ids], params)[0]
+    assert out == debug_tokenizer.decode(expected) + "\n"
+    assert "tokens/s" in err
+
+
+def test_cli_reads_the_prompt_from_stdin_and_stops_at_a_stop_string(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def f(x):\n"))
+    assert cli.main(greedy_cli(model_dir, "-")) == 0
+    full = capsys.readouterr().out.removesuffix("\n")
+    monkeypatch.setattr(sys, "stdin", io.StringIO("def f(x):"))  # same prompt: the newline echo adds is dropped
+    stop = full[4:7]
+    assert cli.main(greedy_cli(model_dir, "--stop", stop)) == 0
+    assert capsys.readouterr().out == full[: full.index(stop)] + "\n"
+
+
+def test_cli_batch_mode_writes_jsonl_and_refuses_to_overwrite(model_dir: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = ["import os", "def main():", "x", "class A:", "# comment"]
+    (tmp_path / "in.txt").write_text("\n".join(prompts) + "\n\n")
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts)))
+    out = tmp_path / "out.jsonl"
+    assert cli.main(greedy_cli(model_dir, "--input", str(tmp_path / "in.txt"), "--output", str(out),
+                               "--batch_size", "2")) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == prompts
+    assert all(r["tokens"] == 12 and r["finish_reason"] == "length" and r["completion"] for r in rows)
+    assert "generate" in capsys.readouterr().err  # the progress bar
+    # The same prompts from .jsonl, another batch size: the same greedy completions.
+    assert cli.main(greedy_cli(model_dir, "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "b.jsonl"),
+                               "--batch_size", "3")) == 0
+    assert [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()] == rows
+    with pytest.raises(ValueError, match="out.jsonl exists"):
+        gen_mod.main(GenerateConfig(model=str(model_dir), input=str(tmp_path / "in.txt"), output=str(out)))
+
+
+def test_cli_loads_a_training_output_dir(trained_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model, tok = load_for_inference(str(trained_out), tokenizer=None, plan=CPU)
+    assert model.config.vocab_size == tok.get_vocab_size() == 320
+    assert cli.main(greedy_cli(trained_out, "import")) == 0
+    assert "12 tokens" in capsys.readouterr().err
+
+
+def test_loads_a_hugging_face_dir_with_its_tokenizer_beside_it(varied_model: GPT, train_data: Path,
+                                                               tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    import shutil
+
+    from gptopt.hf import export_hf
+
+    directory = export_hf(varied_model, tmp_path / "hf")
+    shutil.copy(train_data / "tokenizer.json", directory / "tokenizer.json")
+    model, tok = load_for_inference(str(directory), tokenizer=None, plan=CPU)
+    assert tok.get_vocab_size() == 320
+    assert generate(Generator(model, CPU), [PROMPTS[0]], GREEDY) == generate(Generator(varied_model, CPU),
+                                                                             [PROMPTS[0]], GREEDY)
+
+
+def test_missing_model_or_tokenizer_is_a_clear_error(tmp_path: Path, varied_model: GPT) -> None:
+    with pytest.raises(ValueError, match="gptopt train"):
+        gen_mod.main(GenerateConfig(model=str(tmp_path / "nothing"), prompt="x"))
+    bare = checkpoint.save_model(varied_model, tmp_path / "bare")  # no tokenizer recorded or beside it
+    with pytest.raises(ValueError, match="--tokenizer"):
+        load_for_inference(str(bare), tokenizer=None, plan=CPU)
+
+
+def test_int8_weight_only_runs_on_cpu_and_says_it_is_slower(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    pytest.importorskip("torchao")
+    with caplog.at_level("WARNING", logger="gptopt"):
+        model, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU, quantize="int8")
+    assert "slower" in caplog.text
+    assert len(generate(Generator(model, CPU), [PROMPTS[0]], GREEDY)[0]) == GREEDY.max_new_tokens
+
+
+@pytest.mark.slow
+def test_compiled_static_decode_equals_eager(varied_model: GPT) -> None:
+    eager = generate(Generator(varied_model, CPU, max_batch_size=4), PROMPTS[:3], GREEDY)
+    assert generate(Generator(varied_model, CPU, max_batch_size=4, compile=True), PROMPTS[:3], GREEDY) == eager

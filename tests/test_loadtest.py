@@ -1,0 +1,95 @@
+"""The load tester against a live in-process server, a failing server and no server at all.
+
+    pytest -q tests/test_loadtest.py
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+pytest.importorskip("httpx")
+
+from gptopt.config import LoadtestConfig, ServeConfig, preset  # noqa: E402
+from gptopt.loadtest import distribution, main  # noqa: E402
+from gptopt.model import GPT  # noqa: E402
+from gptopt.serve.app import create_app, serve_in_thread  # noqa: E402
+
+STATS = {"mean", "p50", "p90", "p99"}
+
+
+@pytest.fixture(scope="module")
+def url(debug_tokenizer: Any) -> Iterator[str]:
+    torch.manual_seed(0)
+    model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size())).eval()
+    app = create_app(ServeConfig(model="debug", device="cpu", max_batch_size=4), model=model,
+                     tokenizer=debug_tokenizer)
+    with serve_in_thread(app) as server:
+        yield f"http://127.0.0.1:{server.port}"
+
+
+def last_json(out: str) -> dict[str, Any]:
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_closed_loop_reports_every_figure_and_no_errors(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = LoadtestConfig(url=url, requests=20, concurrency=4, prompt_tokens=8, max_tokens=8, json=True)
+    assert main(cfg) == 0
+    captured = capsys.readouterr()
+    summary = last_json(captured.out)
+    assert summary["errors"] == {} and summary["completed"] == 20
+    assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
+    assert 20 <= summary["output_tokens"] <= 20 * 8  # usage from the stream, at most max_tokens each
+    for key in ("ttft_s", "tpot_s", "itl_s"):
+        assert set(summary[key]) == STATS
+        assert 0 < summary[key]["p50"] <= summary[key]["p99"] < 30, key
+    assert summary["ttft_s"]["mean"] < summary["e2e_s"]["mean"]
+    assert "requests" in captured.err  # the progress bar
+
+
+def test_poisson_arrivals_complete(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(LoadtestConfig(url=url, requests=10, rate=50.0, prompt_tokens=4, max_tokens=4, json=True)) == 0
+    summary = last_json(capsys.readouterr().out)
+    assert summary["completed"] == 10 and summary["mode"] == "rate 50.0/s"
+
+
+def test_server_errors_are_counted_by_status(capsys: pytest.CaptureFixture[str]) -> None:
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    broken = FastAPI()
+    calls = {"n": 0}
+
+    @broken.post("/v1/completions")
+    async def fail() -> JSONResponse:
+        calls["n"] += 1
+        status = 429 if calls["n"] % 4 == 0 else 500
+        return JSONResponse({"error": {"message": "boom", "type": "server_error", "param": None, "code": None}},
+                            status)
+
+    with serve_in_thread(broken) as server:
+        cfg = LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=8, concurrency=2, json=True)
+        assert main(cfg) == 1
+    summary = last_json(capsys.readouterr().out)
+    assert summary["errors"] == {"500": 6, "429": 2} and summary["completed"] == 0
+    assert summary["ttft_s"] == {k: None for k in STATS}
+
+
+def test_unreachable_server_is_a_connect_error(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    assert main(LoadtestConfig(url=f"http://127.0.0.1:{port}", requests=3, concurrency=3, json=True)) == 1
+    assert last_json(capsys.readouterr().out)["errors"] == {"connect": 3}
+
+
+def test_distribution_percentiles() -> None:
+    d = distribution([float(x) for x in range(1, 101)])
+    assert d["mean"] == 50.5 and d["p50"] == 50.5 and d["p90"] == pytest.approx(90.1) and d["p99"] == pytest.approx(99.01)

@@ -1,0 +1,471 @@
+"""The server, in-process on 127.0.0.1 port 0 with a tiny random model, through real HTTP clients.
+
+    pytest -q tests/test_serve.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from gptopt.config import ServeConfig, preset  # noqa: E402
+from gptopt.model import GPT  # noqa: E402
+from gptopt.serve.app import MAX_BODY_BYTES, create_app, serve_in_thread  # noqa: E402
+from gptopt.serve.engine import TextFilter  # noqa: E402
+
+PROMPT = "def parse_args(self, args=None):"
+
+
+@contextlib.contextmanager
+def running(tokenizer: Any, decode_delay: float = 0.0, **overrides: Any) -> Iterator[tuple[str, Any]]:
+    """(base URL, app) of a live server with the debug model (the same weights every time)."""
+    torch.manual_seed(0)
+    model = GPT(preset("debug", vocab_size=tokenizer.get_vocab_size())).eval()
+    app = create_app(ServeConfig(model="debug", device="cpu", **overrides), model=model, tokenizer=tokenizer)
+    if decode_delay:  # slow requests down so several overlap, as under real load
+        gen, decode = app.state.engine.generator, app.state.engine.generator.decode
+
+        def slow_decode(*args: Any) -> torch.Tensor:
+            time.sleep(decode_delay)
+            return decode(*args)
+
+        gen.decode = slow_decode
+    with serve_in_thread(app) as server:
+        app.state.server = server
+        yield f"http://127.0.0.1:{server.port}", app
+
+
+@pytest.fixture(scope="module")
+def server(debug_tokenizer: Any) -> Iterator[tuple[str, Any]]:
+    with running(debug_tokenizer, max_batch_size=4) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def url(server: tuple[str, Any]) -> str:
+    return server[0]
+
+
+def completion(url: str, **body: Any) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, **body}, timeout=60)
+
+
+def sse(response: httpx.Response) -> list[Any]:
+    """The data frames of an SSE body, parsed; '[DONE]' stays a string."""
+    frames = [line[6:] for line in response.content.decode("utf-8").split("\n\n") if line.startswith("data: ")]
+    assert response.content.decode("utf-8").endswith("data: [DONE]\n\n")
+    return [f if f == "[DONE]" else json.loads(f) for f in frames]
+
+
+def assert_openai_error(r: httpx.Response, status: int, code: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    if code is not None:
+        assert err["code"] == code
+    return err
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)
+
+
+# -- endpoints ---------------------------------------------------------------------------------
+
+
+def test_generate_playbook_schema(url: str) -> None:
+    r = httpx.post(f"{url}/generate", json={"prompt": PROMPT, "max_length": 24, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert set(body) == {"generated_text", "inference_time"}
+    assert body["generated_text"].startswith(PROMPT) and len(body["generated_text"]) > len(PROMPT)
+    assert 0 < body["inference_time"] < 60
+
+
+def test_completion_fields_usage_and_greedy_determinism(url: str, debug_tokenizer: Any) -> None:
+    r = completion(url, max_tokens=8, temperature=0)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion" and body["model"] == "debug"
+    assert abs(body["created"] - time.time()) < 60
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["finish_reason"] in ("stop", "length") and choice["logprobs"] is None
+    usage = body["usage"]
+    assert usage["prompt_tokens"] == len(debug_tokenizer.encode(PROMPT).ids)
+    assert 1 <= usage["completion_tokens"] <= 8
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert completion(url, max_tokens=8, temperature=0).json()["choices"][0]["text"] == choice["text"]
+
+
+def test_prompt_list_and_n_give_every_choice_and_seeds_reproduce(url: str) -> None:
+    body = {"prompt": ["import os", "class A:"], "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 7}
+    first, again = completion(url, **body).json(), completion(url, **body).json()
+    assert [c["index"] for c in first["choices"]] == [0, 1, 2, 3]
+    assert first["choices"] == again["choices"]  # same seed, same samples
+    assert len({c["text"] for c in first["choices"]}) > 1  # each choice draws its own sample
+
+
+def test_echo_prepends_the_prompt(url: str) -> None:
+    text = completion(url, max_tokens=4, temperature=0, echo=True).json()["choices"][0]["text"]
+    assert text.startswith(PROMPT)
+
+
+def test_streaming_frames_done_usage_and_same_text_as_non_streaming(url: str) -> None:
+    body = {"max_tokens": 20, "temperature": 1.0, "seed": 3}
+    plain = completion(url, **body).json()
+    r = completion(url, stream=True, stream_options={"include_usage": True}, **body)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    frames = sse(r)  # decodes the whole body as strict UTF-8
+    assert frames[-1] == "[DONE]"
+    chunks, usage = frames[:-2], frames[-2]
+    assert usage["choices"] == [] and usage["usage"] == plain["usage"]
+    for c in chunks:
+        assert c["object"] == "text_completion" and c["id"] == chunks[0]["id"]
+        assert "\ufffd" not in c["choices"][0]["text"] or "\ufffd" in plain["choices"][0]["text"]
+    assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == plain["choices"][0]["finish_reason"]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == plain["choices"][0]["text"]
+
+
+def byte_token(tokenizer: Any, b: int) -> int:
+    """The id of the single-byte token for byte b in a byte-level BPE (GPT-2's byte -> character map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [x for x in range(256) if x not in printable]
+    char = chr(b) if b in printable else chr(256 + others.index(b))
+    return tokenizer.token_to_id(char)
+
+
+def test_streaming_splits_text_only_between_whole_characters(debug_tokenizer: Any) -> None:
+    script = [byte_token(debug_tokenizer, b) for b in "aé☕b".encode()]  # é and ☕ span 2 and 3 byte tokens
+    with running(debug_tokenizer) as (url, app):
+        gen = app.state.engine.generator
+        gen.sample = lambda logits, params, histories, rngs: [script[len(h) - n_prompt] for h in histories]
+        n_prompt = len(debug_tokenizer.encode(PROMPT).ids)
+        frames = sse(completion(url, stream=True, max_tokens=len(script)))
+    texts = [f["choices"][0]["text"] for f in frames[:-1]]
+    assert [t for t in texts if t] == ["a", "é", "☕", "b"]
+    assert frames[-2]["choices"][0]["finish_reason"] == "length"
+
+
+def test_stop_string_ends_the_text_before_it(url: str) -> None:
+    full = completion(url, max_tokens=16, temperature=0).json()["choices"][0]["text"]
+    stop = next((full[i : i + 2] for i in range(2, len(full) - 1) if full[i : i + 2].strip()), None)
+    if stop is None:
+        pytest.skip("greedy text has no usable stop string")
+    r = completion(url, max_tokens=16, temperature=0, stop=[stop, "@@never@@"]).json()
+    assert r["choices"][0] == {**r["choices"][0], "text": full[: full.find(stop)], "finish_reason": "stop"}
+
+
+def test_models_health_ready_docs(url: str) -> None:
+    models = httpx.get(f"{url}/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "debug"
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/ready").status_code == 200
+    assert httpx.get(f"{url}/docs").status_code == 200
+    assert "/v1/completions" in httpx.get(f"{url}/openapi.json").json()["paths"]
+
+
+def test_metrics_expose_histograms_gauges_and_counters(url: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    completion(url, max_tokens=4)
+    r = httpx.get(f"{url}/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in ("gptopt_time_to_first_token_seconds", "gptopt_inter_token_latency_seconds",
+                 "gptopt_e2e_request_latency_seconds", "gptopt_queue_time_seconds"):
+        assert families[name].type == "histogram"
+        count = next(s.value for s in families[name].samples if s.name == f"{name}_count")
+        assert count > 0, name
+    assert families["gptopt_requests_running"].samples[0].value == 0
+    assert families["gptopt_requests_waiting"].samples[0].value == 0
+    assert families["gptopt_generation_tokens"].samples[0].value > 0
+    assert families["gptopt_prompt_tokens"].samples[0].value > 0
+    ok = [s for s in families["gptopt_requests"].samples
+          if s.labels == {"route": "/v1/completions", "status": "200"} and s.name.endswith("_total")]
+    assert ok and ok[0].value > 0
+
+
+# -- bad input: 4xx with OpenAI's error body, never a 5xx ----------------------------------------
+
+
+@pytest.mark.parametrize("body, status, code", [
+    ({"prompt": ""}, 400, None),
+    ({"prompt": []}, 400, None),
+    ({"prompt": ["ok", ""]}, 400, None),
+    ({"prompt": "word " * 200}, 400, "context_length_exceeded"),
+    ({"prompt": "hello", "max_tokens": 64}, 400, "context_length_exceeded"),
+    ({"prompt": "hello", "temperature": -0.5}, 400, None),
+    ({"prompt": "hello", "top_p": 0}, 400, None),
+    ({"prompt": "hello", "top_p": 1.5}, 400, None),
+    ({"prompt": "hello", "n": 100}, 400, None),
+    ({"prompt": "hello", "max_tokens": 5000}, 400, None),
+    ({"prompt": "hello", "max_tokens": 0}, 400, None),
+    ({"prompt": 5}, 400, None),
+    ({"prompt": "hello", "max_tokens": "ten"}, 400, None),
+    ({"prompt": "hello", "stream": "yes"}, 400, None),
+    ({"prompt": "hello", "temperature": True}, 400, None),
+    ({"prompt": "hello", "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+    ({"prompt": "hello", "stop": [""]}, 400, None),
+    ({"prompt": "hello", "logprobs": 2}, 400, None),
+    ({"prompt": "hello", "model": "gpt-4"}, 404, "model_not_found"),
+    ({"prompt": ["a"] * 17}, 400, None),
+    ({}, 400, None),
+])
+def test_bad_completion_requests_get_4xx_openai_errors(url: str, body: dict[str, Any], status: int,
+                                                       code: str | None) -> None:
+    err = assert_openai_error(httpx.post(f"{url}/v1/completions", json=body, timeout=30), status, code)
+    if status == 400 and code is None and body:
+        assert err["param"] is not None
+
+
+@pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b'{"prompt": "x", "temperature": NaN}', b'{"prompt": '])
+def test_malformed_json_gets_400(url: str, raw: bytes) -> None:
+    r = httpx.post(f"{url}/v1/completions", content=raw, headers={"content-type": "application/json"})
+    assert_openai_error(r, 400)
+
+
+def test_oversized_body_gets_413(url: str) -> None:
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "' + b"a" * MAX_BODY_BYTES + b'"}',
+                   headers={"content-type": "application/json"})
+    assert_openai_error(r, 413)
+
+
+@pytest.mark.parametrize("body", [{"prompt": ""}, {"prompt": PROMPT, "max_length": 3},
+                                  {"prompt": "word " * 200}, {"prompt": "x", "temperature": -1}])
+def test_bad_generate_requests_get_400(url: str, body: dict[str, Any]) -> None:
+    assert_openai_error(httpx.post(f"{url}/generate", json=body), 400)
+
+
+def test_unknown_route_is_a_404_in_the_same_shape(url: str) -> None:
+    assert_openai_error(httpx.get(f"{url}/v1/nothing"), 404)
+
+
+# -- the engine under load -----------------------------------------------------------------------
+
+
+def test_continuous_batching_shares_decode_steps(debug_tokenizer: Any) -> None:
+    n, max_tokens = 4, 24
+    with running(debug_tokenizer, max_batch_size=n, decode_delay=0.005) as (url, app):
+        engine = app.state.engine
+        sizes: list[int] = []
+        decode = engine.generator.decode
+
+        def counted(slots: list[int], *args: Any) -> torch.Tensor:
+            sizes.append(len(slots))
+            return decode(slots, *args)
+
+        engine.generator.decode = counted
+        results: list[Any] = [None] * n
+
+        def send(i: int) -> None:
+            results[i] = completion(url, prompt=f"{PROMPT} {i}", max_tokens=max_tokens, temperature=0).json()
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    tokens = [r["usage"]["completion_tokens"] for r in results]
+    alone = sum(t - 1 for t in tokens)  # decode steps if each request ran by itself
+    assert max(sizes) == n  # all four in one forward pass
+    assert len(sizes) < 0.6 * alone, (len(sizes), tokens)
+
+
+def test_full_queue_gets_429_with_retry_after(debug_tokenizer: Any) -> None:
+    with running(debug_tokenizer, max_batch_size=1, max_queue=1, decode_delay=0.02) as (url, app):
+        engine = app.state.engine
+        threads = [threading.Thread(target=completion, args=(url,), kwargs={"max_tokens": 20}) for _ in range(2)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: engine.stats() == {"running": 1, "waiting": 1})
+        r = completion(url, max_tokens=20)
+        assert_openai_error(r, 429, "rate_limit_exceeded")
+        assert int(r.headers["retry-after"]) >= 1
+        for t in threads:
+            t.join()
+        assert completion(url, max_tokens=2).status_code == 200  # capacity is back
+
+
+def test_client_disconnect_frees_the_slot(debug_tokenizer: Any) -> None:
+    with running(debug_tokenizer, max_batch_size=2, decode_delay=0.02) as (url, app):
+        engine = app.state.engine
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break
+            assert engine.stats()["running"] == 1
+        wait_for(lambda: engine.stats()["running"] == 0, timeout=5)  # streaming client gone
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 40}, timeout=0.3)
+        wait_for(lambda: engine.stats()["running"] == 0, timeout=5)  # non-streaming client gone
+        steps = engine.steps
+        time.sleep(0.2)
+        assert engine.steps == steps  # nothing is still decoding for the departed clients
+
+
+def test_request_timeout_ends_with_504(debug_tokenizer: Any) -> None:
+    with running(debug_tokenizer, max_batch_size=1, decode_delay=0.02, request_timeout=0.2) as (url, app):
+        assert_openai_error(completion(url, max_tokens=40), 504, "timeout")
+        wait_for(lambda: app.state.engine.stats()["running"] == 0, timeout=5)
+
+
+def test_drain_finishes_in_flight_requests_and_refuses_new_ones(debug_tokenizer: Any) -> None:
+    with running(debug_tokenizer, max_batch_size=2, decode_delay=0.02) as (url, app):
+        engine = app.state.engine
+        result: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: result.update(r=completion(url, max_tokens=30, temperature=0)))
+        t.start()
+        wait_for(lambda: engine.stats()["running"] == 1)
+        engine.begin_drain()
+        ready = httpx.get(f"{url}/ready")
+        assert ready.status_code == 503 and ready.json()["status"] == "draining"
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert_openai_error(completion(url, max_tokens=2), 503, "draining")
+        t.join()
+        assert result["r"].status_code == 200
+
+
+def test_sigterm_lets_the_open_stream_finish(debug_tokenizer: Any) -> None:
+    with running(debug_tokenizer, max_batch_size=1, decode_delay=0.02) as (url, app):
+        engine = app.state.engine
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", f"{url}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            app.state.server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+            assert engine.draining
+            rest = [line for line in lines if line.startswith("data: ")]
+        frames = [json.loads(f[6:]) for f in [first, *rest[:-1]]]
+        assert rest[-1] == "data: [DONE]" and frames[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        app.state.server.thread.join(timeout=30)
+        assert not app.state.server.thread.is_alive() and not engine.alive
+
+
+def test_a_model_that_does_not_fit_fails_at_start_up(debug_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from gptopt.serve import engine as engine_module
+
+    def oom(self: Any) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(engine_module.Engine, "warmup", oom)
+    model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size()))
+    with pytest.raises(ValueError, match="lower --max_batch_size"):
+        create_app(ServeConfig(model="debug", device="cpu"), model=model, tokenizer=debug_tokenizer)
+
+
+def test_loads_a_training_output_dir_once_at_start_up(trained_out: Path) -> None:
+    app = create_app(ServeConfig(model=str(trained_out), device="cpu", max_batch_size=2))
+    with serve_in_thread(app) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["id"] == trained_out.name
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "import os", "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+
+
+# -- auth, CORS, blocklist -------------------------------------------------------------------------
+
+
+def test_api_key_required_when_set(debug_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    with running(debug_tokenizer, api_key="s3cret") as (url, _):
+        assert_openai_error(completion(url, max_tokens=2), 401, "invalid_api_key")
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       headers={"Authorization": "Bearer wrong"})
+        assert_openai_error(r, 401)
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2},
+                       headers={"Authorization": "Bearer s3cret"})
+        assert r.status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+    monkeypatch.setenv("GPTOPT_API_KEY", "from-env")
+    with running(debug_tokenizer) as (url, _):
+        assert_openai_error(httpx.post(f"{url}/generate", json={"prompt": "x"}), 401)
+        r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer from-env"})
+        assert r.status_code == 200
+
+
+def test_cors_only_for_the_given_origin(url: str, debug_tokenizer: Any) -> None:
+    assert "access-control-allow-origin" not in httpx.get(f"{url}/health", headers={"Origin": "http://a.b"}).headers
+    with running(debug_tokenizer, cors_origin="http://a.b") as (cors_url, _):
+        r = httpx.options(f"{cors_url}/v1/completions", headers={
+            "Origin": "http://a.b", "Access-Control-Request-Method": "POST"})
+        assert r.headers["access-control-allow-origin"] == "http://a.b"
+
+
+def test_blocklist_refuses_prompts_and_cuts_output(url: str, debug_tokenizer: Any, tmp_path: Path) -> None:
+    sampled = {"max_tokens": 20, "temperature": 1.0, "seed": 1}
+    full = completion(url, **sampled).json()["choices"][0]["text"]
+    piece = next((full[i : i + 2] for i in range(4, len(full) - 1)
+                  if full[i : i + 2].isprintable() and full[i : i + 2].lower() not in PROMPT.lower()), None)
+    assert piece is not None, full
+    blocklist = tmp_path / "blocklist.txt"
+    blocklist.write_text(f"# comment\nforbidden\nsecr[e3]t\n{re.escape(piece)}\n")
+    with running(debug_tokenizer, blocklist=str(blocklist)) as (bl_url, _):
+        assert_openai_error(completion(bl_url, prompt="a ForBidden word"), 400, "content_filter")
+        assert_openai_error(completion(bl_url, prompt="my secr3t"), 400, "content_filter")
+        choice = completion(bl_url, **sampled).json()["choices"][0]
+        assert choice["finish_reason"] == "content_filter"
+        assert choice["text"] == full[: re.search(re.escape(piece), full, re.I).start()]
+        frames = sse(completion(bl_url, stream=True, **sampled))
+        assert "".join(f["choices"][0]["text"] for f in frames[:-1]) == choice["text"]
+        assert frames[-2]["choices"][0]["finish_reason"] == "content_filter"
+
+
+def test_text_filter_holds_back_what_could_still_match() -> None:
+    f = TextFilter([re.compile("bad", re.I)])
+    assert f.push("a b") == ("", False)  # "a b" could be the start of nothing, but holdback is 3
+    assert f.push("a") == ("a", False)
+    assert f.push("d!") == (" ", True)  # "bad" spans three pushes; the text stops before it
+    g = TextFilter([re.compile("zz")])
+    assert g.push("abc") == ("a", False) and g.push("", final=True) == ("bc", False)
+
+
+# -- clients ----------------------------------------------------------------------------------------
+
+
+def test_openai_client_round_trip(url: str) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="x")
+    assert [m.id for m in client.models.list()] == ["debug"]
+    c = client.completions.create(model="debug", prompt=PROMPT, max_tokens=6, temperature=0)
+    assert c.choices[0].finish_reason in ("stop", "length") and c.usage.completion_tokens >= 1
+    chunks = list(client.completions.create(model="debug", prompt=PROMPT, max_tokens=6, temperature=0,
+                                            stream=True))
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == c.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="debug", prompt=PROMPT, max_tokens=6, temperature=-1)
+    assert e.value.status_code == 400
+
+
+def test_schemathesis_finds_no_server_errors(url: str) -> None:
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+    from schemathesis.generation import GenerationMode
+
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    cases = st.one_of(schema.as_strategy(GenerationMode.POSITIVE), schema.as_strategy(GenerationMode.NEGATIVE))
+
+    @settings(max_examples=100, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=cases)
+    def check(case: Any) -> None:
+        response = case.call(base_url=url, timeout=60)
+        assert response.status_code < 500, (case.method, case.path, case.body, response.text)
+
+    check()
