@@ -253,6 +253,7 @@ class BenchConfig:
     seq_len: int | None = opt(None, "sequence length; default: 256 on a CPU, 1024 on a GPU")
     steps: int = opt(10, "timed steps per rung (after warm-up); the median and p10/p90 come from these")
     warmup: int = opt(3, "untimed steps per rung before timing (compile happens in the first)")
+    mode: str = opt("train", "train: the training ladder; infer: the generation ladder", choices=("train", "infer"))
     rungs: str = opt("default", "comma-separated rungs, 'default' or 'all'; `--rungs list` prints them")
     loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails")
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
