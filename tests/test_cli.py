@@ -1,6 +1,6 @@
 """The command line: verbs, options from the config dataclasses, TOML configs, errors.
 
-    pytest -q tests/test_cli.py
+pytest -q tests/test_cli.py
 """
 
 from __future__ import annotations
@@ -16,7 +16,159 @@ from gptopt.config import DoctorConfig
 
 # The option surface grows only on purpose: a new flag must be added here too.
 EXPECTED_OPTIONS = {
-    "doctor": {"device", "preset", "smoke", "json"},
+    "doctor": {"device", "json", "preset", "smoke"},
+    "prepare": {
+        "dataset",
+        "dataset_config",
+        "dataset_split",
+        "input",
+        "max_documents",
+        "num_workers",
+        "output_dir",
+        "overwrite",
+        "seed",
+        "text_field",
+        "tokenizer",
+        "val_fraction",
+        "vocab_size",
+    },
+    "train": {
+        "amp_dtype",
+        "attention",
+        "auto_batch_size",
+        "batch_size",
+        "beta1",
+        "beta2",
+        "compile_fullgraph",
+        "compile_mode",
+        "cpu_offload",
+        "data_dir",
+        "device",
+        "dropout",
+        "eval_interval",
+        "eval_iters",
+        "fsdp",
+        "fused_optimizer",
+        "grad_clip",
+        "gradient_accumulation_steps",
+        "gradient_checkpointing",
+        "init_from",
+        "learning_rate",
+        "log_interval",
+        "max_bad_steps",
+        "max_steps",
+        "max_tokens",
+        "min_lr",
+        "num_workers",
+        "output_dir",
+        "overwrite",
+        "persistent_workers",
+        "pin_memory",
+        "prefetch_factor",
+        "preset",
+        "profile",
+        "resume",
+        "sample_tokens",
+        "save_interval",
+        "save_total_limit",
+        "seed",
+        "seq_len",
+        "tensorboard",
+        "time_budget",
+        "use_amp",
+        "use_compile",
+        "vocab_pad_multiple",
+        "warmup_steps",
+        "weight_decay",
+    },
+    "bench": {
+        "batch_size",
+        "data_dir",
+        "device",
+        "json",
+        "loss_tolerance",
+        "mode",
+        "output_dir",
+        "preset",
+        "rungs",
+        "seed",
+        "seq_len",
+        "steps",
+        "warmup",
+    },
+    "profile": {
+        "active",
+        "amp_dtype",
+        "attention",
+        "batch_size",
+        "compile_mode",
+        "data_dir",
+        "device",
+        "gradient_checkpointing",
+        "json",
+        "mode",
+        "num_workers",
+        "output_dir",
+        "pin_memory",
+        "preset",
+        "row_limit",
+        "seq_len",
+        "use_amp",
+        "use_compile",
+        "wait",
+        "warmup",
+    },
+    "generate": {
+        "batch_size",
+        "compile",
+        "device",
+        "dtype",
+        "input",
+        "max_new_tokens",
+        "model",
+        "output",
+        "prompt",
+        "quantize",
+        "repetition_penalty",
+        "seed",
+        "stop",
+        "temperature",
+        "tokenizer",
+        "top_k",
+        "top_p",
+    },
+    "serve": {
+        "api_key",
+        "blocklist",
+        "compile",
+        "cors_origin",
+        "device",
+        "dtype",
+        "host",
+        "max_batch_size",
+        "max_queue",
+        "max_tokens_limit",
+        "model",
+        "model_name",
+        "port",
+        "quantize",
+        "request_timeout",
+        "tokenizer",
+    },
+    "loadtest": {
+        "api_key",
+        "concurrency",
+        "json",
+        "max_tokens",
+        "model",
+        "prompt_tokens",
+        "rate",
+        "requests",
+        "seed",
+        "temperature",
+        "timeout",
+        "url",
+    },
 }
 
 
@@ -30,7 +182,9 @@ def test_help_lists_every_verb(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_python_dash_m_entry_point_runs() -> None:
-    res = subprocess.run([sys.executable, "-m", "gptopt", "--help"], capture_output=True, text=True, timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "gptopt", "--help"], capture_output=True, text=True, timeout=120
+    )
     assert res.returncode == 0
     assert "doctor" in res.stdout
 
@@ -85,7 +239,9 @@ def test_toml_config_then_flags_override(tmp_path: Path) -> None:
         (["--smok"], "unrecognized arguments: --smok"),  # no silent abbreviations
     ],
 )
-def test_bad_options_exit_2_naming_the_option(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_options_exit_2_naming_the_option(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(["doctor", *argv])
     assert e.value.code == 2
@@ -100,7 +256,9 @@ def test_bad_options_exit_2_naming_the_option(argv: list[str], message: str, cap
         ("preset = [\n", "not valid TOML"),
     ],
 )
-def test_bad_toml_exits_2(tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_bad_toml_exits_2(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     path = tmp_path / "bad.toml"
     path.write_text(text)
     with pytest.raises(SystemExit) as e:
