@@ -342,6 +342,10 @@ def best_train_config(summary: dict[str, Any], data_dir: str) -> dict[str, Any] 
 
 
 def main(cfg: BenchConfig) -> int:
+    if cfg.mode == "infer":
+        from gptopt.bench.infer import main as infer_main
+
+        return infer_main(cfg)
     from gptopt.bench import report
 
     if cfg.rungs.strip() == "list":

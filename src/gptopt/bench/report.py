@@ -1,4 +1,5 @@
-"""Bench output: the terminal table, report.md, results.json / .csv, PNG plots and best.toml.
+"""Bench output: the terminal table, report.md, results.json / .csv, PNG plots and best.toml; and the
+same for the inference ladder (`--mode infer`): infer_report.md, infer_results.json / .csv, a sweep plot.
 
     python -c "import json; from gptopt.bench.report import table; print(table(json.load(open('bench_out/results.json'))))"
 """
@@ -166,6 +167,24 @@ def plot(summary: dict[str, Any], out: Path) -> list[str]:
     return files
 
 
+def text_table(head: list[str], body: list[list[str]]) -> str:
+    """Aligned columns for the terminal: the first left-aligned, the figures right-aligned."""
+    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
+
+    def line(cells: list[str]) -> str:
+        pairs = enumerate(zip(cells, widths, strict=True))
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in pairs)
+
+    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def md_table(head: list[str], body: list[list[str]]) -> list[str]:
+    def row(cells: list[str]) -> str:
+        return "| " + " | ".join(cells) + " |"
+
+    return [row(head), "|" + "---|" * len(head), *map(row, body)]
+
+
 def to_json(summary: dict[str, Any]) -> str:
     return json.dumps(summary, default=str, separators=(",", ":"))
 
@@ -182,3 +201,102 @@ def write_all(summary: dict[str, Any], out: Path, best_opts: dict[str, Any] | No
         (out / "best.toml").write_text(best_toml)
     plots = plot(summary, out)
     (out / "report.md").write_text(markdown(summary, plots, best_toml))
+
+
+# ----------------------------------------------------------------------------------------------
+# `gptopt bench --mode infer` (bench/infer.py): infer_report.md, infer_results.json / .csv, sweep plot
+
+INFER_COLUMNS = [("rung", "name", "str"), ("prefill ms", "prefill_s", "ms"), ("TTFT ms", "ttft_s", "ms"),
+                 ("decode tok/s", "decode_tokens_per_s", "int"), ("GB/s", "bandwidth_gbs", "s"),
+                 ("of peak", "bandwidth_util", "pct"), ("tokens match", "tokens_match", "pct"),
+                 ("max logit diff", "max_logit_diff", "f"), ("vs baseline", "speedup_vs_baseline", "x"),
+                 ("status", "status", "str")]
+
+
+def _infer_rows(summary: dict[str, Any]) -> list[list[str]]:
+    return [[_fmt(r[key], kind) for _, key, kind in INFER_COLUMNS] for r in summary["rungs"]]
+
+
+def _sweep_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
+    head = ["rung"] + [f"b{b}" for b in summary["batch_sizes"]]
+    body = []
+    for r in summary["rungs"]:
+        tps = {p["batch_size"]: p["tokens_per_s"] for p in r["batch_sweep"]}
+        body.append([r["name"]] + [_fmt(tps.get(b), "int") for b in summary["batch_sizes"]])
+    return head, body
+
+
+def _bandwidth_bound(summary: dict[str, Any]) -> str:
+    if summary["peak_bandwidth"]:
+        return f"bandwidth against {summary['bandwidth_source']}"
+    return f"achieved GB/s only: the bound is unknown ({summary['bandwidth_source']})"
+
+
+def infer_table(summary: dict[str, Any]) -> str:
+    title = (f"{summary['preset']} ({summary['dtype']}): prompt {summary['prompt_len']} tokens, "
+             f"{summary['max_new_tokens']} new, greedy; {_bandwidth_bound(summary)}")
+    notes = [f"  {r['name']}: {r['note']}" for r in summary["rungs"] if r["note"]]
+    sweep = text_table(*_sweep_rows(summary))
+    return "\n".join([title, text_table([c[0] for c in INFER_COLUMNS], _infer_rows(summary)), *notes,
+                      "", "decode tokens/s by batch size", sweep])
+
+
+def infer_markdown(summary: dict[str, Any], plot_file: str | None) -> str:
+    env, s = summary["environment"], summary
+    md = [f"# gptopt bench --mode infer: {s['preset']}", "",
+          f"- device: {env.get('device_name', env.get('device'))} ({s['device_policy']})",
+          f"- torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}, gptopt {env['gptopt']}",
+          f"- model: {s['params'] / 1e6:.2f}M parameters, random weights (std 0.5: greedy text varies), "
+          f"{s['dtype']} unless the rung says otherwise",
+          f"- {s['prompt_len']}-token prompts from the val split, {s['max_new_tokens']} new tokens, greedy; "
+          f"{s['warmup']} untimed warm-up run(s), then medians of {s['steps']} (prefill, TTFT) and "
+          f"{s['repeats']} (generations), device-synchronised",
+          "- decode tokens/s leave prefill out; bytes per token = weights + KV cache read at batch 1; "
+          + _bandwidth_bound(s),
+          f"- tokens match: the first {s['agree_tokens']} greedy tokens against the baseline "
+          f"({s['baseline']}); max logit diff: against fp32 gptopt on the same prompt", ""]
+    md += md_table([c[0] for c in INFER_COLUMNS], _infer_rows(s))
+    md += ["", "## Decode tokens/s by batch size", "", *md_table(*_sweep_rows(s))]
+    md += ["", "## What each rung changes", ""]
+    md += [f"- **{r['name']}**: {r['what']}" + (f" — {r['note']}" if r["note"] else "") for r in s["rungs"]]
+    md += ["", f"![batch sweep]({plot_file})"] if plot_file else []
+    return "\n".join(md) + "\n"
+
+
+def infer_plot(summary: dict[str, Any], out: Path) -> str | None:
+    """infer_batch_sweep.png (plot extra): decode tokens/s against batch size, one line per rung."""
+    curves = [r for r in summary["rungs"] if r["batch_sweep"]]
+    if not has("matplotlib") or not curves:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for r in curves:
+        sweep = r["batch_sweep"]
+        ax.plot([p["batch_size"] for p in sweep], [p["tokens_per_s"] for p in sweep], "o-", label=r["name"])
+    ax.set(xscale="log", yscale="log", xlabel="batch size", ylabel="decode tokens/s",
+           title=f"{summary['preset']}: decode throughput by batch size")
+    ax.set_xticks(summary["batch_sizes"], [str(b) for b in summary["batch_sizes"]])
+    ax.xaxis.set_minor_locator(plt.NullLocator())  # the batch sizes alone label the axis
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "infer_batch_sweep.png", dpi=110)
+    plt.close(fig)
+    return "infer_batch_sweep.png"
+
+
+def write_infer(summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "infer_results.json").write_text(json.dumps(summary, indent=2, default=str))
+    fields = [key for _, key, _ in INFER_COLUMNS] + ["bytes_per_token", "dtype", "note"]
+    with open(out / "infer_results.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields + [f"tokens_per_s_b{b}" for b in summary["batch_sizes"]],
+                           extrasaction="ignore")
+        w.writeheader()
+        for r in summary["rungs"]:
+            sweep = {f"tokens_per_s_b{p['batch_size']}": p["tokens_per_s"] for p in r["batch_sweep"]}
+            w.writerow({**r, **sweep})
+    (out / "infer_report.md").write_text(infer_markdown(summary, infer_plot(summary, out)))

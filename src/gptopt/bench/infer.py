@@ -1,0 +1,386 @@
+"""The inference ladder: Hugging Face `generate` against gptopt's Generator, compiled, bf16 and int8.
+
+    gptopt bench --mode infer                       # tiny on a CPU, gpt2 on a GPU
+    gptopt bench --mode infer --rungs hf,kv,compiled --batch_size 8 --json
+
+Every rung decodes the same real prompts (windows of the val split) with the same weights, greedily,
+so its tokens can be compared with the baseline's. --seq_len bounds prompt + completion: the prompt
+is min(seq_len // 2, 128) tokens, then up to 64 (CPU) / 256 (GPU) new ones. --batch_size is the
+largest batch of the sweep (default 16 on a CPU, 64 on a GPU); --steps times each prefill and first
+token, max(3, steps // 3) each whole generation; --warmup runs come first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import inspect
+import logging
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from gptopt import data
+from gptopt.bench import report
+from gptopt.config import BenchConfig, preset_for_data
+from gptopt.device import DevicePlan, environment, memory_bandwidth, resolve
+from gptopt.extras import has, require
+from gptopt.generate import Generator, SamplingParams, generate, quantize_int8
+from gptopt.model import GPT
+from gptopt.train import is_oom
+
+log = logging.getLogger("gptopt")
+
+AGREE_TOKENS = 32  # tokens compared with the baseline's: greedy paths may part later on near-ties
+GREEDY = dict(temperature=0.0, top_k=None)
+_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+
+
+@dataclass(frozen=True)
+class InferRung:
+    name: str
+    what: str
+    hf: bool = False
+    compile: bool = False
+    bf16: bool = False  # bf16 weights instead of the device's inference dtype
+    int8: bool = False
+
+
+RUNGS: list[InferRung] = [
+    InferRung("hf", "Hugging Face generate (dynamic KV cache, SDPA) in the device's dtype: the baseline",
+              hf=True),
+    InferRung("kv", "gptopt Generator: preallocated KV cache, prefill + decode, eager"),
+    InferRung("compiled", "+ torch.compile of the decode step over a static cache (CUDA graphs on GPUs)",
+              compile=True),
+    InferRung("bf16", "compiled, bf16 weights", compile=True, bf16=True),
+    InferRung("int8", "compiled, torchao int8 weight-only Linear layers", compile=True, int8=True),
+]
+
+
+def select_rungs(spec: str) -> list[InferRung]:
+    by_name = {r.name: r for r in RUNGS}
+    names: list[str] = []
+    for part in [p.strip() for p in spec.split(",") if p.strip()]:
+        if part not in by_name and part not in ("default", "all"):
+            valid = ", ".join([*by_name, "default", "all"])
+            raise ValueError(f"unknown rung {part!r} for --mode infer; valid rungs: {valid}")
+        names += list(by_name) if part in ("default", "all") else [part]
+    return [by_name[n] for n in dict.fromkeys(names)]
+
+
+@dataclass
+class InferResult:
+    name: str
+    what: str
+    status: str = "ok"  # ok | oom | skipped | failed
+    note: str = ""
+    dtype: str = ""
+    prefill_s: float | None = None  # the prompt's forward alone, batch 1
+    ttft_s: float | None = None  # prefill + the first token on the host, batch 1
+    decode_tokens_per_s: float | None = None  # batch 1, prefill excluded
+    batch_sweep: list[dict[str, Any]] = field(default_factory=list)  # {batch_size, tokens_per_s}
+    bytes_per_token: int | None = None  # weights + KV cache read per decode step at batch 1
+    bandwidth_gbs: float | None = None
+    bandwidth_util: float | None = None
+    tokens_match: float | None = None  # share of the first AGREE_TOKENS equal to the baseline's
+    max_logit_diff: float | None = None  # against fp32 gptopt on the same prompt (last position)
+    speedup_vs_baseline: float | None = None
+    tokens: list[int] = field(default_factory=list)
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes a tensor occupies; quantised subclasses (torchao) are summed over their inner tensors."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    return t.numel() * t.element_size()
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Weight bytes one decode step reads: embedding tables are skipped (one row per token is read),
+    the tied lm_head is counted through its Linear (the full matrix is read)."""
+    params = {id(p): p for m in model.modules() if not isinstance(m, nn.Embedding)
+              for p in m.parameters(recurse=False)}
+    return sum(tensor_bytes(p) for p in params.values())
+
+
+def _timed(fn: Callable[[], object], plan: DevicePlan, warmup: int, repeats: int) -> float:
+    """Median wall time of fn, device-synchronised, after warm-up calls (compile, capture, caches)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        plan.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        plan.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class GptoptRunner:
+    """A rung on gptopt's Generator: one Generator per batch size, since a static cache has one shape."""
+
+    def __init__(self, model: GPT, plan: DevicePlan, max_len: int, *, compile: bool) -> None:
+        self.model, self.plan, self.max_len, self.compile = model, plan, max_len, compile
+        self.gen: Generator | None = None
+
+    def _for(self, batch: int) -> Generator:
+        if self.gen is None or self.gen.max_batch_size != batch:
+            self.gen = None  # the last cache goes before the next is allocated
+            _free_memory(self.plan)
+            self.gen = Generator(self.model, self.plan, max_batch_size=batch, max_len=self.max_len,
+                                 compile=self.compile)
+        return self.gen
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        return generate(self._for(len(prompts)), prompts, SamplingParams(max_new_tokens=n, **GREEDY))
+
+    def last_logits(self, prompt: list[int]) -> torch.Tensor:
+        gen = self.gen or self._for(1)
+        try:
+            return gen.prefill(0, prompt)
+        finally:
+            gen.free(0)
+
+
+class HFRunner:
+    """The baseline: transformers' GPT2LMHeadModel.generate, greedy, as a user would call it."""
+
+    def __init__(self, model: GPT, plan: DevicePlan, dtype: torch.dtype) -> None:
+        from gptopt.hf import to_hf_model
+
+        transformers = require("transformers", "hf", "the Hugging Face baseline")
+        self.model = to_hf_model(model, attn_implementation="sdpa").to(plan.device, dtype).eval()
+        self.device = plan.device
+        self.config = transformers.GenerationConfig
+        # Only the last position's logits, as generate's own prefill asks for (transformers >= 4.50).
+        keep = "logits_to_keep" in inspect.signature(self.model.forward).parameters
+        self.forward_kw = {"logits_to_keep": 1} if keep else {}
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        ids = torch.tensor(prompts, device=self.device)
+        # No end-of-text id: min_new_tokens would mask it until token n and change argmaxes gptopt's
+        # generator (run without stop ids) keeps; without one, max_new_tokens fixes every length.
+        cfg = self.config(do_sample=False, use_cache=True, max_new_tokens=n, min_new_tokens=n,
+                          eos_token_id=None, pad_token_id=0)
+        out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+        return out[:, ids.shape[1]:].tolist()
+
+    @torch.no_grad()
+    def last_logits(self, prompt: list[int]) -> torch.Tensor:
+        ids = torch.tensor([prompt], device=self.device)
+        return self.model(input_ids=ids, use_cache=True, **self.forward_kw).logits[0, -1].float()
+
+
+def _free_memory(plan: DevicePlan) -> None:
+    gc.collect()  # a rung's model and caches hold device memory the next one needs
+    if plan.device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+class InferBench:
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        self.plan = resolve(cfg.device)
+        gpu = self.plan.device.type == "cuda"
+        self.preset = cfg.preset or ("gpt2" if gpu else "tiny")
+        self.data = data.open_data(cfg.data_dir)
+        vocab = self.data.vocab_size or self.data.max_token_id() + 1
+        self.model_config = preset_for_data(self.preset, vocab)
+        self.data.check_vocab(self.model_config.vocab_size)
+        seq_len = min(cfg.seq_len or (1024 if gpu else 256), self.model_config.block_size)
+        if seq_len < 4:
+            raise ValueError(f"--seq_len must be >= 4 in --mode infer (prompt + 2 new tokens), got {seq_len}")
+        self.prompt_len = min(seq_len // 2, 128)
+        self.new_tokens = min(256 if gpu else 64, seq_len - self.prompt_len)
+        self.max_len = self.prompt_len + self.new_tokens
+        top = cfg.batch_size or (64 if gpu else 16)
+        self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < top] + [top]
+        self.repeats = max(3, cfg.steps // 3)
+        # The device's inference dtype, as load_for_inference's "auto": fp32 on CPUs, the plan's half on GPUs.
+        cpu = self.plan.device.type == "cpu"
+        self.base_dtype = torch.float32 if cpu else (self.plan.amp_dtype or torch.float32)
+        self.prompts = self._prompts(self.batch_sizes[-1])
+        torch.manual_seed(cfg.seed)
+        init = GPT(self.model_config)
+        # GPT-2's 0.02 init makes a random model repeat its last prompt token, so any two
+        # implementations would agree trivially; wide weights make greedy text change every token.
+        with torch.no_grad():
+            for p in init.parameters():
+                if p.dim() == 2:
+                    p.normal_(0.0, 0.5)
+        self.params = init.num_params()
+        self.init_state = {k: v.clone() for k, v in init.state_dict().items()}
+        precision = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision("highest")  # the reference in true fp32, not TF32
+        ref = GptoptRunner(self._model(torch.float32), self.plan, self.max_len, compile=False)
+        self.ref_logits = ref.last_logits(self.prompts[0]).cpu()
+        torch.set_float32_matmul_precision(precision)
+        self.peak_bandwidth, self.bandwidth_source = memory_bandwidth(self.plan)
+        self.results: list[InferResult] = []
+
+    def _prompts(self, n: int) -> list[list[int]]:
+        """n real windows of prompt_len tokens, evenly spread over the val split (train if val is short)."""
+        tokens = self.data.tokens("val")
+        if len(tokens) < self.prompt_len + n:
+            tokens = self.data.tokens("train")
+        starts = torch.linspace(0, len(tokens) - self.prompt_len, n).long().tolist()
+        return [tokens[s : s + self.prompt_len].astype("int64").tolist() for s in starts]
+
+    def _model(self, dtype: torch.dtype) -> GPT:
+        model = GPT(self.model_config)
+        model.load_state_dict(self.init_state)
+        return model.to(self.plan.device, dtype).eval()
+
+    def _skip(self, rung: InferRung) -> str | None:
+        if rung.hf and not has("transformers"):
+            return "needs the 'hf' extra: pip install 'gptopt[hf]'"
+        if rung.int8 and not has("torchao"):
+            return "needs the 'quant' extra: pip install 'gptopt[quant]'"
+        if rung.bf16 and self.base_dtype == torch.bfloat16:
+            return "the weights are already bf16 on this device: see the kv and compiled rungs"
+        if rung.bf16 and self.plan.amp_dtype != torch.bfloat16:
+            return f"no native bf16 here, it would be emulated and slower ({self.plan.reason})"
+        return None
+
+    # -- one rung --------------------------------------------------------------------------
+
+    def run_rung(self, rung: InferRung) -> InferResult:
+        dtype = torch.bfloat16 if rung.bf16 else self.base_dtype
+        res = InferResult(name=rung.name, what=rung.what,
+                          dtype="int8" if rung.int8 else str(dtype).removeprefix("torch."))
+        skip = self._skip(rung)
+        if skip:
+            res.status, res.note = "skipped", skip
+            return res
+        try:
+            self._measure(rung, dtype, res)  # its model and caches are gone when it returns
+        except Exception as e:
+            res.status = "oom" if is_oom(e) else "failed"
+            res.note = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            log.warning(f"rung {rung.name} {res.status}: {res.note}")
+        finally:
+            _free_memory(self.plan)
+            torch._dynamo.reset()  # each rung compiles afresh; caches must not leak between rungs
+        return res
+
+    def _measure(self, rung: InferRung, dtype: torch.dtype, res: InferResult) -> None:
+        plan, cfg = self.plan, self.cfg
+        runner: GptoptRunner | HFRunner
+        if rung.hf:
+            runner, kv_dtype = HFRunner(self._model(torch.float32), plan, dtype), dtype
+        else:
+            model = self._model(dtype)
+            if rung.int8:
+                quantize_int8(model, plan)
+            kv_dtype = model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
+            runner = GptoptRunner(model, plan, self.max_len, compile=rung.compile)
+        p0 = self.prompts[0]
+        res.max_logit_diff = (runner.last_logits(p0).cpu() - self.ref_logits).abs().max().item()
+        res.tokens = runner.generate([p0], self.new_tokens)[0][:AGREE_TOKENS]  # also a warm-up (compiles)
+        res.prefill_s = _timed(lambda: runner.last_logits(p0), plan, cfg.warmup, cfg.steps)
+        res.batch_sweep, res.ttft_s = self._sweep(runner, res)
+        if not res.batch_sweep:
+            return
+        res.decode_tokens_per_s = res.batch_sweep[0]["tokens_per_s"]
+        res.bytes_per_token = self._bytes_per_token(runner.model, kv_dtype, static=rung.compile)
+        res.bandwidth_gbs = res.bytes_per_token * res.decode_tokens_per_s / 1e9
+        if self.peak_bandwidth:
+            res.bandwidth_util = res.bandwidth_gbs * 1e9 / self.peak_bandwidth
+
+    def _sweep(self, runner: GptoptRunner | HFRunner, res: InferResult) -> tuple[list[dict[str, Any]], float]:
+        """Decode tokens/s per batch size: B * (N - 1) new tokens over T(N tokens) - T(1 token), so
+        prefill and the first token are left out; and the TTFT, T(1 token) at batch 1. Stops at the
+        first batch that does not fit."""
+        plan, cfg, n = self.plan, self.cfg, self.new_tokens
+        out: list[dict[str, Any]] = []
+        ttft = 0.0
+        for b in self.batch_sizes:
+            prompts = self.prompts[:b]
+            warmup = cfg.warmup if b == 1 else 1  # batch 1 warmed clocks and caches; a new batch compiles
+            try:
+                t_first = _timed(lambda p=prompts: runner.generate(p, 1), plan, warmup, cfg.steps)
+                t_all = _timed(lambda p=prompts: runner.generate(p, n), plan, warmup, self.repeats)
+            except Exception as e:
+                if not is_oom(e):
+                    raise
+                res.status = "oom" if not out else res.status
+                res.note = f"out of memory at batch {b}" + ("" if out else "; nothing fits")
+                break
+            decode = t_all - t_first if t_all > t_first else t_all  # noise guard: never a negative time
+            out.append({"batch_size": b, "tokens_per_s": b * (n - 1) / decode})
+            ttft = ttft or t_first
+        return out, ttft
+
+    def _bytes_per_token(self, model: nn.Module, kv_dtype: torch.dtype, *, static: bool) -> int:
+        # A static (compiled) cache attends over all max_len positions every step; a dynamic one over
+        # the tokens so far: prompt + N/2 on average over the decode steps.
+        c = self.model_config
+        keys = self.max_len if static else self.prompt_len + self.new_tokens // 2
+        kv = 2 * c.n_layer * c.n_embd * keys * torch.empty((), dtype=kv_dtype).element_size()
+        return weight_bytes(model) + kv
+
+    # -- the ladder ------------------------------------------------------------------------
+
+    def run(self, rungs: list[InferRung]) -> dict[str, Any]:
+        with torch._dynamo.config.patch(**{_LIMIT: 32}):  # one compile per batch size stays compiled
+            for rung in rungs:
+                log.info(f"bench --mode infer: rung {rung.name}")
+                self.results.append(self.run_rung(rung))
+        self._compare()
+        return self.summary()
+
+    def _compare(self) -> None:
+        ok = [r for r in self.results if r.status == "ok"]
+        if not ok:
+            return
+        base = ok[0]
+        for r in ok:
+            r.speedup_vs_baseline = r.decode_tokens_per_s / base.decode_tokens_per_s
+            same = sum(a == b for a, b in zip(r.tokens, base.tokens, strict=False))
+            r.tokens_match = same / max(len(base.tokens), 1)
+            if r.tokens_match < 1:
+                pairs = enumerate(zip(r.tokens, base.tokens, strict=False))
+                first = next((i for i, (a, b) in pairs if a != b), len(r.tokens))
+                part = f"greedy tokens part from {base.name}'s at token {first}"
+                r.note = f"{r.note}; {part}" if r.note else part
+
+    def summary(self) -> dict[str, Any]:
+        base = next((r for r in self.results if r.status == "ok"), None)
+        return {
+            "mode": "infer", "preset": self.preset, "model": self.model_config.to_dict(),
+            "params": self.params, "prompt_len": self.prompt_len, "max_new_tokens": self.new_tokens,
+            "batch_sizes": self.batch_sizes, "warmup": self.cfg.warmup, "repeats": self.repeats,
+            "steps": self.cfg.steps, "agree_tokens": AGREE_TOKENS,
+            "dtype": str(self.base_dtype).removeprefix("torch."), "device_policy": self.plan.reason,
+            "peak_bandwidth": self.peak_bandwidth, "bandwidth_source": self.bandwidth_source,
+            "baseline": base.name if base else None, "environment": environment(self.plan),
+            "rungs": [dataclasses.asdict(r) for r in self.results],
+        }
+
+
+def main(cfg: BenchConfig) -> int:
+    if cfg.rungs.strip() == "list":
+        for r in RUNGS:
+            print(f"{r.name:<10} {r.what}")
+        return 0
+    rungs = select_rungs(cfg.rungs)
+    bench = InferBench(cfg)
+    log.info(f"bench --mode infer: {bench.preset}, {bench.prompt_len}-token prompts + {bench.new_tokens} "
+             f"new, batches {bench.batch_sizes}, {len(rungs)} rungs")
+    summary = bench.run(rungs)
+    out = Path(cfg.output_dir)
+    report.write_infer(summary, out)
+    print(report.infer_table(summary))
+    print(f"\nreport: {out / 'infer_report.md'}")
+    if cfg.json:
+        print(report.to_json(summary))
+    return 0 if summary["baseline"] else 1

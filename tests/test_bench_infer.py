@@ -1,0 +1,169 @@
+"""gptopt bench --mode infer: rung selection, the results contract, HF parity, missing extras, the batch sweep.
+
+    pytest -q tests/test_bench_infer.py
+    pytest -q -m slow tests/test_bench_infer.py     # the whole default ladder, compiled rungs included
+
+Every bench here is the debug preset on train_data: 16-token prompts, 16 new tokens, batches 1 and 2.
+No timing is asserted, only that every figure is there and positive.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptopt import cli, extras
+from gptopt.bench import infer, report
+from gptopt.bench.infer import RUNGS, GptoptRunner, InferBench, select_rungs
+from gptopt.config import BenchConfig
+
+CONTRACT = ("name", "prefill_s", "ttft_s", "decode_tokens_per_s", "batch_sweep", "bandwidth_gbs", "bandwidth_util",
+            "tokens_match", "status", "note", "speedup_vs_baseline")
+RUNG = {r.name: r for r in RUNGS}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # Tiny forwards: a second thread only adds contention on a shared 2-core machine.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def infer_args(data: Path, out: Path, rungs: str, *extra: str) -> list[str]:
+    return ["bench", "--mode", "infer", "--preset", "debug", "--seq_len", "32", "--batch_size", "2", "--warmup", "1",
+            "--device", "cpu", "--data_dir", str(data), "--output_dir", str(out), "--rungs", rungs, *extra]
+
+
+@pytest.fixture(scope="module")
+def bench(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> InferBench:
+    out = tmp_path_factory.mktemp("infer")
+    return InferBench(BenchConfig(mode="infer", preset="debug", seq_len=32, batch_size=2, warmup=1, device="cpu",
+                                  data_dir=str(train_data), output_dir=str(out)))
+
+
+def test_default_is_the_five_rungs_and_unknown_names_list_the_valid_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert [r.name for r in select_rungs("default")] == ["hf", "kv", "compiled", "bf16", "int8"]
+    assert select_rungs("all") == select_rungs("default")
+    assert [r.name for r in select_rungs("kv,hf,kv")] == ["kv", "hf"]
+    with pytest.raises(ValueError) as e:
+        select_rungs("kv,turbo")
+    for name in ("hf", "kv", "compiled", "bf16", "int8"):
+        assert name in str(e.value)
+    assert cli.main(infer_args(tmp_path, tmp_path / "o", "turbo")) == 2
+    assert "unknown rung 'turbo'" in capsys.readouterr().err
+
+
+def test_hf_and_kv_write_the_contract_and_agree_token_for_token(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    out = tmp_path / "b"
+    assert cli.main(infer_args(train_data, out, "hf,kv", "--json")) == 0
+    stdout = capsys.readouterr().out
+    last = json.loads(stdout.strip().splitlines()[-1])  # --json: the results are the last line
+    results = json.loads((out / "infer_results.json").read_text())
+    assert last == results
+    assert "decode tokens/s by batch size" in stdout
+    # a CPU has no bandwidth table: the achieved GB/s is reported, the utilisation is not
+    assert results["peak_bandwidth"] is None and "cpu" in results["bandwidth_source"]
+    assert (results["prompt_len"], results["max_new_tokens"], results["batch_sizes"]) == (16, 16, [1, 2])
+    hf, kv = results["rungs"]
+    for r in (hf, kv):
+        assert set(CONTRACT) <= set(r), r["name"]
+        assert r["status"] == "ok", r["note"]
+        assert r["prefill_s"] > 0 and r["ttft_s"] > 0 and r["bandwidth_gbs"] > 0 and r["bandwidth_util"] is None
+        sizes = [p["batch_size"] for p in r["batch_sweep"]]
+        assert sizes == sorted(set(sizes)) == [1, 2]
+        assert all(p["tokens_per_s"] > 0 for p in r["batch_sweep"])
+        assert r["decode_tokens_per_s"] == r["batch_sweep"][0]["tokens_per_s"]
+    assert results["baseline"] == "hf" and hf["speedup_vs_baseline"] == 1.0 and hf["tokens_match"] == 1.0
+    # the same weights in fp32: gptopt's cached greedy decoding is Hugging Face's, token for token
+    assert kv["tokens_match"] == 1.0 and kv["tokens"] == hf["tokens"]
+    assert len(set(kv["tokens"])) > 3  # varied text, not one token repeated (which would agree trivially)
+    assert kv["max_logit_diff"] < 1e-4 and hf["max_logit_diff"] < 1e-4
+    csv_text = (out / "infer_results.csv").read_text()
+    assert csv_text.startswith("name,") and "tokens_per_s_b2" in csv_text and len(csv_text.splitlines()) == 3
+    assert "| tokens match |" in (out / "infer_report.md").read_text()
+    assert (out / "infer_batch_sweep.png").is_file() == extras.has("matplotlib")
+
+
+def test_without_the_hf_extra_hf_is_skipped_and_kv_is_the_baseline(
+    bench: InferBench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(infer, "has", lambda module: module != "transformers" and extras.has(module))
+    monkeypatch.setattr(bench, "results", [])
+    summary = bench.run(select_rungs("hf,kv"))
+    hf, kv = summary["rungs"]
+    assert hf["status"] == "skipped" and "pip install 'gptopt[hf]'" in hf["note"]
+    assert summary["baseline"] == "kv"
+    assert kv["status"] == "ok" and kv["speedup_vs_baseline"] == 1.0 and kv["tokens_match"] == 1.0
+    assert "pip install 'gptopt[hf]'" in report.infer_table(summary)
+
+
+def test_int8_runs_on_a_cpu_or_says_why_not(bench: InferBench, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The ladder's int8 rung is compiled (the slow test runs it so); eager here keeps this test quick.
+    int8 = dataclasses.replace(RUNG["int8"], compile=False)
+    res = bench.run_rung(int8)
+    if not extras.has("torchao"):
+        assert res.status == "skipped" and "pip install 'gptopt[quant]'" in res.note
+    else:
+        assert res.status == "ok", res.note
+        assert res.dtype == "int8" and 0 < res.max_logit_diff < math.inf
+        # int8 weights: fewer bytes read per decoded token than the same model in fp32
+        assert res.bytes_per_token < bench.run_rung(RUNG["kv"]).bytes_per_token
+    monkeypatch.setattr(infer, "has", lambda module: module != "torchao" and extras.has(module))
+    res = bench.run_rung(int8)
+    assert res.status == "skipped" and res.note == "needs the 'quant' extra: pip install 'gptopt[quant]'"
+
+
+def test_bf16_is_skipped_where_the_device_has_no_native_bf16(bench: InferBench, monkeypatch: pytest.MonkeyPatch) -> None:
+    no_bf16 = dataclasses.replace(bench.plan, amp_dtype=None, reason="device cpu: CPU without native bf16 matmul")
+    monkeypatch.setattr(bench, "plan", no_bf16)
+    res = bench.run_rung(RUNG["bf16"])
+    assert res.status == "skipped" and "no native bf16" in res.note
+
+
+def test_the_sweep_stops_at_the_first_batch_that_does_not_fit(
+    bench: InferBench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = GptoptRunner.generate
+
+    def generate(self: GptoptRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+        if len(prompts) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, prompts, n)
+
+    monkeypatch.setattr(GptoptRunner, "generate", generate)
+    res = bench.run_rung(RUNG["kv"])
+    assert res.status == "ok" and res.note == "out of memory at batch 2"
+    assert [p["batch_size"] for p in res.batch_sweep] == [1] and res.decode_tokens_per_s > 0
+
+
+@pytest.mark.slow
+def test_the_default_ladder_runs_end_to_end_with_its_compiled_rungs(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    assert cli.main(infer_args(train_data, tmp_path / "b", "default", "--json")) == 0
+    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rungs = {r["name"]: r for r in results["rungs"]}
+    assert list(rungs) == ["hf", "kv", "compiled", "bf16", "int8"]
+    assert rungs["compiled"]["status"] == "ok", rungs["compiled"]["note"]
+    # compiling the decode step over a static cache changes the speed, not the tokens
+    assert rungs["compiled"]["tokens_match"] == 1.0
+    assert [p["batch_size"] for p in rungs["compiled"]["batch_sweep"]] == [1, 2]
+    for name in ("bf16", "int8"):
+        r = rungs[name]
+        assert r["status"] in ("ok", "skipped"), r["note"]
+        if r["status"] == "ok":
+            assert 0 <= r["tokens_match"] <= 1 and r["max_logit_diff"] > 0 and r["decode_tokens_per_s"] > 0
