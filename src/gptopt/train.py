@@ -372,7 +372,8 @@ class Trainer:
                 tps = tokens_per_step / dt
                 if main:
                     bar.update(1)
-                    bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{tps * fpt / peak:.0%}", refresh=False)
+                    bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{tps * fpt / peak:.0%}",
+                                    mem=f"{peak_memory_bytes(plan) / 2**30:.2f}G", refresh=False)
                     if step % cfg.log_interval == 0 or step == 1:
                         metrics.write({
                             "step": step, "loss": loss_val, "lr": lr, "tokens_per_s": tps, "mfu": tps * fpt / peak,
