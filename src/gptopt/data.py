@@ -567,6 +567,11 @@ class TokenData:
         return self.meta["vocab_size"] if self.meta else None
 
     @property
+    def model_vocab_size(self) -> int:
+        """The embedding size a model for this data needs: the tokenizer's, else the largest id + 1."""
+        return self.vocab_size or self.max_token_id() + 1
+
+    @property
     def dtype(self) -> np.dtype:
         return self._dtype
 

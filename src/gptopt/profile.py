@@ -380,7 +380,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokens = data.open_data(cfg.data_dir)  # the default corpus is prepared on first use, as train does
-    model_cfg = preset(cfg.preset, vocab_size=tokens.vocab_size or tokens.max_token_id() + 1, vocab_pad_multiple=64,
+    model_cfg = preset(cfg.preset, vocab_size=tokens.model_vocab_size, vocab_pad_multiple=64,
                        attention=cfg.attention, gradient_checkpointing=cfg.gradient_checkpointing)
     tokens.check_vocab(model_cfg.vocab_size)
     seq_len = cfg.seq_len or model_cfg.block_size

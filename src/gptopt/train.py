@@ -233,8 +233,7 @@ class Trainer:
             stored = GPTConfig.from_dict(checkpoint.read_meta(resume_dir)["model"])
             return dataclasses.replace(stored, **runtime)
         if cfg.init_from == "scratch":
-            vocab = self.data.vocab_size or self.data.max_token_id() + 1
-            return preset_for_data(cfg.preset, vocab, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
+            return preset_for_data(cfg.preset, self.data.model_vocab_size, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
         return GPTConfig()  # replaced by the pretrained model's own config in _build_model
 
     def _build_model(self, resume_dir: Path | None) -> GPT:

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from gptopt import data
 from gptopt.bench import report
-from gptopt.config import BenchConfig, preset_for_data
-from gptopt.device import DevicePlan, environment, memory_bandwidth, resolve
+from gptopt.bench.ladder import Setup
+from gptopt.config import BenchConfig
+from gptopt.device import DevicePlan, environment, memory_bandwidth
 from gptopt.extras import has, require
 from gptopt.generate import Generator, SamplingParams, generate, quantize_int8
 from gptopt.model import GPT
@@ -189,14 +189,10 @@ def _free_memory(plan: DevicePlan) -> None:
 class InferBench:
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
-        self.plan = resolve(cfg.device)
+        setup = Setup.from_config(cfg)
+        self.plan, self.preset, self.data = setup.plan, setup.preset, setup.data
+        self.model_config, seq_len = setup.model_config, setup.seq_len
         gpu = self.plan.device.type == "cuda"
-        self.preset = cfg.preset or ("gpt2" if gpu else "tiny")
-        self.data = data.open_data(cfg.data_dir)
-        vocab = self.data.vocab_size or self.data.max_token_id() + 1
-        self.model_config = preset_for_data(self.preset, vocab)
-        self.data.check_vocab(self.model_config.vocab_size)
-        seq_len = min(cfg.seq_len or (1024 if gpu else 256), self.model_config.block_size)
         if seq_len < 4:
             raise ValueError(f"--seq_len must be >= 4 in --mode infer (prompt + 2 new tokens), got {seq_len}")
         self.prompt_len = min(seq_len // 2, 128)

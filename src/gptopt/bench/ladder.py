@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gptopt import data
-from gptopt.config import BenchConfig, preset_for_data
-from gptopt.device import environment, peak_flops, resolve
+from gptopt.config import BenchConfig, GPTConfig, preset_for_data
+from gptopt.device import DevicePlan, environment, peak_flops, resolve
 from gptopt.extras import has
 from gptopt.flops import flops_per_token
 from gptopt.model import GPT
@@ -137,19 +137,35 @@ def _percentile(values: list[float], q: float) -> float:
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
+@dataclass
+class Setup:
+    """What both ladders (training and inference) resolve the same way from a BenchConfig."""
+
+    plan: DevicePlan
+    preset: str
+    data: data.TokenData
+    model_config: GPTConfig
+    seq_len: int
+
+    @classmethod
+    def from_config(cls, cfg: BenchConfig) -> Setup:
+        plan = resolve(cfg.device)
+        gpu = plan.device.type == "cuda"
+        name = cfg.preset or ("gpt2" if gpu else "tiny")  # the embedded defaults
+        tokens = data.open_data(cfg.data_dir)
+        model_config = preset_for_data(name, tokens.model_vocab_size)
+        tokens.check_vocab(model_config.vocab_size)
+        seq_len = min(cfg.seq_len or (1024 if gpu else 256), model_config.block_size)
+        return cls(plan, name, tokens, model_config, seq_len)
+
+
 class Bench:
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
-        self.plan = resolve(cfg.device)
-        gpu = self.plan.device.type == "cuda"
-        self.preset = cfg.preset or ("gpt2" if gpu else "tiny")
-        self.data = data.open_data(cfg.data_dir)
-        vocab = self.data.vocab_size or self.data.max_token_id() + 1
-        self.model_config = preset_for_data(self.preset, vocab)
-        self.seq_len = cfg.seq_len or (1024 if gpu else 256)
-        self.seq_len = min(self.seq_len, self.model_config.block_size)
+        setup = Setup.from_config(cfg)
+        self.plan, self.preset, self.data = setup.plan, setup.preset, setup.data
+        self.model_config, self.seq_len = setup.model_config, setup.seq_len
         self.batch_size = cfg.batch_size or 16
-        self.data.check_vocab(self.model_config.vocab_size)
         self.fpt = flops_per_token(self.model_config, self.seq_len)
         torch.manual_seed(cfg.seed)
         init = GPT(self.model_config)
