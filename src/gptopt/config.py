@@ -287,7 +287,7 @@ class ProfileConfig:
     amp_dtype: str = opt("auto", "autocast dtype: auto picks by device", choices=("auto", "bf16", "fp16"))
     use_compile: bool = opt(False, "profile the compiled model (graph breaks are counted and explained)")
     compile_mode: str = opt("default", "torch.compile mode", choices=("default", "reduce-overhead", "max-autotune"))
-    attention: str = opt("sdpa", "attention kernel", choices=("sdpa", "eager"))
+    attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs", choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward")
     num_workers: int | None = opt(None, "DataLoader workers feeding the profiled steps; default: as `gptopt train` picks")
     pin_memory: bool | None = opt(None, "page-locked host batches; default: on with CUDA, as `gptopt train` picks")

@@ -31,8 +31,8 @@ from torch.autograd.profiler_util import EventList, FunctionEvent
 from torch.profiler import DeviceType, ProfilerActivity, profile, record_function, schedule
 
 from gptopt import data
-from gptopt.config import ProfileConfig, preset
-from gptopt.device import DevicePlan, cpu_has_fast_bf16, resolve
+from gptopt.config import ProfileConfig, preset_for_data
+from gptopt.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.distributed import DistInfo
 from gptopt.model import GPT
 from gptopt.optim import make_adamw
@@ -380,8 +380,9 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokens = data.open_data(cfg.data_dir)  # the default corpus is prepared on first use, as train does
-    model_cfg = preset(cfg.preset, vocab_size=tokens.model_vocab_size, vocab_pad_multiple=64,
-                       attention=cfg.attention, gradient_checkpointing=cfg.gradient_checkpointing)
+    model_cfg = preset_for_data(cfg.preset, tokens.model_vocab_size, vocab_pad_multiple=64,
+                       attention=cfg.attention if cfg.attention != "auto" else default_attention(plan.device.type),
+                       gradient_checkpointing=cfg.gradient_checkpointing)
     tokens.check_vocab(model_cfg.vocab_size)
     seq_len = cfg.seq_len or model_cfg.block_size
     if seq_len > model_cfg.block_size:
