@@ -16,7 +16,7 @@ pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
 from gptopt.config import LoadtestConfig, ServeConfig, preset  # noqa: E402
-from gptopt.loadtest import distribution, main  # noqa: E402
+from gptopt.loadtest import MemoryTrace, distribution, main  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
 from gptopt.serve.app import create_app, serve_in_thread  # noqa: E402
 
@@ -50,6 +50,11 @@ def test_closed_loop_reports_every_figure_and_no_errors(url: str, capsys: pytest
         assert 0 < summary[key]["p50"] <= summary[key]["p99"] < 30, key
     assert summary["ttft_s"]["mean"] < summary["e2e_s"]["mean"]
     assert "requests" in captured.err  # the progress bar
+    mem = summary["server_memory"]  # gptopt serve exports its RSS; the server runs in this process
+    assert mem["samples"] >= 2 and mem["start_bytes"] > 2**20
+    assert mem["peak_bytes"] >= max(mem["start_bytes"], mem["end_bytes"])
+    assert mem["growth_after_warmup_bytes"] == mem["end_bytes"] - mem["after_warmup_bytes"]
+    assert "server RSS" in captured.out
 
 
 def test_poisson_arrivals_complete(url: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -77,6 +82,7 @@ def test_server_errors_are_counted_by_status(capsys: pytest.CaptureFixture[str])
         assert main(cfg) == 1
     summary = last_json(capsys.readouterr().out)
     assert summary["errors"] == {"500": 6, "429": 2} and summary["completed"] == 0
+    assert summary["server_memory"] is None  # no /metrics there: nothing to report, no error either
     assert summary["ttft_s"] == {k: None for k in STATS}
 
 
@@ -93,3 +99,11 @@ def test_unreachable_server_is_a_connect_error(capsys: pytest.CaptureFixture[str
 def test_distribution_percentiles() -> None:
     d = distribution([float(x) for x in range(1, 101)])
     assert d["mean"] == 50.5 and d["p50"] == 50.5 and d["p90"] == pytest.approx(90.1) and d["p99"] == pytest.approx(99.01)
+
+
+def test_memory_growth_is_measured_after_the_warmup_tenth() -> None:
+    trace = MemoryTrace([(0, 100.0), (5, 180.0), (10, 200.0), (60, 230.0), (100, 210.0)])
+    mem = trace.summary(requests=100)
+    assert mem == {"start_bytes": 100.0, "after_warmup_bytes": 200.0, "end_bytes": 210.0, "peak_bytes": 230.0,
+                   "growth_after_warmup_bytes": 10.0, "samples": 5}
+    assert MemoryTrace([(0, 100.0)]).summary(requests=10) is None  # one sample shows no growth

@@ -8,6 +8,10 @@ Closed loop (--concurrency) keeps that many requests in flight, which measures c
 request and output-token throughput, time to first token (TTFT), time per output token after the
 first (TPOT), the gaps between streamed chunks (ITL), and errors by HTTP status (or 'timeout',
 'connect', 'stream'). Only cfg.url is contacted; every request ends within cfg.timeout seconds.
+
+Where the server's /metrics has `process_resident_memory_bytes` (gptopt serve does, on Linux), its
+resident memory is sampled through the run: growth after the warm-up tenth of the requests is how a
+leak shows.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import collections
 import json
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -44,6 +49,37 @@ class Sample:
     e2e: float = 0.0
     tokens: int = 0
     gaps: list[float] = field(default_factory=list)  # between successive text chunks
+
+
+RSS_LINE = re.compile(r"^process_resident_memory_bytes\s+([0-9.eE+]+)\s*$", re.MULTILINE)
+MEMORY_INTERVAL_S = 1.0
+
+
+async def server_rss(client: Any) -> float | None:
+    """The server's resident memory from its Prometheus /metrics, or None if it does not say."""
+    import httpx
+
+    try:
+        r = await client.get("/metrics", timeout=10.0)
+    except (httpx.HTTPError, OSError):
+        return None
+    m = RSS_LINE.search(r.text) if r.status_code == 200 else None
+    return float(m.group(1)) if m else None
+
+
+@dataclass
+class MemoryTrace:
+    """(completed requests, server RSS bytes) samples over a run."""
+
+    samples: list[tuple[int, float]] = field(default_factory=list)
+
+    def summary(self, requests: int) -> dict[str, float] | None:
+        if len(self.samples) < 2:
+            return None
+        warm = next((rss for done, rss in self.samples if done >= max(1, requests // 10)), self.samples[-1][1])
+        rss = [v for _, v in self.samples]
+        return {"start_bytes": rss[0], "after_warmup_bytes": warm, "end_bytes": rss[-1], "peak_bytes": max(rss),
+                "growth_after_warmup_bytes": rss[-1] - warm, "samples": len(rss)}
 
 
 def make_prompt(rng: random.Random, n_words: int) -> str:
@@ -109,7 +145,8 @@ def distribution(values: list[float]) -> dict[str, float | None]:
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
-def summarize(samples: list[Sample], wall: float, cfg: LoadtestConfig) -> dict[str, Any]:
+def summarize(samples: list[Sample], wall: float, cfg: LoadtestConfig,
+              memory: MemoryTrace | None = None) -> dict[str, Any]:
     ok = [s for s in samples if s.status == "ok"]
     tokens = sum(s.tokens for s in ok)
     return {
@@ -122,6 +159,7 @@ def summarize(samples: list[Sample], wall: float, cfg: LoadtestConfig) -> dict[s
         "itl_s": distribution([g for s in ok for g in s.gaps]),
         "e2e_s": distribution([s.e2e for s in ok]),
         "errors": dict(collections.Counter(s.status for s in samples if s.status != "ok")),
+        "server_memory": memory.summary(len(samples)) if memory is not None else None,
     }
 
 
@@ -143,6 +181,20 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
             samples.append(await one_request(client, cfg, prompt))
             bar.update()
 
+        memory = MemoryTrace()
+        first = await server_rss(client)
+        sampler = None
+        if first is not None:
+            memory.samples.append((0, first))
+
+            async def sample_memory() -> None:
+                while True:
+                    await asyncio.sleep(MEMORY_INTERVAL_S)
+                    rss = await server_rss(client)
+                    if rss is not None:
+                        memory.samples.append((len(samples), rss))
+
+            sampler = asyncio.create_task(sample_memory())
         t0 = time.perf_counter()
         if cfg.rate is None:  # closed loop: each worker sends its next request when the last one ends
             queue = collections.deque(prompts)
@@ -159,8 +211,13 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
                 await asyncio.sleep(rng.expovariate(cfg.rate))
             await asyncio.gather(*tasks)
         wall = time.perf_counter() - t0
+        if sampler is not None:
+            sampler.cancel()
+            last = await server_rss(client)
+            if last is not None:
+                memory.samples.append((len(samples), last))
     bar.close()
-    return summarize(samples, wall, cfg)
+    return summarize(samples, wall, cfg, memory if first is not None else None)
 
 
 def _fmt(d: dict[str, float | None], scale: float = 1000.0) -> str:
@@ -178,6 +235,12 @@ def main(cfg: LoadtestConfig) -> int:
     print(f"  throughput   {summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tokens/s")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "latency")):
         print(f"  {name:<12} ms: {_fmt(summary[key])}")
+    mem = summary["server_memory"]
+    if mem:
+        mib = 2**20
+        print(f"  server RSS   start {mem['start_bytes'] / mib:.1f} MiB, after warm-up {mem['after_warmup_bytes'] / mib:.1f}, "
+              f"end {mem['end_bytes'] / mib:.1f} ({mem['growth_after_warmup_bytes'] / mib:+.1f} after warm-up), "
+              f"peak {mem['peak_bytes'] / mib:.1f}")
     if summary["errors"]:
         print("  errors       " + ", ".join(f"{k}: {v}" for k, v in sorted(summary["errors"].items())))
     if cfg.json:

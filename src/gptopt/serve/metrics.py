@@ -13,7 +13,7 @@ from collections.abc import Callable
 from gptopt.extras import require
 
 prometheus_client = require("prometheus_client", "serve", "gptopt serve")
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram  # noqa: E402
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector  # noqa: E402
 
 # Latency buckets from a tiny CPU model (sub-millisecond steps) up to long generations on a busy GPU.
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -28,6 +28,9 @@ class ServeMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # process_resident_memory_bytes and friends (Linux): what `gptopt loadtest` samples to show
+        # whether the server's memory grows over a run
+        ProcessCollector(registry=r)
         self.ttft = Histogram("gptopt_time_to_first_token_seconds", "submit to first generated token (queue + prefill)",
                               buckets=WAIT_BUCKETS, registry=r)
         self.itl = Histogram("gptopt_inter_token_latency_seconds", "time between two tokens of one request",
