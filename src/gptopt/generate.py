@@ -157,8 +157,10 @@ class Generator:
             if self.device.type == "cuda":
                 for t in self.cache.k + self.cache.v:
                     torch._dynamo.mark_static_address(t)  # lets CUDA graphs update the cache in place
-            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
-            self._step = compile_model(self._decode_all, mode=mode)  # type: ignore[arg-type]
+            if self.device.type == "cuda":
+                self._step = compile_model(self._decode_all, mode="reduce-overhead")  # type: ignore[arg-type]
+            else:  # CPU: no graphs to capture; prepacked (frozen) weights make the batch-1 linears faster
+                self._step = compile_model(self._decode_all, freezing=True)  # type: ignore[arg-type]
 
     # slots ------------------------------------------------------------------------------------
     def alloc(self) -> int:
