@@ -66,17 +66,22 @@ def debug_tokenizer(train_data: Path) -> Tokenizer:
     return load_tokenizer(train_data / "tokenizer.json")
 
 
-@pytest.fixture
-def varied_model(debug_tokenizer: Tokenizer) -> GPT:
-    """The debug preset sized to debug_tokenizer, with wide random weights (std 0.5): its greedy text
-    changes from token to token, where GPT-2's 0.02 init makes a random model repeat one token."""
+def make_varied_model(vocab_size: int) -> GPT:
+    """The debug preset with wide random weights (std 0.5): its greedy text changes from token to token,
+    where GPT-2's 0.02 init makes a random model repeat one token. For module-scoped fixtures too."""
     torch.manual_seed(0)
-    model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size()))
+    model = GPT(preset("debug", vocab_size=vocab_size))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.normal_(0.0, 0.5)
     return model.eval()
+
+
+@pytest.fixture
+def varied_model(debug_tokenizer: Tokenizer) -> GPT:
+    """make_varied_model sized to debug_tokenizer."""
+    return make_varied_model(debug_tokenizer.get_vocab_size())
 
 
 @pytest.fixture(scope="session")

@@ -49,15 +49,15 @@ def bench(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> InferBe
                                   data_dir=str(train_data), output_dir=str(out)))
 
 
-def test_default_is_the_five_rungs_and_unknown_names_list_the_valid_ones(
+def test_default_is_every_rung_and_unknown_names_list_the_valid_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert [r.name for r in select_rungs("default")] == ["hf", "kv", "compiled", "bf16", "int8"]
+    assert [r.name for r in select_rungs("default")] == ["hf", "kv", "compiled", "bf16", "int8", "onnxruntime"]
     assert select_rungs("all") == select_rungs("default")
     assert [r.name for r in select_rungs("kv,hf,kv")] == ["kv", "hf"]
     with pytest.raises(ValueError) as e:
         select_rungs("kv,turbo")
-    for name in ("hf", "kv", "compiled", "bf16", "int8"):
+    for name in ("hf", "kv", "compiled", "bf16", "int8", "onnxruntime"):
         assert name in str(e.value)
     assert cli.main(infer_args(tmp_path, tmp_path / "o", "turbo")) == 2
     assert "unknown rung 'turbo'" in capsys.readouterr().err
@@ -133,6 +133,24 @@ def test_bf16_is_skipped_where_the_device_has_no_native_bf16(bench: InferBench, 
     assert res.status == "skipped" and "no native bf16" in res.note
 
 
+def test_onnxruntime_is_skipped_with_the_install_line_without_the_onnx_extra(
+    bench: InferBench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(infer, "has", lambda module: module != "onnxruntime" and extras.has(module))
+    res = bench.run_rung(RUNG["onnxruntime"])
+    assert res.status == "skipped" and res.note == "needs the 'onnx' extra: pip install 'gptopt[onnx]'"
+
+
+@pytest.mark.slow
+def test_onnxruntime_decodes_the_same_tokens_as_gptopt(bench: InferBench) -> None:
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    ort, kv = bench.run_rung(RUNG["onnxruntime"]), bench.run_rung(RUNG["kv"])
+    assert ort.status == "ok", ort.note
+    assert ort.dtype == "float32" and ort.max_logit_diff < 1e-3 and ort.tokens == kv.tokens
+    assert [p["batch_size"] for p in ort.batch_sweep] == [1, 2] and ort.decode_tokens_per_s > 0
+
+
 def test_the_sweep_stops_at_the_first_batch_that_does_not_fit(
     bench: InferBench, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -157,12 +175,12 @@ def test_the_default_ladder_runs_end_to_end_with_its_compiled_rungs(
     assert cli.main(infer_args(train_data, tmp_path / "b", "default", "--json")) == 0
     results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     rungs = {r["name"]: r for r in results["rungs"]}
-    assert list(rungs) == ["hf", "kv", "compiled", "bf16", "int8"]
+    assert list(rungs) == ["hf", "kv", "compiled", "bf16", "int8", "onnxruntime"]
     assert rungs["compiled"]["status"] == "ok", rungs["compiled"]["note"]
     # compiling the decode step over a static cache changes the speed, not the tokens
     assert rungs["compiled"]["tokens_match"] == 1.0
     assert [p["batch_size"] for p in rungs["compiled"]["batch_sweep"]] == [1, 2]
-    for name in ("bf16", "int8"):
+    for name in ("bf16", "int8", "onnxruntime"):
         r = rungs[name]
         assert r["status"] in ("ok", "skipped"), r["note"]
         if r["status"] == "ok":

@@ -307,3 +307,12 @@ def test_int8_weight_only_runs_on_cpu_and_says_it_is_slower(model_dir: Path, cap
 def test_compiled_static_decode_equals_eager(varied_model: GPT) -> None:
     eager = generate(Generator(varied_model, CPU, max_batch_size=4), PROMPTS[:3], GREEDY)
     assert generate(Generator(varied_model, CPU, max_batch_size=4, compile=True), PROMPTS[:3], GREEDY) == eager
+
+
+def test_loaded_for_inference_on_cpu_in_the_fast_layout_with_the_same_tokens(model_dir: Path, varied_model: GPT) -> None:
+    model, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU)
+    assert model.lm_head.weight.t().is_contiguous() and model.lm_head.weight is model.transformer.wte.weight
+    plain = checkpoint.load_model(model_dir).eval()
+    assert generate(Generator(model, CPU), PROMPTS[:2], GREEDY) == generate(Generator(plain, CPU), PROMPTS[:2], GREEDY)
+    kept, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU, layout=False)
+    assert kept.lm_head.weight.is_contiguous()

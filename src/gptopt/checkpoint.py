@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from gptopt.config import GPTConfig
 from gptopt.model import GPT
+from gptopt.quantize import unpack_state
 
 WEIGHTS = "model.safetensors"
 META = "gptopt.json"
@@ -113,6 +114,8 @@ def load_model(directory: str | os.PathLike[str], *, map_location: str | torch.d
         state = load_file(str(weights), device=str(map_location))
     except Exception as e:  # safetensors raises its own error types for truncated files
         raise ValueError(f"{weights}: cannot read weights ({e}); the file is truncated or corrupt") from None
+    if meta.get("compression"):  # written by gptopt compress: integers + scales, dequantised here
+        state = unpack_state(state, meta["compression"], str(weights))
     model = GPT(config)
     expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
     check_state(expected, state, str(weights))

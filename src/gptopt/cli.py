@@ -47,6 +47,9 @@ COMMANDS: dict[str, Command] = {
     "generate": Command("gptopt.config:GenerateConfig", "gptopt.generate:main", "generate text from a checkpoint, streaming"),
     "serve": Command("gptopt.config:ServeConfig", "gptopt.serve.app:main", "HTTP API: /generate, OpenAI /v1/completions, /metrics"),
     "loadtest": Command("gptopt.config:LoadtestConfig", "gptopt.loadtest:main", "drive a /v1/completions server; TTFT, TPOT, throughput"),
+    "compress": Command("gptopt.config:CompressConfig", "gptopt.compress:main", "quantise or prune a model; measure size, speed and quality against it"),
+    "export": Command("gptopt.config:ExportConfig", "gptopt.export:main", "write the model as ONNX (for onnxruntime) or a Hugging Face dir, checked"),
+    "tune": Command("gptopt.config:TuneConfig", "gptopt.tune:main", "search the settings for the fastest training step; writes tune.toml"),
 }
 
 

@@ -194,7 +194,8 @@ class TrainConfig:
     use_amp: bool = opt(False, "mixed precision autocast (bf16, or fp16 with GradScaler on older GPUs)")
     amp_dtype: str = opt("auto", "autocast dtype: auto picks by device", choices=("auto", "bf16", "fp16"))
     use_compile: bool = opt(False, "torch.compile the model (compile time is reported apart from step time)")
-    compile_mode: str = opt("default", "torch.compile mode", choices=("default", "reduce-overhead", "max-autotune"))
+    compile_mode: str = opt("default", "torch.compile mode",
+                            choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     compile_fullgraph: bool = opt(False, "fail on graph breaks instead of splitting the graph (reports the reason)")
     attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs (measured faster there)",
                          choices=("auto", "sdpa", "eager"))
@@ -274,6 +275,59 @@ class BenchConfig:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.loss_tolerance < 1:
             raise ValueError(f"--loss_tolerance must be in (0, 1), got {self.loss_tolerance}")
+
+
+TUNE_AXES = ("attention", "amp", "fused", "loader", "batch", "checkpointing", "compile")
+
+
+@dataclass(kw_only=True)
+class TuneConfig:
+    preset: str | None = opt(None, "model size; default: tiny on a CPU, gpt2 on a GPU")
+    seq_len: int | None = opt(None, "sequence length; default: 256 on a CPU, 1024 on a GPU")
+    # bench's micro-batch (16) on a CPU, so the winner compares with bench's rungs; room to grow on a GPU
+    global_batch_tokens: int | None = opt(
+        None, "tokens per optimizer step, a multiple of seq_len, kept fixed by gradient accumulation; "
+        "default: 16 sequences on a CPU, 64 on a GPU")
+    time_budget: str = opt("10m", "wall time for the whole search, e.g. 90s, 10m, 1h; it always ends with a winner")
+    memory_budget: float = opt(0.9, "share of device memory a candidate may use (GPU: its memory; CPU: RAM free at start + this process's)")
+    axes: str = opt("all", "comma-separated axes to search: " + ", ".join(TUNE_AXES) + "; or all")
+    steps: int = opt(5, "timed steps per candidate (after warm-up); its median step time ranks it")
+    warmup: int = opt(2, "untimed steps per candidate before timing (compile happens in the first)")
+    loss_tolerance: float = opt(0.02, "a candidate whose loss departs from the fp32 reference's by more than this share is rejected")
+    device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
+    output_dir: str = opt("tune_out", "tune.toml, tune_report.md, tune_results.json / .csv and tune.png go here")
+    seed: int = opt(1337, "seed for weights and data: every candidate trains on identical batches")
+    json: bool = opt(False, "print the summary JSON as the last line of stdout")
+
+    def __post_init__(self) -> None:
+        if self.preset is not None and self.preset not in PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        for name in ("seq_len", "global_batch_tokens"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
+        if self.steps < 3:
+            raise ValueError(f"--steps must be >= 3 (a median, and two steps before a slow candidate is pruned), got {self.steps}")
+        if self.warmup < 1:
+            raise ValueError(f"--warmup must be >= 1 (the first step compiles and warms caches), got {self.warmup}")
+        if not 0 < self.memory_budget <= 1:
+            raise ValueError(f"--memory_budget is a share of device memory in (0, 1], got {self.memory_budget}")
+        if not 0 < self.loss_tolerance < 1:
+            raise ValueError(f"--loss_tolerance must be in (0, 1), got {self.loss_tolerance}")
+        if parse_duration(self.time_budget) <= 0:
+            raise ValueError(f"--time_budget must be positive, got {self.time_budget!r}")
+        unknown = set(self.axis_set) - set(TUNE_AXES)
+        if unknown:
+            raise ValueError(f"unknown tune axes {sorted(unknown)}; choose from: {', '.join(TUNE_AXES)}, all")
+
+    @property
+    def axis_set(self) -> set[str]:
+        names = {a.strip() for a in self.axes.split(",") if a.strip()}
+        return set(TUNE_AXES) if "all" in names else names
+
+    @property
+    def time_budget_s(self) -> float:
+        return parse_duration(self.time_budget)
 
 
 @dataclass(kw_only=True)
@@ -387,6 +441,30 @@ class ServeConfig:
             raise ValueError("--max_queue must be >= 0, --port in 0..65535 and --request_timeout > 0")
 
 
+MIN_OPSET = 18  # torch.onnx's dynamo exporter writes opset 18 and converts to others; 17 came out invalid
+
+
+@dataclass(kw_only=True)
+class ExportConfig:
+    model: str = opt("out", "a training output dir (its latest checkpoint), a checkpoint, a HF GPT-2 dir, or gpt2")
+    format: str = opt("onnx", "onnx: model.onnx with KV-cache inputs/outputs for onnxruntime; "
+                      "hf: a directory transformers' GPT2LMHeadModel.from_pretrained loads", choices=("onnx", "hf"))
+    output_dir: str | None = opt(None, "the directory to write; default: export_onnx or export_hf (by --format)")
+    tokenizer: str | None = opt(None, "tokenizer.json or dir to ship beside the model; default: the model's own, if any")
+    opset: int = opt(18, "ONNX opset version, 18 or newer (18 is the exporter's own; older ones come out invalid)")
+    # Relative, because logits of trained GPT-2s reach |100|: fp32 rounding grows with them.
+    tolerance: float = opt(1e-4, "the export fails if a logit differs from PyTorch's by more than this "
+                           "times the largest |logit| (at least 1)")
+    overwrite: bool = opt(False, "replace an output_dir that holds an earlier export")
+
+    def __post_init__(self) -> None:
+        if self.opset < MIN_OPSET:
+            raise ValueError(f"--opset must be >= {MIN_OPSET}: torch's exporter converts to older ones wrongly "
+                             f"(opset 17 gives a Split that onnxruntime refuses), got {self.opset}")
+        if not 0 < self.tolerance < 1:
+            raise ValueError(f"--tolerance must be in (0, 1), got {self.tolerance}")
+
+
 @dataclass(kw_only=True)
 class LoadtestConfig:
     url: str = opt("http://127.0.0.1:8000", "server base URL (its /v1/completions is driven)")
@@ -407,3 +485,53 @@ class LoadtestConfig:
             raise ValueError("--requests, --concurrency, --max_tokens and --prompt_tokens must be >= 1")
         if self.rate is not None and self.rate <= 0:
             raise ValueError(f"--rate must be > 0, got {self.rate}")
+
+
+QUANTIZE_METHODS = ("int8-weight", "int8-dynamic", "int4-weight")
+
+
+def parse_prune(spec: str | None) -> float | str | None:
+    """--prune: None, a fraction in (0, 1), or "2:4"."""
+    if spec is None:
+        return None
+    text = str(spec).strip()
+    if text == "2:4":
+        return text
+    try:
+        fraction = float(text)
+    except ValueError:
+        fraction = float("nan")
+    if not 0.0 < fraction < 1.0:  # NaN fails this too
+        raise ValueError(f"--prune must be a fraction in (0, 1) such as 0.5, or 2:4; got {spec!r}")
+    return fraction
+
+
+@dataclass(kw_only=True)
+class CompressConfig:
+    model: str = opt("out", "the model to compress: a training output dir (its latest checkpoint), a checkpoint, "
+                     "a HF GPT-2 dir, or gpt2")
+    output: str | None = opt(None, "the directory to write the compressed checkpoint and its results.json to "
+                             "(new, or empty)")
+    quantize: str = opt("none", "int8-weight: torchao int8 weight-only; int8-dynamic: int8 weights and activations "
+                        "(the CPU path); int4-weight: torchao int4 (NVIDIA GPUs, compute capability 8.0+)",
+                        choices=("none", *QUANTIZE_METHODS))
+    prune: str | None = opt(None, "FRACTION in (0, 1): zero that share of each block Linear's weights by magnitude; "
+                            "2:4: semi-structured sparsity (NVIDIA GPUs, compute capability 8.0+)")
+    tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the model was trained with")
+    data_dir: str = opt("data/stdlib", "token shards (tokenized like the model) whose val split scores perplexity and KL")
+    eval_tokens: int = opt(16384, "val tokens scored for perplexity and KL, in windows of the model's context")
+    repeats: int = opt(5, "timed runs behind each speed figure (the median counts), after one warm-up run")
+    device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    compile: bool = opt(False, "measure with the decode step compiled, as generate and serve run it with --compile")
+    json: bool = opt(False, "print results.json as the last line of stdout")
+
+    def __post_init__(self) -> None:
+        if not self.output:
+            raise ValueError("--output is required: the new directory the compressed checkpoint goes to")
+        if self.quantize not in ("none", *QUANTIZE_METHODS):
+            raise ValueError(f"unknown --quantize {self.quantize!r}; choose one of: none, {', '.join(QUANTIZE_METHODS)}")
+        parse_prune(self.prune)
+        if self.quantize == "none" and self.prune is None:
+            raise ValueError("nothing to do: give --quantize METHOD and/or --prune FRACTION|2:4")
+        if self.eval_tokens < 1 or self.repeats < 1:
+            raise ValueError(f"--eval_tokens and --repeats must be >= 1, got {self.eval_tokens} and {self.repeats}")

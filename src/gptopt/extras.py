@@ -18,6 +18,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "quant": ("torchao",),
     "data": ("datasets",),
     "tensorboard": ("tensorboard",),
+    "onnx": ("onnx", "onnxruntime", "onnxscript"),
 }
 
 

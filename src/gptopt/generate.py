@@ -30,9 +30,9 @@ from gptopt import checkpoint, hf
 from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
 from gptopt.data import EOT_CANDIDATES, TOKENIZER, load_tokenizer
 from gptopt.device import DevicePlan, resolve
-from gptopt.extras import require
 from gptopt.model import GPT, KVCacheLayer
-from gptopt.prepare_model import compile_model
+from gptopt.prepare_model import compile_model, inference_layout
+from gptopt.quantize import describe, quantize_int8, restore
 
 __all__ = ["Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate",
            "load_for_inference", "main", "stream"]
@@ -159,7 +159,7 @@ class Generator:
                     torch._dynamo.mark_static_address(t)  # lets CUDA graphs update the cache in place
             if self.device.type == "cuda":
                 self._step = compile_model(self._decode_all, mode="reduce-overhead")  # type: ignore[arg-type]
-            else:  # CPU: no graphs to capture; prepacked (frozen) weights make the batch-1 linears faster
+            else:  # CPU: no graphs to capture; frozen weights (constants to inductor) make batch-1 decode faster
                 self._step = compile_model(self._decode_all, freezing=True)  # type: ignore[arg-type]
 
     # slots ------------------------------------------------------------------------------------
@@ -460,7 +460,7 @@ _NO_MODEL = ("train one first (`gptopt train --output_dir {0}`), or pass --model
              "a checkpoint dir, a Hugging Face GPT-2 dir or a hub name like gpt2")
 
 
-def _model_source(model: str) -> Path | str:
+def model_source(model: str) -> Path | str:
     """The directory (or hub name) to load: a training output dir means its latest checkpoint."""
     p = Path(model).expanduser()
     if p.is_dir():
@@ -477,7 +477,7 @@ def _model_source(model: str) -> Path | str:
     raise ValueError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
 
 
-def _find_tokenizer(source: Path | str) -> Tokenizer:
+def find_tokenizer(source: Path | str) -> Tokenizer:
     """meta["tokenizer"] of a gptopt checkpoint, else tokenizer files beside the model, else GPT-2's."""
     ours = isinstance(source, Path) and checkpoint.is_gptopt_dir(source)
     recorded = checkpoint.read_meta(source).get("tokenizer") if ours else None
@@ -507,34 +507,36 @@ def _weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
     return _DTYPES[name]
 
 
-def quantize_int8(model: GPT, plan: DevicePlan) -> GPT:
-    """torchao int8 weight-only on every Linear: half of bf16's bytes read per decode step (gpt-fast's int8)."""
-    quant = require("torchao.quantization", "quant", "--quantize int8")
-    if plan.device.type == "cpu":
-        log.warning("--quantize int8 on a CPU: torchao's int8 kernels measured slower than fp32 on CPUs "
-                    "(docs: 2-core AVX-512, torch 2.13); running it as asked, compare tokens/s with --quantize none")
-    quant.quantize_(model, quant.Int8WeightOnlyConfig())
-    return model
-
-
 def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, dtype: str = "auto",
-                       quantize: str = "none") -> tuple[GPT, Tokenizer]:
+                       quantize: str = "none", layout: bool = True) -> tuple[GPT, Tokenizer]:
     """The model (eval, on plan.device, in `dtype`) and its tokenizer, from a training output dir (its
-    latest checkpoint), a checkpoint or model dir, a Hugging Face GPT-2 dir or a hub name."""
+    latest checkpoint), a checkpoint or model dir, a Hugging Face GPT-2 dir or a hub name.
+
+    layout: store fp weights in the layout that runs inference fastest (prepare_model.inference_layout);
+    False for a caller that transforms the weights further (gptopt compress)."""
     if quantize not in ("none", "int8"):
         raise ValueError(f"unknown quantize {quantize!r}; choose none or int8")
-    source = _model_source(model)
+    source = model_source(model)
     dt = _weights_dtype(dtype, plan)
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else _find_tokenizer(source)
-    net = hf.load_pretrained(source)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else find_tokenizer(source)
+    net = hf.load_pretrained(source)  # a compressed checkpoint comes back dequantised, in fp32
     if tok.get_vocab_size() > net.config.vocab_size:
         raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, the model only {net.config.vocab_size}: "
                          "they do not belong together; pass the --tokenizer the model was trained with")
-    net = net.to(device=plan.device, dtype=dt).eval()
+    record = checkpoint.read_meta(source).get("compression") if isinstance(source, Path) and \
+        checkpoint.is_gptopt_dir(source) else None
+    if record and quantize != "none":
+        raise ValueError(f"--model {source} is already compressed ({describe(record)}, by gptopt compress); "
+                         "drop --quantize")
     log.info("model %s: %.1fM parameters, %s weights on %s (generation runs in the weights' dtype, no autocast)",
-             source, net.num_params() / 1e6, str(dt).removeprefix("torch."), plan.device)
+             source, net.num_params() / 1e6, describe(record) if record else str(dt).removeprefix("torch."),
+             plan.device)
+    # The recorded compression is rebuilt for this device, with the integers stored on disk.
+    net = (restore(net, record, plan, dt) if record else net.to(device=plan.device, dtype=dt)).eval()
     if quantize == "int8":
         quantize_int8(net, plan)
+    if layout:
+        inference_layout(net, plan.device.type)  # CPU: the batch-1 linears' fast operand layout
     return net, tok
 
 

@@ -28,8 +28,8 @@ class Prepared:
 def compile_model(model: nn.Module, *, mode: str = "default", fullgraph: bool = False,
                   freezing: bool = False) -> nn.Module:
     """torch.compile. freezing (inference only, default mode): inductor treats the weights as constants
-    and, on CPUs, prepacks them for oneDNN, which speeds small-batch linears; later weight updates are
-    not seen and the packed copy costs a second copy of the weights' memory."""
+    and folds what is computed from them alone (their transposes, layout changes) into the graph once;
+    later weight updates are not seen, and folded copies cost memory beside the weights."""
     if freezing:
         if mode != "default":
             raise ValueError(f"freezing works with the default compile mode only, not {mode!r}")
@@ -63,6 +63,26 @@ def prepare(
     if use_compile:
         model = compile_model(model, mode=compile_mode, fullgraph=compile_fullgraph)
     return Prepared(model=model, raw=raw, sharded=fsdp)
+
+
+def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
+    """Store each Linear's weight (out, in) column-major on CPUs, in place: same values, same state dict.
+
+    F.linear multiplies by weight.T; with this layout that operand is contiguous, and the CPU BLAS's
+    small-batch matrix-vector path runs much faster on it (tiny, batch-1 decode: 274 against 206
+    tokens/s of CPU time per thread; the 8192 x 256 lm_head alone 233 against 659 us). GPUs' GEMMs
+    take either layout at full speed, so they are left alone. Inference only: the weights must not
+    train afterwards (the optimizer would see a strided layout). Quantised weights (tensor
+    subclasses, packed modules) are left as they are.
+    """
+    if device_type != "cpu":
+        return model
+    with torch.no_grad():
+        for module in model.modules():
+            w = getattr(module, "weight", None)
+            if isinstance(module, nn.Linear) and type(w.data) is torch.Tensor and w.is_floating_point() and w.dim() == 2:
+                w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
+    return model
 
 
 def graph_break_reason(exc: BaseException) -> str | None:

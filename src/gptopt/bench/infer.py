@@ -1,4 +1,4 @@
-"""The inference ladder: Hugging Face `generate` against gptopt's Generator, compiled, bf16 and int8.
+"""The inference ladder: Hugging Face `generate` against gptopt's Generator, compiled, bf16, int8, onnxruntime.
 
     gptopt bench --mode infer                       # tiny on a CPU, gpt2 on a GPU
     gptopt bench --mode infer --rungs hf,kv,compiled --batch_size 8 --json
@@ -30,16 +30,19 @@ from gptopt.bench import report
 from gptopt.bench.ladder import Setup
 from gptopt.config import BenchConfig
 from gptopt.device import DevicePlan, environment, memory_bandwidth
-from gptopt.extras import has, require
-from gptopt.generate import Generator, SamplingParams, generate, quantize_int8
+from gptopt.export import OnnxRunner
+from gptopt.extras import EXTRAS, has, require
+from gptopt.generate import Generator, SamplingParams, generate
 from gptopt.model import GPT
+from gptopt.prepare_model import inference_layout
+from gptopt.quantize import quantize_int8
 from gptopt.train import is_oom
 
 log = logging.getLogger("gptopt")
 
 AGREE_TOKENS = 32  # tokens compared with the baseline's: greedy paths may part later on near-ties
 GREEDY = dict(temperature=0.0, top_k=None)
-_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class InferRung:
     compile: bool = False
     bf16: bool = False  # bf16 weights instead of the device's inference dtype
     int8: bool = False
+    onnx: bool = False  # the model exported by `gptopt export`, run by onnxruntime
 
 
 RUNGS: list[InferRung] = [
@@ -60,6 +64,8 @@ RUNGS: list[InferRung] = [
               compile=True),
     InferRung("bf16", "compiled, bf16 weights", compile=True, bf16=True),
     InferRung("int8", "compiled, torchao int8 weight-only Linear layers", compile=True, int8=True),
+    InferRung("onnxruntime", "onnxruntime (CPU) on the ONNX export: KV cache as graph inputs and outputs",
+              onnx=True),
 ]
 
 
@@ -110,7 +116,7 @@ def weight_bytes(model: nn.Module) -> int:
     return sum(tensor_bytes(p) for p in params.values())
 
 
-def _timed(fn: Callable[[], object], plan: DevicePlan, warmup: int, repeats: int) -> float:
+def timed(fn: Callable[[], object], plan: DevicePlan, warmup: int, repeats: int) -> float:
     """Median wall time of fn, device-synchronised, after warm-up calls (compile, capture, caches)."""
     for _ in range(warmup):
         fn()
@@ -241,6 +247,10 @@ class InferBench:
             return "needs the 'hf' extra: pip install 'gptopt[hf]'"
         if rung.int8 and not has("torchao"):
             return "needs the 'quant' extra: pip install 'gptopt[quant]'"
+        if rung.onnx and not all(has(m) for m in EXTRAS["onnx"]):
+            return "needs the 'onnx' extra: pip install 'gptopt[onnx]'"
+        if rung.onnx and self.plan.device.type != "cpu":
+            return "onnxruntime runs on the CPU here (the 'onnx' extra is its CPU build): bench it with --device cpu"
         if rung.bf16 and self.base_dtype == torch.bfloat16:
             return "the weights are already bf16 on this device: see the kv and compiled rungs"
         if rung.bf16 and self.plan.amp_dtype != torch.bfloat16:
@@ -270,19 +280,22 @@ class InferBench:
 
     def _measure(self, rung: InferRung, dtype: torch.dtype, res: InferResult) -> None:
         plan, cfg = self.plan, self.cfg
-        runner: GptoptRunner | HFRunner
+        runner: GptoptRunner | HFRunner | OnnxRunner
         if rung.hf:
             runner, kv_dtype = HFRunner(self._model(torch.float32), plan, dtype), dtype
+        elif rung.onnx:
+            runner, kv_dtype = OnnxRunner(self._model(torch.float32)), torch.float32
         else:
             model = self._model(dtype)
             if rung.int8:
                 quantize_int8(model, plan)
+            inference_layout(model, plan.device.type)  # as load_for_inference serves it
             kv_dtype = model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
             runner = GptoptRunner(model, plan, self.max_len, compile=rung.compile)
         p0 = self.prompts[0]
         res.max_logit_diff = (runner.last_logits(p0).cpu() - self.ref_logits).abs().max().item()
         res.tokens = runner.generate([p0], self.new_tokens)[0][:AGREE_TOKENS]  # also a warm-up (compiles)
-        res.prefill_s = _timed(lambda: runner.last_logits(p0), plan, cfg.warmup, cfg.steps)
+        res.prefill_s = timed(lambda: runner.last_logits(p0), plan, cfg.warmup, cfg.steps)
         res.batch_sweep, res.ttft_s = self._sweep(runner, res)
         if not res.batch_sweep:
             return
@@ -292,7 +305,7 @@ class InferBench:
         if self.peak_bandwidth:
             res.bandwidth_util = res.bandwidth_gbs * 1e9 / self.peak_bandwidth
 
-    def _sweep(self, runner: GptoptRunner | HFRunner, res: InferResult) -> tuple[list[dict[str, Any]], float]:
+    def _sweep(self, runner: GptoptRunner | HFRunner | OnnxRunner, res: InferResult) -> tuple[list[dict[str, Any]], float]:
         """Decode tokens/s per batch size: B * (N - 1) new tokens over T(N tokens) - T(1 token), so
         prefill and the first token are left out; and the TTFT, T(1 token) at batch 1. Stops at the
         first batch that does not fit."""
@@ -303,8 +316,8 @@ class InferBench:
             prompts = self.prompts[:b]
             warmup = cfg.warmup if b == 1 else 1  # batch 1 warmed clocks and caches; a new batch compiles
             try:
-                t_first = _timed(lambda p=prompts: runner.generate(p, 1), plan, warmup, cfg.steps)
-                t_all = _timed(lambda p=prompts: runner.generate(p, n), plan, warmup, self.repeats)
+                t_first = timed(lambda p=prompts: runner.generate(p, 1), plan, warmup, cfg.steps)
+                t_all = timed(lambda p=prompts: runner.generate(p, n), plan, warmup, self.repeats)
             except Exception as e:
                 if not is_oom(e):
                     raise
@@ -327,7 +340,7 @@ class InferBench:
     # -- the ladder ------------------------------------------------------------------------
 
     def run(self, rungs: list[InferRung]) -> dict[str, Any]:
-        with torch._dynamo.config.patch(**{_LIMIT: 32}):  # one compile per batch size stays compiled
+        with torch._dynamo.config.patch(**{RECOMPILE_LIMIT: 32}):  # one compile per batch size stays compiled
             for rung in rungs:
                 log.info(f"bench --mode infer: rung {rung.name}")
                 self.results.append(self.run_rung(rung))

@@ -15,6 +15,7 @@ import logging
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,10 @@ class Rung:
     tuned_loader: bool = False
     checkpointing: bool = False
     batch_size: int | None = None  # None: the bench's batch
+    # what `gptopt tune` varies beyond the ladder's switches; the defaults are the ladder's behaviour
+    amp_dtype: str | None = None  # with amp: "bf16" or "fp16"; None: the device policy's dtype
+    accumulation: int = 1  # micro-batches per optimizer step: the step trains on batch_size x this sequences
+    loader: tuple[tuple[str, Any], ...] | None = None  # DataLoader settings; None: chosen by tuned_loader
 
 
 LADDER: list[Rung] = [
@@ -124,6 +129,7 @@ class RungResult:
     mfu: float | None = None
     peak_mem_bytes: int | None = None
     reserved_mem_bytes: int | None = None
+    data_wait_frac: float | None = None  # share of the timed steps spent fetching and copying batches
     loss: float | None = None
     loss_ok: bool | None = None
     speedup_vs_baseline: float | None = None
@@ -135,6 +141,16 @@ def _percentile(values: list[float], q: float) -> float:
     k = (len(s) - 1) * q
     lo, hi = int(k), min(int(k) + 1, len(s) - 1)
     return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+def loss_matches(loss: float, reference: float, tolerance: float) -> bool:
+    """Whether a loss after the same steps on the same batches is the reference's, within a relative tolerance."""
+    return abs(loss - reference) <= tolerance * abs(reference)
+
+
+# Asked before each step after the first: (step index, timed step times so far) -> None to go on, or
+# (status, note) to end the rung there (tune ends candidates that cannot win or run past the budget).
+StopHook = Callable[[int, list[float]], "tuple[str, str] | None"]
 
 
 @dataclass
@@ -160,8 +176,11 @@ class Setup:
 
 
 class Bench:
-    def __init__(self, cfg: BenchConfig) -> None:
+    def __init__(self, cfg: BenchConfig, *, steps: int | None = None, warmup: int | None = None) -> None:
         self.cfg = cfg
+        # tune measures more candidates, each for fewer steps than BenchConfig allows
+        self.steps = cfg.steps if steps is None else steps
+        self.warmup = cfg.warmup if warmup is None else warmup
         setup = Setup.from_config(cfg)
         self.plan, self.preset, self.data = setup.plan, setup.preset, setup.data
         self.model_config, self.seq_len = setup.model_config, setup.seq_len
@@ -195,20 +214,41 @@ class Bench:
             return HFLoss(to_hf_model(model).train()).to(self.plan.device)
         return model.to(self.plan.device)
 
-    def run_rung(self, rung: Rung, batch_size: int | None = None) -> RungResult:
+    def _plan(self, rung: Rung) -> DevicePlan:
+        """The device plan a rung trains under: the policy's, fp32, or the dtype the rung names."""
+        if not rung.amp:
+            return dataclasses.replace(self.plan, amp_dtype=None, use_grad_scaler=False)
+        if rung.amp_dtype is None:
+            return self.plan
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[rung.amp_dtype]
+        # fp16 needs loss scaling on CUDA; bf16 has fp32's exponent range and does not
+        return dataclasses.replace(self.plan, amp_dtype=dtype,
+                                   use_grad_scaler=rung.amp_dtype == "fp16" and self.plan.device.type == "cuda")
+
+    def _loader(self, rung: Rung) -> dict[str, Any]:
+        if rung.loader is not None:
+            return dict(rung.loader)
+        return data.default_loader_settings(self.plan.device.type) if rung.tuned_loader else dict(num_workers=0)
+
+    def settings(self, rung: Rung, batch_size: int) -> dict[str, Any]:
+        """What a rung trains with, as `gptopt train` options (plus hf: whether it is the HF model)."""
+        return dict(attention=self._attention(rung), use_amp=rung.amp, amp_dtype=self._plan(rung).amp_name,
+                    use_compile=rung.compile, compile_mode=rung.compile_mode, fused_optimizer=rung.fused,
+                    gradient_checkpointing=rung.checkpointing, batch_size=batch_size,
+                    gradient_accumulation_steps=rung.accumulation, hf=rung.hf, **self._loader(rung))
+
+    def run_rung(self, rung: Rung, batch_size: int | None = None, *, stop: StopHook | None = None) -> RungResult:
         cfg, plan = self.cfg, self.plan
         B = batch_size or rung.batch_size or self.batch_size
+        accum = rung.accumulation
         attention = self._attention(rung)
         res = RungResult(name=rung.name if batch_size is None else f"{rung.name}_b{B}", what=rung.what, batch_size=B)
-        res.settings = dict(attention=attention, use_amp=rung.amp, use_compile=rung.compile,
-                            compile_mode=rung.compile_mode, fused_optimizer=rung.fused,
-                            gradient_checkpointing=rung.checkpointing, batch_size=B, hf=rung.hf)
+        res.settings = self.settings(rung, B)
         if rung.hf and not has("transformers"):
             res.status, res.note = "skipped", "needs the 'hf' extra: pip install 'gptopt[hf]'"
             return res
-        rplan = plan if rung.amp else dataclasses.replace(plan, amp_dtype=None, use_grad_scaler=False)
-        loader_opts = data.default_loader_settings(plan.device.type) if rung.tuned_loader else dict(num_workers=0)
-        res.settings.update({k: v for k, v in loader_opts.items()})
+        rplan = self._plan(rung)
+        loader_opts = self._loader(rung)
         model = opt = None
         try:
             model = self._build(rung, attention)
@@ -217,20 +257,32 @@ class Bench:
             # the naive script's optimizer is torch's default AdamW; 'all' takes the fused kernel
             opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **({"fused": True} if rung.fused else {}))
             scaler = torch.amp.GradScaler(plan.device.type) if rplan.use_grad_scaler else None
-            ds = data.BatchDataset(self.data, "train", B, self.seq_len, cfg.seed)
+            # Each step's whole batch (B x accum sequences) is one item, split into micro-batches here:
+            # every way of splitting it trains on the same sequences, so losses compare across micro-batches.
+            ds = data.BatchDataset(self.data, "train", B * accum, self.seq_len, cfg.seed)
             batches = iter(data.make_loader(ds, 0, **loader_opts))
-            times, losses = [], []
+            times, losses, waits = [], [], []
             rss0 = psutil.Process().memory_info().rss
             rss_peak = rss0
             if plan.device.type == "cuda":
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats(plan.device)
-            for i in range(cfg.warmup + cfg.steps):
+            n_steps = self.warmup + self.steps
+            for i in range(n_steps):
+                verdict = stop(i, times) if stop is not None and i > 0 else None
+                if verdict is not None:
+                    res.status, res.note = verdict
+                    break
                 plan.synchronize()
                 t0 = time.perf_counter()
                 x, y = next(batches)
                 x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
-                loss = forward_backward(step_model, x, y, rplan, scaler, 1)
+                wait = time.perf_counter() - t0
+                # summed in place as each micro-step ends, as train.py does: a CUDA-graph output is
+                # overwritten by the next replay
+                loss = torch.zeros((), device=plan.device)
+                for m in range(accum):
+                    loss += forward_backward(step_model, x[m * B:(m + 1) * B], y[m * B:(m + 1) * B], rplan, scaler, accum)
                 if scaler is not None:
                     scaler.step(opt)
                     scaler.update()
@@ -243,21 +295,26 @@ class Bench:
                 rss_peak = max(rss_peak, psutil.Process().memory_info().rss)
                 if i == 0:
                     res.compile_s = dt
-                elif i >= cfg.warmup:
+                elif i >= self.warmup:
                     times.append(dt)
+                    waits.append(wait)
             res.step_times_s = times
-            res.step_time_s = statistics.median(times)
-            res.step_time_p10_s, res.step_time_p90_s = _percentile(times, 0.1), _percentile(times, 0.9)
-            res.tokens_per_s = B * self.seq_len / res.step_time_s
-            res.tflops = res.tokens_per_s * self.fpt / 1e12
-            # one ceiling for every rung (the policy dtype's), so the MFU column ranks like tokens/s
-            res.mfu = res.tokens_per_s * self.fpt / self.peak
-            res.loss = statistics.mean(losses[-3:])
+            if times:  # a rung its stop hook ended still shows how fast it was going
+                res.step_time_s = statistics.median(times)
+                res.step_time_p10_s, res.step_time_p90_s = _percentile(times, 0.1), _percentile(times, 0.9)
+                res.tokens_per_s = B * accum * self.seq_len / res.step_time_s
+                res.tflops = res.tokens_per_s * self.fpt / 1e12
+                # one ceiling for every rung (the policy dtype's), so the MFU column ranks like tokens/s
+                res.mfu = res.tokens_per_s * self.fpt / self.peak
+                res.data_wait_frac = sum(waits) / sum(times)
+            if res.status == "ok":  # a loss after fewer steps would not compare with the baseline's
+                res.loss = statistics.mean(losses[-3:])
             if plan.device.type == "cuda":
                 res.peak_mem_bytes = torch.cuda.max_memory_allocated(plan.device)
                 res.reserved_mem_bytes = torch.cuda.max_memory_reserved(plan.device)
-            else:
+            else:  # the CPU analogues: growth of the process's resident memory, and its peak
                 res.peak_mem_bytes = rss_peak - rss0
+                res.reserved_mem_bytes = rss_peak
         except Exception as e:
             if is_oom(e):
                 res.status = "oom"
@@ -316,7 +373,7 @@ class Bench:
             r.speedup_vs_baseline = r.tokens_per_s / baseline.tokens_per_s
             r.speedup_vs_previous = r.tokens_per_s / prev.tokens_per_s if prev else 1.0
             same_batch = r.batch_size == baseline.batch_size
-            r.loss_ok = abs(r.loss - baseline.loss) <= self.cfg.loss_tolerance * abs(baseline.loss) if same_batch else None
+            r.loss_ok = loss_matches(r.loss, baseline.loss, self.cfg.loss_tolerance) if same_batch else None
             if r.loss_ok is False:
                 r.status, r.note = "failed", f"loss {r.loss:.4f} departs from the baseline's {baseline.loss:.4f}"
             prev = r
@@ -344,13 +401,20 @@ def best_train_config(summary: dict[str, Any], data_dir: str) -> dict[str, Any] 
     best = next((r for r in summary["rungs"] if r["name"] == summary["best"]), None)
     if best is None:
         return None
-    s = best["settings"]
+    return train_options(best["settings"], summary["preset"], summary["seq_len"], data_dir)
+
+
+def train_options(s: dict[str, Any], preset: str, seq_len: int, data_dir: str) -> dict[str, Any]:
+    """A rung's settings (RungResult.settings) as the options of `gptopt train`."""
     opts: dict[str, Any] = {
-        "preset": summary["preset"], "data_dir": data_dir, "seq_len": summary["seq_len"], "batch_size": s["batch_size"],
+        "preset": preset, "data_dir": data_dir, "seq_len": seq_len, "batch_size": s["batch_size"],
+        "gradient_accumulation_steps": s.get("gradient_accumulation_steps", 1),
         "attention": s["attention"], "use_amp": s["use_amp"], "use_compile": s["use_compile"],
         "compile_mode": s["compile_mode"], "fused_optimizer": s["fused_optimizer"],
         "gradient_checkpointing": s["gradient_checkpointing"], "num_workers": s["num_workers"],
     }
+    if s["use_amp"] and s.get("amp_dtype") in ("bf16", "fp16"):
+        opts["amp_dtype"] = s["amp_dtype"]
     for key in ("pin_memory", "prefetch_factor", "persistent_workers"):
         if s.get(key) is not None:
             opts[key] = s[key]

@@ -105,7 +105,11 @@ def markdown(summary: dict[str, Any], plots: list[str], best_toml: str | None) -
     return "\n".join(md) + "\n"
 
 
-def toml_text(opts: dict[str, Any]) -> str:
+BEST_TOML_HEADER = ("# written by `gptopt bench`: the fastest rung whose loss matched the baseline",
+                    "# gptopt train --config best.toml")
+
+
+def toml_text(opts: dict[str, Any], header: tuple[str, ...] = BEST_TOML_HEADER) -> str:
     def value(v: Any) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
@@ -113,8 +117,7 @@ def toml_text(opts: dict[str, Any]) -> str:
             return json.dumps(v)  # a JSON string is a valid TOML basic string
         return repr(v)
 
-    lines = ["# written by `gptopt bench`: the fastest rung whose loss matched the baseline", "# gptopt train --config best.toml"]
-    return "\n".join(lines + [f"{k} = {value(v)}" for k, v in opts.items() if v is not None]) + "\n"
+    return "\n".join([*header, *(f"{k} = {value(v)}" for k, v in opts.items() if v is not None)]) + "\n"
 
 
 def plot(summary: dict[str, Any], out: Path) -> list[str]:

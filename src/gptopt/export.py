@@ -1,0 +1,428 @@
+"""`gptopt export`: the model as ONNX with KV-cache inputs and outputs (for onnxruntime), or as a Hugging Face dir.
+
+    gptopt export --model out/ --output_dir out_onnx              # model.onnx, gptopt_onnx.json, tokenizer.json
+    gptopt export --model out/ --format hf --output_dir out_hf    # GPT2LMHeadModel.from_pretrained("out_hf")
+
+The ONNX graph has the "past key values" signature decoders use: input_ids (B, T), attention_mask (B, P + T)
+(1 = a real token; prompts are left-padded), position_ids (B, T) and past_key_i / past_value_i (B, nh, P, hs)
+per layer in; logits (B, T, V) and present_key_i / present_value_i (B, nh, P + T, hs) out. Batch, sequence and
+past length are dynamic; a prefill passes P = 0 (empty past tensors). Each export is checked before it is
+moved into place: onnxruntime (or transformers) against PyTorch on a padded batch of two prompts, a prefill
+and then one decode step. A mismatch writes nothing and exits 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import shutil
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+from tokenizers import Tokenizer
+
+from gptopt import checkpoint, hf
+from gptopt.config import MIN_OPSET, ExportConfig
+from gptopt.data import EOT_CANDIDATES, TOKENIZER, load_tokenizer
+from gptopt.extras import require
+from gptopt.generate import find_tokenizer, model_source
+from gptopt.model import GPT
+
+__all__ = ["OnnxDecoder", "OnnxRunner", "OrtDecoder", "export_hf_checked", "export_onnx", "main", "to_onnx"]
+
+log = logging.getLogger("gptopt")
+
+ONNX_FILE = "model.onnx"
+ONNX_META = "gptopt_onnx.json"
+
+
+class ExportCheckError(RuntimeError):
+    """The exported model does not load, or its logits differ from PyTorch's by more than the tolerance."""
+
+
+# ----------------------------------------------------------------------------------------------
+# The graph
+
+
+class _ConcatLayer:
+    """One layer's cache in the ONNX signature: the past comes in as tensors, past + new goes out.
+
+    The same update() the model calls on generate.py's preallocated cache, so model.py needs no export branch.
+    """
+
+    def __init__(self, past_k: torch.Tensor, past_v: torch.Tensor) -> None:
+        self.k, self.v = past_k, past_v
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = torch.cat([self.k, k], dim=2)  # (B, nh, P + T, hs)
+        self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class OnnxDecoder(nn.Module):
+    """GPT behind the past-key-values signature: the module torch.onnx.export traces."""
+
+    def __init__(self, model: GPT) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                past: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        T, S = input_ids.shape[1], attention_mask.shape[1]  # S = P + T keys: the past and the new tokens
+        keys = torch.arange(S, device=input_ids.device)
+        query = keys[S - T :]  # (T,) each new token's place among the keys
+        # A padded query may see itself: a row with no visible key makes softmax NaN, and that NaN would reach
+        # the real rows through the next layer's values. Real queries never see padded keys.
+        visible = (attention_mask[:, None, None, :] > 0) | (keys == query[:, None])
+        mask = (keys <= query[:, None]) & visible  # (B, 1, T, S)
+        layers = [_ConcatLayer(past[2 * i], past[2 * i + 1]) for i in range(self.model.config.n_layer)]
+        logits = self.model(input_ids, pos=position_ids, kv_cache=layers, attn_mask=mask)
+        return (logits, *[t for layer in layers for t in (layer.k, layer.v)])
+
+
+def io_names(n_layer: int) -> tuple[list[str], list[str]]:
+    past = [f"past_{kv}_{i}" for i in range(n_layer) for kv in ("key", "value")]
+    present = [f"present_{kv}_{i}" for i in range(n_layer) for kv in ("key", "value")]
+    return ["input_ids", "attention_mask", "position_ids", *past], ["logits", *present]
+
+
+@contextlib.contextmanager
+def _quiet_exporter() -> Iterator[None]:
+    # The exporter warns about each axis name shared by several inputs and each torchvision op it skips;
+    # none of it concerns this graph, and it would bury the one line that does.
+    registration = logging.getLogger("torch.onnx._internal.exporter._registration")
+    level = registration.level
+    registration.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        registration.setLevel(level)
+
+
+def to_onnx(model: GPT, path: Path, *, opset: int = 18) -> str:
+    """Write the model to path (weights in path.data beside it past 2 GB); returns the exporter that worked."""
+    cfg = model.config
+    inputs, outputs = io_names(cfg.n_layer)
+    B, T, P = 2, 3, 4  # distinct and > 1: torch.export fixes sizes 0 and 1, and may tie equal ones together
+    sample = (torch.randint(0, cfg.vocab_size, (B, T)), torch.ones(B, P + T, dtype=torch.long),
+              (torch.arange(P, P + T) % cfg.block_size).expand(B, T).contiguous(),
+              [torch.zeros(B, cfg.n_head, P, cfg.head_dim) for _ in range(2 * cfg.n_layer)])
+    decoder = OnnxDecoder(model).eval()
+    seq = {0: "batch", 1: "sequence"}
+    with _quiet_exporter(), torch.no_grad():
+        try:
+            shapes = {"input_ids": seq, "attention_mask": {0: "batch", 1: "total_sequence"}, "position_ids": seq,
+                      "past": [{0: "batch", 2: "past_sequence"}] * len(sample[3])}
+            program = torch.onnx.export(decoder, sample, None, dynamo=True, input_names=inputs, output_names=outputs,
+                                        dynamic_shapes=shapes, opset_version=opset, verbose=False)
+        except Exception as e:  # the TorchScript exporter is deprecated, but exports this graph where dynamo fails
+            log.warning("the dynamo ONNX exporter failed (%s: %s); trying the TorchScript exporter",
+                        type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "")
+            axes: dict[str, dict[int, str]] = {"input_ids": seq, "position_ids": seq, "logits": seq,
+                                               "attention_mask": {0: "batch", 1: "total_sequence"}}
+            axes |= {n: {0: "batch", 2: "past_sequence"} for n in inputs[3:]}
+            axes |= {n: {0: "batch", 2: "total_sequence"} for n in outputs[1:]}
+            torch.onnx.export(decoder, sample, str(path), dynamo=False, input_names=inputs, output_names=outputs,
+                              dynamic_axes=axes, opset_version=opset)
+            return "torchscript"
+    ir = require("onnx_ir", "onnx", "ONNX export")
+    for value in program.model.graph.outputs[1:]:  # "past_sequence + sequence" -> the attention_mask's name
+        dims = list(value.shape)
+        dims[2] = ir.SymbolicDim("total_sequence")
+        value.shape = ir.Shape(dims)
+    program.save(str(path))
+    return "dynamo"
+
+
+# ----------------------------------------------------------------------------------------------
+# onnxruntime
+
+
+class OrtDecoder:
+    """An exported model.onnx in onnxruntime: one forward over the past-key-values signature, greedy decoding."""
+
+    def __init__(self, path: str | Path, *, block_size: int | None = None, threads: int | None = None) -> None:
+        ort = require("onnxruntime", "onnx", "running the ONNX model")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads or torch.get_num_threads()  # PyTorch's count: a like-for-like race
+        options.inter_op_num_threads = 1
+        self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        past = [i for i in self.session.get_inputs() if i.name.startswith("past_")]
+        self.past_names = [i.name for i in past]
+        self.n_head, self.head_dim = past[0].shape[1], past[0].shape[3]
+        self.output_names = [o.name for o in self.session.get_outputs()]
+        self.block_size = block_size
+
+    def forward(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
+                past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **dict(zip(self.past_names, past, strict=True))}
+        logits, *present = self.session.run(self.output_names, feed)
+        return logits, present
+
+    def prefill(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
+        """Logits (B, L, V) of the prompts left-padded to the longest (L), with the mask, positions and cache."""
+        if not prompts or not all(prompts):
+            raise ValueError("every prompt needs at least one token")
+        B, L = len(prompts), max(map(len, prompts))
+        ids, mask = np.zeros((B, L), np.int64), np.zeros((B, L), np.int64)
+        for r, p in enumerate(prompts):
+            ids[r, L - len(p) :], mask[r, L - len(p) :] = p, 1  # left-padded: each row's last token is at -1
+        pos = np.maximum(mask.cumsum(axis=1) - 1, 0)
+        empty = [np.zeros((B, self.n_head, 0, self.head_dim), np.float32) for _ in self.past_names]
+        logits, present = self.forward(ids, mask, pos, empty)
+        return logits, mask, pos, present
+
+    def greedy(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        """n new tokens per prompt by argmax, as the gptopt Generator picks them at temperature 0."""
+        longest = max(map(len, prompts), default=0)
+        if self.block_size is not None and longest + n - 1 > self.block_size:
+            raise ValueError(f"{longest} prompt tokens + {n} new ones exceed the model's context {self.block_size}")
+        logits, mask, pos, past = self.prefill(prompts)
+        tokens = [logits[:, -1].argmax(-1)]
+        for _ in range(n - 1):
+            mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
+            pos = pos[:, -1:] + 1
+            logits, past = self.forward(tokens[-1][:, None], mask, pos, past)
+            tokens.append(logits[:, -1].argmax(-1))
+        return np.stack(tokens, axis=1).tolist()
+
+
+def _check_prompts(cfg: Any) -> tuple[list[list[int]], list[int]]:
+    """Two prompts of different lengths (the shorter is padded) and one next token each, from a fixed seed."""
+    if cfg.block_size < 2:
+        raise ValueError(f"the model's context is {cfg.block_size} token: nothing to decode after a prompt")
+    g = torch.Generator().manual_seed(0)
+    n = min(7, cfg.block_size - 1)
+    prompts = [torch.randint(0, cfg.vocab_size, (k,), generator=g).tolist() for k in (n, max(1, n - 3))]
+    return prompts, torch.randint(0, cfg.vocab_size, (2,), generator=g).tolist()
+
+
+def _verdict(what: str, diffs: dict[str, float], scale: float, tolerance: float) -> dict[str, float]:
+    allowed = tolerance * max(1.0, scale)
+    report = {**diffs, "logit_scale": scale, "tolerance": tolerance, "allowed_abs_diff": allowed}
+    worst = max(diffs.values())
+    if not worst <= allowed:  # NaN fails too
+        raise ExportCheckError(f"{what} logits differ from PyTorch's by {worst:.3g} (allowed {allowed:.3g}: "
+                             f"tolerance {tolerance:g} x max |logit| {scale:.3g}); nothing was written")
+    return report
+
+
+@torch.no_grad()
+def check_onnx(model: GPT, decoder: OrtDecoder, tolerance: float) -> dict[str, float]:
+    """Max |onnxruntime - PyTorch| logit of a padded batch of two prompts: the prefill, then one decode step
+    fed the prefill's present tensors. PyTorch runs each sequence whole, without a cache."""
+    prompts, nxt = _check_prompts(model.config)
+    logits, mask, pos, past = decoder.prefill(prompts)
+    step, _ = decoder.forward(np.array(nxt)[:, None], np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1),
+                              pos[:, -1:] + 1, past)
+    L, diffs, scale = logits.shape[1], {"prefill_max_abs_diff": 0.0, "decode_max_abs_diff": 0.0}, 0.0
+    for r, p in enumerate(prompts):
+        ref = model(torch.tensor([[*p, nxt[r]]]))[0].numpy()  # (len + 1, V)
+        diffs["prefill_max_abs_diff"] = max(diffs["prefill_max_abs_diff"],
+                                            float(np.abs(logits[r, L - len(p) :] - ref[:-1]).max()))
+        diffs["decode_max_abs_diff"] = max(diffs["decode_max_abs_diff"], float(np.abs(step[r, 0] - ref[-1]).max()))
+        scale = max(scale, float(np.abs(ref).max()))
+    return _verdict("onnxruntime", diffs, scale, tolerance)
+
+
+# ----------------------------------------------------------------------------------------------
+# Writing a directory
+
+
+def _check_output_dir(target: Path, overwrite: bool, marker: str) -> None:
+    """Refuse before any work: a file, or a non-empty directory (unless --overwrite and it holds an export)."""
+    if target.exists() and not target.is_dir():
+        raise ValueError(f"--output_dir {target} is a file; give a directory path")
+    if not target.is_dir() or not any(target.iterdir()):
+        return
+    if not overwrite:
+        raise ValueError(f"--output_dir {target} exists and is not empty; nothing was written: choose a new "
+                         "directory, or pass --overwrite to replace an earlier export there")
+    if not (target / marker).is_file():  # a typo such as --output_dir ~ must never delete a home directory
+        raise ValueError(f"--output_dir {target} holds no earlier export ({marker} is missing), so --overwrite "
+                         "will not delete it; choose a new directory")
+
+
+@contextlib.contextmanager
+def _staging(target: Path) -> Iterator[Path]:
+    """A temporary sibling of target to write into; whatever is not moved into place is removed."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _eot(tok: Tokenizer | None) -> int | None:
+    return None if tok is None else next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
+
+
+def _io(values: list[Any]) -> list[dict[str, Any]]:
+    return [{"name": v.name, "dtype": v.type.removeprefix("tensor(").removesuffix(")"), "shape": v.shape} for v in values]
+
+
+def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | None = None, opset: int = 18,
+                tolerance: float = 1e-4, overwrite: bool = False) -> dict[str, Any]:
+    """Write model.onnx, gptopt_onnx.json (what goes in and out, the check) and tokenizer.json (if given)
+    into directory, checked against PyTorch first; returns the JSON's contents."""
+    target = Path(directory)
+    _check_output_dir(target, overwrite, ONNX_META)
+    for module in ("onnx", "onnxscript", "onnxruntime"):
+        require(module, "onnx", "ONNX export")
+    if opset < MIN_OPSET:
+        raise ValueError(f"opset must be >= {MIN_OPSET}, got {opset}")
+    weight = model.transformer.wte.weight
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        raise ValueError(f"the ONNX export starts from an fp32 model on the CPU, got {weight.dtype} on {weight.device} "
+                         "(load_pretrained gives one)")
+    model = model.eval()
+    if model.config.attention != "eager":  # SDPA traces into the same math plus NaN guards: a longer graph
+        eager = GPT(dataclasses.replace(model.config, attention="eager"))
+        eager.load_state_dict(model.state_dict())
+        model = eager.eval()
+    with _staging(target) as tmp:
+        t0 = time.perf_counter()
+        exporter = to_onnx(model, tmp / ONNX_FILE, opset=opset)
+        export_s = time.perf_counter() - t0
+        try:
+            decoder = OrtDecoder(tmp / ONNX_FILE, block_size=model.config.block_size)
+        except Exception as e:  # onnxruntime raises its own types for graphs it refuses
+            raise ExportCheckError(f"onnxruntime cannot load the exported graph ({type(e).__name__}: "
+                                   f"{str(e).strip()[:300]}); nothing was written") from None
+        check = check_onnx(model, decoder, tolerance)
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / TOKENIZER))
+        meta = {
+            "format": "gptopt-onnx", "files": sorted(p.name for p in tmp.iterdir()) + [ONNX_META],
+            "exporter": exporter, "opset": opset, "export_s": round(export_s, 2), "torch": torch.__version__,
+            "model": model.config.to_dict(), "tokenizer": TOKENIZER if tokenizer is not None else None,
+            "eot_token_id": _eot(tokenizer),
+            "inputs": _io(decoder.session.get_inputs()), "outputs": _io(decoder.session.get_outputs()),
+            "usage": "prefill: past_* empty (batch, n_head, 0, head_dim); attention_mask 1 for real tokens, prompts "
+                     "left-padded; position_ids = cumsum(attention_mask) - 1, at least 0. Decode: present_* back as "
+                     "past_*, a 1 appended to attention_mask, position_ids + 1.",
+            "check": check,
+        }
+        del decoder  # its session holds a copy of every weight
+        (tmp / ONNX_META).write_text(json.dumps(meta, indent=2) + "\n")
+        checkpoint.replace_dir(tmp, target)
+    return meta
+
+
+@torch.no_grad()
+def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | None = None,
+                      tolerance: float = 1e-4, overwrite: bool = False) -> dict[str, float]:
+    """hf.export_hf plus tokenizer.json, moved into place only once transformers' logits match PyTorch's."""
+    target = Path(directory)
+    _check_output_dir(target, overwrite, hf.HF_CONFIG)
+    transformers = require("transformers", "hf", "Hugging Face export")
+    if model.transformer.wte.weight.device.type != "cpu":
+        raise ValueError("the Hugging Face export is checked on the CPU: pass the model there")
+    model = model.eval()
+    with _staging(target) as tmp:
+        hf.export_hf(model, tmp)  # into the empty staging dir: export_hf writes its own files atomically
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / TOKENIZER))
+        loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp)).eval()
+        diffs, scale = {"max_abs_diff": 0.0}, 0.0
+        for p in _check_prompts(model.config)[0]:
+            ids = torch.tensor([p])
+            ref = model(ids).float()
+            got = loaded(input_ids=ids).logits.float()
+            diffs["max_abs_diff"] = max(diffs["max_abs_diff"], (got - ref).abs().max().item())
+            scale = max(scale, ref.abs().max().item())
+        check = _verdict("transformers", diffs, scale, tolerance)
+        del loaded
+        checkpoint.replace_dir(tmp, target)
+    return check
+
+
+# ----------------------------------------------------------------------------------------------
+# The bench's onnxruntime rung
+
+
+class OnnxRunner:
+    """`gptopt bench --mode infer`'s onnxruntime rung: the model exported (and checked) into a temporary
+    directory, decoded greedily through onnxruntime. The bench's runner interface: generate, last_logits."""
+
+    def __init__(self, model: GPT) -> None:
+        self.model = model  # the bench counts its weight bytes
+        self._dir = tempfile.TemporaryDirectory(prefix="gptopt-onnx-")
+        path = Path(self._dir.name) / "export"
+        export_onnx(model, path)
+        self.decoder = OrtDecoder(path / ONNX_FILE, block_size=model.config.block_size)
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        return self.decoder.greedy(prompts, n)
+
+    def last_logits(self, prompt: list[int]) -> torch.Tensor:
+        return torch.from_numpy(self.decoder.prefill([prompt])[0][0, -1]).float()
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def _tokenizer(source: Path | str, given: str | None) -> Tokenizer | None:
+    """--tokenizer, else the model's own: recorded in a gptopt checkpoint or lying beside the model (never a
+    download for a local directory); a hub model's from the hub. None when there is none."""
+    if given is not None:
+        return load_tokenizer(given)
+    if isinstance(source, Path) and not checkpoint.is_gptopt_dir(source):
+        local = [d for d in (source, source.parent) if (d / TOKENIZER).is_file()
+                 or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()]
+        return load_tokenizer(local[0]) if local else None
+    with contextlib.suppress(ValueError):
+        return find_tokenizer(source)
+    return None
+
+
+def main(cfg: ExportConfig) -> int:
+    target = Path(cfg.output_dir or f"export_{cfg.format}")
+    onnx = cfg.format == "onnx"
+    _check_output_dir(target, cfg.overwrite, ONNX_META if onnx else hf.HF_CONFIG)  # before any loading
+    for module, extra in ([("onnx", "onnx"), ("onnxscript", "onnx"), ("onnxruntime", "onnx")] if onnx
+                          else [("transformers", "hf")]):
+        require(module, extra, f"gptopt export --format {cfg.format}")
+    source = model_source(cfg.model)
+    tok = _tokenizer(source, cfg.tokenizer)
+    # Eager attention: SDPA traces into the same math plus NaN guards that only lengthen the graph.
+    model = hf.load_pretrained(source, **({"attention": "eager"} if onnx else {})).eval()
+    if tok is not None and tok.get_vocab_size() > model.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, the model only {model.config.vocab_size}: "
+                         "they do not belong together; pass the --tokenizer the model was trained with")
+    if tok is None:
+        log.info("no tokenizer found beside %s: the export has none (pass --tokenizer to ship one)", source)
+    log.info("exporting %s (%.1fM parameters) as %s to %s", source, model.num_params() / 1e6, cfg.format, target)
+    t0 = time.perf_counter()
+    try:
+        if onnx:
+            meta = export_onnx(model, target, tokenizer=tok, opset=cfg.opset, tolerance=cfg.tolerance,
+                               overwrite=cfg.overwrite)
+            check = meta["check"]
+            what = (f"{target / ONNX_FILE} ({meta['exporter']} exporter, opset {cfg.opset}); onnxruntime matches "
+                    f"PyTorch: max |logit diff| prefill {check['prefill_max_abs_diff']:.2g}, decode "
+                    f"{check['decode_max_abs_diff']:.2g}")
+        else:
+            check = export_hf_checked(model, target, tokenizer=tok, tolerance=cfg.tolerance, overwrite=cfg.overwrite)
+            what = (f"{target} (config.json + model.safetensors); transformers matches: max |logit diff| "
+                    f"{check['max_abs_diff']:.2g}")
+    except ExportCheckError as e:
+        print(f"gptopt export: error: {e}", file=sys.stderr)
+        return 1
+    print(f"gptopt export: wrote {what} (allowed {check['allowed_abs_diff']:.2g}); "
+          f"{'with' if tok is not None else 'no'} tokenizer.json; {time.perf_counter() - t0:.1f} s")
+    return 0

@@ -1,0 +1,345 @@
+"""Compression of a GPT's Linear layers: int8 / int4 quantisation, magnitude and 2:4 pruning, and the
+compressed checkpoint format from which the loader rebuilds the quantised modules.
+
+`gptopt compress` (compress.py) applies these transforms and measures them. `load_for_inference`
+(generate.py) sees a checkpoint's `compression` record and calls `restore`, so generate and serve
+load a compressed directory like any other.
+
+    gptopt compress --model out --output out-int8 --quantize int8-dynamic
+    python -c "import torch; from gptopt.quantize import mask_2_4; print(mask_2_4(torch.randn(2, 8)))"
+
+On disk (model.safetensors) a quantised layer's `weight` holds the integers and `weight_scale` (for
+int4 also `weight_min`) their per-channel or per-group parameters, so the file really shrinks. The
+tied lm_head is quantised through wte: one set of per-row int8 scales serves the embedding lookup
+(dequantised) and the output projection (quantised). Pruned weights are stored as they are, zeros.
+Every loader dequantises the state (hf.load_pretrained gives a plain fp32 GPT whose weights lie on
+the stored grid); `restore` turns that into the device's quantised modules with the same integers.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import warnings
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.utils.prune as torch_prune
+
+from gptopt.config import QUANTIZE_METHODS, parse_prune
+from gptopt.device import DevicePlan
+from gptopt.extras import has, require
+from gptopt.model import GPT
+
+__all__ = ["METHODS", "check_supported", "compress_model", "describe", "mask_2_4", "pack_state",
+           "parse_prune", "quantize_int8", "restore", "unpack_state"]
+
+log = logging.getLogger("gptopt")
+
+METHODS = QUANTIZE_METHODS
+SPARSE_2_4 = "2:4"
+FORMAT = 1  # version of the on-disk layout; a checkpoint of a newer one is refused with the fix
+INT4_GROUP_SIZES = (128, 64, 32)  # the largest that divides every layer's input width is used
+_SCALE, _MIN = "_scale", "_min"  # suffixes of a quantised weight's key: weight_scale, weight_min
+_TINY = 1e-12  # an all-zero row (padding, a pruned-away channel) keeps a finite scale
+
+
+def block_linears(model: GPT) -> dict[str, nn.Linear]:
+    """The Transformer blocks' Linear layers (c_attn, c_proj, c_fc, mlp.c_proj of each block) by name.
+    lm_head is not among them: it is tied to the embedding, so pruning it would prune wte too."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("transformer.h.")}
+
+
+def _sm80(plan: DevicePlan) -> bool:
+    return plan.device.type == "cuda" and torch.cuda.get_device_capability(plan.device) >= (8, 0)
+
+
+def _where(plan: DevicePlan) -> str:
+    if plan.device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(plan.device)
+        return f"{torch.cuda.get_device_name(plan.device)} (compute capability {major}.{minor})"
+    return f"this {plan.device.type}"
+
+
+def check_supported(quantize: str | None, prune: float | str | None, plan: DevicePlan) -> None:
+    """Refuse, before any work, what this device cannot run: the reason and what to use instead."""
+    if quantize is not None and quantize not in METHODS:
+        raise ValueError(f"unknown --quantize {quantize!r}; choose one of: none, {', '.join(METHODS)}")
+    if quantize == "int4-weight" and not _sm80(plan):
+        raise ValueError(f"--quantize int4-weight needs an NVIDIA GPU of compute capability 8.0 or newer (torchao's "
+                         f"int4 kernel), not {_where(plan)}; use --quantize int8-dynamic on CPUs, int8-weight on GPUs")
+    if prune == SPARSE_2_4 and quantize is not None:
+        raise ValueError("--prune 2:4 together with --quantize is not supported; choose one of them")
+    if prune == SPARSE_2_4 and not _sm80(plan):
+        raise ValueError(f"--prune 2:4 needs an NVIDIA GPU of compute capability 8.0 or newer: semi-structured sparse "
+                         f"kernels exist only there, and {_where(plan)} would run the pruned weights dense, with no "
+                         "speed gain; use --prune FRACTION here, or run compress on such a GPU")
+    if quantize in ("int8-weight", "int4-weight") or (quantize == "int8-dynamic" and plan.device.type != "cpu"):
+        require("torchao.quantization", "quant", f"--quantize {quantize}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Integers: computed in fp32 on the CPU, so the same weights give the same integers on any device
+
+
+def int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: q (out, in) int8 in [-127, 127] and scale (out,) fp32, w ~ q * scale.
+    Idempotent: quantising q * scale again gives q and scale back."""
+    w = w.detach().float().cpu()
+    scale = w.abs().amax(dim=1).clamp(min=_TINY) / 127
+    return torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def int4_groupwise(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric int4 per group of `group_size` inputs (tinygemm's grid): q (out, in) uint8 in [0, 15],
+    scale and minimum (out, in // group_size) fp32, w ~ minimum + q * scale."""
+    w = w.detach().float().cpu()
+    groups = w.view(w.shape[0], -1, group_size)  # (out, in / g, g)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    scale = ((hi - lo) / 15).clamp(min=_TINY)
+    q = torch.round((groups - lo[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    return q.view_as(w), scale, lo
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Two int4 values per byte, the even input in the low nibble: (out, in) -> (out, in / 2) uint8."""
+    return q[:, 0::2] | (q[:, 1::2] << 4)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    return torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+def int4_group_size(model: GPT) -> int:
+    widths = {m.in_features for m in block_linears(model).values()}
+    for g in INT4_GROUP_SIZES:
+        if all(w % g == 0 for w in widths):
+            return g
+    raise ValueError(f"int4-weight needs input widths divisible by one of {INT4_GROUP_SIZES}; this model has {sorted(widths)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Pruning
+
+
+def prune_magnitude(model: GPT, fraction: float) -> None:
+    """Zero the `fraction` smallest-magnitude weights of every block Linear (torch.nn.utils.prune's L1
+    criterion, layer by layer), made permanent: plain weights with zeros, no masks or hooks left."""
+    for layer in block_linears(model).values():
+        torch_prune.l1_unstructured(layer, "weight", amount=fraction)
+        torch_prune.remove(layer, "weight")
+
+
+def mask_2_4(w: torch.Tensor) -> torch.Tensor:
+    """True at the 2 largest-magnitude weights of every group of 4 consecutive inputs (the last dim): the
+    2:4 pattern of NVIDIA's sparse tensor cores. Exactly 2 per group; ties go to the lower index."""
+    if w.shape[-1] % 4:
+        raise ValueError(f"2:4 sparsity needs an input width divisible by 4, got shape {tuple(w.shape)}")
+    groups = w.detach().abs().reshape(-1, 4)
+    keep = groups.sort(dim=-1, descending=True, stable=True).indices[:, :2]
+    return torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True).view(w.shape)
+
+
+def prune_2_4(model: GPT) -> None:
+    """Apply mask_2_4 to every block Linear through torch.nn.utils.prune, made permanent (dense zeros)."""
+    for layer in block_linears(model).values():
+        torch_prune.custom_from_mask(layer, "weight", mask_2_4(layer.weight))
+        torch_prune.remove(layer, "weight")
+
+
+def sparsify_2_4(model: GPT) -> int:
+    """Swap each block Linear's 2:4-pruned weight for torch's semi-structured sparse tensor (CUDA only);
+    the number swapped. A layer whose shape or dtype the kernels refuse stays dense, logged."""
+    from torch.sparse import to_sparse_semi_structured
+
+    swapped = 0
+    for name, layer in block_linears(model).items():
+        try:
+            layer.weight = nn.Parameter(to_sparse_semi_structured(layer.weight.detach()), requires_grad=False)
+            swapped += 1
+        except (RuntimeError, ValueError) as e:
+            log.warning("%s stays dense: %s", name, str(e).splitlines()[0])
+    return swapped
+
+
+# ----------------------------------------------------------------------------------------------
+# The record and the state on disk
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def compress_model(model: GPT, quantize: str | None, prune: float | str | None) -> dict[str, Any]:
+    """Prune `model` in place (quantisation happens in pack_state); the record gptopt.json keeps."""
+    if isinstance(prune, float):
+        prune_magnitude(model, prune)
+    elif prune == SPARSE_2_4:
+        prune_2_4(model)
+    record: dict[str, Any] = {
+        "format": FORMAT, "quantize": quantize, "prune": prune,
+        "layers": "every block Linear" + (" and lm_head (stored through wte)" if quantize in ("int8-weight", "int8-dynamic") else ""),
+        "versions": {"torch": torch.__version__, "torchao": _version("torchao")},
+    }
+    if quantize in ("int8-weight", "int8-dynamic"):
+        record["stored"] = "int8, symmetric per output channel: w = weight * weight_scale"
+    if quantize == "int4-weight":
+        record["int4_group_size"] = g = int4_group_size(model)
+        record["stored"] = f"int4 packed two per byte, per group of {g} inputs: w = weight_min + q * weight_scale"
+    return record
+
+
+def describe(record: dict[str, Any]) -> str:
+    """'int8-dynamic', 'pruned 50%', 'int8-weight + pruned 2:4', ..."""
+    prune = record.get("prune")
+    parts = [record["quantize"]] if record.get("quantize") else []
+    parts += [f"pruned {prune:.0%}" if isinstance(prune, float) else f"pruned {prune}"] if prune else []
+    return " + ".join(parts) or "uncompressed"
+
+
+def pack_state(model: GPT, record: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The tensors to write: quantised layers as integers plus their scales; the rest as it is."""
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    if record["quantize"] in ("int8-weight", "int8-dynamic"):
+        for name in [*block_linears(model), "transformer.wte"]:
+            state[f"{name}.weight"], state[f"{name}.weight{_SCALE}"] = int8_per_channel(state[f"{name}.weight"])
+    elif record["quantize"] == "int4-weight":
+        for name in block_linears(model):
+            q, scale, lo = int4_groupwise(state[f"{name}.weight"], record["int4_group_size"])
+            state[f"{name}.weight"] = pack_int4(q)
+            state[f"{name}.weight{_SCALE}"], state[f"{name}.weight{_MIN}"] = scale, lo
+    return state
+
+
+def check_record(record: dict[str, Any], where: str) -> None:
+    if record.get("format", 0) > FORMAT:
+        raise ValueError(f"{where}: compressed by a newer gptopt (format {record['format']}, this one reads "
+                         f"{FORMAT}); upgrade gptopt: pip install -U gptopt")
+    if record.get("quantize") not in (None, *METHODS):
+        raise ValueError(f"{where}: unknown compression {record.get('quantize')!r}; upgrade gptopt")
+
+
+def unpack_state(state: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
+    """The fp32 state a GPT loads: every quantised weight dequantised (onto the stored grid)."""
+    check_record(record, where)
+    out = dict(state)
+    for key in [k for k in state if k.endswith(f".weight{_SCALE}")]:
+        weight, scale = key.removesuffix(_SCALE), out.pop(key).float()
+        if weight not in out:
+            raise ValueError(f"{where}: {key} has no {weight} beside it; the checkpoint is damaged")
+        try:
+            if record.get("quantize") == "int4-weight":
+                lo, q = out.pop(weight + _MIN).float(), unpack_int4(out[weight]).float()
+                groups = q.view(q.shape[0], scale.shape[1], -1)
+                out[weight] = (lo[..., None] + groups * scale[..., None]).view_as(q)
+            else:
+                out[weight] = out[weight].float() * scale[:, None]
+        except (KeyError, RuntimeError, IndexError) as e:
+            raise ValueError(f"{where}: cannot dequantise {weight} ({e}); the checkpoint is damaged") from None
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Rebuilding the device's modules
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def _ao_dynamic_linear(layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor) -> nn.Module:
+    """torch.ao's dynamic int8 Linear (fbgemm / onednn kernels) holding exactly q and scale."""
+    import torch.ao.nn.quantized.dynamic as nnqd
+
+    with warnings.catch_warnings():
+        # torch deprecates its quantized tensors (still shipped, and measured the fastest on CPUs):
+        # the warning is for torch's users at large, not for a gptopt user who asked for int8.
+        warnings.filterwarnings("ignore", message=".*deprecated.*")
+        weight = torch.quantize_per_channel(q.float() * scale[:, None], scale.double(),
+                                            torch.zeros_like(scale, dtype=torch.long), 0, torch.qint8)
+        out = nnqd.Linear(layer.in_features, layer.out_features, bias_=layer.bias is not None, dtype=torch.qint8)
+        out.set_weight_bias(weight, None if layer.bias is None else layer.bias.detach().float())
+    return out
+
+
+def _torchao_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, dynamic: bool) -> torch.Tensor:
+    """torchao's Int8Tensor holding exactly q and scale; dynamic: activations quantised per token too."""
+    ao = require("torchao.quantization", "quant", "int8 quantisation")
+    if not hasattr(ao, "Int8Tensor"):
+        raise ValueError(f"torchao {_version('torchao')} has no Int8Tensor (0.18 is tested): pip install -U torchao")
+    from torchao.quantization.quantize_.workflows import QuantizeTensorToInt8Kwargs
+
+    act = QuantizeTensorToInt8Kwargs(granularity=ao.PerRow()) if dynamic else None
+    s = scale.view(-1, 1).float()
+    return ao.Int8Tensor(q, s, [1, q.shape[1]], dtype, zero_point=torch.zeros_like(s, dtype=torch.int8),
+                         act_quant_kwargs=act)
+
+
+def _restore_int8(model: GPT, quantize: str, plan: DevicePlan, dtype: torch.dtype) -> GPT:
+    names = [*block_linears(model), "lm_head"]
+    layers = dict(model.named_modules())
+    ints = {n: int8_per_channel(layers[n].weight) for n in names}  # before any cast: the integers on disk
+    if quantize == "int8-dynamic" and plan.device.type == "cpu" and has("torch.ao.nn.quantized.dynamic"):
+        if dtype != torch.float32:
+            raise ValueError("int8-dynamic on a CPU runs torch.ao's dynamic int8 Linear, which takes fp32 "
+                             "activations; use --dtype auto (fp32 on CPUs)")
+        for n in names:
+            _set_module(model, n, _ao_dynamic_linear(layers[n], *ints[n]))
+        return model
+    if quantize == "int8-weight" and plan.device.type == "cpu":
+        log.warning("int8-weight on a CPU: torchao's int8 weight-only Linear measured no faster than fp32 on CPUs, "
+                    "eager or compiled (docs/benchmarks.md); int8-dynamic is the CPU path")
+    if plan.device.type == "cuda" and has("torchao"):
+        from torchao.quantization.utils import recommended_inductor_config_setter
+
+        recommended_inductor_config_setter()  # what torchao's quantize_ sets for its int8 kernels
+    model = model.to(plan.device, dtype)
+    for n in names:
+        q, s = ints[n]
+        layers[n].weight = nn.Parameter(_torchao_int8(q.to(plan.device), s.to(plan.device), dtype,
+                                                      dynamic=quantize == "int8-dynamic"), requires_grad=False)
+    return model  # lm_head's new weight unties it from wte, which stays a plain embedding
+
+
+def restore(model: GPT, record: dict[str, Any], plan: DevicePlan, dtype: torch.dtype) -> GPT:
+    """A compressed checkpoint's model as loaded (fp32, on the CPU, weights on the stored grid) as the
+    device runs it: in `dtype` on plan.device, quantised modules or sparse weights rebuilt."""
+    quantize, prune = record.get("quantize"), record.get("prune")
+    if quantize in ("int8-weight", "int8-dynamic"):
+        return _restore_int8(model, quantize, plan, dtype)
+    if quantize == "int4-weight" and _sm80(plan):
+        if dtype != torch.bfloat16:
+            raise ValueError(f"int4-weight runs bf16 weights (torchao's tinygemm kernel), not {dtype}; use --dtype auto or bf16")
+        ao = require("torchao.quantization", "quant", "int4-weight")
+        model = model.to(plan.device, dtype)
+        names = set(block_linears(model))
+        config = ao.Int4WeightOnlyConfig(group_size=record["int4_group_size"], int4_packing_format="tile_packed_to_4d")
+        ao.quantize_(model, config, filter_fn=lambda _, name: name in names)  # the grid on disk is tinygemm's
+        return model
+    if quantize == "int4-weight":
+        log.warning("int4-weight checkpoint on %s: torchao's int4 kernel needs an NVIDIA GPU of compute capability "
+                    "8.0 or newer; running the dequantised weights (same outputs, no int4 speed or memory gain)", _where(plan))
+    model = model.to(plan.device, dtype)
+    if prune == SPARSE_2_4:
+        if _sm80(plan) and dtype in (torch.float16, torch.bfloat16):
+            log.info("2:4 sparsity: %d Linear layers run torch's semi-structured sparse kernels", sparsify_2_4(model))
+        else:
+            log.warning("2:4-pruned checkpoint on %s in %s: semi-structured sparse kernels need an NVIDIA GPU of compute "
+                        "capability 8.0 or newer and fp16/bf16 weights; running dense, with no speed gain",
+                        _where(plan), str(dtype).removeprefix("torch."))
+    return model
+
+
+def quantize_int8(model: GPT, plan: DevicePlan) -> GPT:
+    """torchao int8 weight-only on every Linear, on the fly: half of bf16's bytes read per decode step (gpt-fast's int8)."""
+    quant = require("torchao.quantization", "quant", "--quantize int8")
+    if plan.device.type == "cpu":
+        log.warning("--quantize int8 on a CPU: torchao's int8 kernels measured slower than fp32 on CPUs "
+                    "(docs: 2-core AVX-512, torch 2.13); running it as asked, compare tokens/s with --quantize none")
+    quant.quantize_(model, quant.Int8WeightOnlyConfig())
+    return model

@@ -1,0 +1,228 @@
+"""`gptopt tune` output: the terminal table, tune_report.md, tune_results.json / .csv, tune.png and tune.toml.
+
+    python -c "import json; from gptopt.tune_report import table; print(table(json.load(open('tune_out/tune_results.json'))))"
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gptopt.bench.ladder import train_options
+from gptopt.bench.report import _fmt, md_table, text_table, toml_text
+from gptopt.device import environment
+from gptopt.extras import has
+
+if TYPE_CHECKING:
+    from gptopt.tune import Tuner
+
+log = logging.getLogger("gptopt")
+
+TUNE_TOML_HEADER = ("# written by `gptopt tune`: the fastest candidate whose loss matched the fp32 reference",
+                    "# gptopt train --config tune.toml")
+CSV_FIELDS = ["index", "stage", "name", "settings", "status", "batch_size", "gradient_accumulation_steps",
+              "tokens_per_s", "step_time_s", "compile_s", "mfu", "peak_mem_bytes", "reserved_mem_bytes",
+              "data_wait_frac", "loss", "loss_ok", "speedup_vs_baseline", "note"]
+HEAD = ["#", "stage", "candidate", "settings", "tokens/s", "step ms", "first step s", "MFU", "peak MiB", "loss",
+        "loss check", "vs defaults", "status"]
+
+
+def _head(summary: dict[str, Any]) -> list[str]:
+    # on a CPU the process's peak resident memory: its growth within one candidate says little
+    return [("RSS MiB" if h == "peak MiB" and summary["memory_column"] == "reserved_mem_bytes" else h) for h in HEAD]
+
+
+PICK = ("name", "stage", "index", "status", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes", "loss")
+
+
+def summarize(tuner: Tuner) -> dict[str, Any]:
+    """Everything the report, tune_results.json and `--json` show; `best` holds the winner's train options."""
+    assert tuner.reference is not None
+    bench, cfg = tuner.bench, tuner.cfg
+    candidates = [{"index": i, "stage": stage, **dataclasses.asdict(r)} for i, (stage, r) in enumerate(tuner.entries, 1)]
+    pairs = list(zip(candidates, (r for _, r in tuner.entries), strict=True))
+    latest: dict[str, dict[str, Any]] = {}  # settings measured twice (the confirmation) rank by the second figure
+    for c, r in pairs:
+        if tuner.valid(r):
+            latest[json.dumps(c["settings"], sort_keys=True)] = c
+
+    def last(res: Any) -> dict[str, Any] | None:
+        c = next((c for c, r in pairs if r is res), None)
+        return latest.get(json.dumps(c["settings"], sort_keys=True), c) if c else None
+
+    win = max(latest.values(), key=lambda c: c["tokens_per_s"])  # the reference is always valid
+    ref = last(tuner.reference)
+    hf = next((c for c, r in pairs if c["settings"]["hf"] and r.tokens_per_s and r.status in ("ok", "rejected")), None)
+    hf_note = next((c["note"] for c in candidates if c["settings"]["hf"]), "not measured")
+    bench_all = last(tuner.bench_all) if tuner.bench_all is not None and tuner.valid(tuner.bench_all) else None
+    opts = train_options(win["settings"], bench.preset, bench.seq_len, cfg.data_dir)
+    if cfg.device != "auto":
+        opts["device"] = cfg.device
+    return {
+        "preset": bench.preset, "seq_len": bench.seq_len, "global_batch": tuner.global_batch,
+        "global_batch_tokens": tuner.global_batch * bench.seq_len, "steps": cfg.steps, "warmup": cfg.warmup,
+        "axes": sorted(cfg.axis_set), "time_budget_s": cfg.time_budget_s, "elapsed_s": tuner.clock() - tuner.start,
+        "memory_budget": cfg.memory_budget, "memory_limit_bytes": tuner.memory_limit,
+        "memory_column": "peak_mem_bytes" if tuner.device_type == "cuda" else "reserved_mem_bytes",
+        "loss_tolerance": cfg.loss_tolerance, "model": bench.model_config.to_dict(), "params": bench.params,
+        "flops_per_token": bench.fpt, "peak_flops": bench.peak, "peak_source": bench.peak_source,
+        "device_policy": bench.plan.reason, "environment": environment(bench.plan),
+        "best": {**{k: win[k] for k in PICK}, "settings": opts},
+        "defaults": {k: ref[k] for k in PICK},
+        "hf": {k: hf[k] for k in PICK} if hf else None, "hf_note": hf["note"] if hf else hf_note,
+        "bench_all": {k: bench_all[k] for k in PICK} if bench_all else None,
+        "gain_vs_defaults": win["tokens_per_s"] / ref["tokens_per_s"],
+        "gain_vs_hf": win["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
+        "train_config": opts, "candidates": candidates,
+    }
+
+
+def label(s: dict[str, Any]) -> str:
+    """A candidate's settings in one short line: attention dtype micro-batch x accumulation, then the switches."""
+    parts = ["hf" if s["hf"] else s["attention"], s["amp_dtype"] if s["use_amp"] else "fp32",
+             f"{s['batch_size']}x{s['gradient_accumulation_steps']}"]
+    if s["fused_optimizer"]:
+        parts.append("fused")
+    if s["gradient_checkpointing"]:
+        parts.append("ckpt")
+    if s.get("num_workers"):
+        parts.append(f"{s['num_workers']}w/prefetch {s.get('prefetch_factor')}")
+    if s.get("pin_memory"):
+        parts.append("pinned")
+    if s["use_compile"]:
+        parts.append("compile" if s["compile_mode"] == "default" else f"compile {s['compile_mode']}")
+    return " ".join(parts)
+
+
+def _loss_check(c: dict[str, Any]) -> str:
+    return {True: "ok", False: "departs"}.get(c["loss_ok"], "-")
+
+
+def rows(summary: dict[str, Any]) -> list[list[str]]:
+    win = summary["best"]["index"]
+    out = []
+    for c in summary["candidates"]:
+        out.append([str(c["index"]) + (" *" if c["index"] == win else ""), c["stage"], c["name"], label(c["settings"]),
+                    _fmt(c["tokens_per_s"], "int"), _fmt(c["step_time_s"], "ms"), _fmt(c["compile_s"], "s"),
+                    _fmt(c["mfu"], "pct"), _fmt(c[summary["memory_column"]], "mib"), _fmt(c["loss"], "f"), _loss_check(c),
+                    _fmt(c["speedup_vs_baseline"], "x"), c["status"]])
+    return out
+
+
+def _title(summary: dict[str, Any]) -> str:
+    return (f"{summary['preset']} @ {summary['seq_len']} tokens, global batch {summary['global_batch']} sequences "
+            f"({summary['global_batch_tokens']:,} tokens per optimizer step); MFU against {summary['peak_source']}")
+
+
+def _notes(summary: dict[str, Any]) -> list[str]:
+    return [f"#{c['index']} {c['name']}: {c['status']}: {c['note']}" for c in summary["candidates"] if c["note"]]
+
+
+def _gains(summary: dict[str, Any]) -> list[str]:
+    best, ref = summary["best"], summary["defaults"]
+    lines = [f"{summary['gain_vs_defaults']:.2f}x gptopt's defaults (#{ref['index']}, {ref['tokens_per_s']:,.0f} tokens/s)"]
+    if summary["hf"]:
+        hf = summary["hf"]
+        lines.append(f"{summary['gain_vs_hf']:.2f}x the Hugging Face baseline (#{hf['index']}, {hf['tokens_per_s']:,.0f} tokens/s)")
+    else:
+        lines.append(f"the Hugging Face baseline was not measured: {summary['hf_note']}")
+    if summary["bench_all"]:
+        ba = summary["bench_all"]
+        lines.append(f"{best['tokens_per_s'] / ba['tokens_per_s']:.2f}x gptopt bench's `all` rung on the same settings "
+                     f"(#{ba['index']}, {ba['tokens_per_s']:,.0f} tokens/s)")
+    return lines
+
+
+def table(summary: dict[str, Any]) -> str:
+    notes = ["  " + n for n in _notes(summary)]
+    return "\n".join([_title(summary), text_table(_head(summary), rows(summary)), *notes, "", "winner (*):",
+                      *("  " + g for g in _gains(summary))])
+
+
+def markdown(summary: dict[str, Any], plot_file: str | None, tune_toml: str) -> str:
+    env, s, best = summary["environment"], summary, summary["best"]
+    win = next(c for c in s["candidates"] if c["index"] == best["index"])
+    md = [f"# gptopt tune: {s['preset']}", "",
+          f"- device: {env.get('device_name', env.get('device'))} ({s['device_policy']})",
+          f"- torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}, gptopt {env['gptopt']}",
+          f"- model: {s['params'] / 1e6:.2f}M parameters, {s['flops_per_token'] / 1e6:.1f} MFLOP/token (6N + 12LdT); "
+          f"sequence {s['seq_len']}; global batch {s['global_batch']} sequences = {s['global_batch_tokens']:,} tokens "
+          "per optimizer step (micro-batch x accumulation)",
+          f"- every candidate: the same weights and batches, {s['warmup']} warm-up + {s['steps']} timed steps "
+          f"(median), device-synchronised; its loss after them within {s['loss_tolerance']:.0%} of the fp32 "
+          "reference's (gptopt's defaults), or it is rejected",
+          f"- budgets: {s['time_budget_s']:.0f} s of wall time ({s['elapsed_s']:.0f} s used); memory "
+          f"{s['memory_budget']:.0%} ({s['memory_limit_bytes'] / 2**20:,.0f} MiB); axes searched: {', '.join(s['axes'])}",
+          "", "## Winner", "",
+          f"**#{best['index']} {best['name']}** ({label(win['settings'])}): "
+          f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, peak {_fmt(win[s['memory_column']], 'mib')} MiB.", ""]
+    md += [f"- {g}" for g in _gains(s)]
+    md += ["", "Train with it: `gptopt train --config tune.toml`", "", "```toml", tune_toml.rstrip(), "```",
+           "", "## Every candidate", "", _title(s) + "; * marks the winner.", "", *md_table(_head(s), rows(s)), ""]
+    md += [f"- {n}" for n in _notes(s)]
+    md += ["", "## How the search goes", "",
+           "1. reference: gptopt train's defaults (fp32), halved with more accumulation until it fits; then the "
+           "Hugging Face baseline on the same micro-batch.",
+           "2. eager axes, cheap to measure: attention kernel x autocast dtype, the fused AdamW, DataLoader settings "
+           "(pruned when the data wait is below what they could save).",
+           "3. micro-batch: doubled while it fits the memory budget and gets faster, accumulation keeping the global "
+           "batch; a smaller one where no larger helps; activation checkpointing only where memory ran out.",
+           "4. torch.compile modes on the best eager settings, and bench's `all` rung; a compile whose estimated "
+           "cost (from the first compile) exceeds the remaining budget is not started.",
+           "5. confirmation: the two fastest valid candidates measured again, back to back; they rank by "
+           "those figures.", "",
+           "Candidates stop early when even their fastest step is 1.25x the best's p90 step (they cannot win; "
+           "not while another process holds the CPU) or when the budget runs out."]
+    if plot_file:
+        md += ["", "## Plot", "", f"![tokens/s per candidate]({plot_file})"]
+    return "\n".join(md) + "\n"
+
+
+def plot(summary: dict[str, Any], out: Path) -> str | None:
+    """tune.png (plot extra): tokens/s of every candidate that ran, coloured by its outcome."""
+    ran = [c for c in summary["candidates"] if c["tokens_per_s"]]
+    if not has("matplotlib") or not ran:
+        if not has("matplotlib"):
+            log.info("plot skipped: pip install 'gptopt[plot]'")
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    colour = {"ok": "#4a7", "rejected": "#c44", "pruned": "#aaa", "over budget": "#ccc", "oom": "#c84"}
+    win = summary["best"]["index"]
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(ran) + 1.5))
+    names = [f"#{c['index']} {c['name']}" for c in ran][::-1]
+    bars = ax.barh(names, [c["tokens_per_s"] for c in ran][::-1],
+                   color=["#185" if c["index"] == win else colour.get(c["status"], "#888") for c in ran][::-1])
+    for b, c in zip(bars, ran[::-1], strict=True):
+        ax.annotate(f" {c['status']}" + (" (winner)" if c["index"] == win else ""), (b.get_width(), b.get_y() + b.get_height() / 2), va="center", fontsize=7)
+    ax.axvline(summary["defaults"]["tokens_per_s"], color="#47a", ls="--", lw=1, label="gptopt defaults")
+    if summary["hf"]:
+        ax.axvline(summary["hf"]["tokens_per_s"], color="#a47", ls=":", lw=1, label="Hugging Face baseline")
+    ax.set_xlabel("tokens/s (pruned and over-budget bars: the steps they ran)")
+    ax.set_title(f"gptopt tune, {summary['preset']}: winner #{win}")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)  # outside: bars fill the axes
+    fig.tight_layout()
+    fig.savefig(out / "tune.png", dpi=110)
+    plt.close(fig)
+    return "tune.png"
+
+
+def write_all(summary: dict[str, Any], out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune_results.json").write_text(json.dumps(summary, indent=2, default=str))
+    with open(out / "tune_results.csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for c in summary["candidates"]:
+            w.writerow({**c, "settings": label(c["settings"]),
+                        "gradient_accumulation_steps": c["settings"]["gradient_accumulation_steps"]})
+    tune_toml = toml_text(summary["train_config"], TUNE_TOML_HEADER)
+    (out / "tune.toml").write_text(tune_toml)
+    (out / "tune_report.md").write_text(markdown(summary, plot(summary, out), tune_toml))

@@ -1,0 +1,241 @@
+# /work/venv/bin/pytest -q tests/test_export.py
+"""gptopt export: ONNX through onnxruntime and Hugging Face through transformers give PyTorch's logits;
+bad input is refused before anything is written.
+
+One ONNX export (the dynamo exporter, several seconds) is shared by the module: the debug preset with wide
+random weights, so greedy text changes every token and two implementations cannot agree by accident.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import make_varied_model
+from tokenizers import Tokenizer
+
+from gptopt import cli, export, hf
+from gptopt.checkpoint import save_model
+from gptopt.config import preset
+from gptopt.device import resolve
+from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.model import GPT
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def model_dir(train_data: Path, debug_tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A gptopt model directory whose checkpoint records its tokenizer, as `gptopt train` writes it."""
+    model = make_varied_model(debug_tokenizer.get_vocab_size())
+    return save_model(model, tmp_path_factory.mktemp("model") / "m", {"tokenizer": str(train_data / "tokenizer.json")})
+
+
+@pytest.fixture(scope="module")
+def onnx_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("onnx") / "export"
+    assert cli.main(["export", "--model", str(model_dir), "--output_dir", str(out)]) == 0
+    return out
+
+
+@pytest.fixture(scope="module")
+def decoder(onnx_dir: Path) -> export.OrtDecoder:
+    return export.OrtDecoder(onnx_dir / "model.onnx", block_size=64)
+
+
+@pytest.fixture(scope="module")
+def model(model_dir: Path) -> GPT:
+    return hf.load_pretrained(model_dir).eval()
+
+
+def test_export_writes_the_graph_its_description_and_the_tokenizer(
+    onnx_dir: Path, debug_tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert sorted(p.name for p in onnx_dir.iterdir()) == ["gptopt_onnx.json", "model.onnx", "tokenizer.json"]
+    meta = json.loads((onnx_dir / "gptopt_onnx.json").read_text())
+    assert meta["exporter"] == "dynamo" and meta["opset"] == 18 and meta["model"]["n_layer"] == 2
+    inputs = {i["name"]: i["shape"] for i in meta["inputs"]}
+    outputs = {o["name"]: o["shape"] for o in meta["outputs"]}
+    assert list(inputs)[:3] == ["input_ids", "attention_mask", "position_ids"]
+    assert inputs["attention_mask"] == ["batch", "total_sequence"]
+    assert inputs["past_value_1"] == ["batch", 2, "past_sequence", 32]
+    assert outputs["logits"] == ["batch", "sequence", debug_tokenizer.get_vocab_size()]
+    assert outputs["present_key_0"] == ["batch", 2, "total_sequence", 32]
+    check = meta["check"]
+    assert check["prefill_max_abs_diff"] <= check["allowed_abs_diff"] and check["decode_max_abs_diff"] <= check["allowed_abs_diff"]
+    shipped = Tokenizer.from_file(str(onnx_dir / "tokenizer.json"))
+    assert shipped.encode("def f(x): return x").ids == debug_tokenizer.encode("def f(x): return x").ids
+    assert meta["eot_token_id"] == debug_tokenizer.token_to_id("<|endoftext|>")
+
+
+@torch.no_grad()
+def test_onnx_logits_match_pytorch_across_batch_lengths_and_decode_steps(
+    decoder: export.OrtDecoder, model: GPT
+) -> None:
+    g = torch.Generator().manual_seed(1)
+    V = model.config.vocab_size
+    for lengths in ([9], [12, 5], [3, 20, 11]):  # batch 1, 2, 3; padded rows; other lengths than the export's
+        prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lengths]
+        logits, mask, pos, past = decoder.prefill(prompts)
+        L = logits.shape[1]
+        for r, p in enumerate(prompts):
+            ref = model(torch.tensor([p]))[0].numpy()
+            assert np.abs(logits[r, L - len(p) :] - ref).max() <= TOL * np.abs(ref).max()
+        for _ in range(2):  # two decode steps on the present tensors of the step before
+            nxt = torch.randint(0, V, (len(prompts),), generator=g).tolist()
+            prompts = [[*p, t] for p, t in zip(prompts, nxt, strict=True)]
+            mask, pos = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1), pos[:, -1:] + 1
+            step, past = decoder.forward(np.array(nxt)[:, None], mask, pos, past)
+            assert step.shape == (len(prompts), 1, V) and past[0].shape[2] == mask.shape[1]
+            for r, p in enumerate(prompts):
+                ref = model(torch.tensor([p]))[0, -1].numpy()
+                assert np.abs(step[r, 0] - ref).max() <= TOL * np.abs(ref).max()
+
+
+def test_onnxruntime_greedy_tokens_equal_gptopt_greedy_tokens(decoder: export.OrtDecoder, model: GPT) -> None:
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (10, 4)]
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2, max_len=64)
+    want = generate(gen, prompts, SamplingParams(max_new_tokens=24, temperature=0.0, top_k=None))
+    got = decoder.greedy(prompts, 24)
+    assert got == want
+    assert len(set(got[0])) > 3  # varied text: agreement is not one repeated token
+    with pytest.raises(ValueError, match="exceed the model's context"):
+        decoder.greedy(prompts, 60)
+
+
+def test_hf_export_loads_in_transformers_with_the_same_logits_and_tokenizer(
+    model_dir: Path, model: GPT, debug_tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", str(out)]) == 0
+    assert "transformers matches" in capsys.readouterr().out
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(str(out)).eval()
+    idx = torch.randint(0, model.config.vocab_size, (2, 17))
+    with torch.no_grad():
+        assert (loaded(input_ids=idx).logits - model(idx)).abs().max().item() <= TOL
+    text = "for i in range(10):"
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(text).input_ids == debug_tokenizer.encode(text).ids
+    # an earlier export may be replaced on request, and only then
+    assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", str(out)]) == 2
+    assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", str(out), "--overwrite"]) == 0
+
+
+def test_a_hugging_face_dir_without_tokenizer_files_exports_without_one_and_offline(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=64, n_positions=64, vocab_size=128,
+                                  bos_token_id=None, eos_token_id=None)
+    transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "hfsrc")
+    out = tmp_path / "hf"
+    assert cli.main(["export", "--model", str(tmp_path / "hfsrc"), "--format", "hf", "--output_dir", str(out)]) == 0
+    assert "no tokenizer.json" in capsys.readouterr().out  # and no hub lookup for GPT-2's
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_mismatch_fails_loudly_and_writes_nothing(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("transformers")
+    real = hf.export_hf
+
+    def corrupted(model: GPT, directory: Path) -> Path:  # an exporter bug: other weights reach the files
+        other = GPT(model.config)
+        return real(other, directory)
+
+    monkeypatch.setattr(export.hf, "export_hf", corrupted)
+    out = tmp_path / "hf"
+    assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", str(out)]) == 1
+    assert "logits differ from PyTorch's" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # no output, no staging directory left behind
+
+
+def test_the_torchscript_exporter_is_the_fallback_when_dynamo_fails(
+    debug_model: GPT, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = torch.onnx.export
+
+    def no_dynamo(*args: object, dynamo: bool = True, **kwargs: object) -> object:
+        if dynamo:
+            raise RuntimeError("simulated dynamo failure")
+        return real(*args, dynamo=False, **kwargs)
+
+    monkeypatch.setattr(torch.onnx, "export", no_dynamo)
+    meta = export.export_onnx(debug_model, tmp_path / "ts")
+    assert meta["exporter"] == "torchscript" and meta["tokenizer"] is None
+    assert meta["check"]["decode_max_abs_diff"] <= meta["check"]["allowed_abs_diff"]
+    assert {o["name"]: o["shape"] for o in meta["outputs"]}["present_value_1"] == ["batch", 2, "total_sequence", 32]
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: one line with the fix, exit 2, nothing overwritten
+
+
+def _export(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    rc = cli.main(["export", *argv])
+    return rc, capsys.readouterr().err
+
+
+def test_a_non_empty_output_dir_is_never_touched(
+    model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    for extra in ([], ["--overwrite"]):  # --overwrite replaces earlier exports only
+        for fmt in ("onnx", "hf"):
+            rc, err = _export(capsys, "--model", str(model_dir), "--format", fmt, "--output_dir", str(out), *extra)
+            assert rc == 2 and len(err.strip().splitlines()) == 1
+            assert ("not empty" in err and "--overwrite" in err) if not extra else "holds no earlier export" in err
+    assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
+    rc, err = _export(capsys, "--model", str(model_dir), "--output_dir", str(out / "notes.txt"))
+    assert rc == 2 and "is a file" in err
+
+
+def test_an_opset_the_exporter_gets_wrong_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli.main(["export", "--opset", "17"])
+    assert e.value.code == 2 and "--opset must be >= 18" in capsys.readouterr().err
+
+
+def test_a_directory_that_is_no_model_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, err = _export(capsys, "--model", str(empty), "--output_dir", str(tmp_path / "o"))
+    assert rc == 2 and "no checkpoint or model files" in err and "gptopt train" in err
+    llama = tmp_path / "llama"
+    llama.mkdir()
+    (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    rc, err = _export(capsys, "--model", str(llama), "--output_dir", str(tmp_path / "o"))
+    assert rc == 2 and "model_type is 'llama', not 'gpt2'" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_missing_extra_names_the_install_line(
+    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(sys.modules, "onnxruntime", None)  # import onnxruntime now raises ImportError
+    rc, err = _export(capsys, "--model", str(model_dir), "--output_dir", str(tmp_path / "o"))
+    assert rc == 2 and "pip install 'gptopt[onnx]'" in err
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    rc, err = _export(capsys, "--model", str(model_dir), "--format", "hf", "--output_dir", str(tmp_path / "o"))
+    assert rc == 2 and "pip install 'gptopt[hf]'" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_tokenizer_too_large_for_the_model_is_refused(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = save_model(GPT(preset("debug", vocab_size=100)), tmp_path / "small")
+    rc, err = _export(capsys, "--model", str(small), "--tokenizer", str(train_data / "tokenizer.json"),
+                      "--output_dir", str(tmp_path / "o"))
+    assert rc == 2 and "do not belong together" in err

@@ -1,0 +1,56 @@
+"""The runtime transforms of prepare_model.py that inference relies on.
+
+    pytest -q tests/test_prepare_model.py
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptopt import checkpoint
+from gptopt.config import preset
+from gptopt.model import GPT
+from gptopt.prepare_model import compile_model, inference_layout
+
+
+def _pair(vocab: int = 512) -> tuple[GPT, GPT]:
+    torch.manual_seed(0)
+    plain = GPT(preset("debug", vocab_size=vocab)).eval()
+    moved = GPT(preset("debug", vocab_size=vocab)).eval()
+    moved.load_state_dict(plain.state_dict())
+    return plain, moved
+
+
+def test_cpu_layout_keeps_values_ties_and_state_dict() -> None:
+    plain, moved = _pair()
+    assert inference_layout(moved, "cpu") is moved
+    assert moved.lm_head.weight is moved.transformer.wte.weight  # still one tied Parameter
+    linears = [m for m in moved.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+    x = torch.randint(0, 512, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(moved(x), plain(x))
+    theirs, ours = plain.state_dict(), moved.state_dict()
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+
+def test_layout_saves_and_loads_like_any_model(tmp_path: Path) -> None:
+    plain, moved = _pair()
+    inference_layout(moved, "cpu")
+    checkpoint.save_model(moved, tmp_path / "m")
+    back = checkpoint.load_model(tmp_path / "m")
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), plain.state_dict().values(), strict=True))
+
+
+def test_gpu_layout_is_left_alone() -> None:
+    _, moved = _pair()
+    inference_layout(moved, "cuda")
+    assert all(m.weight.is_contiguous() for m in moved.modules() if isinstance(m, torch.nn.Linear))
+
+
+def test_freezing_needs_the_default_mode() -> None:
+    with pytest.raises(ValueError, match="default compile mode"):
+        compile_model(torch.nn.Linear(2, 2), mode="max-autotune", freezing=True)
