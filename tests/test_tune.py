@@ -277,3 +277,28 @@ def test_compiled_candidates_run_and_can_win(train_data: Path, tmp_path: Path) -
     compiled = [x for x in summary["candidates"] if x["stage"] == "compile"]
     assert compiled and all(x["status"] in ("ok", "pruned", "over budget") for x in compiled)
     assert any(x["status"] == "ok" and x["loss_ok"] for x in compiled)
+
+
+
+@pytest.mark.parametrize("prunable", [True, False])
+def test_benchs_all_rung_is_measured_in_full_however_slow_its_first_steps(
+    prunable: bool, train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_measurements(monkeypatch)
+    fake = Bench.run_rung
+    wall = [0.0]
+    monkeypatch.setattr(tune, "_wall", lambda: wall[0])
+    monkeypatch.setattr(tune, "_cpu_seconds", lambda: wall[0] * torch.get_num_threads())  # a quiet machine
+    verdicts: list[Any] = []
+
+    def run_rung(self: Bench, rung: Rung, batch_size: int | None = None, *, stop: Any = None) -> RungResult:
+        stop(1, [])
+        wall[0] += 200.0
+        verdicts.append(stop(3, [100.0, 100.0]))  # two timed steps of 100 s: far slower than the best
+        return fake(self, rung, batch_size, stop=stop)
+
+    monkeypatch.setattr(Bench, "run_rung", run_rung)
+    tuner = Tuner(tune_config(train_data, tmp_path / "t", warmup=1))
+    tuner.best = (Rung("b", ""), RungResult(name="b", what="", step_time_s=1.0, step_time_p90_s=1.0))
+    tuner.measure("compile", Rung("slow start", "", compile=True, amp=True, batch_size=4), prunable=prunable)
+    assert (verdicts[0] is not None and verdicts[0][0] == "pruned") is prunable

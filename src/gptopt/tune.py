@@ -183,10 +183,12 @@ class Tuner:
         self._log(stage, res)
         return res
 
-    def measure(self, stage: str, rung: Rung, *, forced: bool = False, again: bool = False) -> RungResult:
+    def measure(self, stage: str, rung: Rung, *, forced: bool = False, again: bool = False,
+                prunable: bool = True) -> RungResult:
         """Run one candidate (unless its settings were measured already, or the budget cannot cover it),
         check its memory and its loss, record it, and keep it if it is the fastest valid one so far.
-        again: measure settings a second time (the confirmation round)."""
+        again: measure settings a second time (the confirmation round). prunable: False runs it to the
+        end even when its first steps look slow."""
         key = self._key(rung)
         if key in self.measured and not again:
             return self.measured[key]
@@ -199,7 +201,7 @@ class Tuner:
         t0 = self.clock()
         # the reference and the baseline run to the end: everything else is judged against them
         share: list[float] = []
-        hook = self._stop_hook(prune=not (forced or rung.hf or again), deadline=not (forced or rung.hf), share=share)
+        hook = self._stop_hook(prune=prunable and not (forced or rung.hf or again), deadline=not (forced or rung.hf), share=share)
         res = self.bench.run_rung(rung, stop=hook)
         cost = self.clock() - t0
         if share and share[-1] < MIN_CPU_SHARE:  # the last share covers all but the last timed step
@@ -394,7 +396,9 @@ class Tuner:
         eager_best = self.best[0]
         self.measure("compile", dataclasses.replace(eager_best, name="compile default", what="torch.compile, default "
                                                     "mode, on the best eager settings", compile=True))
-        self.bench_all = self.measure("compile", self._bench_all())  # maybe the same settings as the first
+        # never pruned: its first compiled steps can be slow for reasons of their own (allocator, page
+        # faults), and the winner is judged against it, so it must be measured in full
+        self.bench_all = self.measure("compile", self._bench_all(), prunable=False)  # maybe the first's settings
         base = self.best[0] if self.best[0].compile else dataclasses.replace(eager_best, compile=True)
         modes = ["max-autotune-no-cudagraphs"] + (["reduce-overhead"] if self.device_type == "cuda" else [])
         for mode in modes:
