@@ -7,6 +7,7 @@ Every model is the debug preset with random weights (fp32, CPU) and train_data's
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import io
 import json
@@ -305,8 +306,17 @@ def test_int8_weight_only_runs_on_cpu_and_says_it_is_slower(model_dir: Path, cap
 
 @pytest.mark.slow
 def test_compiled_static_decode_equals_eager(varied_model: GPT) -> None:
+    model = copy.deepcopy(varied_model)  # a compiled CPU Generator changes its model's Linear layers
     eager = generate(Generator(varied_model, CPU, max_batch_size=4), PROMPTS[:3], GREEDY)
-    assert generate(Generator(varied_model, CPU, max_batch_size=4, compile=True), PROMPTS[:3], GREEDY) == eager
+    assert generate(Generator(model, CPU, max_batch_size=4, compile=True), PROMPTS[:3], GREEDY) == eager
+    # A second model of the same shapes gets its own tokens, not the first one's graph with stale weights.
+    other = copy.deepcopy(varied_model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(-1.0)
+    theirs = generate(Generator(copy.deepcopy(other), CPU, max_batch_size=4), PROMPTS[:3], GREEDY)
+    assert theirs != eager
+    assert generate(Generator(other, CPU, max_batch_size=4, compile=True), PROMPTS[:3], GREEDY) == theirs
 
 
 def test_loaded_for_inference_on_cpu_in_the_fast_layout_with_the_same_tokens(model_dir: Path, varied_model: GPT) -> None:

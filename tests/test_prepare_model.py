@@ -13,7 +13,7 @@ import torch
 from gptopt import checkpoint
 from gptopt.config import preset
 from gptopt.model import GPT
-from gptopt.prepare_model import compile_model, inference_layout
+from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
 
 
 def _pair(vocab: int = 512) -> tuple[GPT, GPT]:
@@ -51,6 +51,47 @@ def test_gpu_layout_is_left_alone() -> None:
     assert all(m.weight.is_contiguous() for m in moved.modules() if isinstance(m, torch.nn.Linear))
 
 
-def test_freezing_needs_the_default_mode() -> None:
+def test_inference_compile_needs_the_default_mode() -> None:
     with pytest.raises(ValueError, match="default compile mode"):
-        compile_model(torch.nn.Linear(2, 2), mode="max-autotune", freezing=True)
+        compile_model(torch.nn.Linear(2, 2), mode="max-autotune", inference=True)
+
+
+def _graph_ops(fn: object, x: torch.Tensor) -> tuple[set[str], torch.Tensor]:
+    """The functions in the graph that dynamo captures of fn(x) (no inductor: quick), and its output."""
+    ops: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> object:
+        ops.update(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend)(x)
+    return ops, out
+
+
+def test_gemv_linears_multiply_and_sum_small_compiled_batches_only() -> None:
+    plain, moved = _pair()
+    inference_layout(moved, "cpu")  # column-major first, as load_for_inference leaves them
+    assert gemv_linears(moved) is moved
+    assert type(moved.lm_head) is torch.nn.Linear and moved.lm_head.weight is moved.transformer.wte.weight
+    assert all(m.weight.is_contiguous() for m in moved.modules() if isinstance(m, torch.nn.Linear))
+    theirs, ours = plain.state_dict(), moved.state_dict()
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    layer, ref = moved.transformer.h[0].mlp.c_fc, plain.transformer.h[0].mlp.c_fc
+    x = torch.randn(1, 1, layer.in_features)
+    with torch.no_grad():
+        assert torch.equal(layer(x), ref(x))  # eager: F.linear itself
+        ops, out = _graph_ops(layer, x)  # one row, compiled: a multiply and a sum, no matmul
+        assert {"mul", "sum"} <= ops and "linear" not in ops
+        torch.testing.assert_close(out, ref(x))
+        many = torch.randn(2, GEMV_MAX_ROWS, layer.in_features)  # more rows than the GEMV path takes
+        ops, out = _graph_ops(layer, many)
+        assert "linear" in ops and "sum" not in ops
+        torch.testing.assert_close(out, ref(many))
+
+
+def test_gemv_linears_leave_quantised_weights_alone() -> None:
+    layer = torch.nn.Linear(8, 4)
+    layer.weight = torch.nn.Parameter(torch.randn(4, 8).to(torch.int8), requires_grad=False)
+    gemv_linears(layer)
+    assert "forward" not in vars(layer)

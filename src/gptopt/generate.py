@@ -31,7 +31,7 @@ from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
 from gptopt.data import EOT_CANDIDATES, TOKENIZER, load_tokenizer
 from gptopt.device import DevicePlan, resolve
 from gptopt.model import GPT, KVCacheLayer
-from gptopt.prepare_model import compile_model, inference_layout
+from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
 from gptopt.quantize import describe, quantize_int8, restore
 
 __all__ = ["Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate",
@@ -159,8 +159,10 @@ class Generator:
                     torch._dynamo.mark_static_address(t)  # lets CUDA graphs update the cache in place
             if self.device.type == "cuda":
                 self._step = compile_model(self._decode_all, mode="reduce-overhead")  # type: ignore[arg-type]
-            else:  # CPU: no graphs to capture; frozen weights (constants to inductor) make batch-1 decode faster
-                self._step = compile_model(self._decode_all, freezing=True)  # type: ignore[arg-type]
+            else:  # CPU: no graphs to capture
+                if max_batch_size <= GEMV_MAX_ROWS:
+                    gemv_linears(self.model)  # decode's matrix-vector products as fused multiply-sums
+                self._step = compile_model(self._decode_all, inference=True)  # type: ignore[arg-type]
 
     # slots ------------------------------------------------------------------------------------
     def alloc(self) -> int:
