@@ -95,11 +95,16 @@ def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
     if device_type != "cpu":
         return model
     with torch.no_grad():
-        for module in model.modules():
-            w = getattr(module, "weight", None)
-            if isinstance(module, nn.Linear) and type(w.data) is torch.Tensor and w.is_floating_point() and w.dim() == 2:
-                w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
+        for module in _float_linears(model):
+            w = module.weight
+            w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
     return model
+
+
+def _float_linears(model: nn.Module) -> list[nn.Linear]:
+    """The Linear layers with plain floating-point weights: quantised ones (tensor subclasses, integers) excluded."""
+    return [m for m in model.modules() if isinstance(m, nn.Linear) and type(m.weight.data) is torch.Tensor
+            and m.weight.is_floating_point() and m.weight.dim() == 2]
 
 
 # Up to this many rows a compiled CPU Linear is a multiply-and-sum (gemv_linears); from 16 the GEMM
@@ -120,11 +125,10 @@ def gemv_linears(model: nn.Module) -> nn.Module:
     quantised weights are left as they are. The model's type, parameters and state dict are unchanged.
     """
     with torch.no_grad():
-        for module in model.modules():
-            w = getattr(module, "weight", None)
-            if isinstance(module, nn.Linear) and type(w.data) is torch.Tensor and w.is_floating_point() and w.dim() == 2:
-                w.data = w.data.contiguous()  # a no-op if already row-major; a tied Parameter stays one
-                module.forward = types.MethodType(_gemv_forward, module)
+        for module in _float_linears(model):
+            w = module.weight
+            w.data = w.data.contiguous()  # a no-op if already row-major; a tied Parameter stays one
+            module.forward = types.MethodType(_gemv_forward, module)
     return model
 
 
