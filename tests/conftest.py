@@ -26,6 +26,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+def graph_ops(fn: object, x: torch.Tensor) -> tuple[set[str], torch.Tensor]:
+    """The functions in the graph that dynamo captures of fn(x) (no inductor: quick), and its output."""
+    ops: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> object:
+        ops.update(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    out = torch.compile(fn, backend=backend)(x)
+    return ops, out
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

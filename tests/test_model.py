@@ -8,9 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import graph_ops
 
 from gptopt.config import PRESETS, GPTConfig, preset
-from gptopt.model import GPT
+from gptopt.model import CAUSAL_SPLIT_MIN, GPT, TanhGELU
 
 # Pinned so that a change to the architecture shows up here; GPT-2's published sizes are
 # 124M / 355M / 774M / 1558M (tied lm_head counted once).
@@ -82,6 +83,38 @@ def test_eager_attention_matches_sdpa(debug_config: GPTConfig) -> None:
     eager.load_state_dict(sdpa.state_dict())
     idx = torch.randint(0, 512, (2, 33))
     torch.testing.assert_close(eager(idx), sdpa(idx), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("T", [CAUSAL_SPLIT_MIN - 1, CAUSAL_SPLIT_MIN, 97, 128])
+def test_split_eager_attention_matches_sdpa_forward_and_backward(T: int) -> None:
+    # From CAUSAL_SPLIT_MIN on, eager attention computes two query blocks and skips the masked
+    # quarter; odd T gives blocks of unequal length.
+    config = preset("debug", block_size=128)
+    sdpa = GPT(config)
+    eager = GPT(GPTConfig(**{**config.to_dict(), "attention": "eager"}))
+    eager.load_state_dict(sdpa.state_dict())
+    idx, targets = torch.randint(0, 512, (2, T)), torch.randint(0, 512, (2, T))
+    losses = []
+    for model in (sdpa, eager):
+        loss = model(idx, targets)
+        loss.backward()
+        losses.append(loss)
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    for (name, a), b in zip(sdpa.named_parameters(), eager.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_tanh_gelu_is_the_sigmoid_form_when_compiled() -> None:
+    gelu = TanhGELU()
+    x = torch.linspace(-8, 8, 4001)
+    torch.testing.assert_close(gelu(x), F.gelu(x, approximate="tanh"), atol=0, rtol=0)  # eager: F.gelu itself
+    ops, out = graph_ops(gelu, x)
+    assert "sigmoid" in ops and "gelu" not in ops
+    torch.testing.assert_close(out, F.gelu(x, approximate="tanh"), atol=1e-6, rtol=1e-5)
+    xb = x.to(torch.bfloat16)  # computed in fp32 as F.gelu does, then rounded once: within one bf16 step
+    _, out = graph_ops(gelu, xb)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, F.gelu(xb, approximate="tanh"), atol=1e-4, rtol=2**-7)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import graph_ops
 
 from gptopt import checkpoint
 from gptopt.config import preset
@@ -56,19 +57,6 @@ def test_inference_compile_needs_the_default_mode() -> None:
         compile_model(torch.nn.Linear(2, 2), mode="max-autotune", inference=True)
 
 
-def _graph_ops(fn: object, x: torch.Tensor) -> tuple[set[str], torch.Tensor]:
-    """The functions in the graph that dynamo captures of fn(x) (no inductor: quick), and its output."""
-    ops: set[str] = set()
-
-    def backend(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> object:
-        ops.update(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
-        return gm.forward
-
-    torch._dynamo.reset()
-    out = torch.compile(fn, backend=backend)(x)
-    return ops, out
-
-
 def test_gemv_linears_multiply_and_sum_small_compiled_batches_only() -> None:
     plain, moved = _pair()
     inference_layout(moved, "cpu")  # column-major first, as load_for_inference leaves them
@@ -81,11 +69,11 @@ def test_gemv_linears_multiply_and_sum_small_compiled_batches_only() -> None:
     x = torch.randn(1, 1, layer.in_features)
     with torch.no_grad():
         assert torch.equal(layer(x), ref(x))  # eager: F.linear itself
-        ops, out = _graph_ops(layer, x)  # one row, compiled: a multiply and a sum, no matmul
+        ops, out = graph_ops(layer, x)  # one row, compiled: a multiply and a sum, no matmul
         assert {"mul", "sum"} <= ops and "linear" not in ops
         torch.testing.assert_close(out, ref(x))
         many = torch.randn(2, GEMV_MAX_ROWS, layer.in_features)  # more rows than the GEMV path takes
-        ops, out = _graph_ops(layer, many)
+        ops, out = graph_ops(layer, many)
         assert "linear" in ops and "sum" not in ops
         torch.testing.assert_close(out, ref(many))
 

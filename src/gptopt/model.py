@@ -22,11 +22,20 @@ from gptopt.config import GPTConfig
 
 __all__ = ["GPT", "GPTConfig", "KVCacheLayer"]
 
+# Shortest sequence whose eager causal attention is split in two query blocks: below it the
+# saved quarter of the scores is smaller than the cost of the extra kernels.
+CAUSAL_SPLIT_MIN = 64
+
 
 class KVCacheLayer(Protocol):
     """One layer's key/value cache: stores the new keys/values and returns all the layer may attend to."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def _causal_mask(T: int, S: int, offset: int, device: torch.device) -> torch.Tensor:
+    """(T, S) bool, True where query i may see key j: j <= i + offset."""
+    return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
 class CausalSelfAttention(nn.Module):
@@ -60,29 +69,54 @@ class CausalSelfAttention(nn.Module):
         # triangle top-left, which is only right when S == T; otherwise build the bottom-right mask.
         is_causal = attn_mask is None and S == T and T > 1
         if attn_mask is None and S != T and T > 1:
-            attn_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+            attn_mask = _causal_mask(T, S, S - T, x.device)
         dropout_p = self.dropout if self.training else 0.0
 
         if self.attention == "sdpa":
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
-        else:  # the textbook path, kept as the baseline that bench compares SDPA against
-            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, S)
-            if is_causal:
-                attn_mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril()
-            if attn_mask is not None:
-                att = att.masked_fill(~attn_mask, float("-inf"))
-            att = F.softmax(att, dim=-1)
-            att = self.attn_dropout(att)
-            y = att @ v  # (B, nh, T, hs)
+        elif is_causal and T >= CAUSAL_SPLIT_MIN:
+            # The first half of the queries sees only the first half of the keys: computing that
+            # quarter of the score matrix, all masked, is skipped (flash attention's block skipping,
+            # at two blocks). Same values as one block, and 1.9x faster forward and backward in
+            # bf16 on a 2-core CPU at T=256.
+            h = T // 2
+            y = torch.cat([self._eager(q[:, :, :h], k[:, :, :h], v[:, :, :h], _causal_mask(h, h, 0, x.device)),
+                           self._eager(q[:, :, h:], k, v, _causal_mask(T - h, T, h, x.device))], dim=2)
+        else:  # the textbook path: short sequences, cached decode, explicit masks
+            y = self._eager(q, k, v, _causal_mask(T, S, 0, x.device) if is_causal else attn_mask)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+    def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(hs)) v, with the positions attn_mask is False at left out."""
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, T, S)
+        if attn_mask is not None:
+            att = att.masked_fill(~attn_mask, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        return att @ v  # (B, nh, T, hs)
+
+
+class TanhGELU(nn.Module):
+    """GPT-2's GELU ("gelu_new": 0.5 x (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3)).
+
+    Compiled, it is written as x * sigmoid(2z): the same function, since 0.5 (1 + tanh(z)) equals
+    sigmoid(2z), but inductor's CPU code vectorises exp far better than tanh (forward and backward
+    2.4x faster on a 4096 x 1024 bf16 activation). Eager keeps F.gelu: one kernel where the
+    rewrite would launch five.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return F.gelu(x, approximate="tanh")
+        xf = x.float()  # in fp32 whatever the autocast dtype, as F.gelu computes it
+        return (xf * torch.sigmoid(2 * math.sqrt(2 / math.pi) * (xf + 0.044715 * xf * xf * xf))).to(x.dtype)
 
 
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new"
+        self.gelu = TanhGELU()
         self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
