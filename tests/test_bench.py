@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from gptopt import cli
 from gptopt.bench import ladder
 from gptopt.bench.ladder import Bench, select_rungs
 from gptopt.config import BenchConfig, TrainConfig
+from gptopt.device import default_attention
 from gptopt.model import GPT
 
 
@@ -110,6 +112,23 @@ def test_a_rung_that_computes_something_else_fails_the_loss_check(
     amp = next(r for r in summary["rungs"] if r["name"] == "amp")
     assert amp["loss_ok"] is False and amp["status"] == "failed" and "departs" in amp["note"]
     assert summary["best"] in ("eager", "sdpa")
+
+
+def test_the_all_rung_takes_the_device_attention_unless_its_rung_failed(train_data: Path, tmp_path: Path) -> None:
+    # On CPUs SDPA's flash kernel can win the eager fp32 rungs and still lose the compiled bf16 step:
+    # `all` follows the device policy (what `gptopt train --attention auto` runs), not that ranking.
+    cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
+                      output_dir=str(tmp_path / "b"))
+    bench = Bench(cfg)
+    all_rung = next(r for r in ladder.LADDER if r.name == "all")
+
+    def after(**status: str) -> str:
+        bench.results = [SimpleNamespace(name=name, status=s) for name, s in status.items()]
+        return bench._attention(all_rung)
+
+    assert after(eager="ok", sdpa="ok") == default_attention("cpu") == "eager"
+    assert after(eager="oom", sdpa="ok") == "sdpa"  # the policy's kernel did not fit: the other one
+    assert after(eager="oom", sdpa="oom") == "eager"
 
 
 def test_out_of_memory_rung_is_reported_and_the_bench_goes_on(

@@ -407,16 +407,12 @@ class Tuner:
 
     def _bench_all(self) -> Rung:
         """`gptopt bench`'s `all` rung at the reference's micro-batch: compile + the policy's autocast +
-        fused AdamW + the default DataLoader + the attention that was faster in fp32."""
+        fused AdamW + the default DataLoader + the device's default attention."""
         ref = self.measured_rung(self.reference)
-        # a pruned candidate's partial steps count: it was pruned for being the slower one
-        fp32 = {r.settings["attention"]: r.step_time_s for _, r in self.entries if r.status in ("ok", "pruned")
-                and r.step_time_s and not r.settings["hf"] and not r.settings["use_amp"]
-                and not r.settings["use_compile"] and r.batch_size == ref.batch_size}
-        attention = min(fp32, key=fp32.get) if {"eager", "sdpa"} <= set(fp32) else default_attention(self.device_type)
+        attention = default_attention(self.device_type)
         amp = self.bench.plan.amp_dtype is not None
         return dataclasses.replace(ref, name="bench 'all' rung", what="gptopt bench's `all` rung: compile + autocast + "
-                                   "fused AdamW + default DataLoader + the faster attention", attention=attention,
+                                   "fused AdamW + default DataLoader + the device's attention", attention=attention,
                                    amp=amp, amp_dtype=self.bench.plan.amp_name if amp else None, compile=True,
                                    fused=fused_available(self.device_type), loader=self.default_loader)
 
