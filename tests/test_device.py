@@ -112,3 +112,27 @@ def test_measuring_the_peak_leaves_the_global_rng_alone() -> None:
     torch.manual_seed(0)
     dev.measured_matmul_flops("cpu", torch.float32)
     assert torch.equal(torch.rand(3), expected)
+
+
+def _in_heap(ptr: int) -> bool:
+    """Whether an address lies in the brk heap ([heap] in /proc/self/maps) rather than its own mapping."""
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith("[heap]"):
+            lo, hi = (int(a, 16) for a in line.split()[0].split("-"))
+            if lo <= ptr < hi:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not dev.reuse_host_memory(False), reason="needs Linux with glibc")
+def test_host_memory_reuse_serves_large_tensors_from_the_heap_and_can_be_undone() -> None:
+    size = 64 * 2**20  # above any mmap threshold glibc picks by itself
+    try:
+        assert dev.reuse_host_memory()
+        big = torch.empty(size, dtype=torch.uint8)
+        assert _in_heap(big.data_ptr())  # kept after free, so the next step's tensor finds it mapped
+        del big
+    finally:
+        assert dev.reuse_host_memory(False)
+    big = torch.empty(size, dtype=torch.uint8)
+    assert not _in_heap(big.data_ptr())  # glibc's default: a fresh mapping, unmapped on free

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from gptopt import checkpoint, cli, train
+from gptopt import device as dev
 from gptopt.config import TrainConfig, preset
 from gptopt.device import resolve
 from gptopt.model import GPT
@@ -60,6 +61,7 @@ def test_training_learns_and_logs_every_required_field(train_data: Path, tmp_pat
     info = json.loads((out / "run.json").read_text())
     assert info["peak_source"].startswith("measured matmul peak")
     assert info["environment"]["torch"] == torch.__version__
+    assert info["host_memory_reuse"] is dev.reuse_host_memory(False)  # on where glibc allows, and set back after
     # the final checkpoint loads as a model for generate/serve
     model = checkpoint.load_model(checkpoint.latest_checkpoint(out))
     assert model.config.n_layer == preset("debug").n_layer

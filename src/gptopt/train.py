@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from gptopt import checkpoint, data, distributed
 from gptopt.config import PRESETS, GPTConfig, TrainConfig, preset_for_data
-from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve
+from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.distributed import DistInfo
 from gptopt.flops import flops_per_token
 from gptopt.model import GPT
@@ -301,9 +301,11 @@ class Trainer:
             peak_source += f" x {info.world_size} ranks"
         fpt = flops_per_token(self.model_config, self.seq_len)
         tokens_per_step = B * self.seq_len * accum * info.world_size
+        # on CPUs the step's large activations would otherwise be page-faulted in afresh every step
+        host_reuse = plan.device.type == "cpu" and reuse_host_memory()
         metrics = Metrics(self.out, step, cfg.tensorboard) if main else None
         if main:
-            self._write_run_info(plan, peak_source, fused, loader_opts)
+            self._write_run_info(plan, peak_source, fused, loader_opts, host_reuse)
             log.info(
                 f"{self.raw.num_params() / 1e6:.2f}M parameters, {tokens_per_step:,} tokens/step "
                 f"(micro-batch {B} x {self.seq_len} x accumulation {accum} x {info.world_size} ranks); "
@@ -412,6 +414,8 @@ class Trainer:
                 (self.out / "monitor.json").write_text(json.dumps(monitor.summary(), indent=2))
             if metrics is not None:
                 metrics.close()
+            if host_reuse:  # the process goes back to glibc's defaults (a caller may run more than training)
+                reuse_host_memory(False)
         if main:
             self._summary(step, times, waits, compile_s, fpt, peak, peak_source, tokens_per_step)
         return exit_code
@@ -478,10 +482,12 @@ class Trainer:
 
         return scheduled_profiler(self.out / "logs" / "profile", self.plan.device.type)
 
-    def _write_run_info(self, plan: DevicePlan, peak_source: str, fused: bool, loader: dict[str, Any]) -> None:
+    def _write_run_info(self, plan: DevicePlan, peak_source: str, fused: bool, loader: dict[str, Any],
+                        host_memory_reuse: bool) -> None:
         info = {"config": dataclasses.asdict(self.cfg), "model": self.model_config.to_dict(),
                 "environment": environment(plan), "device_policy": plan.reason, "peak_source": peak_source,
-                "fused_adamw": fused, "dataloader": loader, "seq_len": self.seq_len}
+                "fused_adamw": fused, "dataloader": loader, "host_memory_reuse": host_memory_reuse,
+                "seq_len": self.seq_len}
         (self.out / "run.json").write_text(json.dumps(info, indent=2, default=str))
 
     def _summary(self, step: int, times: list[float], waits: list[float], compile_s: float | None,

@@ -280,7 +280,7 @@ class Tuner:
         b = max(d for d in self.sizes if d <= defaults.batch_size)
         base = Rung("defaults", f"gptopt train's defaults here: fp32, {attention} attention, fused AdamW, default "
                     "DataLoader", attention=attention, fused=defaults.fused_optimizer and fused_available(self.device_type),
-                    loader=self.default_loader)
+                    loader=self.default_loader, reuse_memory=True)
         while True:
             res = self.measure("reference", self._at(base, b, "defaults"), forced=True)
             if res.status == "ok":

@@ -28,7 +28,7 @@ from tqdm import tqdm
 
 from gptopt import data
 from gptopt.config import BenchConfig, GPTConfig, preset_for_data
-from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve
+from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.extras import has
 from gptopt.flops import flops_per_token
 from gptopt.model import GPT
@@ -51,6 +51,7 @@ class Rung:
     fused: bool = False
     tuned_loader: bool = False
     checkpointing: bool = False
+    reuse_memory: bool = False  # on CPUs, freed host memory kept for the next tensor, as `gptopt train` runs
     batch_size: int | None = None  # None: the bench's batch
     # what `gptopt tune` varies beyond the ladder's switches; the defaults are the ladder's behaviour
     amp_dtype: str | None = None  # with amp: "bf16" or "fp16"; None: the device policy's dtype
@@ -65,16 +66,16 @@ LADDER: list[Rung] = [
     Rung("amp", "+ autocast mixed precision", amp=True),
     Rung("compile", "+ torch.compile, fp32", compile=True),
     Rung("compile_amp", "torch.compile + autocast", compile=True, amp=True),
-    Rung("all", "compile + autocast + fused AdamW + tuned DataLoader + the device's attention",
-         attention="auto", compile=True, amp=True, fused=True, tuned_loader=True),
+    Rung("all", "compile + autocast + fused AdamW + tuned DataLoader + the device's attention + host memory reuse",
+         attention="auto", compile=True, amp=True, fused=True, tuned_loader=True, reuse_memory=True),
 ]
 OPTIONAL: list[Rung] = [
     Rung("ckpt", "'all' + activation checkpointing (memory against time)", attention="auto", compile=True, amp=True,
-         fused=True, tuned_loader=True, checkpointing=True),
+         fused=True, tuned_loader=True, checkpointing=True, reuse_memory=True),
     Rung("reduce_overhead", "'all' with compile mode reduce-overhead (CUDA graphs)", attention="auto", compile=True,
-         amp=True, fused=True, tuned_loader=True, compile_mode="reduce-overhead"),
+         amp=True, fused=True, tuned_loader=True, compile_mode="reduce-overhead", reuse_memory=True),
     Rung("max_autotune", "'all' with compile mode max-autotune", attention="auto", compile=True, amp=True, fused=True,
-         tuned_loader=True, compile_mode="max-autotune"),
+         tuned_loader=True, compile_mode="max-autotune", reuse_memory=True),
 ]
 SWEEP = "batch_sweep"  # expands to 'all' at doubling micro-batches until one does not fit
 
@@ -252,6 +253,7 @@ class Bench:
         rplan = self._plan(rung)
         loader_opts = self._loader(rung)
         model = opt = None
+        reused = rung.reuse_memory and plan.device.type == "cpu" and reuse_host_memory()
         try:
             model = self._build(rung, attention)
             step_model = compile_model(model, mode=rung.compile_mode) if rung.compile else model
@@ -333,6 +335,8 @@ class Bench:
             if plan.device.type == "cuda":
                 torch.cuda.empty_cache()
             torch._dynamo.reset()  # each rung compiles afresh; caches must not leak between rungs
+            if reused:  # the next rung (the naive ones above all) runs with glibc's defaults
+                reuse_host_memory(False)
         return res
 
     # -- the ladder ------------------------------------------------------------------------
