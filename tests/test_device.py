@@ -106,12 +106,23 @@ def test_environment_record_says_what_it_ran_on() -> None:
 
 
 def test_measuring_the_peak_leaves_the_global_rng_alone() -> None:
-    dev.measured_matmul_flops.cache_clear()
     torch.manual_seed(0)
     expected = torch.rand(3)
     torch.manual_seed(0)
-    dev.measured_matmul_flops("cpu", torch.float32)
+    dev.measured_matmul_flops("cpu", torch.float32, remeasure=True)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_a_remeasured_peak_keeps_the_faster_moment(monkeypatch: pytest.MonkeyPatch) -> None:
+    speeds = iter([2e11, 1e11, 3e11])  # a slow second must not lower the ceiling MFU is stated against
+    monkeypatch.setattr(dev, "_MEASURED", {})
+    monkeypatch.setattr(dev, "_measure_matmul", lambda device, dtype: next(speeds))
+    plan = resolve("cpu", "fp32", quiet=True)
+    assert peak_flops(plan)[0] == 2e11
+    assert peak_flops(plan)[0] == 2e11  # cached: nothing measured
+    assert peak_flops(plan, remeasure=True)[0] == 2e11  # measured 1e11, kept 2e11
+    flops, source = peak_flops(plan, remeasure=True)
+    assert flops == 3e11 and "0.3 TFLOP/s" in source
 
 
 def _in_heap(ptr: int) -> bool:

@@ -417,6 +417,11 @@ class Trainer:
             if host_reuse:  # the process goes back to glibc's defaults (a caller may run more than training)
                 reuse_host_memory(False)
         if main:
+            if times:  # measured again: the summary's MFU is against the faster of the start and the end
+                end_peak, peak_source = peak_flops(plan, remeasure=True)
+                peak = end_peak * info.world_size
+                if info.world_size > 1:
+                    peak_source += f" x {info.world_size} ranks"
             self._summary(step, times, waits, compile_s, fpt, peak, peak_source, tokens_per_step)
         return exit_code
 

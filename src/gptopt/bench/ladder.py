@@ -354,6 +354,11 @@ class Bench:
         finally:
             bar.close()
             monitor.stop()
+        # measured again after the rungs: MFU is stated against the faster of the two moments
+        self.peak, self.peak_source = peak_flops(self.plan, remeasure=True)
+        for r in self.results:
+            if r.tokens_per_s:
+                r.mfu = r.tokens_per_s * self.fpt / self.peak
         self._compare()
         self.monitor = monitor.summary()
         return self.summary()
