@@ -298,7 +298,8 @@ class Tuner:
         assert self.best is not None
         ref_rung = self.best[0]
         hf = dataclasses.replace(ref_rung, name="hf", what="Hugging Face GPT2LMHeadModel, eager attention, fp32, "
-                                 "torch's default AdamW: the naive script", hf=True, attention="eager", fused=False)
+                                 "torch's default AdamW: the naive script", hf=True, attention="eager", fused=False,
+                                 reuse_memory=False)
         b = hf.batch_size
         while b is not None:
             res = self.measure("baseline", self._at(hf, b, "hf"))
