@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from gptopt import checkpoint, cli, train
+from gptopt import checkpoint, cli, step, train
 from gptopt import device as dev
 from gptopt.config import TrainConfig, preset
 from gptopt.device import resolve
@@ -123,8 +123,8 @@ def test_gradient_accumulation_equals_the_full_batch() -> None:
     b.load_state_dict(a.state_dict())
     x = torch.randint(0, 512, (8, 16))
     y = torch.randint(0, 512, (8, 16))
-    total = train.forward_backward(a, x, y, plan, None, accum=1)
-    parts = sum(train.forward_backward(b, x[i : i + 4], y[i : i + 4], plan, None, accum=2) for i in (0, 4))
+    total = step.forward_backward(a, x, y, plan, None, accum=1)
+    parts = sum(step.forward_backward(b, x[i : i + 4], y[i : i + 4], plan, None, accum=2) for i in (0, 4))
     torch.testing.assert_close(parts, total)
     for (name, pa), (_, pb) in zip(a.named_parameters(), b.named_parameters(), strict=True):
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=name)
@@ -282,8 +282,8 @@ def test_compiled_training_matches_eager(train_data: Path, tmp_path: Path) -> No
     run(train_data, tmp_path / "eager", max_steps=5)
     run(train_data, tmp_path / "compiled", max_steps=5, use_compile=True)
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
-    for step in eager:
-        assert compiled[step] == pytest.approx(eager[step], rel=1e-3)
+    for s in eager:
+        assert compiled[s] == pytest.approx(eager[s], rel=1e-3)
 
 
 # -- bad input: one line naming the fix, exit 2, nothing overwritten -----------------------------

@@ -37,7 +37,8 @@ from gptopt.distributed import DistInfo
 from gptopt.model import GPT
 from gptopt.optim import make_adamw
 from gptopt.prepare_model import prepare
-from gptopt.train import forward_backward, peak_memory_bytes
+from gptopt.step import forward_backward
+from gptopt.train import peak_memory_bytes
 
 log = logging.getLogger("gptopt")
 
@@ -472,23 +473,3 @@ def main(cfg: ProfileConfig) -> int:
     if cfg.json:
         print(json.dumps(doc))
     return 0
-
-
-def scheduled_profiler(trace_dir: str | Path, device_type: str, *, wait: int = 3, warmup: int = 2, active: int = 3) -> profile:
-    """Started profiler: skip `wait` steps (compile, warm-up), warm up, record `active` steps, then stop.
-
-    The caller calls .step() after each training step and .stop() at the end.
-    """
-    activities = [ProfilerActivity.CPU]
-    if device_type == "cuda":
-        activities.append(ProfilerActivity.CUDA)
-    prof = profile(
-        activities=activities,
-        schedule=schedule(wait=wait, warmup=warmup, active=active, repeat=1),
-        on_trace_ready=torch.profiler.tensorboard_trace_handler(str(trace_dir)),
-        record_shapes=True,
-        profile_memory=True,
-        with_stack=False,  # stacks make traces large; `gptopt profile` turns them on
-    )
-    prof.start()
-    return prof

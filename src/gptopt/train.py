@@ -38,14 +38,12 @@ from gptopt.flops import flops_per_token
 from gptopt.model import GPT
 from gptopt.monitor import Monitor
 from gptopt.optim import lr_at, make_adamw
-from gptopt.prepare_model import graph_break_reason, prepare
+from gptopt.prepare_model import prepare
+from gptopt.step import forward_backward, is_oom
+from gptopt.tracing import scheduled_profiler
 
 log = logging.getLogger("gptopt")
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
-
-
-def is_oom(e: BaseException) -> bool:
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
 
 
 def oom_advice(cfg: TrainConfig, plan: DevicePlan) -> str:
@@ -124,27 +122,6 @@ def sample(model: GPT, plan: DevicePlan, tokenizer: Any, eot_id: int | None, n_t
         idx = torch.cat([idx, top.indices.gather(-1, torch.multinomial(probs, 1, generator=g))], dim=1)
     ids = idx[0, 1:].tolist()
     return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
-
-
-def forward_backward(
-    model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, plan: DevicePlan,
-    scaler: torch.amp.GradScaler | None, accum: int,
-) -> torch.Tensor:
-    """One micro-step: the loss is divided by the accumulation count so the summed gradients are
-    those of the mean over the whole global batch. Returns that scaled loss, detached."""
-    try:
-        with plan.autocast():
-            loss = model(x, y) / accum
-    except Exception as e:
-        reason = graph_break_reason(e)
-        if reason:
-            raise ValueError(
-                f"graph break under --compile_fullgraph: {reason}; drop --compile_fullgraph to let torch.compile "
-                "split the graph"
-            ) from e
-        raise
-    (scaler.scale(loss) if scaler is not None else loss).backward()
-    return loss.detach()
 
 
 class Metrics:
@@ -483,8 +460,6 @@ class Trainer:
         return path if path is not None else checkpoint.latest_checkpoint(self.out)
 
     def _profiler(self, step: int) -> Any:
-        from gptopt.profile import scheduled_profiler
-
         return scheduled_profiler(self.out / "logs" / "profile", self.plan.device.type)
 
     def _write_run_info(self, plan: DevicePlan, peak_source: str, fused: bool, loader: dict[str, Any],

@@ -36,7 +36,7 @@ from gptopt.generate import Generator, SamplingParams, generate
 from gptopt.model import GPT
 from gptopt.prepare_model import inference_layout
 from gptopt.quantize import quantize_int8
-from gptopt.train import is_oom
+from gptopt.step import is_oom
 
 log = logging.getLogger("gptopt")
 

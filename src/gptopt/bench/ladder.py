@@ -34,7 +34,7 @@ from gptopt.flops import flops_per_token
 from gptopt.model import GPT
 from gptopt.monitor import Monitor, format_summary
 from gptopt.prepare_model import compile_model
-from gptopt.train import forward_backward, is_oom
+from gptopt.step import forward_backward, is_oom
 
 log = logging.getLogger("gptopt")
 

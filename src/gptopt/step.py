@@ -1,0 +1,119 @@
+"""The training step: one function that train, bench, tune and profile all run, so what is measured
+is what trains.
+
+    python -c "import gptopt.step as s; help(s.TrainStep)"
+
+One step = `accumulation` micro-steps of forward and backward (the loss divided by the accumulation
+count, DDP/FSDP gradient sync only on the last), then the optimizer step: unscale (fp16), clip the
+global gradient norm, one host sync to read the loss and the norm, and a finite check that skips the
+update when either is NaN/Inf. The optimizer is AdamW with decay on matrices only (optim.py) and the
+warmup + cosine learning rate of the TrainConfig.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from gptopt import distributed
+from gptopt.config import TrainConfig
+from gptopt.device import DevicePlan
+from gptopt.distributed import DistInfo
+from gptopt.optim import lr_at, make_adamw
+from gptopt.prepare_model import graph_break_reason
+
+# (micro-step index) -> (inputs, targets) already on the device; the caller times its own data waits
+NextBatch = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+def is_oom(e: BaseException) -> bool:
+    """Whether an exception is the device (or host) running out of memory."""
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+
+
+def forward_backward(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, plan: DevicePlan,
+    scaler: torch.amp.GradScaler | None, accum: int,
+) -> torch.Tensor:
+    """One micro-step: the loss is divided by the accumulation count so the summed gradients are
+    those of the mean over the whole global batch. Returns that scaled loss, detached."""
+    try:
+        with plan.autocast():
+            loss = model(x, y) / accum
+    except Exception as e:
+        reason = graph_break_reason(e)
+        if reason:
+            raise ValueError(
+                f"graph break under --compile_fullgraph: {reason}; drop --compile_fullgraph to let torch.compile "
+                "split the graph"
+            ) from e
+        raise
+    (scaler.scale(loss) if scaler is not None else loss).backward()
+    return loss.detach()
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss over the global batch (all micro-steps, all ranks)
+    grad_norm: float  # the global gradient norm before clipping
+    finite: bool  # False: the optimizer step was skipped
+
+
+class TrainStep:
+    """The optimizer, the GradScaler and the learning-rate schedule of one run, and its step.
+
+    `model` is what runs forward (compiled, DDP- or FSDP-wrapped); `raw` owns the parameters. Neither
+    is changed here beyond the optimizer update.
+    """
+
+    def __init__(self, model: nn.Module, raw: nn.Module, plan: DevicePlan, cfg: TrainConfig,
+                 info: DistInfo | None = None) -> None:
+        self.model, self.raw, self.plan, self.cfg = model, raw, plan, cfg
+        self.info = info or DistInfo()
+        self.accum = cfg.gradient_accumulation_steps
+        self.optimizer, self.fused = make_adamw(
+            raw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+            device_type=plan.device.type, fused=cfg.fused_optimizer and not cfg.cpu_offload,
+        )
+        self.scaler = torch.amp.GradScaler(plan.device.type) if plan.use_grad_scaler else None
+
+    def lr(self, step: int) -> float:
+        cfg = self.cfg
+        return lr_at(step, cfg.learning_rate, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+
+    def __call__(self, step: int, next_batch: NextBatch) -> StepResult:
+        """Train on one global batch at optimizer step `step` (0-based: it sets that step's learning rate)."""
+        lr = self.lr(step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        # summed in place as each micro-step ends: a CUDA-graph output is overwritten by the next replay
+        loss_sum = torch.zeros((), device=self.plan.device)
+        sync_ranks = self.info.world_size > 1
+        for micro in range(self.accum):
+            x, y = next_batch(micro)
+            with distributed.no_sync(self.model, sync_ranks and micro < self.accum - 1):
+                loss_sum += forward_backward(self.model, x, y, self.plan, self.scaler, self.accum)
+        return self.update(loss_sum)
+
+    def update(self, loss_sum: torch.Tensor) -> StepResult:
+        """Unscale, clip, read loss and norm (the step's one host sync), then step unless non-finite."""
+        opt, scaler, cfg = self.optimizer, self.scaler, self.cfg
+        if scaler is not None:
+            scaler.unscale_(opt)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
+            grad_norm = grad_norm.full_tensor()
+        loss_sum = distributed.all_reduce_mean(loss_sum, self.info)
+        loss_val, norm_val = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
+        # Under fp16 an inf norm is the GradScaler's business (it skips the step and lowers the scale).
+        finite = math.isfinite(loss_val) and (scaler is not None or math.isfinite(norm_val))
+        if finite:
+            (scaler.step(opt) if scaler is not None else opt.step())
+        if scaler is not None:
+            scaler.update()
+        opt.zero_grad(set_to_none=True)
+        return StepResult(loss_val, norm_val, finite)
