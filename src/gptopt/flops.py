@@ -32,6 +32,6 @@ def flops_per_token(config: GPTConfig, seq_len: int, *, training: bool = True) -
     return train if training else train / 3
 
 
-def mfu(tokens_per_s: float, config: GPTConfig, seq_len: int, peak_flops: float, *, training: bool = True) -> float:
+def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
     """Achieved model FLOP/s as a fraction of the peak (the caller names the peak's source)."""
-    return tokens_per_s * flops_per_token(config, seq_len, training=training) / peak_flops
+    return tokens_per_s * flops_per_token / peak_flops
