@@ -1,4 +1,4 @@
-"""Corpus -> tokenizer -> shards (`gptopt prepare`), and reading them back as resumable batches.
+"""Corpus -> tokenizer -> shards (corpus.py, `gptopt prepare`), and reading them back as resumable batches (data.py).
 
     pytest -q tests/test_data.py
     pytest -q tests/test_data.py -m slow     # the real stdlib corpus with the default vocabulary
@@ -17,10 +17,12 @@ import numpy as np
 import pytest
 import torch
 
+import gptopt.corpus as prep
 import gptopt.data as data
 from gptopt.cli import main
 from gptopt.config import PrepareConfig
-from gptopt.data import BatchDataset, TokenData, load_tokenizer, make_loader, prepare, token_dtype
+from gptopt.corpus import load_tokenizer, prepare, token_dtype
+from gptopt.data import BatchDataset, TokenData, make_loader
 
 # A few documents of code and prose, with non-ASCII text, so the byte-level round trip is tested.
 DOCS = {
@@ -148,7 +150,7 @@ def test_interrupted_prepare_leaves_nothing(corpus: Path, tmp_path: Path, monkey
     def interrupt(*args: object) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(data, where, interrupt)
+    monkeypatch.setattr(prep, where, interrupt)
     with pytest.raises(KeyboardInterrupt):
         prepare(config(corpus, tmp_path / "new"))
     with pytest.raises(KeyboardInterrupt):
@@ -213,7 +215,7 @@ def test_unknown_tokenizer_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPa
     def offline(name: str) -> None:
         raise OSError("Name or service not known")
 
-    monkeypatch.setattr(data, "_from_hub", offline)  # the real call would wait for network retries
+    monkeypatch.setattr(prep, "_from_hub", offline)  # the real call would wait for network retries
     with pytest.raises(ValueError, match="tokenizer 'gpt2' is no local file.*--tokenizer bpe"):
         load_tokenizer("gpt2")
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from gptopt.config import GPTConfig
+from gptopt.fsutil import staged_dir
 from gptopt.model import GPT
 from gptopt.quantize import unpack_state
 
@@ -31,61 +31,24 @@ def is_gptopt_dir(path: str | os.PathLike[str]) -> bool:
     return (Path(path) / META).is_file()
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a rename durable: the directory entry itself must reach the disk."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # not supported on this platform (Windows); the rename is still atomic
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_model_files(
     config: GPTConfig, state: dict[str, torch.Tensor], directory: Path, extra: dict[str, Any] | None = None
 ) -> None:
-    """Weights + config into an existing directory, each file fsync'd (no rename: see save_model)."""
+    """Weights + config into an existing directory (a staged one: fsutil.staged_dir makes them durable)."""
     # The tied lm_head shares wte's storage; safetensors refuses shared tensors, so store it once.
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if k != "lm_head.weight"}
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
     meta = {"format": "gptopt", "model": config.to_dict(), **(extra or {})}
     with open(directory / META, "w") as fh:
         json.dump(meta, fh, indent=2, sort_keys=True, default=str)
-        fh.flush()
-        os.fsync(fh.fileno())
-    with open(directory / WEIGHTS, "rb+") as fh:
-        os.fsync(fh.fileno())
 
 
 def save_model(model: GPT, directory: str | os.PathLike[str], extra: dict[str, Any] | None = None) -> Path:
-    """Write a model directory atomically: into a temporary sibling, then one rename.
-
-    A crash at any point leaves either the old directory or the complete new one, never half.
-    """
+    """Write a model directory atomically (replacing an old one): either the old or the new, never half."""
     target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with staged_dir(target, replace=True) as tmp:
         write_model_files(model.config, model.state_dict(), tmp, extra)
-        replace_dir(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
-
-
-def replace_dir(src: Path, dst: Path) -> None:
-    """Move the finished directory src to dst, replacing an old dst only after src is complete."""
-    if dst.exists():
-        old = dst.with_name(f".{dst.name}.old-{os.getpid()}")
-        os.replace(dst, old)
-        os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(src, dst)
-    fsync_dir(dst.parent)
 
 
 def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
@@ -172,24 +135,15 @@ def save_checkpoint(
     meta: dict[str, Any] | None = None,
     keep: int = 3,
 ) -> Path:
-    """Write ckpt-<step> atomically (temporary dir, fsync, rename), then drop all but the last `keep`.
+    """Write ckpt-<step> atomically (fsutil.staged_dir), then drop all but the last `keep`.
 
     A crash in the middle leaves the previous checkpoints untouched and no partial ckpt-<step>.
     """
     root = Path(output_dir)
-    root.mkdir(parents=True, exist_ok=True)
     target = root / f"{PREFIX}{step:07d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
-    try:
+    with staged_dir(target, replace=True) as tmp:
         write_model_files(config, model_state, tmp, {**(meta or {}), "step": step})
-        with open(tmp / TRAIN_STATE, "wb") as fh:
-            torch.save(train_state, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        replace_dir(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        torch.save(train_state, tmp / TRAIN_STATE)
     for old in checkpoint_dirs(root)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return target

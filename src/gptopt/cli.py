@@ -40,7 +40,7 @@ class Command:
 # extra is missing does not break the others.
 COMMANDS: dict[str, Command] = {
     "doctor": Command("gptopt.config:DoctorConfig", "gptopt.doctor:run", "check this machine's setup and name the fixes"),
-    "prepare": Command("gptopt.config:PrepareConfig", "gptopt.data:prepare_main", "tokenize a corpus into train/val token shards"),
+    "prepare": Command("gptopt.config:PrepareConfig", "gptopt.corpus:prepare_main", "tokenize a corpus into train/val token shards"),
     "train": Command("gptopt.config:TrainConfig", "gptopt.train:main", "train or fine-tune, on one device or many (torchrun)"),
     "bench": Command("gptopt.config:BenchConfig", "gptopt.bench.ladder:main", "measure every optimisation against the naive baseline"),
     "profile": Command("gptopt.config:ProfileConfig", "gptopt.profile:main", "find where the time goes, and what to change"),

@@ -17,10 +17,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-import shutil
 import statistics
 import sys
-import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -37,6 +35,7 @@ from gptopt.bench.report import text_table, to_json
 from gptopt.config import CompressConfig, parse_prune
 from gptopt.data import TOKENIZER, BatchDataset, TokenData, open_data
 from gptopt.device import DevicePlan, environment, resolve
+from gptopt.fsutil import staged_dir
 from gptopt.generate import load_for_inference, model_source
 from gptopt.quantize import check_supported, compress_model, describe, pack_state
 
@@ -271,9 +270,8 @@ def main(cfg: CompressConfig) -> int:
                                     layout=False)
     _check_data(data, tok, model.config.vocab_size)
     record = compress_model(model, quantize, prune)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    # An --output that something else filled meanwhile makes the publish fail: it is never replaced.
+    with staged_dir(out) as tmp:
         meta = {"compression": record, "compressed_from": str(source), "environment": environment(plan)}
         checkpoint.write_model_files(model.config, pack_state(model, record), tmp, meta)
         tok.save(str(tmp / TOKENIZER))  # beside the weights: generate and serve find it there
@@ -286,11 +284,6 @@ def main(cfg: CompressConfig) -> int:
         results["notes"] = _notes(record, results["ratios"], plan)
         results["environment"] = environment(plan)
         (tmp / "results.json").write_text(json.dumps(results, indent=2, default=str))
-        _check_output(out)  # nothing may have appeared there meanwhile
-        checkpoint.replace_dir(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     print(table(results))
     print(f"\ncheckpoint: {out} (gptopt generate --model {out}); report: {out / 'results.json'}")
     if cfg.json:

@@ -17,7 +17,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import shutil
 import sys
 import tempfile
 import time
@@ -35,6 +34,7 @@ from gptopt import checkpoint, hf
 from gptopt.config import MIN_OPSET, ExportConfig
 from gptopt.data import EOT_CANDIDATES, TOKENIZER, load_tokenizer
 from gptopt.extras import require
+from gptopt.fsutil import staged_dir
 from gptopt.generate import find_tokenizer, model_source
 from gptopt.model import GPT
 
@@ -255,17 +255,6 @@ def _check_output_dir(target: Path, overwrite: bool, marker: str) -> None:
                          "will not delete it; choose a new directory")
 
 
-@contextlib.contextmanager
-def _staging(target: Path) -> Iterator[Path]:
-    """A temporary sibling of target to write into; whatever is not moved into place is removed."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
-        yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
 def _eot(tok: Tokenizer | None) -> int | None:
     return None if tok is None else next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
 
@@ -293,7 +282,7 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
         eager = GPT(dataclasses.replace(model.config, attention="eager"))
         eager.load_state_dict(model.state_dict())
         model = eager.eval()
-    with _staging(target) as tmp:
+    with staged_dir(target, replace=overwrite) as tmp:
         t0 = time.perf_counter()
         exporter = to_onnx(model, tmp / ONNX_FILE, opset=opset)
         export_s = time.perf_counter() - t0
@@ -318,7 +307,6 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
         }
         del decoder  # its session holds a copy of every weight
         (tmp / ONNX_META).write_text(json.dumps(meta, indent=2) + "\n")
-        checkpoint.replace_dir(tmp, target)
     return meta
 
 
@@ -332,7 +320,7 @@ def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer
     if model.transformer.wte.weight.device.type != "cpu":
         raise ValueError("the Hugging Face export is checked on the CPU: pass the model there")
     model = model.eval()
-    with _staging(target) as tmp:
+    with staged_dir(target, replace=overwrite) as tmp:
         hf.export_hf(model, tmp)  # into the empty staging dir: export_hf writes its own files atomically
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER))
@@ -346,7 +334,6 @@ def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer
             scale = max(scale, ref.abs().max().item())
         check = _verdict("transformers", diffs, scale, tolerance)
         del loaded
-        checkpoint.replace_dir(tmp, target)
     return check
 
 

@@ -15,17 +15,16 @@ import json
 import os
 import pickle
 import re
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from gptopt.checkpoint import META, check_state, fsync_dir, is_gptopt_dir, load_model, replace_dir
+from gptopt.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.config import GPTConfig
 from gptopt.extras import require
+from gptopt.fsutil import staged_dir
 from gptopt.model import GPT
 
 __all__ = [
@@ -379,15 +378,10 @@ def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> G
 # Export
 
 
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb+") as fh:
-        os.fsync(fh.fileno())
-
-
 def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
     """Write a directory `transformers.GPT2LMHeadModel.from_pretrained` loads: config.json + model.safetensors.
 
-    Written into a temporary sibling and renamed, so a crash never leaves half a directory.
+    Staged (fsutil.staged_dir): a crash never leaves half a directory.
     overwrite=True replaces an existing directory and everything in it.
     """
     target = Path(directory)
@@ -401,17 +395,8 @@ def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool 
             )
     state = gptopt_state_to_hf(model)  # refuses what HF cannot hold before anything is written
     hf_cfg = hf_config(model.config, model.transformer.wte.weight.dtype)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with staged_dir(target, replace=overwrite) as tmp:
         hf_cfg.to_json_file(str(tmp / HF_CONFIG))
         # transformers refuses safetensors files without the "format" metadata.
         save_file(state, str(tmp / SAFETENSORS), metadata={"format": "pt"})
-        for name in (HF_CONFIG, SAFETENSORS):
-            _fsync_file(tmp / name)
-        fsync_dir(tmp)
-        replace_dir(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return target
