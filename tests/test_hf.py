@@ -52,7 +52,7 @@ def hf_logits(model: transformers.GPT2LMHeadModel, idx: torch.Tensor) -> torch.T
 def test_safetensors_dir_gives_hf_logits(tmp_path: Path, attention: str) -> None:
     ref = hf_model()
     directory = save_hf(ref, tmp_path / "hf")
-    model = GPT.from_pretrained(str(directory), attention=attention).eval()
+    model = hf.load_pretrained(str(directory), attention=attention).eval()
     assert model.config.attention == attention
     assert (model.config.n_layer, model.config.block_size, model.config.vocab_size) == (2, 64, 128)
     idx = tokens(128)
@@ -121,7 +121,7 @@ def test_export_round_trip_through_transformers(tmp_path: Path, debug_model: GPT
 def test_vocab_padding_on_load_and_export(tmp_path: Path) -> None:
     ref = hf_model(vocab_size=100)
     directory = save_hf(ref, tmp_path / "hf")
-    model = GPT.from_pretrained(str(directory), vocab_pad_multiple=64).eval()
+    model = hf.load_pretrained(str(directory), vocab_pad_multiple=64).eval()
     wte = model.transformer.wte.weight
     assert wte.shape == (128, 64)
     assert torch.count_nonzero(wte[100:]) == 0  # padded rows are inert zeros, not random init
@@ -139,13 +139,13 @@ def test_vocab_padding_on_load_and_export(tmp_path: Path) -> None:
     assert (hf_logits(loaded, idx) - got).abs().max().item() <= 1e-5
 
 
-def test_gptopt_dir_through_from_pretrained(tmp_path: Path, debug_model: GPT) -> None:
+def test_gptopt_dir_through_load_pretrained(tmp_path: Path, debug_model: GPT) -> None:
     directory = save_model(debug_model, tmp_path / "model")
     idx = tokens(debug_model.config.vocab_size)
     with torch.no_grad():
         expected = debug_model(idx)
-        assert torch.equal(GPT.from_pretrained(str(directory)).eval()(idx), expected)
-        padded = GPT.from_pretrained(str(directory), attention="eager", vocab_pad_multiple=384).eval()
+        assert torch.equal(hf.load_pretrained(str(directory)).eval()(idx), expected)
+        padded = hf.load_pretrained(str(directory), attention="eager", vocab_pad_multiple=384).eval()
         assert padded.config.attention == "eager"
         assert padded.transformer.wte.weight.shape[0] == 768
         assert torch.count_nonzero(padded.transformer.wte.weight[512:]) == 0
@@ -263,7 +263,7 @@ def test_unsupported_config_is_refused_with_the_reason(field: str, value: object
 def test_unsupported_config_dir_is_refused(tmp_path: Path) -> None:
     directory = save_hf(hf_model(activation_function="relu"), tmp_path / "hf")
     with pytest.raises(ValueError, match="config.json: activation_function is 'relu'"):
-        GPT.from_pretrained(str(directory))
+        hf.load_pretrained(str(directory))
 
 
 def test_export_refuses_non_empty_dir_unless_overwrite(tmp_path: Path, debug_model: GPT) -> None:
@@ -294,7 +294,7 @@ def test_hub_name_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
     # An empty cache, whatever this machine's real cache holds.
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     with pytest.raises(ValueError, match="'gpt2' is not a local directory.*HF_HUB_OFFLINE is set"):
-        GPT.from_pretrained("gpt2")
+        hf.load_pretrained("gpt2")
 
 
 def test_missing_local_path_is_not_sent_to_the_hub(tmp_path: Path) -> None:

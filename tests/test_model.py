@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from conftest import graph_ops
 
-from gptopt.config import PRESETS, GPTConfig, preset
+from gptopt.config import PRESETS, GPTConfig, PrepareConfig, TrainConfig, preset, preset_for_data
+from gptopt.flops import non_embedding_params
 from gptopt.model import CAUSAL_SPLIT_MIN, GPT, TanhGELU
 
 # Pinned so that a change to the architecture shows up here; GPT-2's published sizes are
@@ -30,11 +31,15 @@ def test_preset_parameter_counts(name: str) -> None:
     with torch.device("meta"):  # no memory, no init cost: gpt2-xl is 6 GB in fp32
         model = GPT(preset(name))
     assert model.num_params() == EXPECTED_PARAMS[name]
+    # MFU counts FLOPs from the config alone; it must count the model's own weights, less the position table.
+    assert non_embedding_params(model.config) == model.num_params() - model.transformer.wpe.weight.numel()
 
 
-def test_tiny_preset_is_the_documented_cpu_default() -> None:
-    cfg = preset("tiny")
-    assert (cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size) == (4, 4, 256, 256)
+def test_the_default_model_fits_the_default_data_unchanged() -> None:
+    """`gptopt train` with no options trains the default preset on the default corpus: sized for that
+    corpus's tokenizer, it is the preset as documented, not a resized variant."""
+    name = TrainConfig().preset
+    assert preset_for_data(name, PrepareConfig().vocab_size) == preset(name)
 
 
 def test_unknown_preset_lists_the_valid_ones() -> None:

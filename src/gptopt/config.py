@@ -69,8 +69,6 @@ class GPTConfig:
         return cls(**d)
 
 
-ModelConfig = GPTConfig
-
 # Parameter counts (tied lm_head counted once, position embeddings included) are pinned by
 # tests/test_model.py. GPT-2 presets use GPT-2's tokenizer (50257); `tiny` and `debug` use a BPE
 # trained on the corpus, so their vocabularies are small.

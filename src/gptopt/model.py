@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -173,12 +173,9 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def num_params(self, non_embedding: bool = False) -> int:
-        """Parameters, the tied lm_head counted once; non_embedding drops the position table (for FLOPs)."""
-        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
-        if non_embedding:
-            n -= self.transformer.wpe.weight.numel()
-        return n
+    def num_params(self) -> int:
+        """Parameters, the tied lm_head counted once (FLOPs count without wpe: flops.non_embedding_params)."""
+        return sum(p.numel() for p in self.parameters())  # parameters() yields a tied tensor once
 
     def forward(
         self,
@@ -219,11 +216,3 @@ class GPT(nn.Module):
             return self.lm_head(x)[..., :V]
         logits = self.lm_head(x)[..., :V]  # padded rows are never real tokens
         return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=-100)
-
-    @classmethod
-    def from_pretrained(cls, name_or_path: str, **overrides: Any) -> GPT:
-        """A gptopt checkpoint directory, a Hugging Face GPT-2 directory, or a hub name (gpt2, ...)."""
-        # Imported here so model.py keeps depending on config alone; hf.py owns every file format.
-        from gptopt.hf import load_pretrained
-
-        return load_pretrained(name_or_path, **overrides)

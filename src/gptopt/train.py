@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gptopt import checkpoint, data, distributed
+from gptopt import checkpoint, data, distributed, hf
 from gptopt.config import PRESETS, GPTConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.distributed import DistInfo
@@ -225,7 +225,7 @@ class Trainer:
                 raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
             overrides = dict(attention=self.attention, gradient_checkpointing=cfg.gradient_checkpointing,
                              dropout=cfg.dropout, vocab_pad_multiple=cfg.vocab_pad_multiple)
-            model = GPT.from_pretrained(cfg.init_from, **overrides)
+            model = hf.load_pretrained(cfg.init_from, **overrides)
             self.model_config = model.config
         return model
 
