@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import stat
 from pathlib import Path
 
 import pytest
@@ -25,9 +27,10 @@ from gptopt.model import GPT
 CPU = resolve("cpu", quiet=True)
 
 
-def compress_cli(model: Path, data: Path, output: Path, *extra: str) -> list[str]:
-    return ["compress", "--model", str(model), "--output", str(output), "--data_dir", str(data), "--device", "cpu",
-            "--eval_tokens", "1024", "--repeats", "1", *extra]
+def compress_cli(model: Path, data: Path | None, output: Path, *extra: str) -> list[str]:
+    """data None: no --data_dir, so compress scores on the data the model was trained on."""
+    return ["compress", "--model", str(model), "--output", str(output), *(["--data_dir", str(data)] if data else []),
+            "--device", "cpu", "--eval_tokens", "1024", "--repeats", "1", *extra]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -75,12 +78,19 @@ def _report(out: Path) -> dict:
 def test_int8_dynamic_writes_a_loadable_checkpoint_and_a_full_report(
         trained_out: Path, train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "int8"
-    assert cli.main(compress_cli(trained_out, train_data, out, "--quantize", "int8-dynamic", "--json")) == 0
+    old_umask = os.umask(0o022)
+    try:  # no --data_dir: trained_out was trained on train_data (not the default corpus), and its checkpoint says so
+        assert cli.main(compress_cli(trained_out, None, out, "--quantize", "int8-dynamic", "--json")) == 0
+    finally:
+        os.umask(old_umask)
+    assert stat.S_IMODE(out.stat().st_mode) == 0o755  # another account (the server's) can read it
+    assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in out.iterdir())
     stdout = capsys.readouterr().out
     assert "size on disk" in stdout and "decode tokens/s, batch 8" in stdout and "mean KL" in stdout
     last = json.loads(stdout.strip().splitlines()[-1])
     report = _report(out)
     assert last == report
+    assert report["eval"]["data_dir"] == str(train_data.resolve())
     assert sorted(p.name for p in out.iterdir()) == ["gptopt.json", "model.safetensors", "results.json", "tokenizer.json"]
     meta = checkpoint.read_meta(out)
     assert meta["compression"]["quantize"] == "int8-dynamic" and meta["compression"]["versions"]["torch"]
@@ -190,7 +200,7 @@ def test_nothing_to_do_and_a_missing_output_exit_2(capsys: pytest.CaptureFixture
         assert e.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_a_compressed_model_or_foreign_val_data_is_refused(trained_out: Path, train_data: Path, tmp_path: Path,
+def test_a_compressed_model_is_refused(trained_out: Path, train_data: Path, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     from gptopt import compress
 
@@ -199,19 +209,23 @@ def test_a_compressed_model_or_foreign_val_data_is_refused(trained_out: Path, tr
     with pytest.raises(ValueError, match="already compressed .*compress the original"):
         compress.main(CompressConfig(model=str(first), output=str(tmp_path / "again"), data_dir=str(train_data),
                                      quantize="int8-dynamic", device="cpu"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["first"]
+
+
+def test_data_of_another_tokenizer_of_the_same_size_is_refused_with_the_fix(
+        trained_out: Path, train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     other = tmp_path / "other"
     other.mkdir()
     for name in ("meta.json", "train.bin", "val.bin"):
         (other / name).write_bytes((train_data / name).read_bytes())
     tok = json.loads((train_data / "tokenizer.json").read_text())
-    vocab = tok["model"]["vocab"]
-    a, b = sorted(vocab)[100:102]
-    vocab[a], vocab[b] = vocab[b], vocab[a]  # the same size, other ids: shards of another tokenizer
+    merges = tok["model"]["merges"]
+    merges[0], merges[1] = merges[1], merges[0]  # the same vocabulary, ids and size; other merge priorities
     (other / "tokenizer.json").write_text(json.dumps(tok))
-    with pytest.raises(ValueError, match="another tokenizer than the model's"):
-        compress.main(CompressConfig(model=str(trained_out), output=str(tmp_path / "x"), data_dir=str(other),
-                                     quantize="int8-dynamic", device="cpu"))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["first", "other"]
+    assert cli.main(compress_cli(trained_out, other, tmp_path / "x", "--quantize", "int8-dynamic")) == 2
+    err = capsys.readouterr().err
+    assert "another tokenizer than the model's" in err and f"--data_dir {train_data}" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
 
 
 def test_memory_bytes_counts_a_tied_weight_once(trained_out: Path) -> None:

@@ -65,6 +65,15 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
     return meta
 
 
+def training_data(directory: str | os.PathLike[str]) -> str | None:
+    """The data_dir a gptopt model was trained on, as `gptopt train` recorded it; None when not recorded
+    (a Hugging Face model, a hand-written directory)."""
+    if not is_gptopt_dir(directory):
+        return None
+    data_dir = (read_meta(directory).get("train_config") or {}).get("data_dir")
+    return str(data_dir) if data_dir else None
+
+
 def load_model(directory: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> GPT:
     """A GPT from a gptopt model directory; every key and shape is checked against the config."""
     directory = Path(directory)

@@ -5,6 +5,9 @@ the same run, what that bought against the original on this device.
     gptopt compress --model out --output out-p50 --prune 0.5 --json
     gptopt compress --model gpt2 --output gpt2-int8 --quantize int8-weight --compile --data_dir data/gpt2
 
+Perplexity and KL are scored on the val split of the data the model was trained on (its checkpoint
+records it) unless --data_dir names other shards, which must come from the model's own tokenizer.
+
 The report, a table on stdout and OUTPUT/results.json: size on disk and in memory, prefill latency,
 decode tokens/s at batch 1 and 8, perplexity on the val split and the mean KL divergence of the
 next-token distribution from the original's on the same tokens. Both models are loaded the way
@@ -33,7 +36,7 @@ from gptopt import checkpoint
 from gptopt.bench.infer import RECOMPILE_LIMIT, GptoptRunner, tensor_bytes, timed
 from gptopt.bench.report import text_table, to_json
 from gptopt.config import CompressConfig, parse_prune
-from gptopt.data import TOKENIZER, BatchDataset, TokenData, open_data
+from gptopt.data import DEFAULT_DATA, TOKENIZER, BatchDataset, TokenData, open_data
 from gptopt.device import DevicePlan, environment, resolve
 from gptopt.fsutil import staged_dir
 from gptopt.generate import load_for_inference, model_source
@@ -149,13 +152,17 @@ def _check_source(source: Path | str) -> None:
                              f"the original instead: {meta.get('compressed_from', 'the model it was made from')}")
 
 
-def _check_data(data: TokenData, tok: Tokenizer, model_vocab: int) -> None:
-    data.check_vocab(model_vocab)
-    theirs = data.tokenizer()
-    if theirs is not None and theirs.get_vocab() != tok.get_vocab():
-        raise ValueError(f"{data.directory} was tokenized with another tokenizer than the model's, so perplexity and "
-                         "KL would score the wrong tokens; prepare shards with the model's: gptopt prepare "
-                         "--tokenizer gpt2 (or its tokenizer.json) --output_dir DIR, then pass --data_dir DIR")
+def _open_eval_data(cfg: CompressConfig, source: Path | str, tok: Tokenizer, model_vocab: int) -> TokenData:
+    """--data_dir, else the data the model was trained on; refused unless the model's tokenizer wrote it."""
+    trained_on = checkpoint.training_data(source) if isinstance(source, Path) else None
+    data = open_data(cfg.data_dir or trained_on or DEFAULT_DATA)
+    if data.tokenized_by(tok) is False:
+        fix = f"--data_dir {trained_on}" if trained_on else "--data_dir <the data the model was trained on>"
+        raise ValueError(f"{data.directory} was tokenized by another tokenizer than the model's, so perplexity and "
+                         f"KL would score the wrong tokens; pass {fix}, or prepare shards with the model's tokenizer: "
+                         "gptopt prepare --tokenizer <its tokenizer.json, or gpt2> --output_dir DIR")
+    data.check_vocab(model_vocab)  # nanoGPT data stores no tokenizer: its ids must at least fit
+    return data
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,11 +271,10 @@ def main(cfg: CompressConfig) -> int:
     check_supported(quantize, prune, plan)
     source = model_source(cfg.model)
     _check_source(source)
-    data = open_data(cfg.data_dir)
     # Compressed from fp32 on the CPU: the same integers whichever device runs the report.
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=resolve("cpu", quiet=True), dtype="fp32",
                                     layout=False)
-    _check_data(data, tok, model.config.vocab_size)
+    data = _open_eval_data(cfg, source, tok, model.config.vocab_size)
     record = compress_model(model, quantize, prune)
     # An --output that something else filled meanwhile makes the publish fail: it is never replaced.
     with staged_dir(out) as tmp:

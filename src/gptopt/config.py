@@ -516,7 +516,8 @@ class CompressConfig:
     prune: str | None = opt(None, "FRACTION in (0, 1): zero that share of each block Linear's weights by magnitude; "
                             "2:4: semi-structured sparsity (NVIDIA GPUs, compute capability 8.0+)")
     tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the model was trained with")
-    data_dir: str = opt("data/stdlib", "token shards (tokenized like the model) whose val split scores perplexity and KL")
+    data_dir: str | None = opt(None, "token shards whose val split scores perplexity and KL; default: the data the "
+                               "model was trained on (its checkpoint records it), else data/stdlib")
     eval_tokens: int = opt(16384, "val tokens scored for perplexity and KL, in windows of the model's context")
     repeats: int = opt(5, "timed runs behind each speed figure (the median counts), after one warm-up run")
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")

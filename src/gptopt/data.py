@@ -146,6 +146,15 @@ class TokenData:
             self._tokenizer = load_tokenizer(path) if path.is_file() else None
         return self._tokenizer
 
+    def tokenized_by(self, tok: Tokenizer) -> bool | None:
+        """Whether tok is the tokenizer that wrote the shards: the same model (kind, vocabulary, merges) and
+        the same added tokens, so text maps to the same ids. A vocabulary size alone says nothing: two BPEs
+        of 8192 tokens trained on different text share it. None for nanoGPT data (no tokenizer stored)."""
+        theirs = self.tokenizer()
+        if theirs is None:
+            return None
+        return _token_map(theirs) == _token_map(tok)
+
     def check_vocab(self, model_vocab_size: int) -> None:
         """Raise ValueError if a token id could index past the model's embedding table."""
         if self.vocab_size is not None:
@@ -158,6 +167,11 @@ class TokenData:
                 f"shard token ids exceed the model's vocabulary: {what}, the model has {model_vocab_size}; "
                 f"use a model with vocab_size >= {need}, or prepare the data with --vocab_size <= {model_vocab_size}"
             )
+
+
+def _token_map(tok: Tokenizer) -> tuple[Any, dict[str, int]]:
+    # The serialised model holds the type, vocabulary and merges; settings such as padding are left out.
+    return json.loads(tok.to_str())["model"], tok.get_vocab(with_added_tokens=True)
 
 
 # Items a BatchDataset claims to have: training runs for steps, not epochs, so it is effectively endless.
