@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from gptopt import cli
+from gptopt import cli, device
 from gptopt.bench import ladder
 from gptopt.bench.ladder import Bench, select_rungs
 from gptopt.config import BenchConfig, TrainConfig
@@ -48,10 +48,16 @@ def test_unknown_preset_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "gpt2-medium" in capsys.readouterr().err
 
 
+def force_bf16_policy(monkeypatch: pytest.MonkeyPatch, fast: bool) -> None:
+    """The CPU policy of a machine with (True: bf16 autocast) or without (False: fp32) native bf16."""
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: fast)
+
+
 def test_bench_writes_the_contract_and_a_best_toml_train_accepts(
-    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("transformers")
+    force_bf16_policy(monkeypatch, True)  # the amp rung changes something, so every rung is measured
     out = tmp_path / "b"
     assert cli.main(bench_args(train_data, out, "hf,eager,sdpa,amp", "--json")) == 0
     stdout = capsys.readouterr().out
@@ -160,6 +166,38 @@ def test_missing_hf_extra_skips_the_baseline_with_the_install_line(
     hf = summary["rungs"][0]
     assert hf["status"] == "skipped" and "pip install 'gptopt[hf]'" in hf["note"]
     assert summary["baseline"] == "eager"
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_a_rung_the_device_policy_makes_identical_is_reported_not_measured(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+    fast_bf16: bool,
+) -> None:
+    force_bf16_policy(monkeypatch, fast_bf16)
+    measured: list[str] = []
+    real_run_rung = Bench.run_rung
+
+    def run_rung(self: Bench, rung: ladder.Rung, *args: Any, **kw: Any) -> ladder.RungResult:
+        measured.append(rung.name)
+        return real_run_rung(self, rung, *args, **kw)
+
+    monkeypatch.setattr(Bench, "run_rung", run_rung)
+    out = tmp_path / "b"
+    assert cli.main(bench_args(train_data, out, "sdpa,amp")) == 0
+    printed = capsys.readouterr().out
+    amp = json.loads((out / "results.json").read_text())["rungs"][1]
+    if fast_bf16:  # bf16 autocast: a different step, measured and compared
+        assert measured == ["sdpa", "amp"]
+        assert amp["status"] == "ok" and amp["speedup_vs_baseline"] is not None and amp["same_as"] is None
+        return
+    # fp32 policy: autocast would change nothing, so the rung is sdpa's step again
+    assert measured == ["sdpa"]
+    said = "identical to sdpa on this device (autocast resolves to fp32)"
+    assert amp["status"] == "identical" and amp["same_as"] == "sdpa" and said in amp["note"]
+    assert amp["tokens_per_s"] is None and amp["speedup_vs_baseline"] is None and amp["speedup_vs_previous"] is None
+    assert said in printed and said in (out / "report.md").read_text()
+    amp_row = next(line for line in printed.splitlines() if line.startswith("amp "))
+    assert "x" not in amp_row.replace("identical", "")  # no speedup column filled in
 
 
 def test_rungs_list_prints_every_rung(capsys: pytest.CaptureFixture[str]) -> None:

@@ -15,8 +15,9 @@ import psutil
 import pytest
 import torch
 
-from gptopt import cli, data, prepare_model, profile
+from gptopt import cli, data, device, prepare_model, profile
 from gptopt.config import ProfileConfig
+from gptopt.generate import Generator
 from gptopt.model import GPT
 from gptopt.profile import STEP_RANGE, Finding, OpRecord, TraceSummary, diagnose, figures
 
@@ -169,11 +170,32 @@ def test_memory_near_capacity_is_found(train_data: Path, tmp_path: Path, monkeyp
     assert "--gradient_checkpointing" in next(f.fix for f in diagnose(summary) if f.name == "memory")
 
 
-def test_generation_steps_are_profiled_without_data_waits_or_syncs(train_data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_generation_profiles_the_generators_decode_steps(train_data: Path, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch, fast_bf16: bool) -> None:
+    monkeypatch.setattr(device, "cpu_has_fast_bf16", lambda: fast_bf16)  # the CPU policy, both ways
+    calls = {"prefill": 0, "decode": 0}
+    for name in calls:
+        real = getattr(Generator, name)
+
+        def spy(self: Generator, *args: Any, _real: Any = real, _name: str = name, **kw: Any) -> torch.Tensor:
+            calls[_name] += 1
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(Generator, name, spy)
     summary, names = profiled(train_data, tmp_path, mode="generate", use_amp=True)
+    # the prompts (a batch of 4) prefilled once, then one decode of the batch per step: 1 skipped + 1 + 2
+    assert calls == {"prefill": 4, "decode": 4}
     assert summary.data_wait_s == [0.0, 0.0]
+    # the tokens read back each step are the decode loop's own readout, not an avoidable sync
     assert any(o.matmul for o in summary.ops) and not any(o.sync for o in summary.ops)
-    assert not names & {"data_wait", "host_sync", "fp32_matmul"}
+    assert not names & {"data_wait", "host_sync"}
+    # --use_amp: the weights take the dtype autocast resolves to; without native bf16 that is fp32
+    share = figures(summary).fp32_matmul_share
+    if fast_bf16:
+        assert share is not None and share < profile.FP32_MATMUL_SHARE and "fp32_matmul" not in names
+    else:
+        assert share == 1.0
 
 
 @pytest.mark.cuda

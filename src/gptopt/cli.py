@@ -42,7 +42,7 @@ COMMANDS: dict[str, Command] = {
     "doctor": Command("gptopt.config:DoctorConfig", "gptopt.doctor:run", "check this machine's setup and name the fixes"),
     "prepare": Command("gptopt.config:PrepareConfig", "gptopt.corpus:prepare_main", "tokenize a corpus into train/val token shards"),
     "train": Command("gptopt.config:TrainConfig", "gptopt.train:main", "train or fine-tune, on one device or many (torchrun)"),
-    "bench": Command("gptopt.config:BenchConfig", "gptopt.bench.ladder:main", "measure every optimisation against the naive baseline"),
+    "bench": Command("gptopt.config:BenchConfig", "gptopt.bench.main:main", "measure every optimisation against the naive baseline"),
     "profile": Command("gptopt.config:ProfileConfig", "gptopt.profile:main", "find where the time goes, and what to change"),
     "generate": Command("gptopt.config:GenerateConfig", "gptopt.generate:main", "generate text from a checkpoint, streaming"),
     "serve": Command("gptopt.config:ServeConfig", "gptopt.serve.app:main", "HTTP API: /generate, OpenAI /v1/completions, /metrics"),

@@ -13,15 +13,31 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from gptopt.extras import require
+
+if TYPE_CHECKING:
+    from gptopt.device import DevicePlan
+
+def peak_memory_bytes(plan: DevicePlan) -> int:
+    """The run's peak memory so far: CUDA's peak allocation on a GPU, the process's peak RSS elsewhere."""
+    if plan.device.type == "cuda":
+        import torch  # only here: the sampler itself runs without torch (`python -m gptopt.monitor`)
+
+        return torch.cuda.max_memory_allocated(plan.device)
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
+
 
 Reader = tuple[str, Callable[[], dict[str, float]]]  # (name for the error reason, one call -> its fields)
 

@@ -1,5 +1,10 @@
 """torch.profiler around training or generation steps, and a diagnosis of where the time goes.
 
+A training step is the step `gptopt train` runs (step.TrainStep: clipping, the schedule, AdamW with decay
+on matrices). A generation step is one decode step of the batch by the Generator that `gptopt generate`
+and `gptopt serve` run (with --use_compile its compiled decode step, as `generate --compile`); the
+prompts are prefilled once, before the first step, outside the profiled steps.
+
     gptopt profile --preset gpt2 --use_amp                    # table + findings; traces in profile_out/
     gptopt profile --preset tiny --device cpu --mode generate --json
     gptopt train --preset tiny --max_steps 20 --profile       # traces only (scheduled_profiler below)
@@ -31,14 +36,14 @@ from torch.autograd.profiler_util import EventList, FunctionEvent
 from torch.profiler import DeviceType, ProfilerActivity, profile, record_function, schedule
 
 from gptopt import data
-from gptopt.config import ProfileConfig, preset_for_data
+from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.distributed import DistInfo
+from gptopt.generate import Generator, SamplingParams
 from gptopt.model import GPT
-from gptopt.optim import make_adamw
-from gptopt.prepare_model import prepare
-from gptopt.step import forward_backward
-from gptopt.train import peak_memory_bytes
+from gptopt.monitor import peak_memory_bytes
+from gptopt.prepare_model import inference_layout, prepare
+from gptopt.step import READOUT_RANGE, TrainStep
 
 log = logging.getLogger("gptopt")
 
@@ -51,7 +56,9 @@ LAUNCH_MIN_KERNELS = 100  # ... this many of them a step ...
 LAUNCH_KERNEL_SHARE = 0.5  # ... and all kernels together fill less of the step: the host's launches set the pace
 FP32_MATMUL_SHARE = 0.50  # of matmul time in fp32 where bf16/fp16 tensor cores (or AMX / AVX512-BF16) exist
 MEMORY_SHARE = 0.85  # of capacity at peak: a longer sequence or the allocator's fragmentation tips it over
-SYNCS_PER_STEP = 0.0  # the profiled step reads nothing back, so every host sync in it is avoidable
+# The step reads back only what it needs (train: the loss and the grad norm; generate: the sampled
+# tokens), inside READOUT_RANGE, which is exempt: every other host sync in it is avoidable.
+SYNCS_PER_STEP = 0.0
 
 STEP_RANGE = "gptopt::step"
 DATA_WAIT_RANGE = "gptopt::data_wait"
@@ -253,7 +260,7 @@ def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
     """The events inside the `gptopt::step` ranges of a real torch.profiler trace, as OpRecords."""
     cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_python_function]
     steps = sorted((e.time_range.start, e.time_range.end) for e in cpu if e.name == STEP_RANGE)
-    exempt = [(e.time_range.start, e.time_range.end) for e in cpu if e.name == SYNC_RANGE]
+    exempt = [(e.time_range.start, e.time_range.end) for e in cpu if e.name in (SYNC_RANGE, READOUT_RANGE)]
     starts = [a for a, _ in steps]
 
     def step_of(t: float) -> int | None:
@@ -294,7 +301,7 @@ def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
             # A CPU 'kernel' does its own work: most of its time is its own, not its callees' (addmm runs the
             # GEMM and calls copy_ for the bias; linear only calls addmm). Views and empty tensors are no work.
             kernel = e.name not in CPU_METADATA_OPS and e.self_cpu_time_total >= 0.5 * e.cpu_time_total
-            sync = top and e.name in HOST_READ_OPS
+            sync = top and e.name in HOST_READ_OPS and not any(a <= t0 <= b for a, b in exempt)
             if top or kernel or matmul or sync:
                 records.append(OpRecord(**base, self_us=e.self_cpu_time_total, dtypes=tuple(map(str, e.input_dtypes)),
                                         kernel=kernel, busy=top, matmul=matmul, sync=sync))
@@ -327,46 +334,64 @@ def amp_speeds_matmuls(plan: DevicePlan) -> bool:
     return plan.device.type == "mps" or cpu_has_fast_bf16()
 
 
-def _step_function(cfg: ProfileConfig, model: torch.nn.Module, raw: GPT, plan: DevicePlan, batches: Any,
-                   seq_len: int) -> Callable[[], float]:
-    """One training or generation step; it returns the seconds it waited for data."""
-    if cfg.mode == "generate":
-        raw.eval()
-        idx = next(batches)[0].to(plan.device)  # one batch of prompts, seq_len tokens each
+def train_config(cfg: ProfileConfig) -> TrainConfig:
+    """The TrainConfig of the profiled run: the profile's batch, precision, compile and checkpointing;
+    `gptopt train`'s defaults for the rest (learning rate, schedule, clipping, weight decay)."""
+    return TrainConfig(preset=cfg.preset, data_dir=cfg.data_dir, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                       device=cfg.device, use_amp=cfg.use_amp, amp_dtype=cfg.amp_dtype, use_compile=cfg.use_compile,
+                       compile_mode=cfg.compile_mode, attention=cfg.attention,
+                       gradient_checkpointing=cfg.gradient_checkpointing, num_workers=cfg.num_workers,
+                       pin_memory=cfg.pin_memory)
 
-        @torch.inference_mode()
-        def generate_step() -> float:
-            nonlocal idx
-            # Greedy decoding without a KV cache: every step forwards the whole window.
-            with plan.autocast():
-                logits = model(idx, last_only=True)
-            # Keep the window at seq_len tokens: constant shapes, so a compiled model compiles once.
-            idx = torch.cat([idx, logits[:, -1].argmax(-1, keepdim=True)], dim=1)[:, -seq_len:]
-            return 0.0
 
-        return generate_step
-    optimizer, _ = make_adamw(raw, lr=1e-4, weight_decay=0.1, betas=(0.9, 0.95), device_type=plan.device.type)
-    scaler = torch.amp.GradScaler(plan.device.type) if plan.use_grad_scaler else None
+def _train_step(tcfg: TrainConfig, raw: GPT, plan: DevicePlan, batches: Any) -> Callable[[], float]:
+    """gptopt train's step on the next batch; it returns the seconds it waited for that batch."""
+    model = prepare(raw, plan, DistInfo(), use_compile=tcfg.use_compile, compile_mode=tcfg.compile_mode).model
+    train_step = TrainStep(model, raw, plan, tcfg)
+    step = 0
 
-    def train_step() -> float:  # the loop of gptopt train, less its once-per-step loss readout
+    def run() -> float:
+        nonlocal step
         with record_function(DATA_WAIT_RANGE):
             t0 = time.perf_counter()
             x, y = next(batches)
             wait = time.perf_counter() - t0
         x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
-        forward_backward(model, x, y, plan, scaler, 1)
-        if scaler is not None:
-            scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(raw.parameters(), 1.0)
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        train_step(step, lambda micro: (x, y))
+        step += 1
         return wait
 
-    return train_step
+    return run
+
+
+def _generate_step(cfg: ProfileConfig, raw: GPT, plan: DevicePlan, prompts: torch.Tensor, steps: int) -> Callable[[], float]:
+    """One greedy decode step of the whole batch by the Generator, after the prompts' prefill (done here,
+    before any profiled step). The sequences grow to seq_len tokens: the prompts are `steps` shorter."""
+    seq_len = prompts.size(1)
+    if seq_len - steps < 1:
+        raise ValueError(f"--seq_len {seq_len} leaves no prompt for {steps} decode steps: use --seq_len {steps + 1} or more")
+    # Generation runs in the weights' dtype, without autocast (load_for_inference casts them once):
+    # --use_amp gives the weights the autocast dtype the device policy resolves to.
+    raw.to(device=plan.device, dtype=plan.amp_dtype or torch.float32).eval()
+    inference_layout(raw, plan.device.type)
+    B = prompts.size(0)
+    gen = Generator(raw, plan, max_batch_size=B, max_len=seq_len, compile=cfg.use_compile)
+    rows = prompts[:, : seq_len - steps].tolist()
+    slots = [gen.alloc() for _ in rows]
+    greedy = [SamplingParams(temperature=0.0)] * B
+    logits = torch.stack([gen.prefill(s, p) for s, p in zip(slots, rows, strict=True)])
+    tokens = gen.sample(logits, greedy, rows, [None] * B)
+
+    def run() -> float:
+        nonlocal tokens
+        for r, t in zip(rows, tokens, strict=True):
+            r.append(t)
+        logits = gen.decode(slots, tokens, [len(r) - 1 for r in rows])
+        with record_function(READOUT_RANGE):  # the tokens come back to the host, as every decode loop reads them
+            tokens = gen.sample(logits, greedy, rows, [None] * B)
+        return 0.0
+
+    return run
 
 
 def _memory_snapshot(out: Path) -> None:
@@ -381,7 +406,8 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokens = data.open_data(cfg.data_dir)  # the default corpus is prepared on first use, as train does
-    model_cfg = preset_for_data(cfg.preset, tokens.model_vocab_size, vocab_pad_multiple=64,
+    tcfg = train_config(cfg)
+    model_cfg = preset_for_data(cfg.preset, tokens.model_vocab_size, vocab_pad_multiple=tcfg.vocab_pad_multiple,
                        attention=cfg.attention if cfg.attention != "auto" else default_attention(plan.device.type),
                        gradient_checkpointing=cfg.gradient_checkpointing)
     tokens.check_vocab(model_cfg.vocab_size)
@@ -390,15 +416,19 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
         raise ValueError(f"--seq_len {seq_len} exceeds the model's context {model_cfg.block_size}")
     loader_opts = data.default_loader_settings(plan.device.type)  # what gptopt train would feed the steps
     loader_opts.update({k: getattr(cfg, k) for k in ("num_workers", "pin_memory") if getattr(cfg, k) is not None})
-    ds = data.BatchDataset(tokens, "train", cfg.batch_size, seq_len, seed=1337)
+    ds = data.BatchDataset(tokens, "train", cfg.batch_size, seq_len, seed=tcfg.seed)
     batches = iter(data.make_loader(ds, **loader_opts))
+    torch.manual_seed(tcfg.seed)  # the initial weights `gptopt train` starts from
     raw = GPT(model_cfg)
     if cfg.use_compile:
         from torch._dynamo.utils import counters
 
         counters["graph_break"].clear()  # count this model's breaks only
-    model = prepare(raw, plan, DistInfo(), use_compile=cfg.use_compile, compile_mode=cfg.compile_mode).model
-    step = _step_function(cfg, model, raw, plan, batches, seq_len)
+    total = cfg.wait + cfg.warmup + cfg.active
+    if cfg.mode == "generate":
+        step = _generate_step(cfg, raw, plan, next(batches)[0], total)
+    else:
+        step = _train_step(tcfg, raw, plan, batches)
     gpu = plan.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     if gpu:
@@ -407,11 +437,12 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     prof = profile(activities=activities, schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
                    on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out / "tensorboard")),
                    record_shapes=True, profile_memory=True, with_stack=True)
-    first_active, total = cfg.wait + cfg.warmup, cfg.wait + cfg.warmup + cfg.active
+    first_active = cfg.wait + cfg.warmup
     snapshot_at = first_active or total  # before the recorded steps: the history's stack capture slows the host
     step_s: list[float] = []
     waits: list[float] = []
-    log.info(f"profiling {cfg.mode} steps: {cfg.wait} skipped, {cfg.warmup} warm-up, {cfg.active} recorded "
+    what = "decode steps (prefilled before them)" if cfg.mode == "generate" else "train steps"
+    log.info(f"profiling {what}: {cfg.wait} skipped, {cfg.warmup} warm-up, {cfg.active} recorded "
              f"({cfg.preset}, batch {cfg.batch_size} x {seq_len}, {plan.amp_name}"
              f"{', compiled' if cfg.use_compile else ''})")
     with prof:

@@ -5,7 +5,8 @@ and a memory budget, and write the winner as a config `gptopt train` takes.
     gptopt tune --preset gpt2 --seq_len 1024 --global_batch_tokens 524288 --time_budget 20m
     gptopt train --config tune_out/tune.toml       # train with the winner
 
-Every candidate is a bench rung (bench/ladder.py): the same initial weights and the same batches,
+Every candidate is a bench rung (bench/ladder.py), trained by the step `gptopt train` runs under the
+TrainConfig its tune.toml gives train: the same initial weights and the same batches,
 each step's whole global batch split into micro-batches, so its loss after the timed steps is
 checked against the fp32 reference's (gptopt's defaults) whatever its micro-batch. Cheap axes are
 settled first, measured eagerly (attention and precision, the fused optimizer, data loading), then
@@ -16,6 +17,7 @@ then torch.compile modes, whose compiles cost the most.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import sys
 import time
@@ -27,12 +29,15 @@ import psutil
 import torch
 
 from gptopt import data
-from gptopt.bench.ladder import Bench, Rung, RungResult, StopHook, loss_matches
+from gptopt.bench.ladder import Bench, Rung, RungResult, StopHook, loss_matches, train_options
 from gptopt.config import BenchConfig, TrainConfig, TuneConfig
-from gptopt.device import cpu_has_fast_bf16, default_attention
+from gptopt.device import cpu_has_fast_bf16, default_attention, environment
 from gptopt.optim import fused_available
 
 log = logging.getLogger("gptopt")
+
+# a candidate's figures that the summary repeats for the winner, the reference and the baselines
+PICK = ("name", "stage", "index", "status", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes", "loss")
 
 # A candidate whose fastest timed step (two at least) is this much slower than the best's p90 step
 # cannot win: step-to-step noise, even on a shared machine, stays inside that.
@@ -268,9 +273,7 @@ class Tuner:
         finally:
             if cuda:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.bench.plan.device)
-        from gptopt.tune_report import summarize
-
-        return summarize(self)
+        return self.summary()
 
     def _reference(self) -> None:
         """gptopt train's defaults on this device, at the tune's global batch: the fp32 reference every
@@ -298,7 +301,7 @@ class Tuner:
         assert self.best is not None
         ref_rung = self.best[0]
         hf = dataclasses.replace(ref_rung, name="hf", what="Hugging Face GPT2LMHeadModel, eager attention, fp32, "
-                                 "torch's default AdamW: the naive script", hf=True, attention="eager", fused=False,
+                                 "for-each AdamW: the naive script's model", hf=True, attention="eager", fused=False,
                                  reuse_memory=False)
         b = hf.batch_size
         while b is not None:
@@ -428,6 +431,47 @@ class Tuner:
                                                                 what=f"{first.what}, measured again"), again=True)
             if again is not first:
                 first.note = (first.note + "; " if first.note else "") + f"measured again as #{len(self.entries)}"
+
+    def summary(self) -> dict[str, Any]:
+        """Everything the report, tune_results.json and `--json` show; `best` holds the winner's train options."""
+        assert self.reference is not None
+        bench, cfg = self.bench, self.cfg
+        candidates = [{"index": i, "stage": stage, **dataclasses.asdict(r)} for i, (stage, r) in enumerate(self.entries, 1)]
+        pairs = list(zip(candidates, (r for _, r in self.entries), strict=True))
+        latest: dict[str, dict[str, Any]] = {}  # settings measured twice (the confirmation) rank by the second figure
+        for c, r in pairs:
+            if self.valid(r):
+                latest[json.dumps(c["settings"], sort_keys=True)] = c
+
+        def last(res: Any) -> dict[str, Any] | None:
+            c = next((c for c, r in pairs if r is res), None)
+            return latest.get(json.dumps(c["settings"], sort_keys=True), c) if c else None
+
+        win = max(latest.values(), key=lambda c: c["tokens_per_s"])  # the reference is always valid
+        ref = last(self.reference)
+        hf = next((c for c, r in pairs if c["settings"]["hf"] and r.tokens_per_s and r.status in ("ok", "rejected")), None)
+        hf_note = next((c["note"] for c in candidates if c["settings"]["hf"]), "not measured")
+        bench_all = last(self.bench_all) if self.bench_all is not None and self.valid(self.bench_all) else None
+        opts = train_options(win["settings"], bench.preset, bench.seq_len, cfg.data_dir)
+        if cfg.device != "auto":
+            opts["device"] = cfg.device
+        return {
+            "preset": bench.preset, "seq_len": bench.seq_len, "global_batch": self.global_batch,
+            "global_batch_tokens": self.global_batch * bench.seq_len, "steps": cfg.steps, "warmup": cfg.warmup,
+            "axes": sorted(cfg.axis_set), "time_budget_s": cfg.time_budget_s, "elapsed_s": self.clock() - self.start,
+            "memory_budget": cfg.memory_budget, "memory_limit_bytes": self.memory_limit,
+            "memory_column": "peak_mem_bytes" if self.device_type == "cuda" else "reserved_mem_bytes",
+            "loss_tolerance": cfg.loss_tolerance, "model": bench.model_config.to_dict(), "params": bench.params,
+            "flops_per_token": bench.fpt, "peak_flops": bench.peak, "peak_source": bench.peak_source,
+            "device_policy": bench.plan.reason, "environment": environment(bench.plan),
+            "best": {**{k: win[k] for k in PICK}, "settings": opts},
+            "defaults": {k: ref[k] for k in PICK},
+            "hf": {k: hf[k] for k in PICK} if hf else None, "hf_note": hf["note"] if hf else hf_note,
+            "bench_all": {k: bench_all[k] for k in PICK} if bench_all else None,
+            "gain_vs_defaults": win["tokens_per_s"] / ref["tokens_per_s"],
+            "gain_vs_hf": win["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
+            "train_config": opts, "candidates": candidates,
+        }
 
     @staticmethod
     def valid(r: RungResult) -> bool:

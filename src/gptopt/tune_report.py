@@ -6,19 +6,13 @@
 from __future__ import annotations
 
 import csv
-import dataclasses
 import json
 import logging
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gptopt.bench.ladder import train_options
-from gptopt.bench.report import _fmt, md_table, text_table, toml_text
-from gptopt.device import environment
+from gptopt.bench.report import fmt, md_table, text_table, toml_text
 from gptopt.extras import has
-
-if TYPE_CHECKING:
-    from gptopt.tune import Tuner
 
 log = logging.getLogger("gptopt")
 
@@ -34,51 +28,6 @@ HEAD = ["#", "stage", "candidate", "settings", "tokens/s", "step ms", "first ste
 def _head(summary: dict[str, Any]) -> list[str]:
     # on a CPU the process's peak resident memory: its growth within one candidate says little
     return [("RSS MiB" if h == "peak MiB" and summary["memory_column"] == "reserved_mem_bytes" else h) for h in HEAD]
-
-
-PICK = ("name", "stage", "index", "status", "tokens_per_s", "step_time_s", "mfu", "peak_mem_bytes", "loss")
-
-
-def summarize(tuner: Tuner) -> dict[str, Any]:
-    """Everything the report, tune_results.json and `--json` show; `best` holds the winner's train options."""
-    assert tuner.reference is not None
-    bench, cfg = tuner.bench, tuner.cfg
-    candidates = [{"index": i, "stage": stage, **dataclasses.asdict(r)} for i, (stage, r) in enumerate(tuner.entries, 1)]
-    pairs = list(zip(candidates, (r for _, r in tuner.entries), strict=True))
-    latest: dict[str, dict[str, Any]] = {}  # settings measured twice (the confirmation) rank by the second figure
-    for c, r in pairs:
-        if tuner.valid(r):
-            latest[json.dumps(c["settings"], sort_keys=True)] = c
-
-    def last(res: Any) -> dict[str, Any] | None:
-        c = next((c for c, r in pairs if r is res), None)
-        return latest.get(json.dumps(c["settings"], sort_keys=True), c) if c else None
-
-    win = max(latest.values(), key=lambda c: c["tokens_per_s"])  # the reference is always valid
-    ref = last(tuner.reference)
-    hf = next((c for c, r in pairs if c["settings"]["hf"] and r.tokens_per_s and r.status in ("ok", "rejected")), None)
-    hf_note = next((c["note"] for c in candidates if c["settings"]["hf"]), "not measured")
-    bench_all = last(tuner.bench_all) if tuner.bench_all is not None and tuner.valid(tuner.bench_all) else None
-    opts = train_options(win["settings"], bench.preset, bench.seq_len, cfg.data_dir)
-    if cfg.device != "auto":
-        opts["device"] = cfg.device
-    return {
-        "preset": bench.preset, "seq_len": bench.seq_len, "global_batch": tuner.global_batch,
-        "global_batch_tokens": tuner.global_batch * bench.seq_len, "steps": cfg.steps, "warmup": cfg.warmup,
-        "axes": sorted(cfg.axis_set), "time_budget_s": cfg.time_budget_s, "elapsed_s": tuner.clock() - tuner.start,
-        "memory_budget": cfg.memory_budget, "memory_limit_bytes": tuner.memory_limit,
-        "memory_column": "peak_mem_bytes" if tuner.device_type == "cuda" else "reserved_mem_bytes",
-        "loss_tolerance": cfg.loss_tolerance, "model": bench.model_config.to_dict(), "params": bench.params,
-        "flops_per_token": bench.fpt, "peak_flops": bench.peak, "peak_source": bench.peak_source,
-        "device_policy": bench.plan.reason, "environment": environment(bench.plan),
-        "best": {**{k: win[k] for k in PICK}, "settings": opts},
-        "defaults": {k: ref[k] for k in PICK},
-        "hf": {k: hf[k] for k in PICK} if hf else None, "hf_note": hf["note"] if hf else hf_note,
-        "bench_all": {k: bench_all[k] for k in PICK} if bench_all else None,
-        "gain_vs_defaults": win["tokens_per_s"] / ref["tokens_per_s"],
-        "gain_vs_hf": win["tokens_per_s"] / hf["tokens_per_s"] if hf else None,
-        "train_config": opts, "candidates": candidates,
-    }
 
 
 def label(s: dict[str, Any]) -> str:
@@ -107,9 +56,9 @@ def rows(summary: dict[str, Any]) -> list[list[str]]:
     out = []
     for c in summary["candidates"]:
         out.append([str(c["index"]) + (" *" if c["index"] == win else ""), c["stage"], c["name"], label(c["settings"]),
-                    _fmt(c["tokens_per_s"], "int"), _fmt(c["step_time_s"], "ms"), _fmt(c["compile_s"], "s"),
-                    _fmt(c["mfu"], "pct"), _fmt(c[summary["memory_column"]], "mib"), _fmt(c["loss"], "f"), _loss_check(c),
-                    _fmt(c["speedup_vs_baseline"], "x"), c["status"]])
+                    fmt(c["tokens_per_s"], "int"), fmt(c["step_time_s"], "ms"), fmt(c["compile_s"], "s"),
+                    fmt(c["mfu"], "pct"), fmt(c[summary["memory_column"]], "mib"), fmt(c["loss"], "f"), _loss_check(c),
+                    fmt(c["speedup_vs_baseline"], "x"), c["status"]])
     return out
 
 
@@ -159,7 +108,7 @@ def markdown(summary: dict[str, Any], plot_file: str | None, tune_toml: str) -> 
           f"{s['memory_budget']:.0%} ({s['memory_limit_bytes'] / 2**20:,.0f} MiB); axes searched: {', '.join(s['axes'])}",
           "", "## Winner", "",
           f"**#{best['index']} {best['name']}** ({label(win['settings'])}): "
-          f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, peak {_fmt(win[s['memory_column']], 'mib')} MiB.", ""]
+          f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, peak {fmt(win[s['memory_column']], 'mib')} MiB.", ""]
     md += [f"- {g}" for g in _gains(s)]
     md += ["", "Train with it: `gptopt train --config tune.toml`", "", "```toml", tune_toml.rstrip(), "```",
            "", "## Every candidate", "", _title(s) + "; * marks the winner.", "", *md_table(_head(s), rows(s)), ""]

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from gptopt.bench import report
-from gptopt.bench.ladder import Setup
+from gptopt.bench.setup import Setup
 from gptopt.config import BenchConfig
 from gptopt.device import DevicePlan, environment, memory_bandwidth
 from gptopt.export import OnnxRunner

@@ -5,6 +5,9 @@
 
 Every rung starts from the same weights and trains on the same batches, so its loss after the timed
 steps can be compared with the baseline's: a rung that is faster at computing something else fails.
+Each rung trains with the step `gptopt train` runs (step.TrainStep), under the TrainConfig its best.toml
+would give train: AdamW with decay on matrices only, gradient clipping, the warmup schedule. A rung whose
+settings, once the device policy has resolved them, are an earlier rung's is not measured again.
 """
 
 from __future__ import annotations
@@ -27,14 +30,15 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from gptopt import data
-from gptopt.config import BenchConfig, GPTConfig, preset_for_data
-from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
+from gptopt.bench.setup import Setup
+from gptopt.config import BenchConfig, TrainConfig
+from gptopt.device import DevicePlan, default_attention, environment, peak_flops, reuse_host_memory
 from gptopt.extras import has
-from gptopt.flops import flops_per_token
+from gptopt.flops import flops_per_token, mfu
 from gptopt.model import GPT
 from gptopt.monitor import Monitor, format_summary
 from gptopt.prepare_model import compile_model
-from gptopt.step import forward_backward, is_oom
+from gptopt.step import TrainStep, is_oom
 
 log = logging.getLogger("gptopt")
 
@@ -116,8 +120,9 @@ class HFLoss(nn.Module):
 class RungResult:
     name: str
     what: str
-    status: str = "ok"  # ok | oom | skipped | failed
+    status: str = "ok"  # ok | oom | skipped | failed | identical (to the rung `same_as`: not measured again)
     note: str = ""
+    same_as: str | None = None  # the earlier rung whose effective settings this rung's are
     settings: dict[str, Any] = field(default_factory=dict)
     batch_size: int = 0
     compile_s: float | None = None  # the first (warm-up) step: compile, autotune, caches
@@ -133,6 +138,8 @@ class RungResult:
     data_wait_frac: float | None = None  # share of the timed steps spent fetching and copying batches
     loss: float | None = None
     loss_ok: bool | None = None
+    losses: list[float] = field(default_factory=list)  # every step's, warm-up included
+    grad_norms: list[float] = field(default_factory=list)  # every step's, before clipping
     speedup_vs_baseline: float | None = None
     speedup_vs_previous: float | None = None
 
@@ -154,28 +161,6 @@ def loss_matches(loss: float, reference: float, tolerance: float) -> bool:
 StopHook = Callable[[int, list[float]], "tuple[str, str] | None"]
 
 
-@dataclass
-class Setup:
-    """What both ladders (training and inference) resolve the same way from a BenchConfig."""
-
-    plan: DevicePlan
-    preset: str
-    data: data.TokenData
-    model_config: GPTConfig
-    seq_len: int
-
-    @classmethod
-    def from_config(cls, cfg: BenchConfig) -> Setup:
-        plan = resolve(cfg.device)
-        gpu = plan.device.type == "cuda"
-        name = cfg.preset or ("gpt2" if gpu else "tiny")  # the embedded defaults
-        tokens = data.open_data(cfg.data_dir)
-        model_config = preset_for_data(name, tokens.model_vocab_size)
-        tokens.check_vocab(model_config.vocab_size)
-        seq_len = min(cfg.seq_len or (1024 if gpu else 256), model_config.block_size)
-        return cls(plan, name, tokens, model_config, seq_len)
-
-
 class Bench:
     def __init__(self, cfg: BenchConfig, *, steps: int | None = None, warmup: int | None = None) -> None:
         self.cfg = cfg
@@ -187,12 +172,13 @@ class Bench:
         self.model_config, self.seq_len = setup.model_config, setup.seq_len
         self.batch_size = cfg.batch_size or 16
         self.fpt = flops_per_token(self.model_config, self.seq_len)
-        torch.manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)  # then the model, as `gptopt train` builds it: the same initial weights
         init = GPT(self.model_config)
         self.params = init.num_params()
         self.init_state = {k: v.clone() for k, v in init.state_dict().items()}
         self.peak, self.peak_source = peak_flops(self.plan)
         self.results: list[RungResult] = []
+        self._effective: dict[str, dict[str, Any]] = {}  # rung name -> its effective settings (self.effective)
         self.monitor: dict[str, Any] = {}
 
     # -- one rung --------------------------------------------------------------------------
@@ -240,6 +226,24 @@ class Bench:
                     gradient_checkpointing=rung.checkpointing, batch_size=batch_size,
                     gradient_accumulation_steps=rung.accumulation, hf=rung.hf, **self._loader(rung))
 
+    def train_config(self, settings: dict[str, Any]) -> TrainConfig:
+        """The TrainConfig `gptopt train` gets from a rung's best.toml; its defaults fill the rest
+        (learning rate, warmup, schedule, weight decay, betas, gradient clipping)."""
+        return TrainConfig(**train_options(settings, self.preset, self.seq_len, self.cfg.data_dir), seed=self.cfg.seed)
+
+    def effective(self, rung: Rung, batch_size: int | None = None) -> dict[str, Any]:
+        """What a rung runs once the device policy has resolved it: `use_amp` drops out (amp_dtype is the
+        autocast dtype it resolves to, fp32 for none) and host memory reuse counts only on CPUs."""
+        B = batch_size or rung.batch_size or self.batch_size
+        s = {k: v for k, v in self.settings(rung, B).items() if k != "use_amp"}
+        return {**s, "reuse_memory": rung.reuse_memory and self.plan.device.type == "cpu"}
+
+    def identical_to(self, rung: Rung) -> RungResult | None:
+        """The earlier measured rung this one would repeat, if any."""
+        mine = self.effective(rung)
+        return next((r for r in self.results if r.status != "identical" and r.name in self._effective
+                     and self._effective[r.name] == mine), None)
+
     def run_rung(self, rung: Rung, batch_size: int | None = None, *, stop: StopHook | None = None) -> RungResult:
         cfg, plan = self.cfg, self.plan
         B = batch_size or rung.batch_size or self.batch_size
@@ -252,20 +256,18 @@ class Bench:
             return res
         rplan = self._plan(rung)
         loader_opts = self._loader(rung)
-        model = opt = None
+        model = train_step = None
         reused = rung.reuse_memory and plan.device.type == "cpu" and reuse_host_memory()
         try:
             model = self._build(rung, attention)
             step_model = compile_model(model, mode=rung.compile_mode) if rung.compile else model
-            params = [p for p in model.parameters() if p.requires_grad]
-            # the naive script's optimizer is torch's default AdamW; 'all' takes the fused kernel
-            opt = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1, **({"fused": True} if rung.fused else {}))
-            scaler = torch.amp.GradScaler(plan.device.type) if rplan.use_grad_scaler else None
+            # train's step under train's config: the HF baseline too (its settings turn the fused kernel off)
+            train_step = TrainStep(step_model, model, rplan, self.train_config(res.settings))
             # Each step's whole batch (B x accum sequences) is one item, split into micro-batches here:
             # every way of splitting it trains on the same sequences, so losses compare across micro-batches.
             ds = data.BatchDataset(self.data, "train", B * accum, self.seq_len, cfg.seed)
             batches = iter(data.make_loader(ds, 0, **loader_opts))
-            times, losses, waits = [], [], []
+            times, waits = [], []
             rss0 = psutil.Process().memory_info().rss
             rss_peak = rss0
             if plan.device.type == "cuda":
@@ -282,20 +284,11 @@ class Bench:
                 x, y = next(batches)
                 x, y = x.to(plan.device, non_blocking=True), y.to(plan.device, non_blocking=True)
                 wait = time.perf_counter() - t0
-                # summed in place as each micro-step ends, as train.py does: a CUDA-graph output is
-                # overwritten by the next replay
-                loss = torch.zeros((), device=plan.device)
-                for m in range(accum):
-                    loss += forward_backward(step_model, x[m * B:(m + 1) * B], y[m * B:(m + 1) * B], rplan, scaler, accum)
-                if scaler is not None:
-                    scaler.step(opt)
-                    scaler.update()
-                else:
-                    opt.step()
-                opt.zero_grad(set_to_none=True)
+                out = train_step(i, lambda m, x=x, y=y: (x[m * B:(m + 1) * B], y[m * B:(m + 1) * B]))
                 plan.synchronize()
                 dt = time.perf_counter() - t0
-                losses.append(loss.item())
+                res.losses.append(out.loss)
+                res.grad_norms.append(out.grad_norm)
                 rss_peak = max(rss_peak, psutil.Process().memory_info().rss)
                 if i == 0:
                     res.compile_s = dt
@@ -309,10 +302,10 @@ class Bench:
                 res.tokens_per_s = B * accum * self.seq_len / res.step_time_s
                 res.tflops = res.tokens_per_s * self.fpt / 1e12
                 # one ceiling for every rung (the policy dtype's), so the MFU column ranks like tokens/s
-                res.mfu = res.tokens_per_s * self.fpt / self.peak
+                res.mfu = mfu(res.tokens_per_s, self.fpt, self.peak)
                 res.data_wait_frac = sum(waits) / sum(times)
             if res.status == "ok":  # a loss after fewer steps would not compare with the baseline's
-                res.loss = statistics.mean(losses[-3:])
+                res.loss = statistics.mean(res.losses[-3:])
             if plan.device.type == "cuda":
                 res.peak_mem_bytes = torch.cuda.max_memory_allocated(plan.device)
                 res.reserved_mem_bytes = torch.cuda.max_memory_reserved(plan.device)
@@ -330,7 +323,7 @@ class Bench:
                 res.status, res.note = "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 log.warning(f"rung {rung.name} failed: {res.note}")
         finally:
-            del model, opt
+            del model, train_step
             gc.collect()
             if plan.device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -349,8 +342,10 @@ class Bench:
                 bar.set_postfix_str(rung.name)
                 if rung.name == SWEEP:
                     self.results += self._sweep()
-                else:
-                    self.results.append(self.run_rung(rung))
+                    continue
+                same = self.identical_to(rung)
+                self._effective[rung.name] = self.effective(rung)
+                self.results.append(self.run_rung(rung) if same is None else self._identical(rung, same))
         finally:
             bar.close()
             monitor.stop()
@@ -358,10 +353,19 @@ class Bench:
         self.peak, self.peak_source = peak_flops(self.plan, remeasure=True)
         for r in self.results:
             if r.tokens_per_s:
-                r.mfu = r.tokens_per_s * self.fpt / self.peak
+                r.mfu = mfu(r.tokens_per_s, self.fpt, self.peak)
         self._compare()
         self.monitor = monitor.summary()
         return self.summary()
+
+    def _identical(self, rung: Rung, same: RungResult) -> RungResult:
+        """A rung that would repeat an earlier one: a row that says so, with no figures and no speedup."""
+        B = rung.batch_size or self.batch_size
+        settings = self.settings(rung, B)
+        why = (f"autocast resolves to {settings['amp_dtype']}" if settings["use_amp"] != same.settings["use_amp"]
+               else "the same settings once the device policy resolves them")
+        return RungResult(name=rung.name, what=rung.what, status="identical", same_as=same.name, batch_size=B,
+                          settings=settings, note=f"identical to {same.name} on this device ({why})")
 
     def _sweep(self) -> list[RungResult]:
         base = next(r for r in LADDER if r.name == "all")
@@ -433,10 +437,7 @@ def train_options(s: dict[str, Any], preset: str, seq_len: int, data_dir: str) -
 
 
 def main(cfg: BenchConfig) -> int:
-    if cfg.mode == "infer":
-        from gptopt.bench.infer import main as infer_main
-
-        return infer_main(cfg)
+    """The training ladder (`gptopt bench`; bench/main.py dispatches --mode infer to infer.py)."""
     from gptopt.bench import report
 
     if cfg.rungs.strip() == "list":

@@ -22,7 +22,8 @@ CSV_FIELDS = ["name", "status", "batch_size", "tokens_per_s", "step_time_s", "st
               "speedup_vs_baseline", "speedup_vs_previous", "note"]
 
 
-def _fmt(v: Any, kind: str) -> str:
+def fmt(v: Any, kind: str) -> str:
+    """A figure as the tables show it; kind: int, ms, pct, x, mib, s, or anything else (4 decimals)."""
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
     if kind == "int":
@@ -55,7 +56,7 @@ def rows(summary: dict[str, Any]) -> list[list[str]]:
                 row.append("-" if r["step_time_s"] is None else
                            f"{r['step_time_s'] * 1e3:,.1f} ({r['step_time_p10_s'] * 1e3:,.0f}-{r['step_time_p90_s'] * 1e3:,.0f})")
             else:
-                row.append(_fmt(r[key], kind))
+                row.append(fmt(r[key], kind))
         out.append(row)
     return out
 
@@ -217,7 +218,7 @@ INFER_COLUMNS = [("rung", "name", "str"), ("prefill ms", "prefill_s", "ms"), ("T
 
 
 def _infer_rows(summary: dict[str, Any]) -> list[list[str]]:
-    return [[_fmt(r[key], kind) for _, key, kind in INFER_COLUMNS] for r in summary["rungs"]]
+    return [[fmt(r[key], kind) for _, key, kind in INFER_COLUMNS] for r in summary["rungs"]]
 
 
 def _sweep_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
@@ -225,7 +226,7 @@ def _sweep_rows(summary: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     body = []
     for r in summary["rungs"]:
         tps = {p["batch_size"]: p["tokens_per_s"] for p in r["batch_sweep"]}
-        body.append([r["name"]] + [_fmt(tps.get(b), "int") for b in summary["batch_sizes"]])
+        body.append([r["name"]] + [fmt(tps.get(b), "int") for b in summary["batch_sizes"]])
     return head, body
 
 

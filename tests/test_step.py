@@ -1,0 +1,50 @@
+"""The step bench measures is the step train runs: the same losses and gradient norms, step by step.
+
+    pytest -q tests/test_step.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptopt import cli
+from gptopt.bench import report
+from gptopt.bench.ladder import LADDER, Bench, best_train_config
+from gptopt.config import BenchConfig
+
+
+def _no_compile(model: torch.nn.Module, *args: object, **kwargs: object) -> torch.nn.Module:
+    return model
+
+
+def test_benchs_all_rung_and_train_with_its_best_toml_take_the_same_steps(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Compiling costs a minute here: both sides run eagerly, while best.toml still says use_compile = true,
+    # so the very settings the bench measured are the ones train reads back.
+    monkeypatch.setattr(torch, "compile", _no_compile)
+    out = tmp_path / "b"
+    cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
+                      output_dir=str(out))
+    summary = Bench(cfg).run([r for r in LADDER if r.name == "all"])
+    report.write_all(summary, out, best_train_config(summary, cfg.data_dir))
+    (bench_all,) = summary["rungs"]
+    assert summary["best"] == "all"
+    assert bench_all["settings"]["use_compile"] and bench_all["settings"]["fused_optimizer"]
+    assert "use_compile = true" in (out / "best.toml").read_text()
+
+    # every step inside train's 100-step warmup: the learning rate does not depend on max_steps
+    n = cfg.warmup + cfg.steps
+    assert cli.main(["train", "--config", str(out / "best.toml"), "--output_dir", str(tmp_path / "t"),
+                     "--max_steps", str(n), "--log_interval", "1", "--eval_interval", "0", "--sample_tokens", "0",
+                     "--device", "cpu", "--no-tensorboard"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "t" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, n + 1))
+    assert bench_all["losses"] == pytest.approx([r["loss"] for r in steps], rel=1e-5)
+    assert bench_all["grad_norms"] == pytest.approx([r["grad_norm"] for r in steps], rel=1e-5)
+    assert bench_all["losses"][-1] < bench_all["losses"][0]  # and it learns: the update was applied
