@@ -37,7 +37,7 @@ from gptopt.bench.report import text_table, to_json
 from gptopt.config import CompressConfig, parse_prune
 from gptopt.data import TOKENIZER, BatchDataset, TokenData, open_data
 from gptopt.device import DevicePlan, environment, resolve
-from gptopt.generate import load_for_inference, model_source
+from gptopt.inference import load_for_inference, model_source
 from gptopt.quantize import check_supported, compress_model, describe, pack_state
 
 __all__ = ["main", "mean_kl", "memory_bytes", "perplexity_and_kl"]

@@ -278,15 +278,20 @@ def _tokenizer_file(path: Path) -> Tokenizer:
         raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({e})") from None
 
 
-def eot_id(tok: Tokenizer) -> int:
-    """The id of the end-of-text token, adding GPT-2's `<|endoftext|>` if the tokenizer has none."""
-    for text in EOT_CANDIDATES:
-        i = tok.token_to_id(text)
-        if i is not None:
-            return i
-    tok.add_special_tokens([EOT])
-    log.info("the tokenizer has no end-of-text token; added %s as id %d", EOT, tok.token_to_id(EOT))
-    return tok.token_to_id(EOT)
+def eot_id(tok: Tokenizer) -> int | None:
+    """The id of the tokenizer's end-of-text token (any of EOT_CANDIDATES), or None; never changes the tokenizer."""
+    return next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
+
+
+def _add_eot(tok: Tokenizer) -> int:
+    """prepare: the end-of-text id that separates documents, adding GPT-2's `<|endoftext|>` to a tokenizer
+    without one (the tokenizer is saved with the data, so training and generation see the same ids)."""
+    eot = eot_id(tok)
+    if eot is None:
+        tok.add_special_tokens([EOT])
+        eot = tok.token_to_id(EOT)
+        log.info("the tokenizer has no end-of-text token; added %s as id %d", EOT, eot)
+    return eot
 
 
 def token_dtype(vocab_size: int) -> np.dtype:
@@ -474,7 +479,7 @@ def prepare(config: PrepareConfig) -> Path:
                          min(corpus.unreadable))
             if counts.documents == 0:
                 raise ValueError(f"no text in {corpus.source}: every file is empty or not UTF-8; give --input with text")
-            eot = eot_id(tok)
+            eot = _add_eot(tok)
             vocab_size = tok.get_vocab_size(with_added_tokens=True)
             if kind == "bpe" and vocab_size < config.vocab_size:
                 log.info("the corpus supports only %d of the %d tokens asked for", vocab_size, config.vocab_size)

@@ -33,9 +33,9 @@ from tokenizers import Tokenizer
 
 from gptopt import checkpoint, hf
 from gptopt.config import MIN_OPSET, ExportConfig
-from gptopt.data import EOT_CANDIDATES, TOKENIZER, load_tokenizer
+from gptopt.data import TOKENIZER, eot_id, load_tokenizer
 from gptopt.extras import require
-from gptopt.generate import find_tokenizer, model_source
+from gptopt.inference import find_tokenizer, model_source
 from gptopt.model import GPT
 
 __all__ = ["OnnxDecoder", "OnnxRunner", "OrtDecoder", "export_hf_checked", "export_onnx", "main", "to_onnx"]
@@ -266,10 +266,6 @@ def _staging(target: Path) -> Iterator[Path]:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _eot(tok: Tokenizer | None) -> int | None:
-    return None if tok is None else next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
-
-
 def _io(values: list[Any]) -> list[dict[str, Any]]:
     return [{"name": v.name, "dtype": v.type.removeprefix("tensor(").removesuffix(")"), "shape": v.shape} for v in values]
 
@@ -309,7 +305,7 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
             "format": "gptopt-onnx", "files": sorted(p.name for p in tmp.iterdir()) + [ONNX_META],
             "exporter": exporter, "opset": opset, "export_s": round(export_s, 2), "torch": torch.__version__,
             "model": model.config.to_dict(), "tokenizer": TOKENIZER if tokenizer is not None else None,
-            "eot_token_id": _eot(tokenizer),
+            "eot_token_id": None if tokenizer is None else eot_id(tokenizer),
             "inputs": _io(decoder.session.get_inputs()), "outputs": _io(decoder.session.get_outputs()),
             "usage": "prefill: past_* empty (batch, n_head, 0, head_dim); attention_mask 1 for real tokens, prompts "
                      "left-padded; position_ids = cumsum(attention_mask) - 1, at least 0. Decode: present_* back as "

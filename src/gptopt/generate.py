@@ -26,20 +26,15 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from gptopt import checkpoint, hf
 from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
-from gptopt.data import EOT_CANDIDATES, TOKENIZER, load_tokenizer
+from gptopt.data import eot_id
 from gptopt.device import DevicePlan, resolve
+from gptopt.inference import compile_decode, load_for_inference
 from gptopt.model import GPT, KVCacheLayer
-from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
-from gptopt.quantize import describe, quantize_int8, restore
 
-__all__ = ["Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate",
-           "load_for_inference", "main", "stream"]
+__all__ = ["Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate", "main", "stream"]
 
 log = logging.getLogger("gptopt")
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def unescape(text: str) -> str:
@@ -133,7 +128,7 @@ class KVCache:
 class Generator:
     """Owns the model and one KVCache with max_batch_size slots; the single token generator behind CLI, bench and server.
 
-    Runs in the weights' dtype (load_for_inference casts them once), so there is no autocast here.
+    Runs in the weights' dtype (inference.load_for_inference casts them once), so there is no autocast here.
     Not thread-safe: one thread (the server's engine thread) drives it.
     """
 
@@ -153,16 +148,9 @@ class Generator:
         self.lengths = [0] * max_batch_size  # tokens cached per slot: where an idle row of a static decode writes
         self._used: set[int] = set()
         self._step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        if compile:
-            if self.device.type == "cuda":
-                for t in self.cache.k + self.cache.v:
-                    torch._dynamo.mark_static_address(t)  # lets CUDA graphs update the cache in place
-            if self.device.type == "cuda":
-                self._step = compile_model(self._decode_all, mode="reduce-overhead")  # type: ignore[arg-type]
-            else:  # CPU: no graphs to capture
-                if max_batch_size <= GEMV_MAX_ROWS:
-                    gemv_linears(self.model)  # decode's matrix-vector products as fused multiply-sums
-                self._step = compile_model(self._decode_all, inference=True)  # type: ignore[arg-type]
+        if compile:  # the last inference transform (inference.py's step 5): it needs this cache
+            self._step = compile_decode(self._decode_all, self.model, self.cache.k + self.cache.v, self.device,
+                                        max_batch_size)
 
     # slots ------------------------------------------------------------------------------------
     def alloc(self) -> int:
@@ -453,101 +441,7 @@ class StopChecker:
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading
-
-
-# Names that are hub models rather than missing directories: GPT-2's own, or anything "org/name".
-_HUB_NAME = re.compile(r"(openai-community/)?(distil)?gpt2(-medium|-large|-xl)?|[\w.-]+/[\w.-]+")
-_NO_MODEL = ("train one first (`gptopt train --output_dir {0}`), or pass --model: a training output dir, "
-             "a checkpoint dir, a Hugging Face GPT-2 dir or a hub name like gpt2")
-
-
-def model_source(model: str) -> Path | str:
-    """The directory (or hub name) to load: a training output dir means its latest checkpoint."""
-    p = Path(model).expanduser()
-    if p.is_dir():
-        latest = checkpoint.latest_checkpoint(p)
-        if latest is not None:
-            return latest
-        if not checkpoint.is_gptopt_dir(p) and not (p / hf.HF_CONFIG).is_file():
-            raise ValueError(f"--model {p}: no checkpoint or model files in this directory; " + _NO_MODEL.format(p))
-        return p
-    if p.exists():
-        raise ValueError(f"--model {p} is a file; give the model's directory")
-    if _HUB_NAME.fullmatch(model):
-        return model
-    raise ValueError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
-
-
-def find_tokenizer(source: Path | str) -> Tokenizer:
-    """meta["tokenizer"] of a gptopt checkpoint, else tokenizer files beside the model, else GPT-2's."""
-    ours = isinstance(source, Path) and checkpoint.is_gptopt_dir(source)
-    recorded = checkpoint.read_meta(source).get("tokenizer") if ours else None
-    candidates = [recorded] if recorded else []
-    if isinstance(source, Path):  # a folder with tokenizer.json (or GPT-2's vocab.json + merges.txt)
-        candidates += [str(d) for d in (source, source.parent)
-                       if (d / TOKENIZER).is_file() or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()]
-    for c in candidates:
-        if Path(c).exists():
-            return load_tokenizer(c)
-    if not ours:  # a GPT-2 from the hub or a HF folder without tokenizer files: GPT-2's own
-        for name in dict.fromkeys(([source] if isinstance(source, str) else []) + ["gpt2"]):
-            with contextlib.suppress(ValueError):
-                return load_tokenizer(name)
-    where = f"{recorded} (recorded in the checkpoint), " if recorded else ""
-    raise ValueError(f"no tokenizer found for {source} (looked for {where}tokenizer.json beside the model"
-                     f"{'' if ours else ', GPT-2s from the Hugging Face Hub'}); pass --tokenizer with the "
-                     "tokenizer.json the model was trained with (or a folder holding it)")
-
-
-def _weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
-    """auto: the plan's half precision on GPUs (bf16 from sm_80, else fp16), fp32 on CPUs (no autocast there)."""
-    if name == "auto":
-        return torch.float32 if plan.device.type == "cpu" else (plan.amp_dtype or torch.float32)
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
-def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, dtype: str = "auto",
-                       quantize: str = "none", layout: bool = True) -> tuple[GPT, Tokenizer]:
-    """The model (eval, on plan.device, in `dtype`) and its tokenizer, from a training output dir (its
-    latest checkpoint), a checkpoint or model dir, a Hugging Face GPT-2 dir or a hub name.
-
-    layout: store fp weights in the layout that runs inference fastest (prepare_model.inference_layout);
-    False for a caller that transforms the weights further (gptopt compress)."""
-    if quantize not in ("none", "int8"):
-        raise ValueError(f"unknown quantize {quantize!r}; choose none or int8")
-    source = model_source(model)
-    dt = _weights_dtype(dtype, plan)
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else find_tokenizer(source)
-    net = hf.load_pretrained(source)  # a compressed checkpoint comes back dequantised, in fp32
-    if tok.get_vocab_size() > net.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, the model only {net.config.vocab_size}: "
-                         "they do not belong together; pass the --tokenizer the model was trained with")
-    record = checkpoint.read_meta(source).get("compression") if isinstance(source, Path) and \
-        checkpoint.is_gptopt_dir(source) else None
-    if record and quantize != "none":
-        raise ValueError(f"--model {source} is already compressed ({describe(record)}, by gptopt compress); "
-                         "drop --quantize")
-    log.info("model %s: %.1fM parameters, %s weights on %s (generation runs in the weights' dtype, no autocast)",
-             source, net.num_params() / 1e6, describe(record) if record else str(dt).removeprefix("torch."),
-             plan.device)
-    # The recorded compression is rebuilt for this device, with the integers stored on disk.
-    net = (restore(net, record, plan, dt) if record else net.to(device=plan.device, dtype=dt)).eval()
-    if quantize == "int8":
-        quantize_int8(net, plan)
-    if layout:
-        inference_layout(net, plan.device.type)  # CPU: the batch-1 linears' fast operand layout
-    return net, tok
-
-
-# ----------------------------------------------------------------------------------------------
 # CLI
-
-
-def _eot(tok: Tokenizer) -> int | None:
-    return next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
 
 
 def _encode(tok: Tokenizer, text: str, eot: int | None) -> list[int]:
@@ -632,7 +526,7 @@ def main(cfg: GenerateConfig) -> int:
     plan = resolve(cfg.device, quiet=True)
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
                                     quantize=cfg.quantize)
-    eot = _eot(tok)
+    eot = eot_id(tok)
     params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=() if eot is None else (eot,))
     gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile)
     encoded = [_encode(tok, text, eot) for text in (batch or [_prompt_text(cfg.prompt)])]

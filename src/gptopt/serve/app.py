@@ -189,7 +189,8 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
     """The app for `cfg`. Without `model`, loads cfg.model (and its tokenizer) now, once; warms up."""
     from gptopt.data import eot_id
     from gptopt.device import resolve
-    from gptopt.generate import Generator, SamplingParams, load_for_inference
+    from gptopt.generate import Generator, SamplingParams
+    from gptopt.inference import load_for_inference
 
     plan = resolve(cfg.device, quiet=True)
     if model is None:
@@ -205,9 +206,10 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
         engine.warmup()
     except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel
         raise ValueError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
-                         "lower --max_batch_size, or use --dtype bf16 or --quantize int8") from None
+                         "lower --max_batch_size, or use --dtype bf16 or --quantize int8-weight") from None
     metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
-    eot = eot_id(tokenizer)
+    eot = eot_id(tokenizer)  # read only: the tokenizer served is the one the model was trained with
+    stop_ids = () if eot is None else (eot,)
     context = generator.max_len
     model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name or cfg.model
     api_key = cfg.api_key or os.environ.get("GPTOPT_API_KEY")
@@ -338,7 +340,7 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
                 seqs.append(x)
                 params.append(SamplingParams(
                     max_new_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                    repetition_penalty=body.repetition_penalty, stop=tuple(stop), stop_token_ids=(eot,),
+                    repetition_penalty=body.repetition_penalty, stop=tuple(stop), stop_token_ids=stop_ids,
                     seed=None if body.seed is None else body.seed + i * body.n + j))  # choices differ
         queue, reqs = submit(seqs, params)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -368,7 +370,7 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
                            "counts the prompt too", param="max_length")
         params = SamplingParams(max_new_tokens=min(budget, body.max_length - len(ids)),
                                 temperature=body.temperature, top_k=None, top_p=1.0, repetition_penalty=1.0,
-                                seed=None, stop=(), stop_token_ids=(eot,))
+                                seed=None, stop=(), stop_token_ids=stop_ids)
         queue, reqs = submit([ids], [params])
         (result,) = await collect(request, queue, reqs)
         return GenerateResponse(generated_text=body.prompt + result.text, inference_time=time.perf_counter() - t0)
