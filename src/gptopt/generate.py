@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tokenizers import Tokenizer
@@ -32,7 +33,8 @@ from gptopt.device import DevicePlan, resolve
 from gptopt.inference import compile_decode, load_for_inference
 from gptopt.model import GPT, KVCacheLayer
 
-__all__ = ["Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate", "main", "stream"]
+__all__ = ["Decoding", "Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate", "main",
+           "stream"]
 
 log = logging.getLogger("gptopt")
 
@@ -72,6 +74,52 @@ class SamplingParams:
     def from_config(cls, c: SamplingConfig) -> SamplingParams:
         return cls(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
                    repetition_penalty=c.repetition_penalty, seed=c.seed, stop=(unescape(c.stop),) if c.stop else ())
+
+
+# Why a sequence ended: a stop token id or stop string ("stop"), or its token budget ("length").
+Finish = Literal["stop", "length"]
+
+
+@dataclass(eq=False)
+class Decoding:
+    """One sequence in one cache slot, from its prefill to its end; `add` is the one end-of-sequence rule.
+
+    Generator.begin makes one, Generator.decode_next and sample_next advance a batch of them, and
+    Generator.end frees the slot: the CLI's token generators and the server's engine all use these.
+    """
+
+    slot: int
+    params: SamplingParams
+    prompt_len: int
+    budget: int  # new tokens it may take: max_new_tokens, capped so prompt + new tokens fit the cache
+    rng: torch.Generator | None  # Generator.rng(params.seed)
+    ids: list[int]  # the prompt, then the new tokens (the repetition penalty's history)
+    finish: Finish | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The new tokens so far."""
+        return self.ids[self.prompt_len :]
+
+    @property
+    def n_new(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    def add(self, token: int) -> Finish | None:
+        """Take the next sampled token; why the sequence ends with it, or None while it goes on.
+        A stop token id ends it ("stop") and is not kept; the budget's last token ends it ("length")."""
+        assert self.finish is None, "a finished sequence takes no more tokens"
+        if token in self.params.stop_token_ids:
+            self.finish = "stop"
+        else:
+            self.ids.append(token)
+            if self.n_new >= self.budget:
+                self.finish = "length"
+        return self.finish
+
+    def stop(self) -> None:
+        """End it after its last token: its text reached a stop string (StopChecker)."""
+        self.finish = "stop"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,6 +213,34 @@ class Generator:
         self._check_slot(slot)
         self._used.discard(slot)
         self.lengths[slot] = 0  # nothing to clear on the device: positions past a sequence are masked
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self._used)
+
+    def begin(self, prompt: list[int], params: SamplingParams) -> tuple[Decoding, torch.Tensor]:
+        """Prefill `prompt` into the lowest free slot: its Decoding, and logits (V,) of its last token."""
+        slot = self.alloc()
+        try:
+            logits = self.prefill(slot, prompt)
+        except BaseException:
+            self.free(slot)
+            raise
+        budget = min(params.max_new_tokens, self.max_len - len(prompt))
+        return Decoding(slot=slot, params=params, prompt_len=len(prompt), budget=budget, rng=self.rng(params.seed),
+                        ids=list(prompt)), logits
+
+    def decode_next(self, seqs: Sequence[Decoding]) -> torch.Tensor:
+        """Feed each sequence's last token back at its position, in one forward: logits (B, V)."""
+        return self.decode([s.slot for s in seqs], [s.ids[-1] for s in seqs], [len(s.ids) - 1 for s in seqs])
+
+    def sample_next(self, logits: torch.Tensor, seqs: Sequence[Decoding]) -> list[int]:
+        """`sample` with each sequence's own parameters, history and random generator."""
+        return self.sample(logits, [s.params for s in seqs], [s.ids for s in seqs], [s.rng for s in seqs])
+
+    def end(self, seq: Decoding) -> None:
+        """Free the sequence's slot, however it ended."""
+        self.free(seq.slot)
 
     def rng(self, seed: int | None) -> torch.Generator | None:
         """A per-sequence random generator on the device for `sample`, or None (the global RNG) without a seed."""
@@ -303,7 +379,7 @@ class Generator:
 
 
 def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
-         finished: set[int]) -> Iterator[tuple[int, int | None, str | None]]:
+         finished: set[int]) -> Iterator[tuple[int, int | None, Finish | None]]:
     """Decode prompts together: yields (row, token, finish) as tokens come. finish is None while the
     row goes on, "length" on its last token, "stop" with token None for a stop token id. Rows the
     caller adds to `finished` end after their current token. Slots are freed however this ends."""
@@ -311,39 +387,33 @@ def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
         raise ValueError(f"{len(prompts)} prompts exceed the {gen.max_batch_size} cache slots")
     for p in prompts:
         gen.check_prompt(p)
-    slots: list[int] = []
+    seqs: list[Decoding] = []
     try:
-        for _ in prompts:
-            slots.append(gen.alloc())
-        budgets = [min(params.max_new_tokens, gen.max_len - len(p)) for p in prompts]
-        rngs = [gen.rng(params.seed) for _ in prompts]
-        histories = [list(p) for p in prompts]
-        logits = torch.stack([gen.prefill(s, p) for s, p in zip(slots, prompts, strict=True)])
+        first: list[torch.Tensor] = []
+        for p in prompts:
+            seq, logits = gen.begin(p, params)
+            seqs.append(seq)
+            first.append(logits)
+        logits = torch.stack(first)
         active = list(range(len(prompts)))
         while active:
-            tokens = gen.sample(logits, [params] * len(active), [histories[i] for i in active],
-                                [rngs[i] for i in active])
+            tokens = gen.sample_next(logits, [seqs[i] for i in active])
             going = []
             for i, t in zip(active, tokens, strict=True):
-                if t in params.stop_token_ids:
-                    yield i, None, "stop"
-                    continue
-                histories[i].append(t)
-                last = len(histories[i]) - len(prompts[i]) >= budgets[i]
-                yield i, t, "length" if last else None
-                if not last and i not in finished:
+                finish = seqs[i].add(t)
+                yield i, None if finish == "stop" else t, finish
+                if finish is None and i not in finished:
                     going.append(i)
             active = going
             if active:
-                logits = gen.decode([slots[i] for i in active], [histories[i][-1] for i in active],
-                                    [len(histories[i]) - 1 for i in active])
+                logits = gen.decode_next([seqs[i] for i in active])
     finally:
-        for s in slots:
-            gen.free(s)
+        for seq in seqs:
+            gen.end(seq)
 
 
 def complete(gen: Generator, prompts: list[list[int]], params: SamplingParams,
-             on_token: Callable[[int, int], bool] | None = None) -> list[tuple[list[int], str]]:
+             on_token: Callable[[int, int], bool] | None = None) -> list[tuple[list[int], Finish]]:
     """(new token ids, finish reason "stop" | "length") per prompt, decoded in groups of gen.max_batch_size.
 
     on_token(row, token) is called for every new token; returning True ends that row ("stop"), e.g.
@@ -352,7 +422,7 @@ def complete(gen: Generator, prompts: list[list[int]], params: SamplingParams,
     for p in prompts:
         gen.check_prompt(p)  # every prompt, before any work
     out: list[list[int]] = [[] for _ in prompts]
-    reasons = ["length"] * len(prompts)
+    reasons: list[Finish] = ["length"] * len(prompts)
     for start in range(0, len(prompts), gen.max_batch_size):
         finished: set[int] = set()
         for row, token, finish in _run(gen, prompts[start : start + gen.max_batch_size], params, finished):
