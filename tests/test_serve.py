@@ -130,6 +130,15 @@ def test_batched_greedy_completions_equal_the_generators(server: tuple[str, Any]
     assert r["usage"]["completion_tokens"] == sum(len(ids) for ids, _ in expected)
 
 
+def test_a_tokenizer_without_end_of_text_is_served_as_it_is() -> None:
+    from tokenizers import Tokenizer, models
+
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    model = GPT(preset("debug")).eval()
+    create_app(ServeConfig(model="debug", device="cpu", max_batch_size=1), model=model, tokenizer=words)
+    assert words.get_vocab_size() == 3 and words.token_to_id("<|endoftext|>") is None  # no token added
+
+
 def test_prompt_list_and_n_give_every_choice_and_seeds_reproduce(url: str) -> None:
     body = {"prompt": ["import os", "class A:"], "n": 2, "max_tokens": 6, "temperature": 1.0, "seed": 7}
     first, again = completion(url, **body).json(), completion(url, **body).json()

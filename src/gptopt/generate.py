@@ -2,7 +2,9 @@
 
 `gptopt generate`, the bench inference rungs and the server's continuous-batching engine all drive
 one `Generator`: `prefill` a prompt into a cache slot, `decode` one token for several slots at their
-own positions, `sample` the next tokens, `free` the slot. Shaped after gpt-fast's generate.py.
+own positions, `sample` the next tokens, `free` the slot. `begin` / `decode_next` / `sample_next` /
+`end` do the same for `Decoding`s, which hold each sequence's slot and tokens and decide when it
+ends. Shaped after gpt-fast's generate.py. Loading a model for it: inference.py.
 
     gptopt generate --model out/ "def fib(n):"
     echo "import os" | gptopt generate --model gpt2 --temperature 0 --max_new_tokens 32
