@@ -60,7 +60,7 @@ def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import sysconfig
 
     from gptopt.config import PrepareConfig
-    from gptopt.data import prepare
+    from gptopt.corpus import prepare
 
     src = tmp_path_factory.mktemp("corpus")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -74,7 +74,7 @@ def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def debug_tokenizer(train_data: Path) -> Tokenizer:
     """train_data's byte-level BPE (vocab 320): multi-byte characters (emoji) span several tokens."""
-    from gptopt.data import load_tokenizer
+    from gptopt.tokenizer import load_tokenizer
 
     return load_tokenizer(train_data / "tokenizer.json")
 

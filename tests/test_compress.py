@@ -21,7 +21,7 @@ from gptopt.compress import mean_kl, memory_bytes, perplexity_and_kl
 from gptopt.config import CompressConfig
 from gptopt.data import BatchDataset, open_data
 from gptopt.device import resolve
-from gptopt.generate import load_for_inference
+from gptopt.inference import load_for_inference
 from gptopt.model import GPT
 
 CPU = resolve("cpu", quiet=True)

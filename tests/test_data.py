@@ -19,10 +19,12 @@ import torch
 
 import gptopt.corpus as prep
 import gptopt.data as data
+import gptopt.tokenizer as tokenizer
 from gptopt.cli import main
 from gptopt.config import PrepareConfig
-from gptopt.corpus import load_tokenizer, prepare, token_dtype
+from gptopt.corpus import prepare, token_dtype
 from gptopt.data import BatchDataset, TokenData, make_loader
+from gptopt.tokenizer import load_tokenizer
 
 # A few documents of code and prose, with non-ASCII text, so the byte-level round trip is tested.
 DOCS = {
@@ -215,7 +217,7 @@ def test_unknown_tokenizer_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPa
     def offline(name: str) -> None:
         raise OSError("Name or service not known")
 
-    monkeypatch.setattr(prep, "_from_hub", offline)  # the real call would wait for network retries
+    monkeypatch.setattr(tokenizer, "_from_hub", offline)  # the real call would wait for network retries
     with pytest.raises(ValueError, match="tokenizer 'gpt2' is no local file.*--tokenizer bpe"):
         load_tokenizer("gpt2")
 

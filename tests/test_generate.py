@@ -28,9 +28,9 @@ from gptopt.generate import (
     StopChecker,
     complete,
     generate,
-    load_for_inference,
     stream,
 )
+from gptopt.inference import load_for_inference
 from gptopt.model import GPT
 
 CPU = resolve("cpu")
@@ -299,9 +299,34 @@ def test_missing_model_or_tokenizer_is_a_clear_error(tmp_path: Path, varied_mode
 def test_int8_weight_only_runs_on_cpu_and_says_it_is_slower(model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
     pytest.importorskip("torchao")
     with caplog.at_level("WARNING", logger="gptopt"):
-        model, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU, quantize="int8")
+        model, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU, quantize="int8-weight")
     assert "slower" in caplog.text
     assert len(generate(Generator(model, CPU), [PROMPTS[0]], GREEDY)[0]) == GREEDY.max_new_tokens
+
+
+@pytest.mark.parametrize("verb", ["generate", "serve"])
+def test_quantize_int8_is_refused_naming_int8_weight(verb: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # int8-weight is what gptopt compress calls torchao's int8 weight-only method too.
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([verb, "--model", "gpt2", "--quantize", "int8"])
+    assert exit_.value.code == 2 and "int8-weight" in capsys.readouterr().err
+
+
+def test_quantize_int8_from_a_config_file_is_refused_before_loading(tmp_path: Path) -> None:
+    # A TOML config skips argparse's choices: the loader names the valid ones, before reading any weights.
+    with pytest.raises(ValueError, match="int8-weight"):
+        load_for_inference(str(tmp_path / "nothing"), tokenizer=None, plan=CPU, quantize="int8")
+
+
+def test_end_of_text_lookup_never_adds_a_token() -> None:
+    from tokenizers import models
+
+    from gptopt.tokenizer import eot_id
+
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    assert eot_id(words) is None and words.get_vocab_size() == 3
+    words.add_special_tokens(["</s>"])  # another tokenizer family's end-of-text spelling
+    assert eot_id(words) == 3 and words.get_vocab_size() == 4
 
 
 @pytest.mark.slow

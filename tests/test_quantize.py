@@ -18,10 +18,11 @@ import torch.nn as nn
 from gptopt import checkpoint, hf
 from gptopt import quantize as q
 from gptopt.config import parse_prune
-from gptopt.data import TOKENIZER
 from gptopt.device import resolve
-from gptopt.generate import Generator, SamplingParams, generate, load_for_inference
+from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.inference import load_for_inference
 from gptopt.model import GPT
+from gptopt.tokenizer import TOKENIZER
 
 CPU = resolve("cpu", quiet=True)
 GREEDY = SamplingParams(temperature=0, top_k=None, max_new_tokens=8)
@@ -182,7 +183,7 @@ def test_quantize_flag_on_a_compressed_checkpoint_and_a_newer_format_are_refused
     directory = write(varied_model, tmp_path / "c", q.compress_model(varied_model, "int8-dynamic", None),
                       tokenizer_file)
     with pytest.raises(ValueError, match="already compressed .*drop --quantize"):
-        load_for_inference(str(directory), tokenizer=None, plan=CPU, quantize="int8")
+        load_for_inference(str(directory), tokenizer=None, plan=CPU, quantize="int8-weight")
     with pytest.raises(ValueError, match="fp32 activations"):
         load_for_inference(str(directory), tokenizer=None, plan=CPU, dtype="bf16")
     meta = json.loads((directory / checkpoint.META).read_text())

@@ -22,6 +22,8 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from gptopt.config import ServeConfig, preset  # noqa: E402
+from gptopt.device import resolve  # noqa: E402
+from gptopt.generate import Generator, SamplingParams, complete  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
 from gptopt.serve.app import MAX_BODY_BYTES, create_app, serve_in_thread  # noqa: E402
 from gptopt.serve.engine import TextFilter  # noqa: E402
@@ -111,6 +113,30 @@ def test_completion_fields_usage_and_greedy_determinism(url: str, debug_tokenize
     assert 1 <= usage["completion_tokens"] <= 8
     assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
     assert completion(url, max_tokens=8, temperature=0).json()["choices"][0]["text"] == choice["text"]
+
+
+def test_batched_greedy_completions_equal_the_generators(server: tuple[str, Any], debug_tokenizer: Any) -> None:
+    # The engine and `gptopt generate` share one end-of-sequence rule: the same tokens, ending for
+    # the same reason (here the model's context, 64 tokens, when max_tokens is null).
+    url, app = server
+    prompts = [PROMPT, "import os", "x = [1, 2, 3]\n" * 3]
+    r = completion(url, prompt=prompts, max_tokens=None, temperature=0).json()
+    gen = Generator(app.state.engine.generator.model, resolve("cpu"), max_batch_size=len(prompts))
+    eot = debug_tokenizer.token_to_id("<|endoftext|>")
+    params = SamplingParams(max_new_tokens=1024, temperature=0, stop_token_ids=(eot,))
+    expected = complete(gen, [debug_tokenizer.encode(p).ids for p in prompts], params)
+    assert [(c["text"], c["finish_reason"]) for c in r["choices"]] == [
+        (debug_tokenizer.decode(ids), reason) for ids, reason in expected]
+    assert r["usage"]["completion_tokens"] == sum(len(ids) for ids, _ in expected)
+
+
+def test_a_tokenizer_without_end_of_text_is_served_as_it_is() -> None:
+    from tokenizers import Tokenizer, models
+
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    model = GPT(preset("debug")).eval()
+    create_app(ServeConfig(model="debug", device="cpu", max_batch_size=1), model=model, tokenizer=words)
+    assert words.get_vocab_size() == 3 and words.token_to_id("<|endoftext|>") is None  # no token added
 
 
 def test_prompt_list_and_n_give_every_choice_and_seeds_reproduce(url: str) -> None:

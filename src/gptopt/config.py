@@ -401,7 +401,7 @@ class GenerateConfig(SamplingConfig):
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
     compile: bool = opt(False, "compile the decode step (reduce-overhead: CUDA graphs on GPUs)")
-    quantize: str = opt("none", "int8: torchao int8 weight-only (quant extra)", choices=("none", "int8"))
+    quantize: str = opt("none", "int8-weight: torchao int8 weight-only (quant extra)", choices=("none", "int8-weight"))
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -426,7 +426,7 @@ class ServeConfig:
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
     compile: bool = opt(False, "compile the decode step")
-    quantize: str = opt("none", "int8: torchao int8 weight-only (quant extra)", choices=("none", "int8"))
+    quantize: str = opt("none", "int8-weight: torchao int8 weight-only (quant extra)", choices=("none", "int8-weight"))
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)")
     cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
     blocklist: str | None = opt(None, "file of terms or regular expressions (one a line) refused in prompts and cut from output")

@@ -38,17 +38,15 @@ from tqdm import tqdm
 from gptopt.config import PrepareConfig
 from gptopt.extras import require
 from gptopt.fsutil import staged_dir
+from gptopt.tokenizer import EOT, TOKENIZER, eot_id, load_tokenizer
 
 log = logging.getLogger("gptopt")
 
 FORMAT = "gptopt-tokens"
 VERSION = 1
 META = "meta.json"
-TOKENIZER = "tokenizer.json"
 SPLITS = ("train", "val")
-EOT = "<|endoftext|>"  # GPT-2's document separator; a trained BPE gets it as its one special token
-# End-of-text spellings of other tokenizers, looked up before adding EOT to a given tokenizer.
-EOT_CANDIDATES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
+
 
 # What a folder given to --input contributes: text-like suffixes only, so binaries, images and
 # archives lying beside the texts are skipped. A .jsonl holds one document per line (its text_field).
@@ -236,55 +234,14 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def _from_hub(name: str) -> Tokenizer:
-    return Tokenizer.from_pretrained(name)
-
-
-def load_tokenizer(path_or_name: str | os.PathLike[str]) -> Tokenizer:
-    """A tokenizers.Tokenizer from a tokenizer.json, a folder holding one (or GPT-2's vocab.json + merges.txt),
-    or else a Hugging Face hub name such as gpt2 (online only)."""
-    p = Path(path_or_name).expanduser()
-    if p.is_file():
-        return _tokenizer_file(p)
-    if p.is_dir():
-        if (p / TOKENIZER).is_file():
-            return _tokenizer_file(p / TOKENIZER)
-        if (p / "vocab.json").is_file() and (p / "merges.txt").is_file():
-            # GPT-2's original files (as in a transformers GPT2Tokenizer folder): a byte-level BPE.
-            tok = Tokenizer(models.BPE.from_file(str(p / "vocab.json"), str(p / "merges.txt")))
-            tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-            tok.decoder = decoders.ByteLevel()
-            if tok.token_to_id(EOT) is not None:
-                tok.add_special_tokens([EOT])  # in the vocab already; this makes it special (never split, skippable)
-            return tok
-        raise ValueError(f"tokenizer folder {p} has neither {TOKENIZER} nor vocab.json + merges.txt")
-    try:
-        return _from_hub(str(path_or_name))
-    except Exception as e:  # offline, unknown name: hub errors are many types
-        raise ValueError(
-            f"tokenizer {str(path_or_name)!r} is no local file or folder, and the hub did not provide it "
-            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, give a tokenizer.json "
-            "or a folder with vocab.json + merges.txt, or use --tokenizer bpe"
-        ) from None
-
-
-def _tokenizer_file(path: Path) -> Tokenizer:
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:  # tokenizers raises a bare Exception for bad JSON or an unknown model type
-        raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({e})") from None
-
-
-
 def _shard_eot(tok: Tokenizer) -> int:
     """The end-of-text id the shards are written with: the tokenizer's own, else GPT-2's, added as a special token."""
-    for text in EOT_CANDIDATES:
-        i = tok.token_to_id(text)
-        if i is not None:
-            return i
-    tok.add_special_tokens([EOT])  # saved with the tokenizer, so every reader finds the same id
-    log.info("the tokenizer has no end-of-text token; added %s as id %d", EOT, tok.token_to_id(EOT))
-    return tok.token_to_id(EOT)
+    eot = eot_id(tok)
+    if eot is None:
+        tok.add_special_tokens([EOT])  # saved with the tokenizer, so every reader finds the same id
+        eot = tok.token_to_id(EOT)
+        log.info("the tokenizer has no end-of-text token; added %s as id %d", EOT, eot)
+    return eot
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

@@ -21,34 +21,10 @@ import torch
 from tokenizers import Tokenizer
 
 from gptopt.config import PrepareConfig
-from gptopt.corpus import (
-    EOT,
-    EOT_CANDIDATES,
-    FORMAT,
-    META,
-    SPLITS,
-    TOKENIZER,
-    VERSION,
-    load_tokenizer,
-    prepare,
-)
-
-# The on-disk format and tokenizer loading are corpus.py's (the writer's); readers find them here too.
-__all__ = ["EOT", "EOT_CANDIDATES", "TOKENIZER", "BatchDataset", "TokenData", "default_loader_settings", "eot_id",
-           "load_tokenizer", "make_loader", "open_data"]
+from gptopt.corpus import FORMAT, META, SPLITS, VERSION, prepare
+from gptopt.tokenizer import TOKENIZER, load_tokenizer
 
 log = logging.getLogger("gptopt")
-
-
-def eot_id(tok: Tokenizer) -> int:
-    """The id of the end-of-text token, adding GPT-2's `<|endoftext|>` if the tokenizer has none."""
-    for text in EOT_CANDIDATES:
-        i = tok.token_to_id(text)
-        if i is not None:
-            return i
-    tok.add_special_tokens([EOT])
-    log.info("the tokenizer has no end-of-text token; added %s as id %d", EOT, tok.token_to_id(EOT))
-    return tok.token_to_id(EOT)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -32,11 +32,11 @@ from tokenizers import Tokenizer
 
 from gptopt import checkpoint, hf
 from gptopt.config import MIN_OPSET, ExportConfig
-from gptopt.data import EOT_CANDIDATES, TOKENIZER, load_tokenizer
 from gptopt.extras import require
 from gptopt.fsutil import staged_dir
-from gptopt.generate import find_tokenizer, model_source
+from gptopt.inference import find_tokenizer, model_source
 from gptopt.model import GPT
+from gptopt.tokenizer import TOKENIZER, eot_id, load_tokenizer
 
 __all__ = ["OnnxDecoder", "OnnxRunner", "OrtDecoder", "export_hf_checked", "export_onnx", "main", "to_onnx"]
 
@@ -255,8 +255,6 @@ def _check_output_dir(target: Path, overwrite: bool, marker: str) -> None:
                          "will not delete it; choose a new directory")
 
 
-def _eot(tok: Tokenizer | None) -> int | None:
-    return None if tok is None else next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
 
 
 def _io(values: list[Any]) -> list[dict[str, Any]]:
@@ -298,7 +296,7 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
             "format": "gptopt-onnx", "files": sorted(p.name for p in tmp.iterdir()) + [ONNX_META],
             "exporter": exporter, "opset": opset, "export_s": round(export_s, 2), "torch": torch.__version__,
             "model": model.config.to_dict(), "tokenizer": TOKENIZER if tokenizer is not None else None,
-            "eot_token_id": _eot(tokenizer),
+            "eot_token_id": None if tokenizer is None else eot_id(tokenizer),
             "inputs": _io(decoder.session.get_inputs()), "outputs": _io(decoder.session.get_outputs()),
             "usage": "prefill: past_* empty (batch, n_head, 0, head_dim); attention_mask 1 for real tokens, prompts "
                      "left-padded; position_ids = cumsum(attention_mask) - 1, at least 0. Decode: present_* back as "

@@ -2,7 +2,9 @@
 
 `gptopt generate`, the bench inference rungs and the server's continuous-batching engine all drive
 one `Generator`: `prefill` a prompt into a cache slot, `decode` one token for several slots at their
-own positions, `sample` the next tokens, `free` the slot. Shaped after gpt-fast's generate.py.
+own positions, `sample` the next tokens, `free` the slot. `begin` / `decode_next` / `sample_next` /
+`end` do the same for `Decoding`s, which hold each sequence's slot and tokens and decide when it
+ends. Shaped after gpt-fast's generate.py. Loading a model for it: inference.py.
 
     gptopt generate --model out/ "def fib(n):"
     echo "import os" | gptopt generate --model gpt2 --temperature 0 --max_new_tokens 32
@@ -21,25 +23,22 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from gptopt import checkpoint, hf
 from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
-from gptopt.data import EOT_CANDIDATES, TOKENIZER, load_tokenizer
 from gptopt.device import DevicePlan, resolve
+from gptopt.inference import compile_decode, load_for_inference
 from gptopt.model import GPT, KVCacheLayer
-from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
-from gptopt.quantize import describe, quantize_int8, restore
+from gptopt.tokenizer import eot_id
 
-__all__ = ["Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate",
-           "load_for_inference", "main", "stream"]
+__all__ = ["Decoding", "Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate", "main",
+           "stream"]
 
 log = logging.getLogger("gptopt")
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def unescape(text: str) -> str:
@@ -77,6 +76,52 @@ class SamplingParams:
     def from_config(cls, c: SamplingConfig) -> SamplingParams:
         return cls(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
                    repetition_penalty=c.repetition_penalty, seed=c.seed, stop=(unescape(c.stop),) if c.stop else ())
+
+
+# Why a sequence ended: a stop token id or stop string ("stop"), or its token budget ("length").
+Finish = Literal["stop", "length"]
+
+
+@dataclass(eq=False)
+class Decoding:
+    """One sequence in one cache slot, from its prefill to its end; `add` is the one end-of-sequence rule.
+
+    Generator.begin makes one, Generator.decode_next and sample_next advance a batch of them, and
+    Generator.end frees the slot: the CLI's token generators and the server's engine all use these.
+    """
+
+    slot: int
+    params: SamplingParams
+    prompt_len: int
+    budget: int  # new tokens it may take: max_new_tokens, capped so prompt + new tokens fit the cache
+    rng: torch.Generator | None  # Generator.rng(params.seed)
+    ids: list[int]  # the prompt, then the new tokens (the repetition penalty's history)
+    finish: Finish | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        """The new tokens so far."""
+        return self.ids[self.prompt_len :]
+
+    @property
+    def n_new(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    def add(self, token: int) -> Finish | None:
+        """Take the next sampled token; why the sequence ends with it, or None while it goes on.
+        A stop token id ends it ("stop") and is not kept; the budget's last token ends it ("length")."""
+        assert self.finish is None, "a finished sequence takes no more tokens"
+        if token in self.params.stop_token_ids:
+            self.finish = "stop"
+        else:
+            self.ids.append(token)
+            if self.n_new >= self.budget:
+                self.finish = "length"
+        return self.finish
+
+    def stop(self) -> None:
+        """End it after its last token: its text reached a stop string (StopChecker)."""
+        self.finish = "stop"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,7 +178,7 @@ class KVCache:
 class Generator:
     """Owns the model and one KVCache with max_batch_size slots; the single token generator behind CLI, bench and server.
 
-    Runs in the weights' dtype (load_for_inference casts them once), so there is no autocast here.
+    Runs in the weights' dtype (inference.load_for_inference casts them once), so there is no autocast here.
     Not thread-safe: one thread (the server's engine thread) drives it.
     """
 
@@ -153,16 +198,9 @@ class Generator:
         self.lengths = [0] * max_batch_size  # tokens cached per slot: where an idle row of a static decode writes
         self._used: set[int] = set()
         self._step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-        if compile:
-            if self.device.type == "cuda":
-                for t in self.cache.k + self.cache.v:
-                    torch._dynamo.mark_static_address(t)  # lets CUDA graphs update the cache in place
-            if self.device.type == "cuda":
-                self._step = compile_model(self._decode_all, mode="reduce-overhead")  # type: ignore[arg-type]
-            else:  # CPU: no graphs to capture
-                if max_batch_size <= GEMV_MAX_ROWS:
-                    gemv_linears(self.model)  # decode's matrix-vector products as fused multiply-sums
-                self._step = compile_model(self._decode_all, inference=True)  # type: ignore[arg-type]
+        if compile:  # the last inference transform (inference.py's step 5): it needs this cache
+            self._step = compile_decode(self._decode_all, self.model, self.cache.k + self.cache.v, self.device,
+                                        max_batch_size)
 
     # slots ------------------------------------------------------------------------------------
     def alloc(self) -> int:
@@ -177,6 +215,34 @@ class Generator:
         self._check_slot(slot)
         self._used.discard(slot)
         self.lengths[slot] = 0  # nothing to clear on the device: positions past a sequence are masked
+
+    @property
+    def free_slots(self) -> int:
+        return self.max_batch_size - len(self._used)
+
+    def begin(self, prompt: list[int], params: SamplingParams) -> tuple[Decoding, torch.Tensor]:
+        """Prefill `prompt` into the lowest free slot: its Decoding, and logits (V,) of its last token."""
+        slot = self.alloc()
+        try:
+            logits = self.prefill(slot, prompt)
+        except BaseException:
+            self.free(slot)
+            raise
+        budget = min(params.max_new_tokens, self.max_len - len(prompt))
+        return Decoding(slot=slot, params=params, prompt_len=len(prompt), budget=budget, rng=self.rng(params.seed),
+                        ids=list(prompt)), logits
+
+    def decode_next(self, seqs: Sequence[Decoding]) -> torch.Tensor:
+        """Feed each sequence's last token back at its position, in one forward: logits (B, V)."""
+        return self.decode([s.slot for s in seqs], [s.ids[-1] for s in seqs], [len(s.ids) - 1 for s in seqs])
+
+    def sample_next(self, logits: torch.Tensor, seqs: Sequence[Decoding]) -> list[int]:
+        """`sample` with each sequence's own parameters, history and random generator."""
+        return self.sample(logits, [s.params for s in seqs], [s.ids for s in seqs], [s.rng for s in seqs])
+
+    def end(self, seq: Decoding) -> None:
+        """Free the sequence's slot, however it ended."""
+        self.free(seq.slot)
 
     def rng(self, seed: int | None) -> torch.Generator | None:
         """A per-sequence random generator on the device for `sample`, or None (the global RNG) without a seed."""
@@ -315,7 +381,7 @@ class Generator:
 
 
 def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
-         finished: set[int]) -> Iterator[tuple[int, int | None, str | None]]:
+         finished: set[int]) -> Iterator[tuple[int, int | None, Finish | None]]:
     """Decode prompts together: yields (row, token, finish) as tokens come. finish is None while the
     row goes on, "length" on its last token, "stop" with token None for a stop token id. Rows the
     caller adds to `finished` end after their current token. Slots are freed however this ends."""
@@ -323,39 +389,33 @@ def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
         raise ValueError(f"{len(prompts)} prompts exceed the {gen.max_batch_size} cache slots")
     for p in prompts:
         gen.check_prompt(p)
-    slots: list[int] = []
+    seqs: list[Decoding] = []
     try:
-        for _ in prompts:
-            slots.append(gen.alloc())
-        budgets = [min(params.max_new_tokens, gen.max_len - len(p)) for p in prompts]
-        rngs = [gen.rng(params.seed) for _ in prompts]
-        histories = [list(p) for p in prompts]
-        logits = torch.stack([gen.prefill(s, p) for s, p in zip(slots, prompts, strict=True)])
+        first: list[torch.Tensor] = []
+        for p in prompts:
+            seq, logits = gen.begin(p, params)
+            seqs.append(seq)
+            first.append(logits)
+        logits = torch.stack(first)
         active = list(range(len(prompts)))
         while active:
-            tokens = gen.sample(logits, [params] * len(active), [histories[i] for i in active],
-                                [rngs[i] for i in active])
+            tokens = gen.sample_next(logits, [seqs[i] for i in active])
             going = []
             for i, t in zip(active, tokens, strict=True):
-                if t in params.stop_token_ids:
-                    yield i, None, "stop"
-                    continue
-                histories[i].append(t)
-                last = len(histories[i]) - len(prompts[i]) >= budgets[i]
-                yield i, t, "length" if last else None
-                if not last and i not in finished:
+                finish = seqs[i].add(t)
+                yield i, None if finish == "stop" else t, finish
+                if finish is None and i not in finished:
                     going.append(i)
             active = going
             if active:
-                logits = gen.decode([slots[i] for i in active], [histories[i][-1] for i in active],
-                                    [len(histories[i]) - 1 for i in active])
+                logits = gen.decode_next([seqs[i] for i in active])
     finally:
-        for s in slots:
-            gen.free(s)
+        for seq in seqs:
+            gen.end(seq)
 
 
 def complete(gen: Generator, prompts: list[list[int]], params: SamplingParams,
-             on_token: Callable[[int, int], bool] | None = None) -> list[tuple[list[int], str]]:
+             on_token: Callable[[int, int], bool] | None = None) -> list[tuple[list[int], Finish]]:
     """(new token ids, finish reason "stop" | "length") per prompt, decoded in groups of gen.max_batch_size.
 
     on_token(row, token) is called for every new token; returning True ends that row ("stop"), e.g.
@@ -364,7 +424,7 @@ def complete(gen: Generator, prompts: list[list[int]], params: SamplingParams,
     for p in prompts:
         gen.check_prompt(p)  # every prompt, before any work
     out: list[list[int]] = [[] for _ in prompts]
-    reasons = ["length"] * len(prompts)
+    reasons: list[Finish] = ["length"] * len(prompts)
     for start in range(0, len(prompts), gen.max_batch_size):
         finished: set[int] = set()
         for row, token, finish in _run(gen, prompts[start : start + gen.max_batch_size], params, finished):
@@ -453,101 +513,7 @@ class StopChecker:
 
 
 # ----------------------------------------------------------------------------------------------
-# Loading
-
-
-# Names that are hub models rather than missing directories: GPT-2's own, or anything "org/name".
-_HUB_NAME = re.compile(r"(openai-community/)?(distil)?gpt2(-medium|-large|-xl)?|[\w.-]+/[\w.-]+")
-_NO_MODEL = ("train one first (`gptopt train --output_dir {0}`), or pass --model: a training output dir, "
-             "a checkpoint dir, a Hugging Face GPT-2 dir or a hub name like gpt2")
-
-
-def model_source(model: str) -> Path | str:
-    """The directory (or hub name) to load: a training output dir means its latest checkpoint."""
-    p = Path(model).expanduser()
-    if p.is_dir():
-        latest = checkpoint.latest_checkpoint(p)
-        if latest is not None:
-            return latest
-        if not checkpoint.is_gptopt_dir(p) and not (p / hf.HF_CONFIG).is_file():
-            raise ValueError(f"--model {p}: no checkpoint or model files in this directory; " + _NO_MODEL.format(p))
-        return p
-    if p.exists():
-        raise ValueError(f"--model {p} is a file; give the model's directory")
-    if _HUB_NAME.fullmatch(model):
-        return model
-    raise ValueError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
-
-
-def find_tokenizer(source: Path | str) -> Tokenizer:
-    """meta["tokenizer"] of a gptopt checkpoint, else tokenizer files beside the model, else GPT-2's."""
-    ours = isinstance(source, Path) and checkpoint.is_gptopt_dir(source)
-    recorded = checkpoint.read_meta(source).get("tokenizer") if ours else None
-    candidates = [recorded] if recorded else []
-    if isinstance(source, Path):  # a folder with tokenizer.json (or GPT-2's vocab.json + merges.txt)
-        candidates += [str(d) for d in (source, source.parent)
-                       if (d / TOKENIZER).is_file() or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()]
-    for c in candidates:
-        if Path(c).exists():
-            return load_tokenizer(c)
-    if not ours:  # a GPT-2 from the hub or a HF folder without tokenizer files: GPT-2's own
-        for name in dict.fromkeys(([source] if isinstance(source, str) else []) + ["gpt2"]):
-            with contextlib.suppress(ValueError):
-                return load_tokenizer(name)
-    where = f"{recorded} (recorded in the checkpoint), " if recorded else ""
-    raise ValueError(f"no tokenizer found for {source} (looked for {where}tokenizer.json beside the model"
-                     f"{'' if ours else ', GPT-2s from the Hugging Face Hub'}); pass --tokenizer with the "
-                     "tokenizer.json the model was trained with (or a folder holding it)")
-
-
-def _weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
-    """auto: the plan's half precision on GPUs (bf16 from sm_80, else fp16), fp32 on CPUs (no autocast there)."""
-    if name == "auto":
-        return torch.float32 if plan.device.type == "cpu" else (plan.amp_dtype or torch.float32)
-    if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
-    return _DTYPES[name]
-
-
-def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, dtype: str = "auto",
-                       quantize: str = "none", layout: bool = True) -> tuple[GPT, Tokenizer]:
-    """The model (eval, on plan.device, in `dtype`) and its tokenizer, from a training output dir (its
-    latest checkpoint), a checkpoint or model dir, a Hugging Face GPT-2 dir or a hub name.
-
-    layout: store fp weights in the layout that runs inference fastest (prepare_model.inference_layout);
-    False for a caller that transforms the weights further (gptopt compress)."""
-    if quantize not in ("none", "int8"):
-        raise ValueError(f"unknown quantize {quantize!r}; choose none or int8")
-    source = model_source(model)
-    dt = _weights_dtype(dtype, plan)
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else find_tokenizer(source)
-    net = hf.load_pretrained(source)  # a compressed checkpoint comes back dequantised, in fp32
-    if tok.get_vocab_size() > net.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, the model only {net.config.vocab_size}: "
-                         "they do not belong together; pass the --tokenizer the model was trained with")
-    record = checkpoint.read_meta(source).get("compression") if isinstance(source, Path) and \
-        checkpoint.is_gptopt_dir(source) else None
-    if record and quantize != "none":
-        raise ValueError(f"--model {source} is already compressed ({describe(record)}, by gptopt compress); "
-                         "drop --quantize")
-    log.info("model %s: %.1fM parameters, %s weights on %s (generation runs in the weights' dtype, no autocast)",
-             source, net.num_params() / 1e6, describe(record) if record else str(dt).removeprefix("torch."),
-             plan.device)
-    # The recorded compression is rebuilt for this device, with the integers stored on disk.
-    net = (restore(net, record, plan, dt) if record else net.to(device=plan.device, dtype=dt)).eval()
-    if quantize == "int8":
-        quantize_int8(net, plan)
-    if layout:
-        inference_layout(net, plan.device.type)  # CPU: the batch-1 linears' fast operand layout
-    return net, tok
-
-
-# ----------------------------------------------------------------------------------------------
 # CLI
-
-
-def _eot(tok: Tokenizer) -> int | None:
-    return next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
 
 
 def _encode(tok: Tokenizer, text: str, eot: int | None) -> list[int]:
@@ -632,7 +598,7 @@ def main(cfg: GenerateConfig) -> int:
     plan = resolve(cfg.device, quiet=True)
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
                                     quantize=cfg.quantize)
-    eot = _eot(tok)
+    eot = eot_id(tok)
     params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=() if eot is None else (eot,))
     gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile)
     encoded = [_encode(tok, text, eot) for text in (batch or [_prompt_text(cfg.prompt)])]

@@ -2,7 +2,7 @@
 compressed checkpoint format from which the loader rebuilds the quantised modules.
 
 `gptopt compress` (compress.py) applies these transforms and measures them. `load_for_inference`
-(generate.py) sees a checkpoint's `compression` record and calls `restore`, so generate and serve
+(inference.py) sees a checkpoint's `compression` record and calls `restore`, so generate and serve
 load a compressed directory like any other.
 
     gptopt compress --model out --output out-int8 --quantize int8-dynamic
@@ -337,9 +337,9 @@ def restore(model: GPT, record: dict[str, Any], plan: DevicePlan, dtype: torch.d
 
 def quantize_int8(model: GPT, plan: DevicePlan) -> GPT:
     """torchao int8 weight-only on every Linear, on the fly: half of bf16's bytes read per decode step (gpt-fast's int8)."""
-    quant = require("torchao.quantization", "quant", "--quantize int8")
+    quant = require("torchao.quantization", "quant", "--quantize int8-weight")
     if plan.device.type == "cpu":
-        log.warning("--quantize int8 on a CPU: torchao's int8 kernels measured slower than fp32 on CPUs "
+        log.warning("--quantize int8-weight on a CPU: torchao's int8 kernels measured slower than fp32 on CPUs "
                     "(docs: 2-core AVX-512, torch 2.13); running it as asked, compare tokens/s with --quantize none")
     quant.quantize_(model, quant.Int8WeightOnlyConfig())
     return model

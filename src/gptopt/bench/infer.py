@@ -33,9 +33,8 @@ from gptopt.device import DevicePlan, environment, memory_bandwidth
 from gptopt.export import OnnxRunner
 from gptopt.extras import EXTRAS, has, require
 from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.inference import prepare, weights_dtype
 from gptopt.model import GPT
-from gptopt.prepare_model import inference_layout
-from gptopt.quantize import quantize_int8
 from gptopt.step import is_oom
 
 log = logging.getLogger("gptopt")
@@ -207,9 +206,7 @@ class InferBench:
         top = cfg.batch_size or (64 if gpu else 16)
         self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < top] + [top]
         self.repeats = max(3, cfg.steps // 3)
-        # The device's inference dtype, as load_for_inference's "auto": fp32 on CPUs, the plan's half on GPUs.
-        cpu = self.plan.device.type == "cpu"
-        self.base_dtype = torch.float32 if cpu else (self.plan.amp_dtype or torch.float32)
+        self.base_dtype = weights_dtype("auto", self.plan)  # the device's inference dtype, as generate and serve load
         self.prompts = self._prompts(self.batch_sizes[-1])
         torch.manual_seed(cfg.seed)
         init = GPT(self.model_config)
@@ -286,10 +283,8 @@ class InferBench:
         elif rung.onnx:
             runner, kv_dtype = OnnxRunner(self._model(torch.float32)), torch.float32
         else:
-            model = self._model(dtype)
-            if rung.int8:
-                quantize_int8(model, plan)
-            inference_layout(model, plan.device.type)  # as load_for_inference serves it
+            # The transforms generate and serve apply, in their order (dtype, int8, layout).
+            model = prepare(self._model(dtype), plan, dtype=dtype, quantize="int8-weight" if rung.int8 else "none")
             kv_dtype = model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
             runner = GptoptRunner(model, plan, self.max_len, compile=rung.compile)
         p0 = self.prompts[0]

@@ -25,7 +25,11 @@ from pathlib import Path
 from typing import Any
 
 from gptopt.config import ServeConfig
+from gptopt.device import resolve
 from gptopt.extras import require
+from gptopt.generate import Generator, SamplingParams
+from gptopt.inference import load_for_inference
+from gptopt.tokenizer import eot_id
 
 for _module in ("fastapi", "uvicorn"):
     require(_module, "serve", "gptopt serve")
@@ -37,7 +41,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa:
 from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
-from gptopt.serve.engine import Draining, Engine, Event, QueueFull, asyncio_sink, load_blocklist  # noqa: E402
+from gptopt.serve.engine import (  # noqa: E402
+    COMPLETED,
+    Draining,
+    Engine,
+    Event,
+    QueueFull,
+    asyncio_sink,
+    load_blocklist,
+)
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -187,10 +199,29 @@ def _finish_error(ev: Event, timeout: float) -> APIError:
 
 def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) -> FastAPI:
     """The app for `cfg`. Without `model`, loads cfg.model (and its tokenizer) now, once; warms up."""
-    from gptopt.data import eot_id
-    from gptopt.device import resolve
-    from gptopt.generate import Generator, SamplingParams, load_for_inference
+    engine = _engine(cfg, model, tokenizer)
+    api = _API(cfg, engine)
 
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        await asyncio.to_thread(engine.shutdown, cfg.request_timeout)  # drain: finish in-flight requests
+
+    app = FastAPI(title="gptopt", version="1", lifespan=lifespan,
+                  description="GPT-2-class text generation: the playbook's /generate and OpenAI /v1/completions")
+    app.state.engine, app.state.metrics, app.state.model_name = engine, engine.metrics, api.model_name
+    if cfg.cors_origin:
+        app.add_middleware(CORSMiddleware, allow_origins=[cfg.cors_origin], allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"])
+    app.add_middleware(_Guard, metrics=engine.metrics)
+    _add_error_handlers(app)
+    api.add_routes(app)
+    return app
+
+
+def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> Engine:
+    """The model (loaded now unless given) in a Generator, in a warmed-up engine that is not started yet."""
     plan = resolve(cfg.device, quiet=True)
     if model is None:
         model, tokenizer = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
@@ -205,27 +236,13 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
         engine.warmup()
     except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel
         raise ValueError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
-                         "lower --max_batch_size, or use --dtype bf16 or --quantize int8") from None
+                         "lower --max_batch_size, or use --dtype bf16 or --quantize int8-weight") from None
     metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
-    eot = eot_id(tokenizer)
-    context = generator.max_len
-    model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name or cfg.model
-    api_key = cfg.api_key or os.environ.get("GPTOPT_API_KEY")
-    started = int(time.time())
+    return engine
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        await asyncio.to_thread(engine.shutdown, cfg.request_timeout)  # drain: finish in-flight requests
 
-    app = FastAPI(title="gptopt", version="1", lifespan=lifespan,
-                  description="GPT-2-class text generation: the playbook's /generate and OpenAI /v1/completions")
-    app.state.engine, app.state.metrics, app.state.model_name = engine, metrics, model_name
-    if cfg.cors_origin:
-        app.add_middleware(CORSMiddleware, allow_origins=[cfg.cors_origin], allow_methods=["GET", "POST"],
-                           allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(_Guard, metrics=metrics)
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every error, ours or the framework's, in OpenAI's body."""
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
@@ -242,28 +259,90 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code, headers=e.headers)
 
-    async def authorize(request: Request) -> None:
-        if api_key is None:
+
+def _check_completion(body: CompletionRequest, prompts: list[str], stop: list[str], model_name: str,
+                      max_tokens_limit: int) -> None:
+    """The request limits of /v1/completions that need no tokenizer (the schema checked the rest)."""
+    if body.model is not None and body.model != model_name:
+        raise APIError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
+                       param="model", code="model_not_found")
+    if not 1 <= len(prompts) <= MAX_PROMPTS:
+        raise APIError(400, f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings", param="prompt")
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise APIError(400, f"len(prompt) x n may be at most {MAX_CHOICES}", param="n")
+    if body.max_tokens is not None and body.max_tokens > max_tokens_limit:
+        raise APIError(400, f"max_tokens may be at most {max_tokens_limit}", param="max_tokens")
+    if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"stop: up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
+                       param="stop")
+    if body.logprobs is not None:
+        raise APIError(400, "logprobs are not supported", param="logprobs")
+
+
+class _API:
+    """The routes over one engine: request checks that need the model or tokenizer, the way into the
+    engine and back (submit, collect), and the handlers."""
+
+    def __init__(self, cfg: ServeConfig, engine: Engine) -> None:
+        self.cfg, self.engine, self.tokenizer = cfg, engine, engine.tokenizer
+        eot = eot_id(self.tokenizer)  # read only: the tokenizer served is the one the model was trained with
+        self.stop_ids = () if eot is None else (eot,)
+        self.context = engine.generator.max_len
+        self.model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name or cfg.model
+        self.api_key = cfg.api_key or os.environ.get("GPTOPT_API_KEY")
+        self.started = int(time.time())
+
+    def add_routes(self, app: FastAPI) -> None:
+        auth = [Depends(self.authorize)]
+        app.post("/v1/completions", dependencies=auth)(self.completions)
+        app.post("/generate", dependencies=auth, response_model=GenerateResponse)(self.generate)
+        app.get("/v1/models", dependencies=auth)(self.models)
+        app.get("/health")(self.health)
+        app.get("/ready")(self.ready)
+        app.get("/metrics")(self.prometheus_metrics)
+
+    # -- checks ---------------------------------------------------------------------------------
+
+    async def authorize(self, request: Request) -> None:
+        if self.api_key is None:
             return
         given = request.headers.get("authorization", "")
         token = given[7:] if given[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
+        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
             raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
                            code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
-    def check_prompt(text: str, param: str) -> None:
+    def check_prompt(self, text: str, param: str) -> None:
         if not text:
             raise APIError(400, "the prompt is empty", param=param)
-        if any(p.search(text) for p in engine.blocklist):
+        if any(p.search(text) for p in self.engine.blocklist):
             raise APIError(400, "the prompt contains blocked content", param=param, code="content_filter")
 
-    def submit(prompts: list[list[int]], params: list[Any]) -> tuple[asyncio.Queue[Event], list[Any]]:
+    def fit(self, ids: list[int], max_tokens: int | None, param: str) -> int:
+        """max_tokens for this prompt, or 400 context_length_exceeded."""
+        room = self.context - len(ids)
+        if room < 1:
+            raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {self.context} tokens",
+                           param="prompt", code="context_length_exceeded")
+        if max_tokens is None:
+            return min(room, self.cfg.max_tokens_limit)
+        if max_tokens > room:
+            raise APIError(400, f"the prompt ({len(ids)} tokens) plus {param}={max_tokens} exceeds this model's "
+                           f"context of {self.context} tokens", param=param, code="context_length_exceeded")
+        return max_tokens
+
+    async def encode(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in await asyncio.to_thread(self.tokenizer.encode_batch, texts)]
+
+    # -- into the engine and back -----------------------------------------------------------------
+
+    def submit(self, prompts: list[list[int]], params: list[Any]) -> tuple[asyncio.Queue[Event], list[Any]]:
         """Every sequence into the engine, or none of them (429 / 503)."""
         queue: asyncio.Queue[Event] = asyncio.Queue()
         sink, reqs = asyncio_sink(queue), []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-                reqs.append(engine.submit(ids, p, sink, index=i))
+                reqs.append(self.engine.submit(ids, p, sink, index=i))
         except (QueueFull, Draining) as e:
             for r in reqs:
                 r.cancel()
@@ -273,7 +352,7 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
                            headers={"Retry-After": str(e.retry_after)}) from None
         return queue, reqs
 
-    async def collect(request: Request, queue: asyncio.Queue[Event], reqs: list[Any]) -> list[Event]:
+    async def collect(self, request: Request, queue: asyncio.Queue[Event], reqs: list[Any]) -> list[Event]:
         """Wait for every sequence; the accumulated text and the last event's reason, per sequence."""
         texts, results = [""] * len(reqs), [Event(i, "") for i in range(len(reqs))]
         watcher = asyncio.create_task(_watch_disconnect(request, reqs))
@@ -282,117 +361,82 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
                 while (ev := await queue.get()).finish_reason is None:
                     texts[ev.index] += ev.text
                 ev.text, results[ev.index] = texts[ev.index] + ev.text, ev
-                if ev.finish_reason not in ("stop", "length", "content_filter"):
+                if ev.finish_reason not in COMPLETED:
                     for r in reqs:
                         r.cancel()
                     if watcher.done():  # the client left; nginx's 499 keeps these apart in /metrics
                         raise APIError(499, "the client closed the request", code="client_closed_request")
-                    raise _finish_error(ev, cfg.request_timeout)
+                    raise _finish_error(ev, self.cfg.request_timeout)
         finally:
             watcher.cancel()
             for r in reqs:  # no-op for finished requests; frees the others if we were cancelled
                 r.cancel()
         return results
 
-    async def encode(texts: list[str]) -> list[list[int]]:
-        return [e.ids for e in await asyncio.to_thread(tokenizer.encode_batch, texts)]
+    # -- handlers -------------------------------------------------------------------------------
 
-    def fit(ids: list[int], max_tokens: int | None, param: str) -> int:
-        """max_tokens for this prompt, or 400 context_length_exceeded."""
-        room = context - len(ids)
-        if room < 1:
-            raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {context} tokens",
-                           param="prompt", code="context_length_exceeded")
-        if max_tokens is None:
-            return min(room, cfg.max_tokens_limit)
-        if max_tokens > room:
-            raise APIError(400, f"the prompt ({len(ids)} tokens) plus {param}={max_tokens} exceeds this model's "
-                           f"context of {context} tokens", param=param, code="context_length_exceeded")
-        return max_tokens
-
-    @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest, request: Request) -> Any:
-        if body.model is not None and body.model != model_name:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
-                           param="model", code="model_not_found")
+    async def completions(self, body: CompletionRequest, request: Request) -> Any:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        if not 1 <= len(prompts) <= MAX_PROMPTS:
-            raise APIError(400, f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings", param="prompt")
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise APIError(400, f"len(prompt) x n may be at most {MAX_CHOICES}", param="n")
-        if body.max_tokens is not None and body.max_tokens > cfg.max_tokens_limit:
-            raise APIError(400, f"max_tokens may be at most {cfg.max_tokens_limit}", param="max_tokens")
-        if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
-            raise APIError(400, f"stop: up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
-                           param="stop")
-        if body.logprobs is not None:
-            raise APIError(400, "logprobs are not supported", param="logprobs")
+        _check_completion(body, prompts, stop, self.model_name, self.cfg.max_tokens_limit)
         for text in prompts:
-            check_prompt(text, "prompt")
-        ids = await encode(prompts)
-        budgets = [fit(x, body.max_tokens, "max_tokens") for x in ids]
+            self.check_prompt(text, "prompt")
+        ids = await self.encode(prompts)
+        budgets = [self.fit(x, body.max_tokens, "max_tokens") for x in ids]
         seqs, params = [], []
         for i, (x, budget) in enumerate(zip(ids, budgets, strict=True)):
             for j in range(body.n):
                 seqs.append(x)
                 params.append(SamplingParams(
                     max_new_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                    repetition_penalty=body.repetition_penalty, stop=tuple(stop), stop_token_ids=(eot,),
+                    repetition_penalty=body.repetition_penalty, stop=tuple(stop), stop_token_ids=self.stop_ids,
                     seed=None if body.seed is None else body.seed + i * body.n + j))  # choices differ
-        queue, reqs = submit(seqs, params)
+        queue, reqs = self.submit(seqs, params)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": model_name}
+                "model": self.model_name}
         echo = [prompts[k // body.n] if body.echo else "" for k in range(len(seqs))]
         prompt_tokens = sum(len(x) for x in ids)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(
-                _sse(request, queue, reqs, head, echo, prompt_tokens, usage, cfg.request_timeout),
+                _sse(request, queue, reqs, head, echo, prompt_tokens, usage, self.cfg.request_timeout),
                 media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        results = await collect(request, queue, reqs)
+        results = await self.collect(request, queue, reqs)
         completion_tokens = sum(r.completion_tokens for r in results)
         return {**head, "choices": [{"index": r.index, "text": echo[r.index] + r.text, "logprobs": None,
                                      "finish_reason": r.finish_reason} for r in results],
                 "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                           "total_tokens": prompt_tokens + completion_tokens}}
 
-    @app.post("/generate", dependencies=[Depends(authorize)], response_model=GenerateResponse)
-    async def generate(body: GenerateRequest, request: Request) -> GenerateResponse:
+    async def generate(self, body: GenerateRequest, request: Request) -> GenerateResponse:
         t0 = time.perf_counter()
-        check_prompt(body.prompt, "prompt")
-        (ids,) = await encode([body.prompt])
-        budget = fit(ids, None, "max_length")
+        self.check_prompt(body.prompt, "prompt")
+        (ids,) = await self.encode([body.prompt])
+        budget = self.fit(ids, None, "max_length")
         if body.max_length <= len(ids):
             raise APIError(400, f"max_length ({body.max_length}) must exceed the prompt's {len(ids)} tokens: it "
                            "counts the prompt too", param="max_length")
         params = SamplingParams(max_new_tokens=min(budget, body.max_length - len(ids)),
                                 temperature=body.temperature, top_k=None, top_p=1.0, repetition_penalty=1.0,
-                                seed=None, stop=(), stop_token_ids=(eot,))
-        queue, reqs = submit([ids], [params])
-        (result,) = await collect(request, queue, reqs)
+                                seed=None, stop=(), stop_token_ids=self.stop_ids)
+        queue, reqs = self.submit([ids], [params])
+        (result,) = await self.collect(request, queue, reqs)
         return GenerateResponse(generated_text=body.prompt + result.text, inference_time=time.perf_counter() - t0)
 
-    @app.get("/v1/models", dependencies=[Depends(authorize)])
-    async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": started,
-                                            "owned_by": "gptopt", "max_model_len": context}]}
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
+                                            "owned_by": "gptopt", "max_model_len": self.context}]}
 
-    @app.get("/health")
-    async def health() -> dict[str, str]:
+    async def health(self) -> dict[str, str]:
         return {"status": "ok"}  # liveness: the process answers
 
-    @app.get("/ready")
-    async def ready() -> JSONResponse:
-        if engine.draining or not engine.alive:
-            return JSONResponse({"status": "draining" if engine.draining else "starting"}, 503)
-        return JSONResponse({"status": "ready", **engine.stats()})
+    async def ready(self) -> JSONResponse:
+        if self.engine.draining or not self.engine.alive:
+            return JSONResponse({"status": "draining" if self.engine.draining else "starting"}, 503)
+        return JSONResponse({"status": "ready", **self.engine.stats()})
 
-    @app.get("/metrics")
-    async def prometheus_metrics() -> Response:
-        return Response(metrics.render(), media_type=CONTENT_TYPE)
-
-    return app
+    async def prometheus_metrics(self) -> Response:
+        return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
 
 
 async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], head: dict[str, Any],
@@ -420,7 +464,7 @@ async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], h
                 continue
             open_ -= 1
             completion_tokens += ev.completion_tokens
-            if ev.finish_reason not in ("stop", "length", "content_filter"):
+            if ev.finish_reason not in COMPLETED:
                 yield frame(_finish_error(ev, timeout).body())
                 break
             yield chunk(ev.index, ev.text, ev.finish_reason)

@@ -25,16 +25,18 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
-from gptopt.generate import Generator, SamplingParams, StopChecker
+from gptopt.generate import Decoding, Generator, SamplingParams, StopChecker
 
 log = logging.getLogger(__name__)
 
-# Why a sequence ended. stop/length/content_filter are OpenAI's; the others end it without a result.
-FINISH_REASONS = ("stop", "length", "content_filter", "cancelled", "timeout", "error")
+# Why a sequence ended. stop/length/content_filter are OpenAI's and come with a result (COMPLETED);
+# the others end it without one.
+FinishReason = Literal["stop", "length", "content_filter", "cancelled", "timeout", "error"]
+COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter")
 
 
 class QueueFull(Exception):
@@ -55,7 +57,7 @@ class Event:
 
     index: int  # which sequence of the client's request (OpenAI's choice index)
     text: str  # complete UTF-8 characters only; "" when the new token's text is held back
-    finish_reason: str | None = None  # set on the last event of the sequence
+    finish_reason: FinishReason | None = None  # set on the last event of the sequence
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
@@ -130,13 +132,11 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from the client thread; a plain bool store is atomic
     # engine state
-    slot: int = -1
-    tokens: list[int] = field(default_factory=list)  # generated so far
+    seq: Decoding | None = None  # its slot, tokens and end-of-sequence rule, from admission on
     admitted: float = 0.0
     last_token: float = 0.0
     text: StopChecker | None = None  # incremental detokenizer: whole characters, stop strings
     filter: TextFilter | None = None
-    rng: torch.Generator | None = None
     engine: Engine | None = None
 
     def cancel(self) -> None:
@@ -146,8 +146,8 @@ class Request:
             self.engine.wake()
 
     @property
-    def history(self) -> list[int]:
-        return self.prompt + self.tokens
+    def completion_tokens(self) -> int:
+        return 0 if self.seq is None else self.seq.n_new
 
 
 class Engine:
@@ -164,8 +164,7 @@ class Engine:
         self.metrics = metrics  # serve.metrics.ServeMetrics or None
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
-        self._running: list[Request] = []  # engine thread only
-        self._free = list(range(generator.max_batch_size - 1, -1, -1))  # engine thread only
+        self._running: list[Request] = []  # engine thread only; the generator tracks their slots
         self._n_running = 0  # mirror of len(_running), read under the lock by stats()
         self._draining = False
         self._stop = False
@@ -291,13 +290,12 @@ class Engine:
         return True
 
     def _admit(self) -> None:
-        while self._free:
+        while self.generator.free_slots:
             with self._cv:
                 if not self._waiting:
                     return
                 req = self._waiting.popleft()
                 self._n_running += 1
-            req.slot = self._free.pop()
             self._running.append(req)
             req.admitted = time.perf_counter()
             if self.metrics is not None:
@@ -305,10 +303,9 @@ class Engine:
                 self.metrics.prompt_tokens.inc(len(req.prompt))
             req.text = StopChecker(self.tokenizer, req.params.stop)
             req.filter = TextFilter(self.blocklist) if self.blocklist else None
-            req.rng = self.generator.rng(req.params.seed)
             try:
-                logits = self.generator.prefill(req.slot, req.prompt)
-                token = self.generator.sample(logits[None], [req.params], [req.history], [req.rng])[0]
+                req.seq, logits = self.generator.begin(req.prompt, req.params)
+                token = self.generator.sample_next(logits[None], [req.seq])[0]
             except Exception as e:  # one bad request (or out of memory) must not take the server down
                 log.exception("prefill failed")
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
@@ -317,12 +314,10 @@ class Engine:
 
     def _decode(self) -> None:
         reqs = list(self._running)
+        seqs = [r.seq for r in reqs if r.seq is not None]
         try:
-            logits = self.generator.decode(
-                [r.slot for r in reqs], [r.tokens[-1] for r in reqs], [len(r.history) - 1 for r in reqs]
-            )
-            tokens = self.generator.sample(logits, [r.params for r in reqs], [r.history for r in reqs],
-                                           [r.rng for r in reqs])
+            logits = self.generator.decode_next(seqs)
+            tokens = self.generator.sample_next(logits, seqs)
         except Exception as e:
             log.exception("decode step failed")
             for r in reqs:
@@ -334,28 +329,25 @@ class Engine:
 
     def _accept(self, req: Request, token: int) -> None:
         """Record one sampled token: send its text, and finish the request if it is done."""
+        seq, checker = req.seq, req.text
+        assert seq is not None and checker is not None
         now = time.perf_counter()
         if self.metrics is not None:
             self.metrics.generated_tokens.inc()
-            if req.tokens:
+            if seq.n_new:
                 self.metrics.itl.observe(now - req.last_token)
             else:
                 self.metrics.ttft.observe(now - req.submitted)
         req.last_token = now
-        req.tokens.append(token)
-        p = req.params
-        if token in p.stop_token_ids:
-            req.tokens.pop()  # the end-of-text token is no text and no completion token
+        reason: FinishReason | None = seq.add(token)
+        if reason == "stop":  # a stop token id (end-of-text): no text and no completion token
             return self._finish(req, "stop")
-        assert req.text is not None
-        text = req.text.add(token)
-        reason = "stop" if req.text.stopped else None
-        if reason is None and len(req.tokens) >= p.max_new_tokens:
-            reason = "length"
-        if reason is None and len(req.history) >= self.generator.max_len:
-            reason = "length"  # the context is full: the last token cannot be fed back
+        text = checker.add(token)
+        if checker.stopped:
+            seq.stop()
+            reason = "stop"
         if reason is not None:
-            text += req.text.finish()  # "" after a stop string
+            text += checker.finish()  # "" after a stop string
         if req.filter is not None:
             text, matched = req.filter.push(text, final=reason is not None)
             if matched:
@@ -363,22 +355,22 @@ class Engine:
         if reason is not None:
             return self._finish(req, reason, text=text)
         if text:
-            req.sink(Event(req.index, text, completion_tokens=len(req.tokens)))
+            req.sink(Event(req.index, text, completion_tokens=req.completion_tokens))
 
-    def _finish(self, req: Request, reason: str, *, text: str = "", error: str | None = None) -> None:
+    def _finish(self, req: Request, reason: FinishReason, *, text: str = "", error: str | None = None) -> None:
         """Free the request's slot (if it has one) and send its last event."""
-        if req.slot >= 0 and req in self._running:
+        if req in self._running:
             self._running.remove(req)
-            self.generator.free(req.slot)
-            self._free.append(req.slot)
+            if req.seq is not None:  # None: its prefill failed, and begin freed the slot
+                self.generator.end(req.seq)
             with self._cv:
                 self._n_running -= 1
                 self._cv.notify_all()  # shutdown() waits for the engine to empty
         latency = time.perf_counter() - req.submitted
         if self.metrics is not None:
             self.metrics.finished.labels(reason).inc()
-            if reason in ("stop", "length", "content_filter"):
+            if reason in COMPLETED:
                 self.metrics.e2e.observe(latency)
-        if reason in ("stop", "length", "content_filter"):
+        if reason in COMPLETED:
             self._mean_latency = 0.9 * self._mean_latency + 0.1 * latency
-        req.sink(Event(req.index, text, reason, len(req.prompt), len(req.tokens), error))
+        req.sink(Event(req.index, text, reason, len(req.prompt), req.completion_tokens, error))

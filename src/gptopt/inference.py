@@ -1,0 +1,166 @@
+"""Loading a model for inference, and the inference transforms, in one fixed order.
+
+    python -c "from gptopt.inference import load_for_inference; help(load_for_inference)"
+
+What prepare_model.prepare is for training, this is for generate, serve, bench --mode infer,
+compress and export. The order, and why it is this one:
+
+  1. model_source: `--model` -> a directory (a training output dir means its latest checkpoint)
+     or a hub name.
+  2. find_tokenizer: the tokenizer the checkpoint recorded, else one beside the model, else GPT-2's.
+  3. weights: hf.load_pretrained (a compressed checkpoint comes back dequantised, in fp32).
+  4. prepare, once per model:
+     a. dtype and device (weights_dtype), or a compressed checkpoint rebuilt for this device
+        (quantize.restore, which needs the fp32 weights of step 3 to recover the stored integers);
+     b. int8 weight-only (quantize_int8): swaps weights for torchao tensors, so after the cast;
+     c. weight layout (prepare_model.inference_layout): float weights only, so after int8.
+  5. compile_decode, once per Generator (it needs the KV cache, which the Generator owns):
+     static cache addresses for CUDA graphs, or on CPUs the gemv Linears (prepare_model.gemv_linears,
+     which undo step c's layout: they read row-major weights), then torch.compile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from tokenizers import Tokenizer
+
+from gptopt import checkpoint, hf
+from gptopt.device import DevicePlan
+from gptopt.model import GPT
+from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
+from gptopt.quantize import describe, quantize_int8, restore
+from gptopt.tokenizer import TOKENIZER, load_tokenizer
+
+__all__ = ["QUANTIZE", "compile_decode", "find_tokenizer", "load_for_inference", "model_source", "prepare",
+           "weights_dtype"]
+
+log = logging.getLogger("gptopt")
+
+# --quantize of generate and serve: int8-weight is the name gptopt compress gives the same method.
+QUANTIZE = ("none", "int8-weight")
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+# Names that are hub models rather than missing directories: GPT-2's own, or anything "org/name".
+_HUB_NAME = re.compile(r"(openai-community/)?(distil)?gpt2(-medium|-large|-xl)?|[\w.-]+/[\w.-]+")
+_NO_MODEL = ("train one first (`gptopt train --output_dir {0}`), or pass --model: a training output dir, "
+             "a checkpoint dir, a Hugging Face GPT-2 dir or a hub name like gpt2")
+
+
+def model_source(model: str) -> Path | str:
+    """The directory (or hub name) to load: a training output dir means its latest checkpoint."""
+    p = Path(model).expanduser()
+    if p.is_dir():
+        latest = checkpoint.latest_checkpoint(p)
+        if latest is not None:
+            return latest
+        if not checkpoint.is_gptopt_dir(p) and not (p / hf.HF_CONFIG).is_file():
+            raise ValueError(f"--model {p}: no checkpoint or model files in this directory; " + _NO_MODEL.format(p))
+        return p
+    if p.exists():
+        raise ValueError(f"--model {p} is a file; give the model's directory")
+    if _HUB_NAME.fullmatch(model):
+        return model
+    raise ValueError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
+
+
+def find_tokenizer(source: Path | str) -> Tokenizer:
+    """meta["tokenizer"] of a gptopt checkpoint, else tokenizer files beside the model, else GPT-2's."""
+    ours = isinstance(source, Path) and checkpoint.is_gptopt_dir(source)
+    recorded = checkpoint.read_meta(source).get("tokenizer") if ours else None
+    candidates = [recorded] if recorded else []
+    if isinstance(source, Path):  # a folder with tokenizer.json (or GPT-2's vocab.json + merges.txt)
+        candidates += [str(d) for d in (source, source.parent)
+                       if (d / TOKENIZER).is_file() or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()]
+    for c in candidates:
+        if Path(c).exists():
+            return load_tokenizer(c)
+    if not ours:  # a GPT-2 from the hub or a HF folder without tokenizer files: GPT-2's own
+        for name in dict.fromkeys(([source] if isinstance(source, str) else []) + ["gpt2"]):
+            with contextlib.suppress(ValueError):
+                return load_tokenizer(name)
+    where = f"{recorded} (recorded in the checkpoint), " if recorded else ""
+    raise ValueError(f"no tokenizer found for {source} (looked for {where}tokenizer.json beside the model"
+                     f"{'' if ours else ', GPT-2s from the Hugging Face Hub'}); pass --tokenizer with the "
+                     "tokenizer.json the model was trained with (or a folder holding it)")
+
+
+def weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
+    """auto: the plan's half precision on GPUs (bf16 from sm_80, else fp16), fp32 on CPUs (no autocast there)."""
+    if name == "auto":
+        return torch.float32 if plan.device.type == "cpu" else (plan.amp_dtype or torch.float32)
+    if name not in _DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+    return _DTYPES[name]
+
+
+def _check_quantize(quantize: str) -> None:
+    if quantize not in QUANTIZE:
+        raise ValueError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANTIZE)}")
+
+
+def prepare(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, quantize: str = "none",
+            compression: dict[str, Any] | None = None, layout: bool = True) -> GPT:
+    """Steps 4a-c of the module docstring, in place: the model in eval mode on plan.device, ready for a Generator.
+
+    compression: a compressed checkpoint's record (it came back dequantised, in fp32), rebuilt for this
+    device. layout: False for a caller that transforms the weights further (gptopt compress)."""
+    _check_quantize(quantize)
+    assert not (compression and quantize != "none"), "a compressed model is not quantised again"
+    model = (restore(model, compression, plan, dtype) if compression else model.to(device=plan.device, dtype=dtype)).eval()
+    if quantize == "int8-weight":
+        quantize_int8(model, plan)
+    if layout:
+        inference_layout(model, plan.device.type)  # CPU: the batch-1 linears' fast operand layout
+    return model
+
+
+def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, dtype: str = "auto",
+                       quantize: str = "none", layout: bool = True) -> tuple[GPT, Tokenizer]:
+    """The model (eval, on plan.device, in `dtype`) and its tokenizer, from a training output dir (its
+    latest checkpoint), a checkpoint or model dir, a Hugging Face GPT-2 dir or a hub name: steps 1-4.
+
+    layout: store fp weights in the layout that runs inference fastest (prepare_model.inference_layout);
+    False for a caller that transforms the weights further (gptopt compress)."""
+    _check_quantize(quantize)  # before any loading
+    source = model_source(model)
+    dt = weights_dtype(dtype, plan)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else find_tokenizer(source)
+    net = hf.load_pretrained(source)  # a compressed checkpoint comes back dequantised, in fp32
+    if tok.get_vocab_size() > net.config.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, the model only {net.config.vocab_size}: "
+                         "they do not belong together; pass the --tokenizer the model was trained with")
+    record = checkpoint.read_meta(source).get("compression") if isinstance(source, Path) and \
+        checkpoint.is_gptopt_dir(source) else None
+    if record and quantize != "none":
+        raise ValueError(f"--model {source} is already compressed ({describe(record)}, by gptopt compress); "
+                         "drop --quantize")
+    log.info("model %s: %.1fM parameters, %s weights on %s (generation runs in the weights' dtype, no autocast)",
+             source, net.num_params() / 1e6, describe(record) if record else str(dt).removeprefix("torch."),
+             plan.device)
+    return prepare(net, plan, dtype=dt, quantize=quantize, compression=record, layout=layout), tok
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: torch.device, rows: int) -> F:
+    """Step 5: `step`, the decode of every one of `rows` cache rows over `model` and its KV `cache`, compiled.
+
+    CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
+    in place. Elsewhere no graphs to capture: an inference compile (frozen weights), and at most
+    GEMV_MAX_ROWS rows the decode's matrix-vector products as fused multiply-sums (gemv_linears).
+    """
+    if device.type == "cuda":
+        for t in cache:
+            torch._dynamo.mark_static_address(t)
+        return compile_model(step, mode="reduce-overhead")  # type: ignore[arg-type,return-value]
+    if rows <= GEMV_MAX_ROWS:
+        gemv_linears(model)
+    return compile_model(step, inference=True)  # type: ignore[arg-type,return-value]
