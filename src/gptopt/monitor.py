@@ -13,17 +13,32 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psutil
+import torch
 
 from gptopt.extras import require
 
+if TYPE_CHECKING:
+    from gptopt.device import DevicePlan
+
 Reader = tuple[str, Callable[[], dict[str, float]]]  # (name for the error reason, one call -> its fields)
+
+
+def peak_memory_bytes(plan: DevicePlan) -> int:
+    """The process's peak memory so far: CUDA's allocator peak on a GPU, else the peak resident set."""
+    if plan.device.type == "cuda":
+        return torch.cuda.max_memory_allocated(plan.device)
+    # ru_maxrss is KiB on Linux, bytes on macOS
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024
 
 
 class _Stats:

@@ -35,10 +35,10 @@ from gptopt.config import ProfileConfig, preset_for_data
 from gptopt.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.distributed import DistInfo
 from gptopt.model import GPT
+from gptopt.monitor import peak_memory_bytes
 from gptopt.optim import make_adamw
 from gptopt.prepare_model import prepare
 from gptopt.step import forward_backward
-from gptopt.train import peak_memory_bytes
 
 log = logging.getLogger("gptopt")
 
