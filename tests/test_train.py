@@ -19,7 +19,9 @@ import torch
 from gptopt import checkpoint, cli, step, train
 from gptopt import device as dev
 from gptopt.config import TrainConfig, preset
+from gptopt.data import load_tokenizer
 from gptopt.device import resolve
+from gptopt.generate import Generator, SamplingParams, generate
 from gptopt.model import GPT
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
@@ -76,9 +78,14 @@ def test_lr_follows_warmup_then_cosine(train_data: Path, tmp_path: Path) -> None
     assert lrs[20] >= 1e-4
 
 
+def samples(out: Path) -> dict[int, str]:
+    return {r["step"]: r["sample"] for r in records(out) if "sample" in r}
+
+
 def test_resume_is_bitwise_exact(train_data: Path, tmp_path: Path) -> None:
-    # dropout on, so the RNG state must be restored too, not only weights and optimizer
-    kw = dict(dropout=0.1, save_interval=5, max_steps=10)
+    # dropout on, so the RNG state must be restored too, not only weights and optimizer; eval samples
+    # on, so sampling must leave training's RNG stream alone (the first leg samples at step 5 too)
+    kw = dict(dropout=0.1, save_interval=5, max_steps=10, eval_interval=3, eval_iters=2, sample_tokens=8)
     assert run(train_data, tmp_path / "straight", **kw) == 0
     # the first leg stops after 5 steps of the same 10-step schedule (as a crash or a signal would)
     assert run(train_data, tmp_path / "split", max_tokens=5 * 4 * 32, **kw) == 0
@@ -86,6 +93,7 @@ def test_resume_is_bitwise_exact(train_data: Path, tmp_path: Path) -> None:
     straight, split = losses(tmp_path / "straight"), losses(tmp_path / "split")
     assert list(split) == list(range(1, 11))  # no step logged twice after the resume
     assert split == straight  # bitwise: == on floats
+    assert samples(tmp_path / "straight") == {s: t for s, t in samples(tmp_path / "split").items() if s != 5}
     a = checkpoint.load_model(tmp_path / "straight" / "ckpt-0000010").state_dict()
     b = checkpoint.load_model(tmp_path / "split" / "ckpt-0000010").state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -241,6 +249,48 @@ def test_fine_tune_from_a_hugging_face_directory(train_data: Path, tmp_path: Pat
     assert model.config.vocab_size == 400 and model.config.n_embd == 64
 
 
+def test_fine_tune_from_a_training_output_dir_at_its_context(train_data: Path, tmp_path: Path) -> None:
+    first = tmp_path / "first"
+    assert run(train_data, first, max_steps=20, learning_rate=3e-3) == 0
+    # what `gptopt generate --model` takes: the output dir means its latest checkpoint; no --seq_len:
+    # the model's own context (the debug preset's 64), not a default of 1024 it does not have
+    out = tmp_path / "ft"
+    assert run(train_data, out, init_from=str(first), seq_len=None, max_steps=2) == 0
+    assert json.loads((out / "run.json").read_text())["seq_len"] == preset("debug").block_size == 64
+    # it starts from the trained weights: its first loss is far below the first run's first loss
+    assert losses(out)[1] < losses(first)[1] - 0.5
+
+
+def test_fine_tune_trains_at_a_context_beyond_1024(train_data: Path, tmp_path: Path) -> None:
+    checkpoint.save_model(GPT(preset("debug", block_size=1100)), tmp_path / "long")
+    out = tmp_path / "ft"
+    assert run(train_data, out, init_from=str(tmp_path / "long"), seq_len=None, batch_size=1, max_steps=1) == 0
+    assert json.loads((out / "run.json").read_text())["seq_len"] == 1100
+    assert checkpoint.load_model(checkpoint.latest_checkpoint(out)).config.block_size == 1100
+
+
+def test_init_from_something_that_is_no_model_names_the_option(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(cli_args(train_data, tmp_path / "o", "--init_from", str(tmp_path / "nope"))) == 2
+    err = capsys.readouterr().err
+    assert "--init_from" in err and "--model" not in err
+
+
+def test_the_eval_sample_is_what_generate_samples_from_the_checkpoint(train_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "r"
+    assert run(train_data, out, max_steps=4, eval_interval=4, eval_iters=2, sample_tokens=12, seed=7) == 0
+    logged = samples(out)[4]
+    # the step's checkpoint, generate's default sampling seeded with --seed + step, from a document start
+    plan = resolve("cpu", "fp32")
+    gen = Generator(checkpoint.load_model(out / "ckpt-0000004"), plan, max_batch_size=1)
+    tok = load_tokenizer(train_data / "tokenizer.json")
+    ids = generate(gen, [[tok.token_to_id("<|endoftext|>")]], SamplingParams(max_new_tokens=12, seed=7 + 4))[0]
+    assert len(ids) == 12  # an end-of-text does not cut the sample short
+    assert logged == tok.decode(ids)
+    assert logged  # a real sample, not an empty string that any implementation would match
+
+
 def test_the_playbook_command_line_parses() -> None:
     parser = cli.build_parser("train", TrainConfig)
     cfg = cli.parse_config("train", TrainConfig, "--model_name gpt2 --batch_size 8 --use_compile --use_amp "
@@ -322,7 +372,8 @@ def test_corrupt_checkpoint_is_refused(
     (ckpt / target).write_bytes(blob[: len(blob) // 2] if damage.startswith("truncate") else b"{not json")
     before = (ckpt / target).read_bytes()
     assert cli.main(cli_args(train_data, out, "--resume", str(ckpt), "--max_steps", "4")) == 2
-    assert "corrupt" in capsys.readouterr().err or "truncated" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "corrupt" in err or "truncated" in err
     assert (ckpt / target).read_bytes() == before
 
 

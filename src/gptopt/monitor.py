@@ -28,6 +28,7 @@ from gptopt.extras import require
 if TYPE_CHECKING:
     from gptopt.device import DevicePlan
 
+
 def peak_memory_bytes(plan: DevicePlan) -> int:
     """The run's peak memory so far: CUDA's peak allocation on a GPU, the process's peak RSS elsewhere."""
     if plan.device.type == "cuda":

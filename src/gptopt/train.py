@@ -3,6 +3,7 @@
     gptopt train --preset tiny --use_amp --use_compile            # the CPU default, data/stdlib
     gptopt train --model_name gpt2 --batch_size 8 --use_compile --use_amp --profile --output_dir ./checkpoints
     torchrun --nproc_per_node 8 -m gptopt train --preset gpt2 --use_amp --use_compile
+    gptopt train --init_from out --output_dir ft --learning_rate 3e-4   # fine-tune out's latest checkpoint
 
 Exactness: batches are a pure function of (seed, micro-step), so a checkpoint needs only the step,
 the optimizer, the scaler and the RNGs to continue bit for bit.
@@ -16,13 +17,12 @@ import json
 import logging
 import math
 import random
-import resource
 import shutil
 import signal
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +31,16 @@ import torch
 from tqdm import tqdm
 
 from gptopt import checkpoint, data, distributed, hf
-from gptopt.config import PRESETS, GPTConfig, TrainConfig, preset_for_data
+from gptopt.config import GPTConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.distributed import DistInfo
-from gptopt.flops import flops_per_token
+from gptopt.flops import flops_per_token, mfu
+from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.inference import model_source
 from gptopt.model import GPT
-from gptopt.monitor import Monitor
-from gptopt.optim import lr_at, make_adamw
-from gptopt.prepare_model import prepare
-from gptopt.step import forward_backward, is_oom
+from gptopt.monitor import Monitor, peak_memory_bytes
+from gptopt.prepare_model import Prepared, prepare
+from gptopt.step import StepResult, TrainStep, is_oom
 from gptopt.tracing import scheduled_profiler
 
 log = logging.getLogger("gptopt")
@@ -78,14 +79,6 @@ def find_batch_size(try_batch: Callable[[int], None], global_batch: int, largest
     raise ValueError("not even a micro-batch of 1 fits: use --gradient_checkpointing, --use_amp, or a smaller model")
 
 
-def peak_memory_bytes(plan: DevicePlan) -> int:
-    if plan.device.type == "cuda":
-        return torch.cuda.max_memory_allocated(plan.device)
-    # ru_maxrss is KiB on Linux, bytes on macOS
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024
-
-
 def rng_state() -> dict[str, Any]:
     np_state = np.random.get_state()
     return {
@@ -110,17 +103,18 @@ def _tuples(x: Any) -> Any:
 
 @torch.no_grad()
 def sample(model: GPT, plan: DevicePlan, tokenizer: Any, eot_id: int | None, n_tokens: int, seed: int) -> str:
-    """A short sample for the eval log. Its own generator: training's RNG stream is left untouched."""
-    g = torch.Generator(device=plan.device).manual_seed(seed)
+    """A short sample for the eval log: n_tokens (at most the model's context) from a document's start,
+    by the Generator (KV cache, prefill + decode) with generate's default sampling. An end-of-text
+    does not end it, so early in training, when the model often predicts one, the log still shows text.
+
+    Its own seeded generator draws the tokens, so training's RNG stream is left untouched (exact
+    resume depends on it). Runs under the plan's autocast, as training's forward does; the caller
+    puts the model back into training mode."""
     start = eot_id if eot_id is not None else 0
-    idx = torch.tensor([[start]], device=plan.device)
-    for _ in range(n_tokens):
-        with plan.autocast():
-            logits = model(idx[:, -model.config.block_size :], last_only=True)[:, -1].float()
-        top = torch.topk(logits, k=min(40, logits.size(-1)))
-        probs = torch.softmax(top.values / 0.8, dim=-1)
-        idx = torch.cat([idx, top.indices.gather(-1, torch.multinomial(probs, 1, generator=g))], dim=1)
-    ids = idx[0, 1:].tolist()
+    params = SamplingParams(max_new_tokens=n_tokens, seed=seed)
+    gen = Generator(model, plan, max_batch_size=1, max_len=min(model.config.block_size, n_tokens + 1))
+    with plan.autocast():
+        ids = generate(gen, [[start]], params)[0]
     return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
 
 
@@ -156,7 +150,54 @@ class Metrics:
             self.tb.close()
 
 
+@dataclasses.dataclass
+class Progress:
+    """Where a run stands: what a checkpoint records, and the timings the final summary reports."""
+
+    step: int = 0
+    tokens_seen: int = 0
+    bad_steps: int = 0  # consecutive non-finite steps
+    last_good: Path | None = None  # the newest checkpoint, named when bad steps stop the run
+    compile_s: float | None = None  # the first step pays compile / warm-up: kept out of the speed figures
+    times: list[float] = dataclasses.field(default_factory=list)  # the later steps' wall times
+    waits: list[float] = dataclasses.field(default_factory=list)  # the share of each spent waiting for data
+
+
+class DeviceBatches:
+    """The loader's batches, moved to the device; counts the time spent waiting for the loader."""
+
+    def __init__(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+        self.batches, self.device = batches, device
+        self.wait = 0.0  # seconds; the caller resets it per step
+
+    def __call__(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t = time.perf_counter()
+        x, y = next(self.batches)
+        self.wait += time.perf_counter() - t
+        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+
+
 class Trainer:
+    """One training run. __init__ settles the data, where to resume from and the model; run() trains.
+
+    run() = _setup (model preparation, the TrainStep, the loader, the MFU peak, metrics, monitor,
+    profiler), then per step: _train_one (the step and its logging), _evaluate, _save, and the stop
+    conditions (signals, time budget, max steps/tokens; bad steps end the run from _train_one).
+    """
+
+    # the loop's parts, made by _setup
+    prep: Prepared
+    train_step: TrainStep
+    batches: DeviceBatches
+    tokens_per_step: int
+    fpt: float  # model FLOPs per trained token
+    peak: float  # the MFU peak, FLOP/s of the whole job
+    host_reuse: bool
+    metrics: Metrics | None  # rank 0 only, as are the monitor and the profiler
+    monitor: Monitor | None
+    profiler: Any
+    t_start: float
+
     def __init__(self, cfg: TrainConfig, info: DistInfo, device: str) -> None:
         self.cfg, self.info = cfg, info
         self.plan = resolve(device, cfg.amp_dtype if cfg.use_amp else "fp32")
@@ -164,17 +205,17 @@ class Trainer:
         self.attention = cfg.attention if cfg.attention != "auto" else default_attention(self.plan.device.type)
         torch.manual_seed(cfg.seed)
         self.data = self._load_data()
-        resume_dir = self._resume_dir()
-        self.resume_dir = resume_dir
-        self.model_config = self._model_config(resume_dir)
+        self.resume_dir = self._resume_dir()
+        self.raw = self._build_model(self.resume_dir)
+        self.model_config = self.raw.config
+        # A pretrained model's own context, known only once it is loaded: gpt2's 1024, a debug model's 64.
         self.seq_len = cfg.seq_len or self.model_config.block_size
         if self.seq_len > self.model_config.block_size:
             raise ValueError(f"--seq_len {self.seq_len} exceeds the model's context {self.model_config.block_size}: use --seq_len {self.model_config.block_size} or less")
-        self.raw = self._build_model(resume_dir)
         self.data.check_vocab(self.model_config.vocab_size)
-        self.state: dict[str, Any] = checkpoint.load_train_state(resume_dir) if resume_dir else {}
+        self.state: dict[str, Any] = checkpoint.load_train_state(self.resume_dir) if self.resume_dir else {}
 
-    # -- setup -----------------------------------------------------------------------------
+    # -- before the loop ----------------------------------------------------------------------
 
     def _load_data(self) -> data.TokenData:
         return data.open_data(self.cfg.data_dir, is_main=self.info.is_main,
@@ -203,31 +244,22 @@ class Trainer:
         distributed.barrier(self.info)
         return None
 
-    def _model_config(self, resume_dir: Path | None) -> GPTConfig:
+    def _build_model(self, resume_dir: Path | None) -> GPT:
         cfg = self.cfg
         runtime = dict(attention=self.attention, gradient_checkpointing=cfg.gradient_checkpointing, dropout=cfg.dropout)
         if resume_dir is not None:
             stored = GPTConfig.from_dict(checkpoint.read_meta(resume_dir)["model"])
-            return dataclasses.replace(stored, **runtime)
+            return self._with_config(checkpoint.load_model(resume_dir), dataclasses.replace(stored, **runtime))
         if cfg.init_from == "scratch":
-            return preset_for_data(cfg.preset, self.data.model_vocab_size, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
-        return GPTConfig()  # replaced by the pretrained model's own config in _build_model
-
-    def _build_model(self, resume_dir: Path | None) -> GPT:
-        cfg = self.cfg
-        if resume_dir is not None:
-            model = checkpoint.load_model(resume_dir)
-            model = self._with_config(model, self.model_config)
-        elif cfg.init_from == "scratch":
-            model = GPT(self.model_config)
-        else:
-            if cfg.init_from in PRESETS and cfg.init_from in ("debug", "tiny"):
-                raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
-            overrides = dict(attention=self.attention, gradient_checkpointing=cfg.gradient_checkpointing,
-                             dropout=cfg.dropout, vocab_pad_multiple=cfg.vocab_pad_multiple)
-            model = hf.load_pretrained(cfg.init_from, **overrides)
-            self.model_config = model.config
-        return model
+            return GPT(preset_for_data(cfg.preset, self.data.model_vocab_size, vocab_pad_multiple=cfg.vocab_pad_multiple,
+                                       **runtime))
+        if cfg.init_from in ("debug", "tiny"):
+            raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
+        try:  # what `gptopt generate --model` takes: a training output dir means its latest checkpoint
+            source = model_source(cfg.init_from)
+        except ValueError as e:
+            raise ValueError(str(e).replace("--model", "--init_from")) from None
+        return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
 
     @staticmethod
     def _with_config(model: GPT, config: GPTConfig) -> GPT:
@@ -236,173 +268,63 @@ class Trainer:
         fresh.load_state_dict(model.state_dict())
         return fresh
 
-    # -- the loop --------------------------------------------------------------------------
-
-    def run(self) -> int:
-        cfg, info, plan = self.cfg, self.info, self.plan
-        main = info.is_main
-        if main:
-            self.out.mkdir(parents=True, exist_ok=True)
-        global_batch = cfg.batch_size * cfg.gradient_accumulation_steps
-        if cfg.auto_batch_size:
-            self._auto_batch_size(global_batch)
-        B, accum = cfg.batch_size, cfg.gradient_accumulation_steps
-        prep = prepare(
+    def _setup(self) -> Progress:
+        """The loop's parts, and the progress of the run being resumed (if any)."""
+        cfg, info, plan, main = self.cfg, self.info, self.plan, self.info.is_main
+        self.prep = prepare(
             self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, use_compile=cfg.use_compile,
             compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph,
         )
-        model = prep.model
-        optimizer, fused = make_adamw(
-            self.raw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
-            device_type=plan.device.type, fused=cfg.fused_optimizer and not cfg.cpu_offload,
-        )
-        scaler = torch.amp.GradScaler(plan.device.type) if plan.use_grad_scaler else None
-        step, tokens_seen, bad_steps = 0, 0, 0
-        if self.state:
-            distributed.load_optimizer_state(self.raw, optimizer, self.state["optimizer"], prep.sharded)
-            if scaler is not None and self.state.get("scaler"):
-                scaler.load_state_dict(self.state["scaler"])
-            set_rng_state(self.state["rng"])
-            step, tokens_seen = self.state["step"], self.state["tokens_seen"]
-            if main:
-                log.info(f"resumed from {self.resume_dir} at step {step} ({tokens_seen:,} tokens)")
-        ds = data.BatchDataset(self.data, "train", B, self.seq_len, cfg.seed, info.rank, info.world_size)
-        loader_opts = {**data.default_loader_settings(plan.device.type)}
-        for key in ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers"):
-            if getattr(cfg, key) is not None:
-                loader_opts[key] = getattr(cfg, key)
-        batches = iter(data.make_loader(ds, step * accum, **loader_opts))
-        peak, peak_source = peak_flops(plan)
-        peak *= info.world_size  # MFU of the whole job: every rank brings its own device
-        if info.world_size > 1:
-            peak_source += f" x {info.world_size} ranks"
-        fpt = flops_per_token(self.model_config, self.seq_len)
-        tokens_per_step = B * self.seq_len * accum * info.world_size
+        self.train_step = TrainStep(self.prep.model, self.raw, plan, cfg, info)
+        progress = self._restore(Progress(last_good=self.resume_dir))
+        loader_opts = self._loader_options()
+        ds = data.BatchDataset(self.data, "train", cfg.batch_size, self.seq_len, cfg.seed, info.rank, info.world_size)
+        start_micro = progress.step * cfg.gradient_accumulation_steps
+        self.batches = DeviceBatches(iter(data.make_loader(ds, start_micro, **loader_opts)), plan.device)
+        self.peak, peak_source = self._peak()
+        self.fpt = flops_per_token(self.model_config, self.seq_len)
+        self.tokens_per_step = cfg.batch_size * self.seq_len * cfg.gradient_accumulation_steps * info.world_size
         # on CPUs the step's large activations would otherwise be page-faulted in afresh every step
-        host_reuse = plan.device.type == "cpu" and reuse_host_memory()
-        metrics = Metrics(self.out, step, cfg.tensorboard) if main else None
+        self.host_reuse = plan.device.type == "cpu" and reuse_host_memory()
+        self.metrics = Metrics(self.out, progress.step, cfg.tensorboard) if main else None
         if main:
-            self._write_run_info(plan, peak_source, fused, loader_opts, host_reuse)
+            self._write_run_info(plan, peak_source, self.train_step.fused, loader_opts, self.host_reuse)
             log.info(
-                f"{self.raw.num_params() / 1e6:.2f}M parameters, {tokens_per_step:,} tokens/step "
-                f"(micro-batch {B} x {self.seq_len} x accumulation {accum} x {info.world_size} ranks); "
-                f"MFU against {peak_source}"
+                f"{self.raw.num_params() / 1e6:.2f}M parameters, {self.tokens_per_step:,} tokens/step "
+                f"(micro-batch {cfg.batch_size} x {self.seq_len} x accumulation {cfg.gradient_accumulation_steps} x "
+                f"{info.world_size} ranks); MFU against {peak_source}"
             )
-        profiler = self._profiler(step) if cfg.profile and main else None
-        monitor = Monitor(plan.device.index if plan.device.type == "cuda" else None).start() if main else None
-        stop_signal: list[int] = []
-        old_handlers = self._install_signals(stop_signal)
-        t_start = time.perf_counter()
-        budget = cfg.time_budget_s
-        times: list[float] = []
-        waits: list[float] = []
-        compile_s = None
-        exit_code = 0
-        bar = tqdm(total=cfg.max_steps, initial=step, disable=not main, dynamic_ncols=True, mininterval=1.0, desc="train")
-        last_good = self.resume_dir
-        try:
-            while step < cfg.max_steps and not (cfg.max_tokens is not None and tokens_seen >= cfg.max_tokens):
-                lr = lr_at(step, cfg.learning_rate, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-                t0 = time.perf_counter()
-                wait = 0.0
-                loss_sum = torch.zeros((), device=plan.device)
-                for micro in range(accum):
-                    tw = time.perf_counter()
-                    x, y = next(batches)
-                    wait += time.perf_counter() - tw
-                    x = x.to(plan.device, non_blocking=True)
-                    y = y.to(plan.device, non_blocking=True)
-                    with distributed.no_sync(model, micro < accum - 1 and info.world_size > 1):
-                        loss_sum += forward_backward(model, x, y, plan, scaler, accum)
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-                if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
-                    grad_norm = grad_norm.full_tensor()
-                loss_sum = distributed.all_reduce_mean(loss_sum, info)
-                loss_val, norm_val = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
-                finite = math.isfinite(loss_val) and (scaler is not None or math.isfinite(norm_val))
-                if finite:
-                    (scaler.step(optimizer) if scaler else optimizer.step())
-                    bad_steps = 0
-                else:
-                    bad_steps += 1
-                    log.warning(f"step {step}: non-finite loss {loss_val} / grad norm {norm_val}: optimizer step skipped ({bad_steps}/{cfg.max_bad_steps})")
-                if scaler is not None:
-                    scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                dt = time.perf_counter() - t0
-                step += 1
-                tokens_seen += tokens_per_step
-                if compile_s is None:
-                    compile_s = dt  # the first step pays compile / warm-up; kept out of the speed figures
-                else:
-                    times.append(dt)
-                    waits.append(wait / dt)
-                if bad_steps >= cfg.max_bad_steps:
-                    where = f"; the last good checkpoint is {last_good}" if last_good else ""
-                    raise RuntimeError(
-                        f"{bad_steps} consecutive non-finite steps at step {step}: stopping{where}. "
-                        "Lower --learning_rate, keep --grad_clip on, or use bf16 instead of fp16"
-                    )
-                tps = tokens_per_step / dt
-                if main:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{loss_val:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{tps * fpt / peak:.0%}",
-                                    mem=f"{peak_memory_bytes(plan) / 2**30:.2f}G", refresh=False)
-                    if step % cfg.log_interval == 0 or step == 1:
-                        metrics.write({
-                            "step": step, "loss": loss_val, "lr": lr, "tokens_per_s": tps, "mfu": tps * fpt / peak,
-                            "step_time_s": dt, "data_wait_frac": wait / dt, "grad_norm": norm_val,
-                            "peak_mem_bytes": peak_memory_bytes(plan), "tokens_seen": tokens_seen,
-                            "elapsed_s": time.perf_counter() - t_start,
-                            **{k: v for k, v in monitor.latest().items() if k != "t"},
-                        })
-                if profiler is not None:
-                    profiler.step()
-                last_step = step >= cfg.max_steps or (cfg.max_tokens is not None and tokens_seen >= cfg.max_tokens)
-                if cfg.eval_interval and (step % cfg.eval_interval == 0 or last_step):
-                    self._evaluate(step, metrics)
-                out_of_time = budget is not None and time.perf_counter() - t_start >= budget
-                stop = distributed.any_rank(bool(stop_signal) or out_of_time, info, plan.device)
-                if stop or last_step or step % cfg.save_interval == 0:
-                    last_good = self._save(step, tokens_seen, bad_steps, optimizer, scaler, prep.sharded)
-                if stop:
-                    if stop_signal:
-                        exit_code = EXIT_CODES.get(stop_signal[0], 1)
-                        if main:
-                            log.info(f"signal {signal.Signals(stop_signal[0]).name}: saved {last_good}; resume with --resume auto")
-                    elif main:
-                        log.info(f"time budget {cfg.time_budget} reached at step {step}: saved {last_good}")
-                    break
-        except Exception as e:
-            if is_oom(e):
-                raise RuntimeError(oom_advice(cfg, plan)) from e
-            raise
-        finally:
-            bar.close()
-            self._restore_signals(old_handlers)
-            if profiler is not None:
-                profiler.stop()
-            if monitor is not None:
-                monitor.stop()
-                (self.out / "monitor.json").write_text(json.dumps(monitor.summary(), indent=2))
-            if metrics is not None:
-                metrics.close()
-            if host_reuse:  # the process goes back to glibc's defaults (a caller may run more than training)
-                reuse_host_memory(False)
-        if main:
-            if times:  # measured again: the summary's MFU is against the faster of the start and the end
-                end_peak, peak_source = peak_flops(plan, remeasure=True)
-                peak = end_peak * info.world_size
-                if info.world_size > 1:
-                    peak_source += f" x {info.world_size} ranks"
-            self._summary(step, times, waits, compile_s, fpt, peak, peak_source, tokens_per_step)
-        return exit_code
+        self.profiler = scheduled_profiler(self.out / "logs" / "profile", plan.device.type) if cfg.profile and main else None
+        self.monitor = Monitor(plan.device.index if plan.device.type == "cuda" else None).start() if main else None
+        return progress
 
-    # -- pieces of the loop ------------------------------------------------------------------
+    def _restore(self, progress: Progress) -> Progress:
+        """Optimizer, GradScaler, RNGs, step and tokens of the checkpoint being resumed."""
+        if not self.state:
+            return progress
+        optimizer, scaler = self.train_step.optimizer, self.train_step.scaler
+        distributed.load_optimizer_state(self.raw, optimizer, self.state["optimizer"], self.prep.sharded)
+        if scaler is not None and self.state.get("scaler"):
+            scaler.load_state_dict(self.state["scaler"])
+        set_rng_state(self.state["rng"])
+        progress.step, progress.tokens_seen = self.state["step"], self.state["tokens_seen"]
+        if self.info.is_main:
+            log.info(f"resumed from {self.resume_dir} at step {progress.step} ({progress.tokens_seen:,} tokens)")
+        return progress
+
+    def _loader_options(self) -> dict[str, Any]:
+        opts = {**data.default_loader_settings(self.plan.device.type)}
+        for key in ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers"):
+            if getattr(self.cfg, key) is not None:
+                opts[key] = getattr(self.cfg, key)
+        return opts
+
+    def _peak(self, *, remeasure: bool = False) -> tuple[float, str]:
+        """The MFU peak of the whole job (every rank brings its own device) and where it comes from."""
+        peak, source = peak_flops(self.plan, remeasure=remeasure)
+        if self.info.world_size > 1:
+            source += f" x {self.info.world_size} ranks"
+        return peak * self.info.world_size, source
 
     def _auto_batch_size(self, global_batch: int) -> None:
         cfg, plan = self.cfg, self.plan
@@ -423,8 +345,133 @@ class Trainer:
             cfg.batch_size, cfg.gradient_accumulation_steps = b, global_batch // b
             log.info(f"auto batch size: micro-batch {b} x accumulation {cfg.gradient_accumulation_steps} (global batch {global_batch})")
 
+    # -- the loop ------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        cfg, main = self.cfg, self.info.is_main
+        if main:
+            self.out.mkdir(parents=True, exist_ok=True)
+        if cfg.auto_batch_size:
+            self._auto_batch_size(cfg.batch_size * cfg.gradient_accumulation_steps)
+        progress = self._setup()
+        stop_signal: list[int] = []
+        old_handlers = self._install_signals(stop_signal)
+        self.t_start = time.perf_counter()
+        bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not main, dynamic_ncols=True, mininterval=1.0,
+                   desc="train")
+        exit_code = 0
+        try:
+            while not self._reached_the_end(progress):
+                self._train_one(progress, bar)
+                last_step = self._reached_the_end(progress)
+                if cfg.eval_interval and (progress.step % cfg.eval_interval == 0 or last_step):
+                    self._evaluate(progress.step)
+                stop = self._stop_requested(stop_signal)
+                if stop or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0):
+                    progress.last_good = self._save(progress)
+                if stop:
+                    exit_code = self._stopped_early(progress, stop_signal)
+                    break
+        except Exception as e:
+            if is_oom(e):
+                raise RuntimeError(oom_advice(cfg, self.plan)) from e
+            raise
+        finally:
+            bar.close()
+            self._restore_signals(old_handlers)
+            self._teardown()
+        if main:
+            self._summary(progress)
+        return exit_code
+
+    def _train_one(self, progress: Progress, bar: tqdm) -> None:
+        """One optimizer step, its counters and its log: the progress bar and a metrics.jsonl record."""
+        cfg = self.cfg
+        lr = self.train_step.lr(progress.step)
+        self.batches.wait = 0.0
+        t0 = time.perf_counter()
+        result = self.train_step(progress.step, self.batches)
+        dt = time.perf_counter() - t0
+        if result.finite:
+            progress.bad_steps = 0
+        else:
+            progress.bad_steps += 1
+            log.warning(f"step {progress.step}: non-finite loss {result.loss} / grad norm {result.grad_norm}: optimizer "
+                        f"step skipped ({progress.bad_steps}/{cfg.max_bad_steps})")
+        progress.step += 1
+        progress.tokens_seen += self.tokens_per_step
+        if progress.compile_s is None:
+            progress.compile_s = dt
+        else:
+            progress.times.append(dt)
+            progress.waits.append(self.batches.wait / dt)
+        if progress.bad_steps >= cfg.max_bad_steps:
+            where = f"; the last good checkpoint is {progress.last_good}" if progress.last_good else ""
+            raise RuntimeError(
+                f"{progress.bad_steps} consecutive non-finite steps at step {progress.step}: stopping{where}. "
+                "Lower --learning_rate, keep --grad_clip on, or use bf16 instead of fp16"
+            )
+        if self.info.is_main:
+            self._log_step(progress, result, lr, dt, bar)
+        if self.profiler is not None:
+            self.profiler.step()
+
+    def _log_step(self, progress: Progress, result: StepResult, lr: float, dt: float, bar: tqdm) -> None:
+        tps = self.tokens_per_step / dt
+        step_mfu = mfu(tps, self.fpt, self.peak)
+        mem = peak_memory_bytes(self.plan)
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{step_mfu:.0%}", mem=f"{mem / 2**30:.2f}G",
+                        refresh=False)
+        step, interval = progress.step, self.cfg.log_interval
+        if (interval and step % interval == 0) or step == 1:
+            assert self.metrics is not None and self.monitor is not None  # rank 0 has both
+            self.metrics.write({
+                "step": step, "loss": result.loss, "lr": lr, "tokens_per_s": tps, "mfu": step_mfu,
+                "step_time_s": dt, "data_wait_frac": self.batches.wait / dt, "grad_norm": result.grad_norm,
+                "peak_mem_bytes": mem, "tokens_seen": progress.tokens_seen,
+                "elapsed_s": time.perf_counter() - self.t_start,
+                **{k: v for k, v in self.monitor.latest().items() if k != "t"},
+            })
+
+    # -- stop conditions ------------------------------------------------------------------------
+
+    def _reached_the_end(self, progress: Progress) -> bool:
+        cfg = self.cfg
+        return progress.step >= cfg.max_steps or (cfg.max_tokens is not None and progress.tokens_seen >= cfg.max_tokens)
+
+    def _stop_requested(self, stop_signal: list[int]) -> bool:
+        """A signal arrived or the time budget is spent, on any rank: every rank stops at this step."""
+        budget = self.cfg.time_budget_s
+        out_of_time = budget is not None and time.perf_counter() - self.t_start >= budget
+        return distributed.any_rank(bool(stop_signal) or out_of_time, self.info, self.plan.device)
+
+    def _stopped_early(self, progress: Progress, stop_signal: list[int]) -> int:
+        """Say why the run stopped (its checkpoint is saved); the exit code: 143/130 for SIGTERM/SIGINT."""
+        main = self.info.is_main
+        if stop_signal:
+            if main:
+                log.info(f"signal {signal.Signals(stop_signal[0]).name}: saved {progress.last_good}; resume with --resume auto")
+            return EXIT_CODES.get(stop_signal[0], 1)
+        if main:
+            log.info(f"time budget {self.cfg.time_budget} reached at step {progress.step}: saved {progress.last_good}")
+        return 0
+
+    def _teardown(self) -> None:
+        if self.profiler is not None:
+            self.profiler.stop()
+        if self.monitor is not None:
+            self.monitor.stop()
+            (self.out / "monitor.json").write_text(json.dumps(self.monitor.summary(), indent=2))
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.host_reuse:  # the process goes back to glibc's defaults (a caller may run more than training)
+            reuse_host_memory(False)
+
+    # -- eval, save, report --------------------------------------------------------------------
+
     @torch.no_grad()
-    def _evaluate(self, step: int, metrics: Metrics | None) -> None:
+    def _evaluate(self, step: int) -> None:
         cfg, plan, info = self.cfg, self.plan, self.info
         self.raw.eval()
         ds = data.BatchDataset(self.data, "val", cfg.batch_size, self.seq_len, cfg.seed, info.rank, info.world_size)
@@ -438,29 +485,27 @@ class Trainer:
             text = sample(self.raw, plan, self.data.tokenizer(), self.data.eot_id, cfg.sample_tokens, cfg.seed + step)
         self.raw.train()
         if info.is_main:
+            assert self.metrics is not None
             ppl = math.exp(min(val, 50.0))
             tqdm.write(f"step {step}: val loss {val:.4f}, perplexity {ppl:.2f}" + (f"\n  sample: {text!r}" if text else ""))
-            metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "sample": text})
+            self.metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "sample": text})
 
-    def _save(self, step: int, tokens_seen: int, bad_steps: int, optimizer: torch.optim.Optimizer,
-              scaler: torch.amp.GradScaler | None, sharded: bool) -> Path | None:
-        model_state, optim_state = distributed.full_state_dicts(self.raw, optimizer, sharded)
+    def _save(self, progress: Progress) -> Path | None:
+        optimizer, scaler = self.train_step.optimizer, self.train_step.scaler
+        model_state, optim_state = distributed.full_state_dicts(self.raw, optimizer, self.prep.sharded)
         path = None
         if self.info.is_main:
             train_state = {
-                "step": step, "tokens_seen": tokens_seen, "bad_steps": bad_steps, "optimizer": optim_state,
-                "scaler": scaler.state_dict() if scaler is not None else None, "rng": rng_state(),
-                "world_size": self.info.world_size,
+                "step": progress.step, "tokens_seen": progress.tokens_seen, "bad_steps": progress.bad_steps,
+                "optimizer": optim_state, "scaler": scaler.state_dict() if scaler is not None else None,
+                "rng": rng_state(), "world_size": self.info.world_size,
             }
             meta = {"environment": environment(self.plan), "train_config": dataclasses.asdict(self.cfg),
                     "tokenizer": str(Path(self.cfg.data_dir) / "tokenizer.json")}
-            path = checkpoint.save_checkpoint(self.out, step, self.model_config, model_state, train_state,
+            path = checkpoint.save_checkpoint(self.out, progress.step, self.model_config, model_state, train_state,
                                               meta=meta, keep=self.cfg.save_total_limit)
         distributed.barrier(self.info)
         return path if path is not None else checkpoint.latest_checkpoint(self.out)
-
-    def _profiler(self, step: int) -> Any:
-        return scheduled_profiler(self.out / "logs" / "profile", self.plan.device.type)
 
     def _write_run_info(self, plan: DevicePlan, peak_source: str, fused: bool, loader: dict[str, Any],
                         host_memory_reuse: bool) -> None:
@@ -470,16 +515,18 @@ class Trainer:
                 "seq_len": self.seq_len}
         (self.out / "run.json").write_text(json.dumps(info, indent=2, default=str))
 
-    def _summary(self, step: int, times: list[float], waits: list[float], compile_s: float | None,
-                 fpt: float, peak: float, peak_source: str, tokens_per_step: int) -> None:
-        if not times:
-            log.info(f"stopped at step {step}")
+    def _summary(self, progress: Progress) -> None:
+        if not progress.times:
+            log.info(f"stopped at step {progress.step}")
             return
-        med = statistics.median(times)
-        tps = tokens_per_step / med
+        # measured again: the summary's MFU is against the faster of the start and the end
+        peak, peak_source = self._peak(remeasure=True)
+        med = statistics.median(progress.times)
+        tps = self.tokens_per_step / med
         log.info(
-            f"done: step {step}; first step (compile/warm-up) {compile_s:.1f}s; median step {med * 1e3:.1f} ms, "
-            f"{tps:,.0f} tokens/s, MFU {tps * fpt / peak:.1%} of {peak_source}; data wait {statistics.mean(waits):.1%} of step time"
+            f"done: step {progress.step}; first step (compile/warm-up) {progress.compile_s:.1f}s; median step "
+            f"{med * 1e3:.1f} ms, {tps:,.0f} tokens/s, MFU {mfu(tps, self.fpt, peak):.1%} of {peak_source}; "
+            f"data wait {statistics.mean(progress.waits):.1%} of step time"
         )
 
     @staticmethod
@@ -495,7 +542,6 @@ class Trainer:
     def _restore_signals(old: dict[int, Any]) -> None:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-
 
 def main(cfg: TrainConfig) -> int:
     info, device = distributed.init(cfg.device)
