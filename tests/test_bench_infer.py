@@ -20,8 +20,9 @@ import torch
 
 from gptopt import cli, extras
 from gptopt.bench import infer, report
-from gptopt.bench.infer import RUNGS, GptoptRunner, InferBench, select_rungs
+from gptopt.bench.infer import RUNGS, InferBench, select_rungs
 from gptopt.config import BenchConfig
+from gptopt.measure import GptoptRunner
 
 CONTRACT = ("name", "prefill_s", "ttft_s", "decode_tokens_per_s", "batch_sweep", "bandwidth_gbs", "bandwidth_util",
             "tokens_match", "status", "note", "speedup_vs_baseline")

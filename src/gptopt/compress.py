@@ -33,14 +33,14 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from gptopt import checkpoint
-from gptopt.bench.infer import RECOMPILE_LIMIT, GptoptRunner, tensor_bytes, timed
-from gptopt.bench.report import text_table, to_json
 from gptopt.config import CompressConfig, parse_prune
 from gptopt.data import DEFAULT_DATA, BatchDataset, TokenData, open_data
 from gptopt.device import DevicePlan, environment, resolve
 from gptopt.fsutil import staged_dir
 from gptopt.inference import load_for_inference, model_source
+from gptopt.measure import RECOMPILE_LIMIT, GptoptRunner, tensor_bytes, timed
 from gptopt.quantize import check_supported, compress_model, describe, pack_state
+from gptopt.tables import text_table, to_json
 from gptopt.tokenizer import TOKENIZER
 
 __all__ = ["main", "mean_kl", "memory_bytes", "perplexity_and_kl"]

@@ -483,7 +483,7 @@ class Tuner:
 
 
 def main(cfg: TuneConfig) -> int:
-    from gptopt.bench.report import to_json
+    from gptopt.tables import to_json
     from gptopt.tune_report import table, write_all
 
     tuner = Tuner(cfg)

@@ -11,8 +11,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gptopt.bench.report import fmt, md_table, text_table, toml_text
 from gptopt.extras import has
+from gptopt.tables import fmt, md_table, text_table, toml_text
 
 log = logging.getLogger("gptopt")
 

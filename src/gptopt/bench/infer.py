@@ -13,12 +13,8 @@ token, max(3, steps // 3) each whole generation; --warmup runs come first.
 from __future__ import annotations
 
 import dataclasses
-import gc
 import inspect
 import logging
-import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,16 +28,15 @@ from gptopt.config import BenchConfig
 from gptopt.device import DevicePlan, environment, memory_bandwidth
 from gptopt.export import OnnxRunner
 from gptopt.extras import EXTRAS, has, require
-from gptopt.generate import Generator, SamplingParams, generate
 from gptopt.inference import prepare, weights_dtype
+from gptopt.measure import RECOMPILE_LIMIT, GptoptRunner, free_memory, timed, weight_bytes
 from gptopt.model import GPT
 from gptopt.step import is_oom
+from gptopt.tables import to_json
 
 log = logging.getLogger("gptopt")
 
 AGREE_TOKENS = 32  # tokens compared with the baseline's: greedy paths may part later on near-ties
-GREEDY = dict(temperature=0.0, top_k=None)
-RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 @dataclass(frozen=True)
@@ -99,62 +94,6 @@ class InferResult:
     tokens: list[int] = field(default_factory=list)
 
 
-def tensor_bytes(t: torch.Tensor) -> int:
-    """Bytes a tensor occupies; quantised subclasses (torchao) are summed over their inner tensors."""
-    if hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size()
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Weight bytes one decode step reads: embedding tables are skipped (one row per token is read),
-    the tied lm_head is counted through its Linear (the full matrix is read)."""
-    params = {id(p): p for m in model.modules() if not isinstance(m, nn.Embedding)
-              for p in m.parameters(recurse=False)}
-    return sum(tensor_bytes(p) for p in params.values())
-
-
-def timed(fn: Callable[[], object], plan: DevicePlan, warmup: int, repeats: int) -> float:
-    """Median wall time of fn, device-synchronised, after warm-up calls (compile, capture, caches)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        plan.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        plan.synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-class GptoptRunner:
-    """A rung on gptopt's Generator: one Generator per batch size, since a static cache has one shape."""
-
-    def __init__(self, model: GPT, plan: DevicePlan, max_len: int, *, compile: bool) -> None:
-        self.model, self.plan, self.max_len, self.compile = model, plan, max_len, compile
-        self.gen: Generator | None = None
-
-    def _for(self, batch: int) -> Generator:
-        if self.gen is None or self.gen.max_batch_size != batch:
-            self.gen = None  # the last cache goes before the next is allocated
-            _free_memory(self.plan)
-            self.gen = Generator(self.model, self.plan, max_batch_size=batch, max_len=self.max_len,
-                                 compile=self.compile)
-        return self.gen
-
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        return generate(self._for(len(prompts)), prompts, SamplingParams(max_new_tokens=n, **GREEDY))
-
-    def last_logits(self, prompt: list[int]) -> torch.Tensor:
-        gen = self.gen or self._for(1)
-        try:
-            return gen.prefill(0, prompt)
-        finally:
-            gen.free(0)
-
-
 class HFRunner:
     """The baseline: transformers' GPT2LMHeadModel.generate, greedy, as a user would call it."""
 
@@ -183,12 +122,6 @@ class HFRunner:
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
         ids = torch.tensor([prompt], device=self.device)
         return self.model(input_ids=ids, use_cache=True, **self.forward_kw).logits[0, -1].float()
-
-
-def _free_memory(plan: DevicePlan) -> None:
-    gc.collect()  # a rung's model and caches hold device memory the next one needs
-    if plan.device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 class InferBench:
@@ -271,7 +204,7 @@ class InferBench:
             res.note = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             log.warning(f"rung {rung.name} {res.status}: {res.note}")
         finally:
-            _free_memory(self.plan)
+            free_memory(self.plan)
             torch._dynamo.reset()  # each rung compiles afresh; caches must not leak between rungs
         return res
 
@@ -386,5 +319,5 @@ def main(cfg: BenchConfig) -> int:
     print(report.infer_table(summary))
     print(f"\nreport: {out / 'infer_report.md'}")
     if cfg.json:
-        print(report.to_json(summary))
+        print(to_json(summary))
     return 0 if summary["baseline"] else 1

@@ -39,6 +39,7 @@ from gptopt.model import GPT
 from gptopt.monitor import Monitor, format_summary
 from gptopt.prepare_model import compile_model
 from gptopt.step import TrainStep, is_oom
+from gptopt.tables import to_json
 
 log = logging.getLogger("gptopt")
 
@@ -456,5 +457,5 @@ def main(cfg: BenchConfig) -> int:
     best = summary["best"]
     print(f"\nreport: {out / 'report.md'}" + (f"; best rung '{best}' -> {out / 'best.toml'}" if best else ""))
     if cfg.json:
-        print(report.to_json(summary))
+        print(to_json(summary))
     return 0 if best else 1

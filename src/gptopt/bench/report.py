@@ -9,36 +9,17 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
 from gptopt.extras import has
+from gptopt.tables import fmt, md_table, text_table, toml_text
 
 log = logging.getLogger("gptopt")
 
 CSV_FIELDS = ["name", "status", "batch_size", "tokens_per_s", "step_time_s", "step_time_p10_s", "step_time_p90_s",
               "compile_s", "tflops", "mfu", "peak_mem_bytes", "reserved_mem_bytes", "loss", "loss_ok",
               "speedup_vs_baseline", "speedup_vs_previous", "note"]
-
-
-def fmt(v: Any, kind: str) -> str:
-    """A figure as the tables show it; kind: int, ms, pct, x, mib, s, or anything else (4 decimals)."""
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if kind == "int":
-        return f"{v:,.0f}"
-    if kind == "ms":
-        return f"{v * 1e3:,.1f}"
-    if kind == "pct":
-        return f"{v:.1%}"
-    if kind == "x":
-        return f"{v:.2f}x"
-    if kind == "mib":
-        return f"{v / 2**20:,.0f}"
-    if kind == "s":
-        return f"{v:.1f}"
-    return f"{v:.4f}" if isinstance(v, float) else str(v)
 
 
 COLUMNS = [("rung", "name", "str"), ("tokens/s", "tokens_per_s", "int"), ("step ms (p10-p90)", None, "range"),
@@ -110,17 +91,6 @@ BEST_TOML_HEADER = ("# written by `gptopt bench`: the fastest rung whose loss ma
                     "# gptopt train --config best.toml")
 
 
-def toml_text(opts: dict[str, Any], header: tuple[str, ...] = BEST_TOML_HEADER) -> str:
-    def value(v: Any) -> str:
-        if isinstance(v, bool):
-            return "true" if v else "false"
-        if isinstance(v, str):
-            return json.dumps(v)  # a JSON string is a valid TOML basic string
-        return repr(v)
-
-    return "\n".join([*header, *(f"{k} = {value(v)}" for k, v in opts.items() if v is not None)]) + "\n"
-
-
 def plot(summary: dict[str, Any], out: Path) -> list[str]:
     """PNG plots (plot extra): tokens/s and speedup, peak memory, step-time distribution per rung."""
     if not has("matplotlib"):
@@ -171,28 +141,6 @@ def plot(summary: dict[str, Any], out: Path) -> list[str]:
     return files
 
 
-def text_table(head: list[str], body: list[list[str]]) -> str:
-    """Aligned columns for the terminal: the first left-aligned, the figures right-aligned."""
-    widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
-
-    def line(cells: list[str]) -> str:
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in pairs)
-
-    return "\n".join([line(head), line(["-" * w for w in widths]), *map(line, body)])
-
-
-def md_table(head: list[str], body: list[list[str]]) -> list[str]:
-    def row(cells: list[str]) -> str:
-        return "| " + " | ".join(cells) + " |"
-
-    return [row(head), "|" + "---|" * len(head), *map(row, body)]
-
-
-def to_json(summary: dict[str, Any]) -> str:
-    return json.dumps(summary, default=str, separators=(",", ":"))
-
-
 def write_all(summary: dict[str, Any], out: Path, best_opts: dict[str, Any] | None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(summary, indent=2, default=str))
@@ -200,7 +148,7 @@ def write_all(summary: dict[str, Any], out: Path, best_opts: dict[str, Any] | No
         w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         w.writerows(summary["rungs"])
-    best_toml = toml_text(best_opts) if best_opts else None
+    best_toml = toml_text(best_opts, BEST_TOML_HEADER) if best_opts else None
     if best_toml:
         (out / "best.toml").write_text(best_toml)
     plots = plot(summary, out)
