@@ -70,15 +70,20 @@ def cpu_name() -> str:
 CPU_BF16_ENV = "GPTOPT_CPU_BF16"
 
 
-def cpu_bf16_override() -> bool | None:
-    """What GPTOPT_CPU_BF16 says (1: native bf16, 0: none); None when unset or empty."""
-    value = os.environ.get(CPU_BF16_ENV, "").strip()
+def parse_cpu_bf16(value: str | None) -> bool | None:
+    """A GPTOPT_CPU_BF16 value: '1' native bf16, '0' none, unset or empty None (detect)."""
+    value = (value or "").strip()
     if not value:
         return None
     if value not in ("0", "1"):
         raise ValueError(f"{CPU_BF16_ENV}={value!r}: use 1 (treat the CPU as having native bf16), "
                          "0 (as lacking it), or unset it to detect")
     return value == "1"
+
+
+def cpu_bf16_override() -> bool | None:
+    """What GPTOPT_CPU_BF16 says (1: native bf16, 0: none); None when unset or empty."""
+    return parse_cpu_bf16(os.environ.get(CPU_BF16_ENV))
 
 
 def cpu_bf16_detected() -> bool:
@@ -165,8 +170,7 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
     else:
         if amp_dtype == "fp16":
             raise ValueError("fp16 autocast on a CPU is slow and needs loss scaling: use --amp_dtype bf16 or fp32")
-        forced = cpu_bf16_override()
-        fast = cpu_bf16_detected() if forced is None else forced
+        forced, fast = cpu_bf16_override(), cpu_has_fast_bf16()
         if amp_dtype == "auto":
             amp = "bf16" if fast else "fp32"
             if forced is not None:  # the reason says when the environment, not the hardware, decided
