@@ -1,6 +1,7 @@
-# /work/venv/bin/pytest tests/test_compress.py
 """gptopt compress: the quality measures are right, every run writes a checkpoint the other verbs load
 plus its report, and bad input exits 2 with the fix and nothing written.
+
+    pytest -q tests/test_compress.py
 
 The model is `trained_out` (the debug preset after 2 training steps on train_data), on the CPU.
 """

@@ -1,6 +1,7 @@
-# /work/venv/bin/pytest -q tests/test_export.py
 """gptopt export: ONNX through onnxruntime and Hugging Face through transformers give PyTorch's logits;
 bad input is refused before anything is written.
+
+    pytest -q tests/test_export.py
 
 One ONNX export (the dynamo exporter, several seconds) is shared by the module: the debug preset with wide
 random weights, so greedy text changes every token and two implementations cannot agree by accident.

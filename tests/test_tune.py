@@ -1,6 +1,7 @@
-# /work/venv/bin/pytest -q tests/test_tune.py
 """gptopt tune: the search order, pruning, out-of-memory and broken candidates, the time and memory
 budgets, and the outputs (tune.toml that train takes, the report, the --json line).
+
+    pytest -q tests/test_tune.py
 
 Real runs use the debug preset and a small space; the search logic is also driven by a fake
 measurement (settings -> tokens/s) and a fake clock, so no assertion depends on this machine's speed.
