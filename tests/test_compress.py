@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import last_json_line
 
 from gptopt import checkpoint, cli
 from gptopt.compress import mean_kl, memory_bytes, perplexity_and_kl
@@ -79,7 +80,7 @@ def test_int8_dynamic_writes_a_loadable_checkpoint_and_a_full_report(
     assert cli.main(compress_cli(trained_out, train_data, out, "--quantize", "int8-dynamic", "--json")) == 0
     stdout = capsys.readouterr().out
     assert "size on disk" in stdout and "decode tokens/s, batch 8" in stdout and "mean KL" in stdout
-    last = json.loads(stdout.strip().splitlines()[-1])
+    last = last_json_line(stdout)
     report = _report(out)
     assert last == report
     assert sorted(p.name for p in out.iterdir()) == ["gptopt.json", "model.safetensors", "results.json", "tokenizer.json"]

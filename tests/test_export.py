@@ -16,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_varied_model
 from tokenizers import Tokenizer
 
 from gptopt import cli, export, hf
@@ -30,13 +29,6 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def model_dir(train_data: Path, debug_tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A gptopt model directory whose checkpoint records its tokenizer, as `gptopt train` writes it."""
-    model = make_varied_model(debug_tokenizer.get_vocab_size())
-    return save_model(model, tmp_path_factory.mktemp("model") / "m", {"tokenizer": str(train_data / "tokenizer.json")})
 
 
 @pytest.fixture(scope="module")

@@ -10,16 +10,17 @@ measurement (settings -> tokens/s) and a fake clock, so no assertion depends on 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import last_json_line
 
 from gptopt import cli, tune
 from gptopt.bench.ladder import Bench, Rung, RungResult
 from gptopt.config import TrainConfig, TuneConfig
-from gptopt.model import GPT
 from gptopt.tune import Tuner
 from gptopt.tune_report import write_all
 
@@ -187,7 +188,7 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
 ) -> None:
     out = tmp_path / "t"
     assert cli.main(tune_args(train_data, out, "--axes", "amp", "--json")) == 0
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    last = last_json_line(capsys.readouterr().out)
     assert last["best"]["tokens_per_s"] > 0 and last["best"]["settings"]["preset"] == "debug"
     statuses = {"ok", "rejected", "oom", "pruned", "over budget", "failed", "skipped"}
     assert last["candidates"] and all(c["status"] in statuses for c in last["candidates"])
@@ -209,16 +210,9 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
 
 
 def test_out_of_memory_candidates_are_recorded_and_the_search_goes_on(
-    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    train_data: Path, tmp_path: Path, break_forward: Callable[..., None]
 ) -> None:
-    real_forward = GPT.forward
-
-    def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
-        if self.training and idx.size(0) > 2:
-            raise torch.OutOfMemoryError(f"CUDA out of memory at batch {idx.size(0)} (injected)")
-        return real_forward(self, idx, targets, **kw)
-
-    monkeypatch.setattr(GPT, "forward", forward)
+    break_forward(lambda model, idx: model.training and idx.size(0) > 2)
     out = tmp_path / "t"
     summary = Tuner(tune_config(train_data, out, axes="batch,checkpointing")).run()
     status = [(x["stage"], x["batch_size"], x["status"]) for x in summary["candidates"]]
