@@ -48,6 +48,7 @@ def test_unknown_preset_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     assert "gpt2-medium" in capsys.readouterr().err
 
 
+@pytest.mark.policy
 def test_bench_writes_the_contract_and_a_best_toml_train_accepts(
     train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -92,6 +93,7 @@ def test_plots_are_written_with_the_plot_extra(train_data: Path, tmp_path: Path)
         assert (tmp_path / "b" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.policy
 def test_a_rung_that_computes_something_else_fails_the_loss_check(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

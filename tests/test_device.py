@@ -12,6 +12,7 @@ from gptopt import device as dev
 from gptopt.device import gpu_spec, peak_flops, resolve
 
 
+@pytest.mark.policy
 def test_cpu_plan_names_its_reason() -> None:
     plan = resolve("cpu")
     assert plan.device.type == "cpu"
@@ -40,6 +41,7 @@ def test_the_environment_overrides_the_cpu_bf16_detection(monkeypatch: pytest.Mo
     assert ("expect it slower" in resolve("cpu", "bf16", quiet=True).reason) is (value == "0")
 
 
+@pytest.mark.policy
 def test_without_the_override_the_hardware_decides(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(dev.CPU_BF16_ENV, raising=False)
     plan = resolve("cpu", quiet=True)

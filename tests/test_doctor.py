@@ -268,6 +268,7 @@ def test_smoke_failure_is_a_failed_check() -> None:
 # The real command, through the CLI.
 
 
+@pytest.mark.policy
 def test_json_smoke_on_cpu_is_one_document_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["doctor", "--json", "--smoke", "--device", "cpu"])
     doc = json.loads(capsys.readouterr().out)  # raises if anything else shared stdout

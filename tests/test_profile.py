@@ -169,6 +169,7 @@ def test_memory_near_capacity_is_found(train_data: Path, tmp_path: Path, monkeyp
     assert "--gradient_checkpointing" in next(f.fix for f in diagnose(summary) if f.name == "memory")
 
 
+@pytest.mark.policy
 def test_generation_steps_are_profiled_without_data_waits_or_syncs(train_data: Path, tmp_path: Path) -> None:
     summary, names = profiled(train_data, tmp_path, mode="generate", use_amp=True)
     assert summary.data_wait_s == [0.0, 0.0]

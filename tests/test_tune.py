@@ -90,6 +90,7 @@ def by_name(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in summary["candidates"]}
 
 
+@pytest.mark.policy
 def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -123,6 +124,7 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     assert summary["best"]["name"] == "compile default (again)"
 
 
+@pytest.mark.policy
 def test_checkpointing_only_where_memory_runs_out_and_it_buys_a_faster_micro_batch(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -183,6 +185,7 @@ def test_a_slow_candidate_is_pruned_unless_the_cpu_was_busy(
     assert share[-1] == pytest.approx(cpu_per_wall_s / torch.get_num_threads())
 
 
+@pytest.mark.policy
 def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
     train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -227,6 +230,7 @@ def test_out_of_memory_candidates_are_recorded_and_the_search_goes_on(
     assert (cfg.batch_size, cfg.gradient_accumulation_steps) == (2, 4)
 
 
+@pytest.mark.policy
 def test_a_candidate_that_corrupts_the_loss_is_rejected_and_never_wins(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
