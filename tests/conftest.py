@@ -1,4 +1,5 @@
-"""Shared fixtures for the test suite: the debug preset, seeded RNGs, temporary model dirs.
+"""Shared fixtures for the test suite: the debug preset, seeded RNGs, temporary model dirs, injected
+faults (out of memory, NaN loss) and the `--json` line commands print last.
 
     pytest -q                 # the default suite (no slow, no cuda)
     pytest -q -m slow         # the slow tests
@@ -7,7 +8,10 @@
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -109,3 +113,40 @@ def trained_out(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> P
                                 tensorboard=False))
     assert rc == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def model_dir(train_data: Path, debug_tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """make_varied_model saved as a gptopt model dir whose meta names its tokenizer, as training
+    checkpoints do: what generate and export load. Shared: write outputs elsewhere, never into it."""
+    from gptopt.checkpoint import save_model
+
+    model = make_varied_model(debug_tokenizer.get_vocab_size())
+    return save_model(model, tmp_path_factory.mktemp("model") / "m", {"tokenizer": str(train_data / "tokenizer.json")})
+
+
+@pytest.fixture
+def break_forward(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+    """break_forward(when, fault="oom"): GPT.forward fails where when(model, idx) holds, as a real device
+    would: "oom" raises CUDA's out-of-memory error, "nan" returns a NaN loss. Elsewhere the real forward runs."""
+    real_forward = GPT.forward
+
+    def install(when: Callable[[GPT, torch.Tensor], bool], fault: str = "oom") -> None:
+        assert fault in ("oom", "nan")
+
+        def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+            if not when(self, idx):
+                return real_forward(self, idx, targets, **kw)
+            if fault == "oom":
+                raise torch.OutOfMemoryError(
+                    f"CUDA out of memory. Tried to allocate 2.00 GiB (injected at batch {idx.size(0)})")
+            return real_forward(self, idx, targets, **kw) * float("nan")
+
+        monkeypatch.setattr(GPT, "forward", forward)
+
+    return install
+
+
+def last_json_line(stdout: str) -> Any:
+    """What a command's `--json` prints: one JSON document on the last line of stdout (raises if not)."""
+    return json.loads(stdout.strip().splitlines()[-1])

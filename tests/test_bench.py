@@ -6,19 +6,19 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
+from conftest import last_json_line
 
 from gptopt import cli, device
 from gptopt.bench import ladder
 from gptopt.bench.ladder import Bench, select_rungs
 from gptopt.config import BenchConfig, TrainConfig
 from gptopt.device import default_attention
-from gptopt.model import GPT
 
 
 def bench_args(data: Path, out: Path, rungs: str, *extra: str) -> list[str]:
@@ -61,7 +61,7 @@ def test_bench_writes_the_contract_and_a_best_toml_train_accepts(
     out = tmp_path / "b"
     assert cli.main(bench_args(train_data, out, "hf,eager,sdpa,amp", "--json")) == 0
     stdout = capsys.readouterr().out
-    last = json.loads(stdout.strip().splitlines()[-1])  # --json: the results are the last line
+    last = last_json_line(stdout)
     results = json.loads((out / "results.json").read_text())
     assert last["rungs"] == json.loads(json.dumps(results["rungs"]))
     assert results["peak_flops"] > 0 and results["peak_source"].startswith("measured matmul peak")
@@ -98,6 +98,7 @@ def test_plots_are_written_with_the_plot_extra(train_data: Path, tmp_path: Path)
         assert (tmp_path / "b" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.policy
 def test_a_rung_that_computes_something_else_fails_the_loss_check(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -138,16 +139,9 @@ def test_the_all_rung_takes_the_device_attention_unless_its_rung_failed(train_da
 
 
 def test_out_of_memory_rung_is_reported_and_the_bench_goes_on(
-    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    train_data: Path, tmp_path: Path, break_forward: Callable[..., None]
 ) -> None:
-    real_forward = GPT.forward
-
-    def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
-        if self.config.attention == "sdpa" and self.training:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 4.00 GiB (injected)")
-        return real_forward(self, idx, targets, **kw)
-
-    monkeypatch.setattr(GPT, "forward", forward)
+    break_forward(lambda model, idx: model.config.attention == "sdpa" and model.training)
     cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
                       output_dir=str(tmp_path / "b"), rungs="eager,sdpa")
     summary = Bench(cfg).run(select_rungs(cfg.rungs))

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import last_json_line
 
 from gptopt import cli, extras
 from gptopt.bench import infer, report
@@ -71,7 +72,7 @@ def test_hf_and_kv_write_the_contract_and_agree_token_for_token(
     out = tmp_path / "b"
     assert cli.main(infer_args(train_data, out, "hf,kv", "--json")) == 0
     stdout = capsys.readouterr().out
-    last = json.loads(stdout.strip().splitlines()[-1])  # --json: the results are the last line
+    last = last_json_line(stdout)
     results = json.loads((out / "infer_results.json").read_text())
     assert last == results
     assert "decode tokens/s by batch size" in stdout
@@ -174,7 +175,7 @@ def test_the_default_ladder_runs_end_to_end_with_its_compiled_rungs(
 ) -> None:
     pytest.importorskip("transformers")
     assert cli.main(infer_args(train_data, tmp_path / "b", "default", "--json")) == 0
-    results = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    results = last_json_line(capsys.readouterr().out)
     rungs = {r["name"]: r for r in results["rungs"]}
     assert list(rungs) == ["hf", "kv", "compiled", "bf16", "int8", "onnxruntime"]
     assert rungs["compiled"]["status"] == "ok", rungs["compiled"]["note"]

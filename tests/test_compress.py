@@ -1,6 +1,7 @@
-# /work/venv/bin/pytest tests/test_compress.py
 """gptopt compress: the quality measures are right, every run writes a checkpoint the other verbs load
 plus its report, and bad input exits 2 with the fix and nothing written.
+
+    pytest -q tests/test_compress.py
 
 The model is `trained_out` (the debug preset after 2 training steps on train_data), on the CPU.
 """
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import last_json_line
 
 from gptopt import checkpoint, cli
 from gptopt.compress import mean_kl, memory_bytes, perplexity_and_kl
@@ -87,7 +89,7 @@ def test_int8_dynamic_writes_a_loadable_checkpoint_and_a_full_report(
     assert all(stat.S_IMODE(p.stat().st_mode) == 0o644 for p in out.iterdir())
     stdout = capsys.readouterr().out
     assert "size on disk" in stdout and "decode tokens/s, batch 8" in stdout and "mean KL" in stdout
-    last = json.loads(stdout.strip().splitlines()[-1])
+    last = last_json_line(stdout)
     report = _report(out)
     assert last == report
     assert report["eval"]["data_dir"] == str(train_data.resolve())

@@ -12,6 +12,7 @@ from gptopt import device as dev
 from gptopt.device import gpu_spec, peak_flops, resolve
 
 
+@pytest.mark.policy
 def test_cpu_plan_names_its_reason() -> None:
     plan = resolve("cpu")
     assert plan.device.type == "cpu"
@@ -26,6 +27,35 @@ def test_cpu_without_native_bf16_stays_fp32(monkeypatch: pytest.MonkeyPatch) -> 
     plan = resolve("cpu")
     assert plan.amp_dtype is None
     assert "fp32" in plan.reason
+
+
+@pytest.mark.parametrize(("value", "amp"), [("0", None), ("1", torch.bfloat16)])
+def test_the_environment_overrides_the_cpu_bf16_detection(monkeypatch: pytest.MonkeyPatch, value: str,
+                                                           amp: torch.dtype | None) -> None:
+    monkeypatch.setenv(dev.CPU_BF16_ENV, value)
+    assert dev.cpu_has_fast_bf16() is (value == "1")
+    plan = resolve("cpu", quiet=True)
+    assert plan.amp_dtype == amp
+    assert f"GPTOPT_CPU_BF16={value}" in plan.reason  # the log line says the environment decided
+    assert resolve("cpu", "bf16", quiet=True).amp_dtype == torch.bfloat16  # an explicit ask still wins
+    assert ("expect it slower" in resolve("cpu", "bf16", quiet=True).reason) is (value == "0")
+
+
+@pytest.mark.policy
+def test_without_the_override_the_hardware_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(dev.CPU_BF16_ENV, raising=False)
+    plan = resolve("cpu", quiet=True)
+    assert plan.amp_dtype == (torch.bfloat16 if dev.cpu_bf16_detected() else None)
+    assert "GPTOPT_CPU_BF16" not in plan.reason
+    monkeypatch.setenv(dev.CPU_BF16_ENV, "")  # set but empty, as `GPTOPT_CPU_BF16= cmd` leaves it
+    assert resolve("cpu", quiet=True).amp_dtype == plan.amp_dtype
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "bf16"])
+def test_an_invalid_override_names_the_valid_values(monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv(dev.CPU_BF16_ENV, value)
+    with pytest.raises(ValueError, match=r"GPTOPT_CPU_BF16=.*use 1 .*0 .*or unset it"):
+        resolve("cpu", quiet=True)
 
 
 def test_explicit_dtypes_on_cpu() -> None:

@@ -174,6 +174,35 @@ def test_omp_threads_above_the_cores_warns() -> None:
     assert "threads" not in by_name(checks(healthy_cpu(env={"OMP_NUM_THREADS": "8"}), "tiny"))
 
 
+@pytest.mark.parametrize(("native", "env", "status", "autocast"), [
+    (True, {}, "ok", "bf16"),
+    (False, {}, "ok", "fp32"),
+    (True, {"GPTOPT_CPU_BF16": "1"}, "ok", "bf16"),
+    (True, {"GPTOPT_CPU_BF16": "0"}, "warn", "fp32"),  # a fast CPU run as a slow one: on purpose only
+    (False, {"GPTOPT_CPU_BF16": "1"}, "warn", "bf16"),
+])
+def test_cpu_bf16_line_says_what_decides_the_cpu_autocast(native: bool, env: dict[str, str], status: str,
+                                                           autocast: str) -> None:
+    line = by_name(checks(healthy_cpu(cpu_bf16=native, env=env), "tiny"))["cpu bf16"]
+    assert line.status == status
+    assert line.value.endswith(f"CPU autocast uses {autocast}")
+    assert ("GPTOPT_CPU_BF16" in line.value) is bool(env)
+    assert ("unset GPTOPT_CPU_BF16" in line.fix) is (status == "warn")
+
+
+def test_invalid_cpu_bf16_override_fails_with_the_valid_values() -> None:
+    results = by_name(checks(healthy_cpu(cpu_bf16=True, env={"GPTOPT_CPU_BF16": "yes"}), "tiny"))
+    assert results["cpu bf16"].status == "fail"
+    assert "GPTOPT_CPU_BF16=1 or GPTOPT_CPU_BF16=0" in results["cpu bf16"].fix
+
+
+def test_the_cpu_bf16_override_is_listed_with_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPTOPT_CPU_BF16", "0")
+    facts = doctor.probe(None)
+    assert facts.env["GPTOPT_CPU_BF16"] == "0"
+    assert "GPTOPT_CPU_BF16=0" in by_name(checks(facts, "tiny"))["env"].value
+
+
 def test_missing_compiler_warns_that_cpu_compile_fails() -> None:
     compiler = by_name(checks(healthy_cpu(cxx=None), "tiny"))["compiler"]
     assert compiler.status == "warn" and "build-essential" in compiler.fix
@@ -239,6 +268,7 @@ def test_smoke_failure_is_a_failed_check() -> None:
 # The real command, through the CLI.
 
 
+@pytest.mark.policy
 def test_json_smoke_on_cpu_is_one_document_and_passes(capsys: pytest.CaptureFixture[str]) -> None:
     status = main(["doctor", "--json", "--smoke", "--device", "cpu"])
     doc = json.loads(capsys.readouterr().out)  # raises if anything else shared stdout

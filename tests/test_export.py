@@ -1,6 +1,7 @@
-# /work/venv/bin/pytest -q tests/test_export.py
 """gptopt export: ONNX through onnxruntime and Hugging Face through transformers give PyTorch's logits;
 bad input is refused before anything is written.
+
+    pytest -q tests/test_export.py
 
 One ONNX export (the dynamo exporter, several seconds) is shared by the module: the debug preset with wide
 random weights, so greedy text changes every token and two implementations cannot agree by accident.
@@ -15,7 +16,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import make_varied_model
 from tokenizers import Tokenizer
 
 from gptopt import cli, export, hf
@@ -29,13 +29,6 @@ pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")
 
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def model_dir(train_data: Path, debug_tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A gptopt model directory whose checkpoint records its tokenizer, as `gptopt train` writes it."""
-    model = make_varied_model(debug_tokenizer.get_vocab_size())
-    return save_model(model, tmp_path_factory.mktemp("model") / "m", {"tokenizer": str(train_data / "tokenizer.json")})
 
 
 @pytest.fixture(scope="module")

@@ -212,12 +212,6 @@ def test_sampling_params_from_config_decodes_escapes() -> None:
 # Loading and the CLI
 
 
-@pytest.fixture
-def model_dir(varied_model: GPT, train_data: Path, tmp_path: Path) -> Path:
-    """A gptopt model dir whose meta names its tokenizer, as training checkpoints do."""
-    return checkpoint.save_model(varied_model, tmp_path / "model", extra={"tokenizer": str(train_data / "tokenizer.json")})
-
-
 def greedy_cli(model: Path | str, *extra: str) -> list[str]:
     return ["generate", "--model", str(model), "--device", "cpu", "--temperature", "0", "--max_new_tokens", "12",
             *extra]

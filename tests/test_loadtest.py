@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from typing import Any
 
@@ -14,6 +13,8 @@ import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
+
+from conftest import last_json_line
 
 from gptopt.config import LoadtestConfig, ServeConfig, preset  # noqa: E402
 from gptopt.loadtest import MemoryTrace, distribution, main  # noqa: E402
@@ -33,15 +34,11 @@ def url(debug_tokenizer: Any) -> Iterator[str]:
         yield f"http://127.0.0.1:{server.port}"
 
 
-def last_json(out: str) -> dict[str, Any]:
-    return json.loads(out.strip().splitlines()[-1])
-
-
 def test_closed_loop_reports_every_figure_and_no_errors(url: str, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = LoadtestConfig(url=url, requests=20, concurrency=4, prompt_tokens=8, max_tokens=8, json=True)
     assert main(cfg) == 0
     captured = capsys.readouterr()
-    summary = last_json(captured.out)
+    summary = last_json_line(captured.out)
     assert summary["errors"] == {} and summary["completed"] == 20
     assert summary["requests_per_s"] > 0 and summary["output_tokens_per_s"] > 0
     assert 20 <= summary["output_tokens"] <= 20 * 8  # usage from the stream, at most max_tokens each
@@ -59,7 +56,7 @@ def test_closed_loop_reports_every_figure_and_no_errors(url: str, capsys: pytest
 
 def test_poisson_arrivals_complete(url: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(LoadtestConfig(url=url, requests=10, rate=50.0, prompt_tokens=4, max_tokens=4, json=True)) == 0
-    summary = last_json(capsys.readouterr().out)
+    summary = last_json_line(capsys.readouterr().out)
     assert summary["completed"] == 10 and summary["mode"] == "rate 50.0/s"
 
 
@@ -80,7 +77,7 @@ def test_server_errors_are_counted_by_status(capsys: pytest.CaptureFixture[str])
     with serve_in_thread(broken) as server:
         cfg = LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=8, concurrency=2, json=True)
         assert main(cfg) == 1
-    summary = last_json(capsys.readouterr().out)
+    summary = last_json_line(capsys.readouterr().out)
     assert summary["errors"] == {"500": 6, "429": 2} and summary["completed"] == 0
     assert summary["server_memory"] is None  # no /metrics there: nothing to report, no error either
     assert summary["ttft_s"] == {k: None for k in STATS}
@@ -93,7 +90,7 @@ def test_unreachable_server_is_a_connect_error(capsys: pytest.CaptureFixture[str
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     assert main(LoadtestConfig(url=f"http://127.0.0.1:{port}", requests=3, concurrency=3, json=True)) == 1
-    assert last_json(capsys.readouterr().out)["errors"] == {"connect": 3}
+    assert last_json_line(capsys.readouterr().out)["errors"] == {"connect": 3}
 
 
 def test_distribution_percentiles() -> None:

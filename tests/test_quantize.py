@@ -1,6 +1,7 @@
-# /work/venv/bin/pytest tests/test_quantize.py
 """Compression transforms and the compressed checkpoint format: pruning patterns, the integers on
 disk, loading every method back as generate and serve do, and refusals with the reason.
+
+    pytest -q tests/test_quantize.py
 
 Every model is the debug preset (fp32, CPU); the cuda-marked tests run in scripts/gpu_check.sh.
 """

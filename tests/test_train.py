@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -147,18 +148,16 @@ def test_bf16_autocast_training_on_cpu(train_data: Path, tmp_path: Path) -> None
 
 
 def test_nan_steps_are_skipped_then_the_run_stops(
-    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    train_data: Path, tmp_path: Path, break_forward: Callable[..., None], capsys: pytest.CaptureFixture[str]
 ) -> None:
     calls = {"n": 0}
-    real_forward = GPT.forward
 
-    def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
+    def poisoned(model: GPT, idx: torch.Tensor) -> bool:
         calls["n"] += 1
-        out = real_forward(self, idx, targets, **kw)
         # step 3 is poisoned once (skipped, training goes on); from step 7 on every step is
-        return out * float("nan") if self.training and (calls["n"] == 3 or calls["n"] >= 7) else out
+        return model.training and (calls["n"] == 3 or calls["n"] >= 7)
 
-    monkeypatch.setattr(GPT, "forward", forward)
+    break_forward(poisoned, "nan")
     out = tmp_path / "r"
     code = run(train_data, out, max_steps=30, max_bad_steps=3, save_interval=5)
     assert code == 1
@@ -207,16 +206,9 @@ def test_time_budget_and_max_tokens_stop_and_save(train_data: Path, tmp_path: Pa
 
 
 def test_auto_batch_size_backs_off_from_out_of_memory(
-    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    train_data: Path, tmp_path: Path, break_forward: Callable[..., None]
 ) -> None:
-    real_forward = GPT.forward
-
-    def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
-        if idx.size(0) > 4:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
-        return real_forward(self, idx, targets, **kw)
-
-    monkeypatch.setattr(GPT, "forward", forward)
+    break_forward(lambda model, idx: idx.size(0) > 4)
     out = tmp_path / "r"
     assert run(train_data, out, batch_size=16, gradient_accumulation_steps=1, max_steps=3, auto_batch_size=True) == 0
     cfg = json.loads((out / "run.json").read_text())["config"]
@@ -225,12 +217,9 @@ def test_auto_batch_size_backs_off_from_out_of_memory(
 
 
 def test_out_of_memory_names_the_options(
-    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+    train_data: Path, tmp_path: Path, break_forward: Callable[..., None], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    def forward(self: GPT, *a: Any, **k: Any) -> torch.Tensor:
-        raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-
-    monkeypatch.setattr(GPT, "forward", forward)
+    break_forward(lambda model, idx: True)
     assert run(train_data, tmp_path / "r", batch_size=8, max_steps=3) == 1
     err = capsys.readouterr().err
     assert "out of memory at micro-batch 8" in err

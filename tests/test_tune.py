@@ -1,6 +1,7 @@
-# /work/venv/bin/pytest -q tests/test_tune.py
 """gptopt tune: the search order, pruning, out-of-memory and broken candidates, the time and memory
 budgets, and the outputs (tune.toml that train takes, the report, the --json line).
+
+    pytest -q tests/test_tune.py
 
 Real runs use the debug preset and a small space; the search logic is also driven by a fake
 measurement (settings -> tokens/s) and a fake clock, so no assertion depends on this machine's speed.
@@ -9,16 +10,17 @@ measurement (settings -> tokens/s) and a fake clock, so no assertion depends on 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import last_json_line
 
 from gptopt import cli, tune
 from gptopt.bench.ladder import Bench, Rung, RungResult
 from gptopt.config import TrainConfig, TuneConfig
-from gptopt.model import GPT
 from gptopt.tune import Tuner
 from gptopt.tune_report import write_all
 
@@ -88,6 +90,7 @@ def by_name(summary: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in summary["candidates"]}
 
 
+@pytest.mark.policy
 def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -121,6 +124,7 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     assert summary["best"]["name"] == "compile default (again)"
 
 
+@pytest.mark.policy
 def test_checkpointing_only_where_memory_runs_out_and_it_buys_a_faster_micro_batch(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -181,12 +185,13 @@ def test_a_slow_candidate_is_pruned_unless_the_cpu_was_busy(
     assert share[-1] == pytest.approx(cpu_per_wall_s / torch.get_num_threads())
 
 
+@pytest.mark.policy
 def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
     train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "t"
     assert cli.main(tune_args(train_data, out, "--axes", "amp", "--json")) == 0
-    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    last = last_json_line(capsys.readouterr().out)
     assert last["best"]["tokens_per_s"] > 0 and last["best"]["settings"]["preset"] == "debug"
     statuses = {"ok", "rejected", "oom", "pruned", "over budget", "failed", "skipped"}
     assert last["candidates"] and all(c["status"] in statuses for c in last["candidates"])
@@ -208,16 +213,9 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
 
 
 def test_out_of_memory_candidates_are_recorded_and_the_search_goes_on(
-    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    train_data: Path, tmp_path: Path, break_forward: Callable[..., None]
 ) -> None:
-    real_forward = GPT.forward
-
-    def forward(self: GPT, idx: torch.Tensor, targets: torch.Tensor | None = None, **kw: Any) -> torch.Tensor:
-        if self.training and idx.size(0) > 2:
-            raise torch.OutOfMemoryError(f"CUDA out of memory at batch {idx.size(0)} (injected)")
-        return real_forward(self, idx, targets, **kw)
-
-    monkeypatch.setattr(GPT, "forward", forward)
+    break_forward(lambda model, idx: model.training and idx.size(0) > 2)
     out = tmp_path / "t"
     summary = Tuner(tune_config(train_data, out, axes="batch,checkpointing")).run()
     status = [(x["stage"], x["batch_size"], x["status"]) for x in summary["candidates"]]
@@ -232,6 +230,7 @@ def test_out_of_memory_candidates_are_recorded_and_the_search_goes_on(
     assert (cfg.batch_size, cfg.gradient_accumulation_steps) == (2, 4)
 
 
+@pytest.mark.policy
 def test_a_candidate_that_corrupts_the_loss_is_rejected_and_never_wins(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import os
 import platform
 import re
 import sys
@@ -64,7 +65,28 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cpu_has_fast_bf16() -> bool:
+# GPTOPT_CPU_BF16=1 or 0 overrides the detection below: to test the other CPU policy on this machine
+# (CI runs the policy tests under both), or where the flags lie (a VM that hides avx512_bf16).
+CPU_BF16_ENV = "GPTOPT_CPU_BF16"
+
+
+def parse_cpu_bf16(value: str | None) -> bool | None:
+    """A GPTOPT_CPU_BF16 value: '1' native bf16, '0' none, unset or empty None (detect)."""
+    value = (value or "").strip()
+    if not value:
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{CPU_BF16_ENV}={value!r}: use 1 (treat the CPU as having native bf16), "
+                         "0 (as lacking it), or unset it to detect")
+    return value == "1"
+
+
+def cpu_bf16_override() -> bool | None:
+    """What GPTOPT_CPU_BF16 says (1: native bf16, 0: none); None when unset or empty."""
+    return parse_cpu_bf16(os.environ.get(CPU_BF16_ENV))
+
+
+def cpu_bf16_detected() -> bool:
     """True when the CPU has native bf16 dot products (AVX512-BF16 or AMX), so bf16 matmuls beat fp32."""
     cap = ""
     with contextlib.suppress(Exception):
@@ -81,6 +103,12 @@ def cpu_has_fast_bf16() -> bool:
     if sys.platform == "darwin" and platform.machine() == "arm64":
         return False  # Apple CPUs lack bf16 matmul units reachable from torch; mps is the fast path there
     return False
+
+
+def cpu_has_fast_bf16() -> bool:
+    """The CPU policy's answer: GPTOPT_CPU_BF16 when set, else what the hardware has (cpu_bf16_detected)."""
+    forced = cpu_bf16_override()
+    return cpu_bf16_detected() if forced is None else forced
 
 
 def _pick_device(device: str) -> torch.device:
@@ -140,19 +168,22 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
         use_tf32 = False
         why.append(f"Apple MPS: {amp}{' (auto)' if amp_dtype == 'auto' else ' as asked'}")
     else:
-        fast = cpu_has_fast_bf16()
         if amp_dtype == "fp16":
             raise ValueError("fp16 autocast on a CPU is slow and needs loss scaling: use --amp_dtype bf16 or fp32")
+        forced, fast = cpu_bf16_override(), cpu_has_fast_bf16()
         if amp_dtype == "auto":
             amp = "bf16" if fast else "fp32"
-            why.append(
-                "CPU with native bf16 (AVX512-BF16/AMX): bf16 autocast"
-                if fast
-                else "CPU without native bf16 matmul: fp32 (bf16 would be emulated and slower)"
-            )
+            if forced is not None:  # the reason says when the environment, not the hardware, decided
+                why.append(f"CPU treated as {'having' if fast else 'lacking'} native bf16 ({CPU_BF16_ENV}="
+                           f"{int(forced)}): {'bf16 autocast' if fast else 'fp32'}")
+            elif fast:
+                why.append("CPU with native bf16 (AVX512-BF16/AMX): bf16 autocast")
+            else:
+                why.append("CPU without native bf16 matmul: fp32 (bf16 would be emulated and slower)")
         else:
             amp = amp_dtype
-            why.append(f"CPU: {amp} as asked" + ("" if fast or amp == "fp32" else " (no native bf16: expect it slower)"))
+            said = "" if forced is None else f" per {CPU_BF16_ENV}=0"
+            why.append(f"CPU: {amp} as asked" + ("" if fast or amp == "fp32" else f" (no native bf16{said}: expect it slower)"))
         use_tf32 = False
     if use_tf32:
         torch.set_float32_matmul_precision("high")
@@ -335,8 +366,6 @@ def environment(plan: DevicePlan | None = None) -> dict[str, Any]:
             rec["device_name"] = torch.cuda.get_device_name(plan.device)
             rec["gpu_count"] = torch.cuda.device_count()
         else:
-            import os
-
             rec["device_name"] = rec["cpu"]
             rec["cpu_threads"] = torch.get_num_threads()
             rec["cpu_count"] = os.cpu_count()

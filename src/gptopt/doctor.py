@@ -42,7 +42,7 @@ DEFAULT_WHEEL_CUDA = "12.6"
 SMI_TIMEOUT_S = 5  # a hung driver must not hang the doctor
 ENV_PREFIXES = ("NCCL_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_")
 ENV_NAMES = ("CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "OMP_NUM_THREADS", "MKL_NUM_THREADS",
-             "CUBLAS_WORKSPACE_CONFIG")
+             "CUBLAS_WORKSPACE_CONFIG", device_mod.CPU_BF16_ENV)
 
 
 @dataclass(kw_only=True)
@@ -82,6 +82,7 @@ class Facts:
     cpu_logical: int = 1
     cpu_usable: int = 1  # cores this process may run on (affinity, containers)
     cpu_physical: int | None = None
+    cpu_bf16: bool | None = None  # native bf16 in the hardware, whatever GPTOPT_CPU_BF16 says
     torch_threads: int = 1
     ram_total: int | None = None
     ram_available: int | None = None
@@ -204,6 +205,7 @@ def probe(plan: device_mod.DevicePlan | None, device_error: str | None = None) -
     f.cpu_logical = os.cpu_count() or 1
     f.cpu_usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else f.cpu_logical
     f.cpu_physical = psutil.cpu_count(logical=False)
+    f.cpu_bf16 = device_mod.cpu_bf16_detected()
     f.torch_threads = torch.get_num_threads()
     vm = psutil.virtual_memory()
     f.ram_total, f.ram_available = vm.total, vm.available
@@ -327,6 +329,25 @@ def _gpu_checks(f: Facts, wheel: str) -> list[Check]:
     return out
 
 
+def _cpu_bf16_check(f: Facts) -> Check:
+    """Native bf16 on the CPU decides its autocast dtype; GPTOPT_CPU_BF16 may override the detection."""
+    name, env = "cpu bf16", device_mod.CPU_BF16_ENV
+    hardware = {True: "native (AVX512-BF16/AMX)", False: "none", None: "unknown"}[f.cpu_bf16]
+    try:
+        forced = device_mod.parse_cpu_bf16(f.env.get(env))
+    except ValueError as e:
+        return Check(name, "fail", f"{hardware}; {e}", f"export {env}=1 or {env}=0, or unset {env}")
+    if forced is None:
+        autocast = {True: ": CPU autocast uses bf16", False: ": CPU autocast uses fp32", None: ""}[f.cpu_bf16]
+        return Check(name, "ok", hardware + autocast)
+    value = (f"{hardware}; {env}={f.env[env].strip()} decides instead of the detection: CPU autocast uses "
+             f"{'bf16' if forced else 'fp32'}")
+    if f.cpu_bf16 is None or forced == f.cpu_bf16:
+        return Check(name, "ok", value)
+    return Check(name, "warn", value, f"unset {env} unless you mean to run the other CPU policy "
+                 "(tests of it, or flags a VM hides)")
+
+
 def checks(facts: Facts, preset_name: str) -> list[Check]:
     """Every verdict with its fix; a pure function of the facts and the preset."""
     f, cfg, out = facts, preset(preset_name), []
@@ -389,6 +410,7 @@ def checks(facts: Facts, preset_name: str) -> list[Check]:
     physical = f", {f.cpu_physical} physical" if f.cpu_physical else ""
     add(Check("cpu", "ok", f"{f.cpu_model or '?'}: {f.cpu_usable} usable of {f.cpu_logical} logical cores"
               f"{physical}; torch uses {f.torch_threads} threads"))
+    add(_cpu_bf16_check(f))
     omp = f.env.get("OMP_NUM_THREADS")
     if omp is not None and (not omp.isdigit() or int(omp) > f.cpu_usable):
         add(Check("threads", "warn", f"OMP_NUM_THREADS={omp} with {f.cpu_usable} usable cores",
@@ -425,7 +447,9 @@ def checks(facts: Facts, preset_name: str) -> list[Check]:
               "; ".join(env_warn)))
 
     if f.device_error:
-        add(Check("device", "fail", f.device_error, "use --device auto or --device cpu"))
+        fix = ("see the cpu bf16 check" if device_mod.CPU_BF16_ENV in f.device_error
+               else "use --device auto or --device cpu")
+        add(Check("device", "fail", f.device_error, fix))
     else:
         add(Check("device", "ok", f.device_reason or f.device or "?"))
     return out
