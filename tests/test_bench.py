@@ -99,7 +99,6 @@ def test_plots_are_written_with_the_plot_extra(train_data: Path, tmp_path: Path)
         assert (tmp_path / "b" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.policy
 def test_a_rung_that_computes_something_else_fails_the_loss_check(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
