@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptopt import checkpoint, hf
+from gptopt import checkpoint, fsutil, hf
 from gptopt.config import PrepareConfig
 from gptopt.corpus import prepare
 from gptopt.fsutil import staged_dir
@@ -105,3 +105,119 @@ def test_without_replace_a_filled_target_is_never_replaced(tmp_path: Path) -> No
         (tmp / "b.txt").write_text("b")
     assert [p.name for p in target.iterdir()] == ["a.txt"]
     assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Ownership: check_output, Aside, and the leftovers of killed processes.
+
+def _dead_pid() -> int:
+    """A pid that no live process has: a child that has exited and been reaped."""
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    return pid
+
+
+def test_check_output_refuses_before_any_work_and_names_the_fix(tmp_path: Path) -> None:
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="is a file"):
+        fsutil.check_output(tmp_path / "afile", kind="bench", overwrite=False)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")
+    assert fsutil.check_output(run, kind="bench", overwrite=False, ours=["report.md"]) == []  # beside the user's
+    (run / "report.md").write_text("an old report")
+    with pytest.raises(ValueError, match="--overwrite"):
+        fsutil.check_output(run, kind="bench", overwrite=False, ours=["report.md"])
+    with pytest.raises(ValueError, match="not marked"):  # a report.md gptopt did not write is never replaced
+        fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"])
+    fsutil.mark(run, "tune")
+    with pytest.raises(ValueError, match="marked as gptopt tune"):
+        fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"])
+    fsutil.mark(run, "bench")
+    assert fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"]) == [run / "report.md"]
+    assert (run / "notes.txt").read_text() == "mine"
+
+
+def test_check_output_refuses_a_folder_that_cannot_be_written(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o555)
+    if os.geteuid() == 0:  # root writes anywhere: let the OS say no as it does to everyone else
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
+    try:
+        with pytest.raises(ValueError, match="permission denied"):
+            fsutil.check_output(locked / "out" / "deeper", kind="bench", overwrite=False)
+    finally:
+        locked.chmod(0o755)
+
+
+def test_a_whole_directory_output_is_replaced_only_when_gptopt_wrote_all_of_it(tmp_path: Path) -> None:
+    downloaded = tmp_path / "gpt2"  # a model folder from the hub: the same file names as an export
+    downloaded.mkdir()
+    (downloaded / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="not marked"):
+        fsutil.check_output(downloaded, kind="export-hf", overwrite=True, whole=True)
+    with fsutil.staged_dir(tmp_path / "export", kind="export-hf") as tmp:
+        (tmp / "config.json").write_text("{}")
+    export = tmp_path / "export"
+    assert fsutil.check_output(export, kind="export-hf", overwrite=True, whole=True) == [export / "config.json"]
+    (export / "README.md").write_text("my notes on this export")
+    with pytest.raises(ValueError, match="did not write .*README.md"):
+        fsutil.check_output(export, kind="export-hf", overwrite=True, whole=True)
+
+
+def test_aside_restores_the_old_output_when_the_new_one_fails(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    fsutil.mark(run, "train-run")
+    (run / "metrics.jsonl").write_text("old metrics")
+    (run / "notes.txt").write_text("the user's")
+    ours = ["metrics.jsonl", "ckpt-*"]
+    with pytest.raises(RuntimeError), fsutil.Aside(run, fsutil.check_output(run, kind="train-run", overwrite=True,
+                                                                             ours=ours), ours):
+        assert not (run / "metrics.jsonl").exists()
+        (run / "metrics.jsonl").write_text("new metrics")
+        (run / "ckpt-0000001").mkdir()
+        raise RuntimeError("the new run failed")
+    assert sorted(p.name for p in run.iterdir()) == [fsutil.OWNER_FILE, "metrics.jsonl", "notes.txt"]
+    assert (run / "metrics.jsonl").read_text() == "old metrics"
+    with fsutil.Aside(run, fsutil.check_output(run, kind="train-run", overwrite=True, ours=ours), ours) as aside:
+        (run / "metrics.jsonl").write_text("new metrics")
+        aside.commit()
+    assert sorted(p.name for p in run.iterdir()) == [fsutil.OWNER_FILE, "metrics.jsonl", "notes.txt"]
+    assert (run / "metrics.jsonl").read_text() == "new metrics"
+
+
+def test_a_killed_replacement_is_undone_and_killed_staging_is_removed(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    fsutil.mark(run, "train-run")
+    (run / "metrics.jsonl").write_text("old metrics")
+    ours = ["metrics.jsonl"]
+    aside = fsutil.Aside(run, [run / "metrics.jsonl"], ours).__enter__()  # then the process is killed
+    dead = _dead_pid()
+    assert aside.folder is not None
+    aside.folder.rename(run / aside.folder.name.replace(f"-{os.getpid()}-", f"-{dead}-"))
+    (run / "metrics.jsonl").write_text("the killed run's first steps")
+    host = fsutil._HOST
+    (run / f".ckpt-0000010.tmp-{host}-{dead}-0123abcd").mkdir()  # a checkpoint being written when killed
+    (run / f".ckpt-0000020.tmp-{host}-{os.getpid()}-0123abcd").mkdir()  # one this process is writing
+    (run / f".ckpt-0000030.tmp-otherhost-{dead}-0123abcd").mkdir()  # another machine's, on shared storage
+    assert fsutil.check_output(run, kind="train-run", overwrite=True, ours=ours) == [run / "metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_text() == "old metrics"
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith(".ckpt")) == [
+        f".ckpt-0000020.tmp-{host}-{os.getpid()}-0123abcd", f".ckpt-0000030.tmp-otherhost-{dead}-0123abcd"]
+
+
+def test_a_swap_killed_between_its_renames_gets_the_old_directory_back(tmp_path: Path) -> None:
+    dead = _dead_pid()
+    old = tmp_path / f".model.old-{fsutil._HOST}-{dead}-0123abcd"  # renamed away; the new never arrived
+    old.mkdir()
+    (old / "weights").write_text("the only copy")
+    with fsutil.staged_dir(tmp_path / "other") as tmp:
+        (tmp / "x").write_text("x")
+    assert (tmp_path / "model" / "weights").read_text() == "the only copy"

@@ -1,8 +1,18 @@
-"""Publishing a directory: written whole into a hidden sibling, made durable, then renamed into place.
+"""Writing a user's disk safely: staged publishing, ownership marks, and output checks.
 
 Every directory gptopt hands to a user (checkpoints, model directories, Hugging Face and ONNX exports,
 compressed models, prepared data) goes through staged_dir, so a crash at any point leaves either the
 old directory or the complete new one, never half of one, and no temporary directory behind.
+
+The rules every writing verb follows (docs/design.md, "Nothing a user owns is lost"):
+- check_output validates an output before any work: not a file, writable, and either new, or
+  holding no entry the verb would write, or (with --overwrite) marked by gptopt as this kind of
+  output and holding nothing gptopt did not write. Nothing else is ever replaced.
+- mark / marked_kind: the `.gptopt-output.json` a verb leaves in what it wrote (its kind and files).
+- Aside: --overwrite moves the old output aside, restores it if the new one fails before commit(),
+  and deletes it only once the new one has something to put in its place.
+- Staging and aside folders are tagged host-pid-token; those of a dead process on this host are
+  removed (or, for an interrupted replacement, restored) by the next write there.
 
     python -c "from gptopt.fsutil import staged_dir; help(staged_dir)"
 """
@@ -10,13 +20,25 @@ old directory or the complete new one, never half of one, and no temporary direc
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import json
+import logging
 import os
+import re
 import secrets
 import shutil
-from collections.abc import Iterator
+import socket
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
+from types import TracebackType
+from typing import Any
 
-__all__ = ["fsync_dir", "replace_dir", "staged_dir"]
+__all__ = ["OWNER_FILE", "Aside", "check_output", "clean_stale", "fsync_dir", "mark", "marked_kind",
+           "recover", "replace_dir", "staged_dir"]
+
+log = logging.getLogger("gptopt")
+
+OWNER_FILE = ".gptopt-output.json"
 
 
 def fsync_dir(path: Path) -> None:
@@ -58,9 +80,70 @@ def _finish_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
-def _sibling(target: Path, tag: str) -> Path:
-    # Hidden (listings of checkpoints skip dot names) and unique per process and call.
-    return target.with_name(f".{target.name}.{tag}-{os.getpid()}-{secrets.token_hex(4)}")
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
+# .NAME.KIND-HOST-PID-TOKEN: tmp (being written), old (replaced, not yet deleted), trash (being deleted)
+_STAGED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|trash)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+
+
+def _tag(kind: str) -> str:
+    return f"{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _sibling(target: Path, kind: str) -> Path:
+    # Hidden (listings of checkpoints skip dot names) and unique per host, process and call.
+    return target.with_name(f".{target.name}.{_tag(kind)}")
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another account's live process
+        return True
+    return True
+
+
+def _rmtree(path: Path) -> None:
+    """Delete a directory of gptopt's own: renamed to a trash name first, so an interrupted delete is
+    recognisably garbage and never mistaken for the thing it was."""
+    if not path.exists():
+        return
+    trash = path.with_name(f".{path.name.lstrip('.')}.{_tag('trash')}")
+    try:
+        os.replace(path, trash)
+    except OSError:
+        trash = path
+    if trash.is_dir() and not trash.is_symlink():
+        shutil.rmtree(trash, ignore_errors=True)
+    else:
+        trash.unlink(missing_ok=True)
+
+
+def clean_stale(directory: Path) -> list[Path]:
+    """Remove the staging leftovers of dead gptopt processes on this host in directory (kill -9,
+    power loss); a replacement interrupted between its two renames gets its old directory back.
+    Returns what was removed or restored. Live processes' and other hosts' entries are never touched."""
+    directory = Path(directory)
+    done: list[Path] = []
+    try:
+        entries = list(directory.iterdir())
+    except OSError:
+        return done
+    for path in entries:
+        m = _STAGED.match(path.name)
+        if not m or m["host"] != _HOST or _alive(int(m["pid"])):
+            continue
+        target = directory / m["name"]
+        if m["kind"] == "old" and not target.exists():
+            os.replace(path, target)  # the new one never arrived: the old one is still the output
+            log.warning(f"restored {target}, which an interrupted write had moved aside")
+        else:
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+        done.append(path)
+    return done
 
 
 def replace_dir(src: Path, dst: Path) -> None:
@@ -69,14 +152,14 @@ def replace_dir(src: Path, dst: Path) -> None:
         old = _sibling(dst, "old")
         os.replace(dst, old)
         os.replace(src, dst)
-        shutil.rmtree(old, ignore_errors=True)
+        _rmtree(old)
     else:
         os.replace(src, dst)
     fsync_dir(dst.parent)
 
 
 @contextlib.contextmanager
-def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
+def staged_dir(target: Path, *, replace: bool = False, kind: str | None = None) -> Iterator[Path]:
     """An empty temporary sibling of target to write into; published as target when the block ends.
 
     replace=True swaps out an existing target (the old one stays until the new is complete); with
@@ -87,9 +170,13 @@ def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
     The temporary directory is made with mkdir, not tempfile.mkdtemp: mkdtemp's 0700 mode would stay
     on the published directory and lock out every other account (the one that serves a model, say),
     where mkdir gives what the user's umask says, as any directory the user makes; files get open()'s.
+
+    kind: mark the published directory as this kind of gptopt output (mark), listing its files, so
+    that a later --overwrite may replace it and nothing else.
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(target.parent)
     while True:
         tmp = _sibling(target, "tmp")
         try:
@@ -99,6 +186,8 @@ def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
             continue
     try:
         yield tmp
+        if kind is not None:
+            mark(tmp, kind, files=[p.name for p in tmp.iterdir()])
         _finish_tree(tmp)
         if replace:
             replace_dir(tmp, target)
@@ -110,3 +199,186 @@ def staged_dir(target: Path, *, replace: bool = False) -> Iterator[Path]:
             fsync_dir(target.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already when published
+
+
+# ----------------------------------------------------------------------------------------------
+# Ownership: what gptopt wrote, and the one check every writing verb makes before any work.
+
+
+def mark(directory: Path, kind: str, files: Iterable[str] | None = None) -> None:
+    """Record that gptopt wrote directory as `kind` (e.g. "export-hf", "train-run"), and which of its
+    entries are gptopt's when it shares the folder with the user's files."""
+    from gptopt import __version__  # the package root: no cycle
+
+    body: dict[str, Any] = {"written_by": "gptopt", "kind": kind, "version": __version__}
+    if files is not None:
+        body["files"] = sorted(set(files) - {OWNER_FILE})
+    path = Path(directory) / OWNER_FILE
+    tmp = path.with_name(f"{path.name}.{_tag('tmp')}")
+    tmp.write_text(json.dumps(body, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _marker(directory: Path) -> dict[str, Any] | None:
+    try:
+        body = json.loads((Path(directory) / OWNER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return body if isinstance(body, dict) and body.get("written_by") == "gptopt" else None
+
+
+def marked_kind(directory: Path) -> str | None:
+    """The kind gptopt marked directory with, or None when gptopt did not mark it."""
+    body = _marker(directory)
+    kind = body.get("kind") if body else None
+    return kind if isinstance(kind, str) else None
+
+
+def _ours(directory: Path, ours: Sequence[str]) -> tuple[list[Path], list[Path]]:
+    """(gptopt's entries, the user's entries) of directory: gptopt's match a glob of `ours` or are listed
+    in the mark; the mark itself and gptopt's staging names count as neither."""
+    body = _marker(directory) or {}
+    listed = set(body.get("files") or []) if isinstance(body.get("files"), list) else set()
+    mine: list[Path] = []
+    theirs: list[Path] = []
+    for path in sorted(Path(directory).iterdir()):
+        name = path.name
+        if name == OWNER_FILE or _STAGED.match(name) or name.startswith(_ASIDE):
+            continue
+        if name in listed or any(fnmatch.fnmatchcase(name, g) for g in ours):
+            mine.append(path)
+        else:
+            theirs.append(path)
+    return mine, theirs
+
+
+def _writable(path: Path, flag: str) -> None:
+    probe = path
+    while not probe.exists():  # the nearest existing ancestor is where the first mkdir happens
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.is_file():
+        raise ValueError(f"{flag} {path}: {probe} is a file, not a folder; choose another {flag}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {path}: cannot write in {probe} (permission denied); choose a folder you can "
+                         f"write with {flag}")
+
+
+def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str] = (),
+                 flag: str = "--output_dir", whole: bool = False) -> list[Path]:
+    """Validate an output location before any work; returns gptopt's entries there that will be replaced.
+
+    ours: glob patterns of the entries this verb writes into target (a training run: "ckpt-*",
+    "metrics.jsonl", ...); entries listed in target's mark count as ours too. whole: the verb
+    publishes target as one directory (staged_dir(replace=True)), so target must hold nothing else.
+    Refused, with the fix named: target is a file or cannot be written; an entry the verb would
+    write exists and --overwrite is not given; --overwrite on a folder gptopt did not mark as `kind`,
+    or (whole) one that holds a file gptopt did not write.
+    """
+    target = Path(target).expanduser()
+    if target.is_file() or (target.is_symlink() and not target.exists()):
+        raise ValueError(f"{flag} {target} is a file; give the path of a folder")
+    _writable(target, flag)
+    if not target.is_dir():
+        return []
+    recover(target, ours)
+    clean_stale(target)
+    mine, theirs = _ours(target, ours)
+    if not mine and not (whole and theirs):
+        return []  # new, or the user's files only: the verb writes beside them and touches none of them
+    if not overwrite:
+        if whole:
+            raise ValueError(f"{flag} {target} exists and is not empty; nothing was written: choose a new folder, "
+                             "or pass --overwrite to replace an earlier output of this command there")
+        names = ", ".join(p.name for p in mine[:4]) + (", ..." if len(mine) > 4 else "")
+        raise ValueError(f"{flag} {target} already holds output ({names}); nothing was written: pass --overwrite "
+                         f"to replace it (kept until the new output is complete), or choose another {flag}")
+    found = marked_kind(target)
+    if found != kind:
+        what = f"marked as gptopt {found}" if found else f"not marked as gptopt's ({OWNER_FILE} missing)"
+        raise ValueError(f"{flag} {target} is {what}, so --overwrite will not replace it: gptopt only replaces "
+                         f"what it wrote itself; choose another {flag}")
+    if whole and theirs:
+        names = ", ".join(p.name for p in theirs[:4]) + (", ..." if len(theirs) > 4 else "")
+        raise ValueError(f"{flag} {target} holds files gptopt did not write ({names}), so --overwrite will not "
+                         f"replace it: move them out, or choose another {flag}")
+    return mine
+
+
+# ----------------------------------------------------------------------------------------------
+# Replacing an output that a verb writes into as it goes (a training run, a bench, a profile).
+
+_ASIDE = ".gptopt-old-"
+
+
+class Aside:
+    """Move gptopt's old entries of target aside; give them back if the new output fails.
+
+        with Aside(target, check_output(target, kind=..., overwrite=True, ours=OURS), OURS) as aside:
+            ... write the new output ...
+            aside.commit()   # once the new output can stand in for the old (optional: a clean exit commits)
+
+    An exception before commit() deletes what the new output wrote (entries matching ours) and puts the
+    old entries back. A killed process leaves the aside folder; recover() restores it the next time.
+    The user's own entries are never moved.
+    """
+
+    def __init__(self, target: Path, entries: Sequence[Path], ours: Sequence[str]) -> None:
+        self.target = Path(target)
+        self.entries = list(entries)
+        self.ours = tuple(ours)
+        self.folder: Path | None = None
+
+    def __enter__(self) -> Aside:
+        if self.entries:
+            self.folder = self.target / f"{_ASIDE}{_tag('old')}"
+            self.folder.mkdir()
+            kind = marked_kind(self.target)
+            if kind:  # the restore needs to know what was gptopt's
+                mark(self.folder, kind)
+            for path in self.entries:
+                os.replace(path, self.folder / path.name)
+            fsync_dir(self.target)
+        return self
+
+    def commit(self) -> None:
+        """The new output stands: the old one goes."""
+        if self.folder is not None:
+            _rmtree(self.folder)
+            self.folder = None
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if self.folder is None:
+            return
+        if kind is None:
+            self.commit()
+        else:
+            _restore(self.target, self.folder, self.ours)
+            self.folder = None
+
+
+def _restore(target: Path, folder: Path, ours: Sequence[str]) -> None:
+    mine, _ = _ours(target, ours)
+    for path in mine:
+        if (folder / path.name).exists() or any(fnmatch.fnmatchcase(path.name, g) for g in ours):
+            _rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    for path in folder.iterdir():
+        if path.name != OWNER_FILE:
+            os.replace(path, target / path.name)
+    _rmtree(folder)
+    fsync_dir(target)
+    log.warning(f"{target}: the new output failed; the earlier one is back in place")
+
+
+def recover(target: Path, ours: Sequence[str] = ()) -> None:
+    """Give back an old output that a killed --overwrite had moved aside (its process is gone)."""
+    target = Path(target)
+    try:
+        asides = [p for p in target.iterdir() if p.name.startswith(_ASIDE)]
+    except OSError:
+        return
+    for folder in asides:
+        m = re.match(r"^old-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$", folder.name[len(_ASIDE):])
+        if m and m["host"] == _HOST and not _alive(int(m["pid"])):
+            _restore(target, folder, ours)
