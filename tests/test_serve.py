@@ -27,7 +27,7 @@ from gptopt.config import ServeConfig, preset  # noqa: E402
 from gptopt.device import resolve  # noqa: E402
 from gptopt.generate import Generator, SamplingParams, complete  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
-from gptopt.serve.app import MAX_BODY_BYTES, create_app, serve_in_thread  # noqa: E402
+from gptopt.serve.app import EXAMPLE_BODY, MAX_BODY_BYTES, create_app, serve_in_thread  # noqa: E402
 from gptopt.serve.blocklist import Blocklist, CheckTimeout, TextFilter, load_blocklist  # noqa: E402
 
 PROMPT = "def parse_args(self, args=None):"
@@ -313,6 +313,17 @@ def test_non_numbers_and_non_objects_get_400(url: str, raw: bytes) -> None:
     for path in ("/v1/completions", "/generate")[: 2 if generate_too else 1]:
         r = httpx.post(f"{url}{path}", content=raw, headers={"content-type": "application/json"}, timeout=30)
         assert_openai_error(r, 400)
+
+
+@pytest.mark.parametrize("raw, why", [
+    (b'{"prompt": "caf\xe9"}', "not UTF-8"), (b"[" * 100_000 + b"]" * 100_000, "nests too deeply"),
+    (b'{"prompt": "x", "seed": ' + b"9" * 5000 + b"}", "cannot be read"), (b"", "empty"),
+    (b"[1, 2]", "not an object"), (b'{"prompt": "x",}', "not valid JSON"),
+])
+def test_an_unreadable_body_is_told_why(url: str, raw: bytes, why: str) -> None:
+    for path in ("/v1/completions", "/generate"):
+        err = assert_openai_error(httpx.post(f"{url}{path}", content=raw, timeout=30), 400, "invalid_json")
+        assert why in err["message"] and EXAMPLE_BODY in err["message"]
 
 
 def test_a_body_that_is_not_json_is_told_so_whatever_its_content_type(url: str) -> None:

@@ -11,7 +11,8 @@ Plain terms are the common case and cannot be slow. A regular expression can bac
 exponentially ((a|a)+$ over forty a's would run for years), so every search runs under the `regex`
 module's timeout, with the GIL released (concurrent=True) so the event loop and the engine thread
 go on meanwhile. A search that runs out of time counts as a match: the prompt is refused, or the
-output is cut, and only the request that sent that text pays for it.
+output is cut, and only the request that sent that text pays for it. (The regex module counts CPU
+time; app.py also bounds the wait for a prompt check by the wall clock.)
 """
 
 from __future__ import annotations
