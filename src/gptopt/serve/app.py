@@ -237,8 +237,8 @@ def _json_problem(body: bytes) -> str | None:
         return f"the request body is not UTF-8 (or UTF-16/32) text; {fix}"
     except RecursionError:
         return f"the request body's JSON nests too deeply; {fix}"
-    except ValueError as e:  # e.g. an integer longer than Python converts (sys.get_int_max_str_digits)
-        return f"the request body's JSON cannot be read ({e}); {fix}"
+    except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+        return f"the request body's JSON cannot be read (a number has too many digits); {fix}"
     if not isinstance(obj, dict):
         return f"the request body is JSON but not an object; {fix}"
     return None
