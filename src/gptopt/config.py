@@ -429,7 +429,8 @@ class ServeConfig:
     quantize: str = opt("none", "int8-weight: torchao int8 weight-only (quant extra)", choices=("none", "int8-weight"))
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)")
     cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
-    blocklist: str | None = opt(None, "file of terms or regular expressions (one a line) refused in prompts and cut from output")
+    blocklist: str | None = opt(None, "file of rules, one a line, refused in prompts and cut from output: a plain term "
+                                "(matched as text, ignoring case), or re:REGEX (a regular expression, time-limited)")
 
     def __post_init__(self) -> None:
         for name in ("max_batch_size", "max_tokens_limit"):

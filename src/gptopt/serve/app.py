@@ -4,14 +4,19 @@
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def fib(n):", "max_tokens": 32, "stream": true}'
 
-The `openai` Python client works unchanged against base_url=http://HOST:PORT/v1. Every bad input
-gets OpenAI's error body {"error": {"message", "type", "param", "code"}} with a 4xx status, checked
-before any model work; generation itself runs on the engine thread (engine.py).
+The `openai` Python client works unchanged against base_url=http://HOST:PORT/v1. Every request the
+schema admits gets a 2xx, or a 4xx with OpenAI's error body {"error": {"message", "type", "param",
+"code"}}, checked before any model work; generation itself runs on the engine thread (engine.py).
+Nothing a request sends runs unbounded on the event loop: tokenizing and the blocklist check run in
+threads, the blocklist under a time limit. The body is read as JSON whatever its declared content
+type (curl -d sends form-encoded). With --api_key every route but the probes /health and /ready,
+the docs and /metrics included, needs the key.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import hmac
 import json
@@ -22,7 +27,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from gptopt.config import ServeConfig
 from gptopt.device import resolve
@@ -34,22 +39,17 @@ from gptopt.tokenizer import eot_id
 for _module in ("fastapi", "uvicorn"):
     require(_module, "serve", "gptopt serve")
 import uvicorn  # noqa: E402
-from fastapi import Depends, FastAPI, Request  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.middleware.cors import CORSMiddleware  # noqa: E402
-from fastapi.responses import JSONResponse, Response, StreamingResponse  # noqa: E402
-from pydantic import BaseModel, ConfigDict, Field  # noqa: E402
+from fastapi.openapi.utils import get_openapi  # noqa: E402
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse  # noqa: E402
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field  # noqa: E402
+from pydantic_core import PydanticCustomError  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
-from gptopt.serve.engine import (  # noqa: E402
-    COMPLETED,
-    Draining,
-    Engine,
-    Event,
-    QueueFull,
-    asyncio_sink,
-    load_blocklist,
-)
+from gptopt.serve.blocklist import CheckTimeout, load_blocklist  # noqa: E402
+from gptopt.serve.engine import COMPLETED, Draining, Engine, Event, QueueFull, asyncio_sink  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -62,6 +62,12 @@ MAX_CHOICES = 32  # prompts x n: sequences one request may put into the engine
 MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARS = 256
 ROUTES = ("/generate", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")  # metric labels
+OPEN_ROUTES = ("/health", "/ready")  # probes: answered without the API key
+JSON_ROUTES = ("/generate", "/v1/completions")  # the routes that take a body: a JSON object
+# Prompt checks at once, in their own pool so they never hold up tokenizing. Each ends within its
+# time limit; enough threads that a burst of slow prompts does not queue the ordinary ones behind it.
+BLOCKLIST_THREADS = 16
+EXAMPLE_BODY = '{"prompt": "def fib(n):", "max_tokens": 32}'
 
 
 class APIError(Exception):
@@ -81,6 +87,38 @@ class APIError(Exception):
 _STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")  # unknown OpenAI fields are ignored
 
 
+def _unicode(text: Any) -> Any:
+    """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which is no character: refuse it here, as the
+    tokenizer (and any UTF-8 output) cannot take it. Runs before the type check, which says less."""
+    if not isinstance(text, str):
+        return text  # the type check that follows refuses it
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise PydanticCustomError("invalid_unicode", "contains a lone UTF-16 surrogate ({char}) at index {index}, "
+                                  "which is not text; send valid Unicode",
+                                  {"char": ascii(text[e.start]), "index": e.start}) from None
+    return text
+
+
+Text = Annotated[str, BeforeValidator(_unicode)]
+Prompt = Annotated[str, Field(min_length=1), BeforeValidator(_unicode)]
+StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), BeforeValidator(_unicode)]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    """OpenAI's error envelope: every 4xx and 5xx this server sends has this body."""
+
+    error: ErrorDetail
+
+
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
@@ -88,18 +126,19 @@ class StreamOptions(BaseModel):
 
 class CompletionRequest(BaseModel):
     model_config = _STRICT
-    model: str | None = None
-    prompt: str | list[str] = Field(description="a string, or a list of strings (one completion each)")
+    model: Text | None = None
+    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
+        description=f"a string, or a list of 1 to {MAX_PROMPTS} strings (one completion each)")
     max_tokens: int | None = Field(16, ge=1, description="tokens to generate; null: up to the context end")
     temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    stop: str | list[str] | None = None
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
-    logprobs: int | None = Field(None, description="not supported: must be null")
+    logprobs: None = Field(None, description="not supported: null or absent")
     top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
     repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
 
@@ -108,7 +147,7 @@ class GenerateRequest(BaseModel):
     """The playbook's request: max_length counts the prompt's tokens too, as in Hugging Face generate."""
 
     model_config = _STRICT
-    prompt: str = Field(min_length=1)
+    prompt: Prompt
     max_length: int = Field(100, ge=1, description="total tokens, prompt included (capped at the context)")
     temperature: float = Field(1.0, ge=0, le=2)
 
@@ -122,12 +161,23 @@ class GenerateResponse(BaseModel):
 
 
 class _Guard:
-    """ASGI middleware: 413 for bodies over MAX_BODY_BYTES, and the request counter by route and status.
+    """ASGI middleware in front of every route: the API key, 413 for bodies over MAX_BODY_BYTES, JSON
+    whatever the declared content type, and the request counter by route and status.
 
-    The body is read here (at most the limit) and replayed, so no handler ever sees a bigger one."""
+    The key is checked here, before the body is read, so no route can be added without it (the docs
+    and /metrics included). The body is read here (at most the limit) and replayed, so no handler ever
+    sees a bigger one; its content type is set to JSON, the only body this API takes, so that
+    `curl -d` (form-encoded) works and a body that is not JSON is told exactly that."""
 
-    def __init__(self, app: Any, metrics: ServeMetrics) -> None:
-        self.app, self.metrics = app, metrics
+    def __init__(self, app: Any, metrics: ServeMetrics, api_key: str | None) -> None:
+        self.app, self.metrics, self.api_key = app, metrics, api_key
+
+    def authorized(self, scope: dict[str, Any]) -> bool:
+        if self.api_key is None or scope["path"] in OPEN_ROUTES:
+            return True
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        token = given[7:] if given[:7].lower() == b"bearer " else b""
+        return hmac.compare_digest(token, self.api_key.encode())
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -141,6 +191,11 @@ class _Guard:
             await send(message)
 
         try:
+            if not self.authorized(scope):
+                err = APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
+                               code="invalid_api_key")
+                return await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(
+                    scope, receive, counted_send)
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 body = bytearray()
                 length = dict(scope["headers"]).get(b"content-length", b"0")
@@ -156,10 +211,37 @@ class _Guard:
                 if too_big:
                     err = APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
                     return await JSONResponse(err.body(), 413)(scope, receive, counted_send)
+                if route in JSON_ROUTES:
+                    if problem := _json_problem(bytes(body)):
+                        err = APIError(400, problem, code="invalid_json")
+                        return await JSONResponse(err.body(), 400)(scope, receive, counted_send)
+                    scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+                             + [(b"content-type", b"application/json")]}
                 receive = _replay(bytes(body), receive)
             await self.app(scope, receive, counted_send)
         finally:
             self.metrics.requests.labels(route, str(status["code"])).inc()
+
+
+def _json_problem(body: bytes) -> str | None:
+    """Why `body` is not a JSON object, in words, or None. (FastAPI's own parse says only "There was
+    an error parsing the body" for most of these.) At most MAX_BODY_BYTES: a few milliseconds."""
+    fix = f"send a JSON object, e.g. {EXAMPLE_BODY}"
+    if not body.strip():
+        return f"the request body is empty; {fix}"
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError as e:
+        return f"the request body is not valid JSON ({e.msg} at position {e.pos}); {fix}"
+    except UnicodeDecodeError:
+        return f"the request body is not UTF-8 (or UTF-16/32) text; {fix}"
+    except RecursionError:
+        return f"the request body's JSON nests too deeply; {fix}"
+    except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits)
+        return f"the request body's JSON cannot be read (a number has too many digits); {fix}"
+    if not isinstance(obj, dict):
+        return f"the request body is JSON but not an object; {fix}"
+    return None
 
 
 def _replay(body: bytes, receive: Any) -> Any:
@@ -207,16 +289,20 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
         engine.start()
         yield
         await asyncio.to_thread(engine.shutdown, cfg.request_timeout)  # drain: finish in-flight requests
+        api.checks.shutdown(wait=False)
 
     app = FastAPI(title="gptopt", version="1", lifespan=lifespan,
                   description="GPT-2-class text generation: the playbook's /generate and OpenAI /v1/completions")
     app.state.engine, app.state.metrics, app.state.model_name = engine, engine.metrics, api.model_name
+    # The last added is the outermost: CORS answers browsers' preflights (which carry no key) itself.
+    app.add_middleware(_Guard, metrics=engine.metrics, api_key=api.api_key)
     if cfg.cors_origin:
         app.add_middleware(CORSMiddleware, allow_origins=[cfg.cors_origin], allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type"])
-    app.add_middleware(_Guard, metrics=engine.metrics)
     _add_error_handlers(app)
     api.add_routes(app)
+    app.openapi = lambda: _openapi(app, guarded=api.api_key is not None,  # type: ignore[method-assign]
+                                   max_tokens_limit=cfg.max_tokens_limit)
     return app
 
 
@@ -250,33 +336,83 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        first = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return JSONResponse(APIError(400, f"{where + ': ' if where else ''}{first['msg']}", param=where or None,
-                                     code=first.get("type")).body(), 400)
+        return JSONResponse(_validation_error(list(e.errors())).body(), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code, headers=e.headers)
 
 
-def _check_completion(body: CompletionRequest, prompts: list[str], stop: list[str], model_name: str,
-                      max_tokens_limit: int) -> None:
+def _validation_error(errors: list[Any]) -> APIError:
+    """FastAPI's validation errors as one 400 that names the field and the problem."""
+    # A union (prompt: a string or a list) reports one error per alternative; the alternative of the
+    # right type says what is wrong, the others only that the type differs.
+    first = next((x for x in errors if not x["type"].endswith("_type")), errors[0] if errors else None)
+    if first is None:
+        return APIError(400, "invalid request")
+    loc = list(first.get("loc", ()))  # the body itself was checked to be a JSON object (_json_problem)
+    # Keep field names and list indices; drop "body" and pydantic's names of union alternatives.
+    where = ".".join(str(p) for p in loc[1:] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
+    return APIError(400, f"{where + ': ' if where else ''}{first['msg']}", param=where or None, code=first.get("type"))
+
+
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "nullable"}
+
+
+_STATUS_DOC = {
+    400: "a bad request: the message names the field and the fix",
+    401: "a missing or incorrect API key",
+    404: "no model of that name",
+    413: f"a body over {MAX_BODY_BYTES} bytes",
+    429: "busy: retry after the Retry-After header's seconds",
+    503: "shutting down: no new requests",
+    504: "generation took longer than the server's --request_timeout",
+}
+
+
+def _error_doc(status: int) -> dict[str, Any]:
+    return {"model": ErrorBody, "description": _STATUS_DOC[status]}
+
+
+def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    return {s: _error_doc(s) for s in statuses}
+
+
+def _openapi(app: FastAPI, *, guarded: bool, max_tokens_limit: int) -> dict[str, Any]:
+    """The schema of what the server does: 400 (never FastAPI's 422) with OpenAI's body, 401 and the
+    bearer scheme where a key is needed, this server's max_tokens limit."""
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+        components = schema.setdefault("components", {})
+        schemas = components.setdefault("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            schemas.pop(name, None)
+        unauthorized = {"description": _STATUS_DOC[401],
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}}
+        for path, operations in schema["paths"].items():
+            for op in operations.values():
+                op["responses"].pop("422", None)
+                if guarded and path not in OPEN_ROUTES:
+                    op["security"] = [{"bearer": []}]
+                    op["responses"]["401"] = unauthorized
+        if guarded:
+            components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        limit = next(a for a in schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"]
+                     if a.get("type") == "integer")
+        limit["maximum"] = max_tokens_limit
+        app.openapi_schema = schema
+    return app.openapi_schema
+
+
+def _check_completion(body: CompletionRequest, prompts: list[str], model_name: str, max_tokens_limit: int) -> None:
     """The request limits of /v1/completions that need no tokenizer (the schema checked the rest)."""
     if body.model is not None and body.model != model_name:
         raise APIError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
                        param="model", code="model_not_found")
-    if not 1 <= len(prompts) <= MAX_PROMPTS:
-        raise APIError(400, f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings", param="prompt")
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"len(prompt) x n may be at most {MAX_CHOICES}", param="n")
     if body.max_tokens is not None and body.max_tokens > max_tokens_limit:
         raise APIError(400, f"max_tokens may be at most {max_tokens_limit}", param="max_tokens")
-    if len(stop) > MAX_STOP or any(not s or len(s) > MAX_STOP_CHARS for s in stop):
-        raise APIError(400, f"stop: up to {MAX_STOP} non-empty strings of at most {MAX_STOP_CHARS} characters",
-                       param="stop")
-    if body.logprobs is not None:
-        raise APIError(400, "logprobs are not supported", param="logprobs")
 
 
 class _API:
@@ -291,32 +427,37 @@ class _API:
         self.model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name or cfg.model
         self.api_key = cfg.api_key or os.environ.get("GPTOPT_API_KEY")
         self.started = int(time.time())
+        self.checks = concurrent.futures.ThreadPoolExecutor(BLOCKLIST_THREADS, thread_name_prefix="gptopt-blocklist")
 
     def add_routes(self, app: FastAPI) -> None:
-        auth = [Depends(self.authorize)]
-        app.post("/v1/completions", dependencies=auth)(self.completions)
-        app.post("/generate", dependencies=auth, response_model=GenerateResponse)(self.generate)
-        app.get("/v1/models", dependencies=auth)(self.models)
+        generation = _responses(400, 413, 429, 503, 504)
+        app.post("/v1/completions", responses={**generation, 404: _error_doc(404), 200: {"content": {
+            "text/event-stream": {"schema": {"type": "string", "description": "with stream: true"}}}}})(
+                self.completions)
+        app.post("/generate", response_model=GenerateResponse, responses=generation)(self.generate)
+        app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
-        app.get("/ready")(self.ready)
-        app.get("/metrics")(self.prometheus_metrics)
+        app.get("/ready", responses={503: {"description": "starting or draining"}})(self.ready)
+        app.get("/metrics", response_class=PlainTextResponse,
+                responses={200: {"description": "Prometheus text format"}})(self.prometheus_metrics)
 
     # -- checks ---------------------------------------------------------------------------------
 
-    async def authorize(self, request: Request) -> None:
-        if self.api_key is None:
+    async def check_prompts(self, texts: list[str]) -> None:
+        """400 content_filter if a prompt matches the blocklist, or if checking takes over its time limit.
+        Off the event loop: a slow regular expression delays its own request, never /health."""
+        blocklist = self.engine.blocklist
+        if not blocklist:
             return
-        given = request.headers.get("authorization", "")
-        token = given[7:] if given[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), self.api_key.encode()):
-            raise APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
-                           code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    def check_prompt(self, text: str, param: str) -> None:
-        if not text:
-            raise APIError(400, "the prompt is empty", param=param)
-        if any(p.search(text) for p in self.engine.blocklist):
-            raise APIError(400, "the prompt contains blocked content", param=param, code="content_filter")
+        check = asyncio.get_running_loop().run_in_executor(self.checks, blocklist.first_blocked, texts)
+        try:  # the regex module's timeout counts CPU time; on a busy machine the wall-clock one ends it first
+            blocked = await asyncio.wait_for(check, blocklist.timeout)
+        except (CheckTimeout, asyncio.TimeoutError):
+            raise APIError(400, f"the prompt could not be checked against the blocklist within "
+                           f"{blocklist.timeout:g} s, so it is refused; send a shorter or plainer prompt",
+                           param="prompt", code="content_filter") from None
+        if blocked is not None:
+            raise APIError(400, "the prompt contains blocked content", param="prompt", code="content_filter")
 
     def fit(self, ids: list[int], max_tokens: int | None, param: str) -> int:
         """max_tokens for this prompt, or 400 context_length_exceeded."""
@@ -337,7 +478,13 @@ class _API:
     # -- into the engine and back -----------------------------------------------------------------
 
     def submit(self, prompts: list[list[int]], params: list[Any]) -> tuple[asyncio.Queue[Event], list[Any]]:
-        """Every sequence into the engine, or none of them (429 / 503)."""
+        """Every sequence into the engine, or none of them: 429 when it is busy, 503 when it is draining,
+        400 when the request is larger than the engine ever holds (a 429 would have clients retry forever)."""
+        if len(prompts) > self.engine.capacity:
+            raise APIError(400, f"this request needs {len(prompts)} sequences at once (prompts x n), more than this "
+                           f"server ever holds: {self.engine.capacity} (--max_batch_size "
+                           f"{self.engine.generator.max_batch_size} + --max_queue {self.engine.max_queue}); send "
+                           "fewer prompts or a smaller n", param="n", code="request_too_large")
         queue: asyncio.Queue[Event] = asyncio.Queue()
         sink, reqs = asyncio_sink(queue), []
         try:
@@ -378,9 +525,8 @@ class _API:
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        _check_completion(body, prompts, stop, self.model_name, self.cfg.max_tokens_limit)
-        for text in prompts:
-            self.check_prompt(text, "prompt")
+        _check_completion(body, prompts, self.model_name, self.cfg.max_tokens_limit)
+        await self.check_prompts(prompts)
         ids = await self.encode(prompts)
         budgets = [self.fit(x, body.max_tokens, "max_tokens") for x in ids]
         seqs, params = [], []
@@ -410,7 +556,7 @@ class _API:
 
     async def generate(self, body: GenerateRequest, request: Request) -> GenerateResponse:
         t0 = time.perf_counter()
-        self.check_prompt(body.prompt, "prompt")
+        await self.check_prompts([body.prompt])
         (ids,) = await self.encode([body.prompt])
         budget = self.fit(ids, None, "max_length")
         if body.max_length <= len(ids):

@@ -19,17 +19,16 @@ import asyncio
 import collections
 import logging
 import math
-import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 
 from gptopt.generate import Decoding, Generator, SamplingParams, StopChecker
+from gptopt.serve.blocklist import Blocklist, TextFilter
 
 log = logging.getLogger(__name__)
 
@@ -79,47 +78,6 @@ def asyncio_sink(queue: asyncio.Queue[Event], loop: asyncio.AbstractEventLoop | 
     return push
 
 
-def load_blocklist(path: str | None) -> list[re.Pattern[str]]:
-    """One term or regular expression a line, matched case-insensitively; '#' lines and blanks skipped."""
-    if not path:
-        return []
-    patterns = []
-    for i, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
-        if line.strip() and not line.lstrip().startswith("#"):
-            try:
-                patterns.append(re.compile(line.strip(), re.IGNORECASE))
-            except re.error as e:
-                raise ValueError(f"--blocklist {path}:{i}: not a valid regular expression ({e})") from None
-    return patterns
-
-
-class TextFilter:
-    """Cuts generated text at the first match of a blocklist pattern, holding back what could still match.
-
-    Stop strings are handled by generate.StopChecker; this adds the blocklist on top of its output.
-    Streaming cannot take text back, so the last `holdback` characters wait until the match is
-    decided; holdback is the longest pattern's source length, exact for plain terms.
-    """
-
-    def __init__(self, patterns: Sequence[re.Pattern[str]]) -> None:
-        self.patterns = list(patterns)
-        self.holdback = max((len(p.pattern) for p in self.patterns), default=0)
-        self.text = ""  # everything received
-        self.sent = 0  # characters of self.text already released
-
-    def push(self, text: str, final: bool = False) -> tuple[str, bool]:
-        """(text to release now, matched?). After a match nothing more is released."""
-        self.text += text
-        start = max(0, self.sent - self.holdback)
-        cut = min((m.start() for p in self.patterns if (m := p.search(self.text, start))), default=None)
-        if cut is not None:
-            out, self.sent = self.text[self.sent : max(cut, self.sent)], len(self.text)
-            return out, True
-        end = len(self.text) if final else max(self.sent, len(self.text) - self.holdback)
-        out, self.sent = self.text[self.sent : end], end
-        return out, False
-
-
 @dataclass(eq=False)
 class Request:
     """One sequence to generate. The client side may call cancel(); the rest is the engine's."""
@@ -154,13 +112,13 @@ class Engine:
     """Continuous-batching scheduler around a Generator; see the module docstring."""
 
     def __init__(self, generator: Generator, tokenizer: Any, *, max_queue: int = 64,
-                 request_timeout: float = 120.0, blocklist: Sequence[re.Pattern[str]] = (),
+                 request_timeout: float = 120.0, blocklist: Blocklist | None = None,
                  metrics: Any = None) -> None:
         self.generator = generator
         self.tokenizer = tokenizer
         self.max_queue = max_queue
         self.request_timeout = request_timeout
-        self.blocklist = list(blocklist)
+        self.blocklist = blocklist or Blocklist()
         self.metrics = metrics  # serve.metrics.ServeMetrics or None
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
@@ -181,13 +139,16 @@ class Engine:
         with self._cv:
             if self._draining or self._stop or (self._thread is not None and not self._thread.is_alive()):
                 raise Draining("the server is shutting down")
-            # Free slots absorb requests at once; beyond them at most max_queue may wait.
-            capacity = self.generator.max_batch_size + self.max_queue
-            if self._n_running + len(self._waiting) >= capacity:
+            if self._n_running + len(self._waiting) >= self.capacity:
                 raise QueueFull(self.retry_after())
             self._waiting.append(req)
             self._cv.notify()
         return req
+
+    @property
+    def capacity(self) -> int:
+        """Sequences the engine holds at once: free slots absorb requests, beyond them max_queue may wait."""
+        return self.generator.max_batch_size + self.max_queue
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: queue depth times the mean latency per slot."""
