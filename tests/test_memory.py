@@ -9,6 +9,7 @@ Nothing here allocates more than a few hundred MiB: absurd runs are refused befo
 from __future__ import annotations
 
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -186,8 +187,29 @@ def test_train_refuses_a_batch_that_cannot_fit_with_the_fixes(
     err = capsys.readouterr().err
     assert "Traceback" not in err and len([line for line in err.splitlines() if "error:" in line]) == 1
     assert f"gptopt train: error: a training step of micro-batch {ABSURD} x 64 tokens will not fit in memory" in err
-    assert "available RAM" in err and f"--batch_size {ABSURD // 2} --gradient_accumulation_steps 2" in err
-    assert "--gradient_checkpointing" in err and "--seq_len 32" in err
+    assert "available RAM" in err and "--gradient_checkpointing" in err and "--seq_len 32" in err
+    # the largest micro-batch that fits, at the same global batch
+    b, accum = map(int, re.search(r"--batch_size (\d+) --gradient_accumulation_steps (\d+)", err).groups())
+    assert b * accum == ABSURD and 1 <= b < ABSURD
+
+
+def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = preset("debug", vocab_pad_multiple=64)
+    train = TrainConfig(batch_size=16, gradient_accumulation_steps=2)
+
+    def at(b: int) -> Estimate:
+        return memory.for_training(cfg, train, 64, None, batch_size=b)
+
+    free = int(at(5).total / memory.REFUSE_ABOVE) + 2  # 5 fits, 6 does not: 4 is the largest that divides 32
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "test RAM"))
+    assert memory.largest_batch(at, torch.device("cpu"), 15) == 5
+    with pytest.raises(ValueError, match=r"use --batch_size 4 --gradient_accumulation_steps 8 \(the same global batch\), "
+                                         r"or --gradient_checkpointing, or --seq_len 32$"):
+        memory.require_training(at, torch.device("cpu"), train, 64)
+    # not even one sequence fits: the batch is not the fix
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (1, "test RAM"))
+    with pytest.raises(ValueError, match=r"; use --gradient_checkpointing, or --seq_len 32$"):
+        memory.require_training(at, torch.device("cpu"), train, 64)
 
 
 def test_auto_batch_size_skips_sizes_the_estimate_rules_out(

@@ -18,6 +18,7 @@ compile. So every command estimates first and compares with what is free:
 from __future__ import annotations
 
 import resource
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,14 +225,40 @@ def for_training(config: GPTConfig, train: TrainConfig, seq_len: int, amp_dtype:
     return est.without("weights", "gradients", "AdamW state") if train.cpu_offload else est
 
 
-def train_fix(train: TrainConfig, seq_len: int) -> str:
-    """The options that make a training step smaller, as the user types them."""
+def largest_batch(estimate_at: Callable[[int], Estimate], device: torch.device, upto: int) -> int:
+    """The largest batch size up to `upto` whose estimate fits what is free (0: not even one); the
+    estimates grow with the batch, so a bisection finds it."""
+    free, _ = available_bytes(device)
+    lo, hi = 0, upto
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if estimate_at(mid).total <= REFUSE_ABOVE * free else (lo, mid - 1)
+    return lo
+
+
+def train_fix(train: TrainConfig, seq_len: int, largest: int | None = None) -> str:
+    """The options that make a training step smaller, as the user types them; `largest`: the largest
+    micro-batch that fits, where known (0: none does)."""
     b, accum = train.batch_size, train.gradient_accumulation_steps
     fixes = []
-    if b > 1:
+    if largest is None and b > 1:
         fixes.append(f"--batch_size {b // 2} --gradient_accumulation_steps {accum * 2} (the same global batch)")
+    elif largest:  # the largest micro-batch that fits and divides the global batch, which accumulation keeps
+        d = max(d for d in range(1, min(largest, b * accum) + 1) if b * accum % d == 0)
+        fixes.append(f"--batch_size {d} --gradient_accumulation_steps {b * accum // d} (the same global batch)")
     if not train.gradient_checkpointing:
         fixes.append("--gradient_checkpointing")
     if seq_len > 1:
         fixes.append(f"--seq_len {seq_len // 2}")
     return "use " + ", or ".join(fixes) if fixes else "use a smaller --preset"
+
+
+def require_training(estimate_at: Callable[[int], Estimate], device: torch.device, train: TrainConfig,
+                     seq_len: int) -> None:
+    """Refuse a `gptopt train` step that cannot fit (ValueError: exit 2), naming the estimate, the memory
+    free and the fix, with the largest micro-batch that fits. estimate_at: micro-batch -> its estimate."""
+    short = shortfall(estimate_at(train.batch_size), device)
+    if short is not None:
+        fix = train_fix(train, seq_len, largest_batch(estimate_at, device, train.batch_size - 1))
+        raise ValueError(f"a training step of micro-batch {train.batch_size} x {seq_len} tokens will not fit in "
+                         f"memory: it {short}; {fix}")

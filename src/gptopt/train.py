@@ -276,9 +276,7 @@ class Trainer:
     def _setup(self) -> Progress:
         """The loop's parts, and the progress of the run being resumed (if any)."""
         cfg, info, plan, main = self.cfg, self.info, self.plan, self.info.is_main
-        memory.require(self._memory_estimate(cfg.batch_size), plan.device,
-                       f"a training step of micro-batch {cfg.batch_size} x {self.seq_len} tokens",
-                       memory.train_fix(cfg, self.seq_len))
+        memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
         self.prep = prepare(
             self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, use_compile=cfg.use_compile,
             compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph,
