@@ -29,9 +29,10 @@ from gptopt.config import GPTConfig, TrainConfig
 from gptopt.flops import non_embedding_params
 
 # Refuse when the estimate is above this share of the free memory. Against the peak measured on a
-# CPU (ru_maxrss growth over two steps, debug and tiny presets, fp32 and bf16, eager and SDPA, with
-# and without checkpointing) the estimate came out 0.92-1.14x: refusing above 90% of what is free
-# keeps a run the estimate understates below the limit, and refuses only runs within a tenth of it.
+# CPU (ru_maxrss growth over two steps; debug and tiny presets, fp32 and bf16, eager and SDPA, with
+# and without checkpointing; steps of 200 MiB and up, below which the allocator's fixed tens of MiB
+# dominate and no refusal is near) the estimate came out 0.92-1.14x: refusing above 90% of what is
+# free keeps a run the estimate understates below the limit, and refuses only runs within a tenth of it.
 REFUSE_ABOVE = 0.9
 
 # Where a container's memory limit is read (cgroup v2, then v1); module constants so tests can point
