@@ -151,6 +151,45 @@ def test_out_of_memory_rung_is_reported_and_the_bench_goes_on(
     assert status["eager"][0] == "ok" and summary["best"] == "eager"
 
 
+def test_a_rung_estimated_not_to_fit_is_reported_before_it_allocates_and_the_bench_goes_on(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gptopt import memory
+
+    cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
+                      output_dir=str(tmp_path / "b"), rungs="eager,sdpa")
+    bench = Bench(cfg)
+    eager, sdpa = (bench.memory_estimate(r, 4).total for r in select_rungs("eager,sdpa"))
+    assert sdpa < eager  # eager attention keeps its scores
+    # free memory between the two: eager's estimate is over it, sdpa's under
+    free = int((sdpa + eager) / 2 / memory.REFUSE_ABOVE)
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "available RAM"))
+    built: list[str] = []
+    real_build = Bench._build
+    monkeypatch.setattr(Bench, "_build", lambda self, rung, attention: (built.append(rung.name),
+                                                                         real_build(self, rung, attention))[1])
+    summary = bench.run(select_rungs(cfg.rungs))
+    rungs = {r["name"]: r for r in summary["rungs"]}
+    assert built == ["sdpa"]  # the refused rung allocated nothing
+    note = rungs["eager"]["note"]
+    assert rungs["eager"]["status"] == "oom" and "out of memory at micro-batch 4 (estimated, not run)" in note
+    assert f"needs about {memory.gib(eager)}" in note and f"but {memory.gib(free)} is available RAM" in note
+    assert rungs["sdpa"]["status"] == "ok" and summary["best"] == "sdpa"
+
+
+def test_an_absurd_batch_is_reported_out_of_memory_not_killed(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "b"
+    args = bench_args(train_data, out, "eager,sdpa", "--json")
+    args[args.index("--batch_size") + 1] = "10000000"  # terabytes: this machine's real free memory refuses it
+    assert cli.main(args) == 1  # no rung ran, so there is no best
+    results = json.loads((out / "results.json").read_text())
+    assert [(r["name"], r["status"]) for r in results["rungs"]] == [("eager", "oom"), ("sdpa", "oom")]
+    assert all("GiB" in r["note"] and "estimated, not run" in r["note"] for r in results["rungs"])
+    assert "estimated, not run" in capsys.readouterr().out
+
+
 def test_missing_hf_extra_skips_the_baseline_with_the_install_line(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

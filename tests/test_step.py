@@ -48,3 +48,17 @@ def test_benchs_all_rung_and_train_with_its_best_toml_take_the_same_steps(
     assert bench_all["losses"] == pytest.approx([r["loss"] for r in steps], rel=1e-5)
     assert bench_all["grad_norms"] == pytest.approx([r["grad_norm"] for r in steps], rel=1e-5)
     assert bench_all["losses"][-1] < bench_all["losses"][0]  # and it learns: the update was applied
+
+
+def test_a_host_allocation_the_kernel_refuses_is_out_of_memory() -> None:
+    from gptopt.step import is_oom
+
+    # what torch's CPU allocator raises under a cgroup or `ulimit -v` limit (a bench rung reported it as failed)
+    refused = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
+                           "you tried to allocate 3276800000 bytes. Error code 12 (Cannot allocate memory)")
+    assert is_oom(refused) and is_oom(MemoryError()) and is_oom(torch.OutOfMemoryError("CUDA out of memory"))
+    assert not is_oom(RuntimeError("mat1 and mat2 shapes cannot be multiplied"))
+    try:  # a terabyte: refused at once under the kernel's default overcommit policy, and never touched
+        torch.empty(2**40, dtype=torch.uint8)
+    except RuntimeError as e:
+        assert is_oom(e)

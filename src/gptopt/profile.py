@@ -35,7 +35,7 @@ import torch
 from torch.autograd.profiler_util import EventList, FunctionEvent
 from torch.profiler import DeviceType, ProfilerActivity, profile, record_function, schedule
 
-from gptopt import data
+from gptopt import data, memory
 from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.distributed import DistInfo
@@ -414,6 +414,11 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     seq_len = cfg.seq_len or model_cfg.block_size
     if seq_len > model_cfg.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds the model's context {model_cfg.block_size}")
+    memory.require(memory.train_step_bytes(model_cfg, cfg.batch_size, seq_len, amp_dtype=plan.amp_dtype)
+                   if cfg.mode == "train" else memory.inference_bytes(model_cfg, cfg.batch_size, seq_len, dtype=plan.amp_dtype),
+                   plan.device, f"profiling {cfg.mode} steps at batch {cfg.batch_size} x {seq_len} tokens",
+                   "use a smaller --batch_size or --seq_len" + ("" if cfg.gradient_checkpointing or cfg.mode != "train"
+                                                                else ", or --gradient_checkpointing"))
     loader_opts = data.default_loader_settings(plan.device.type)  # what gptopt train would feed the steps
     loader_opts.update({k: getattr(cfg, k) for k in ("num_workers", "pin_memory") if getattr(cfg, k) is not None})
     ds = data.BatchDataset(tokens, "train", cfg.batch_size, seq_len, seed=tcfg.seed)

@@ -35,8 +35,12 @@ NextBatch = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
 
 
 def is_oom(e: BaseException) -> bool:
-    """Whether an exception is the device (or host) running out of memory."""
-    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
+    """Whether an exception is the device (or host) running out of memory. A host allocation the kernel
+    refuses (a cgroup or `ulimit -v` limit) raises torch's RuntimeError "DefaultCPUAllocator: can't
+    allocate memory", or Python's MemoryError."""
+    text = str(e).lower()
+    return (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
+            or "can't allocate memory" in text)
 
 
 def forward_backward(

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gptopt import checkpoint, data, distributed, hf
+from gptopt import checkpoint, data, distributed, hf, memory
 from gptopt.config import GPTConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.distributed import DistInfo
@@ -64,9 +64,14 @@ def oom_advice(cfg: TrainConfig, plan: DevicePlan) -> str:
     return f"out of memory at micro-batch {cfg.batch_size}{figures}; try: " + ", or ".join(fixes)
 
 
-def find_batch_size(try_batch: Callable[[int], None], global_batch: int, largest: int) -> int:
-    """Largest divisor of global_batch (<= largest) for which try_batch does not run out of memory."""
+def find_batch_size(try_batch: Callable[[int], None], global_batch: int, largest: int,
+                    fits: Callable[[int], bool] | None = None) -> int:
+    """Largest divisor of global_batch (<= largest) for which try_batch does not run out of memory;
+    a size `fits` rules out (the memory estimate) is not tried: on a CPU trying it could be OOM-killed."""
     for b in sorted((d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= largest), reverse=True):
+        if fits is not None and not fits(b):
+            log.info(f"auto batch size: micro-batch {b} would not fit (memory estimate)")
+            continue
         try:
             try_batch(b)
             return b
@@ -271,6 +276,7 @@ class Trainer:
     def _setup(self) -> Progress:
         """The loop's parts, and the progress of the run being resumed (if any)."""
         cfg, info, plan, main = self.cfg, self.info, self.plan, self.info.is_main
+        memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
         self.prep = prepare(
             self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, use_compile=cfg.use_compile,
             compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph,
@@ -326,6 +332,13 @@ class Trainer:
             source += f" x {self.info.world_size} ranks"
         return peak * self.info.world_size, source
 
+    def _memory_estimate(self, batch_size: int) -> memory.Estimate:
+        """The step's peak memory at a micro-batch, less the weights where the model already is (the CPU)."""
+        est = memory.for_training(self.model_config, self.cfg, self.seq_len, self.plan.amp_dtype,
+                                  batch_size=batch_size, world_size=self.info.world_size)
+        there = next(self.raw.parameters()).device.type == self.plan.device.type
+        return est.without("weights") if there else est
+
     def _auto_batch_size(self, global_batch: int) -> None:
         cfg, plan = self.cfg, self.plan
         model = self.raw.to(plan.device)
@@ -340,7 +353,8 @@ class Trainer:
             finally:
                 model.zero_grad(set_to_none=True)
 
-        b = find_batch_size(try_batch, global_batch, largest)
+        b = find_batch_size(try_batch, global_batch, largest,
+                            lambda b: memory.shortfall(self._memory_estimate(b), plan.device) is None)
         if b != cfg.batch_size:
             cfg.batch_size, cfg.gradient_accumulation_steps = b, global_batch // b
             log.info(f"auto batch size: micro-batch {b} x accumulation {cfg.gradient_accumulation_steps} (global batch {global_batch})")

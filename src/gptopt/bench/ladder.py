@@ -29,7 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from gptopt import data
+from gptopt import data, memory
 from gptopt.bench.setup import Setup
 from gptopt.config import BenchConfig, TrainConfig
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, reuse_host_memory
@@ -239,6 +239,13 @@ class Bench:
         s = {k: v for k, v in self.settings(rung, B).items() if k != "use_amp"}
         return {**s, "reuse_memory": rung.reuse_memory and self.plan.device.type == "cpu"}
 
+    def memory_estimate(self, rung: Rung, batch_size: int) -> memory.Estimate:
+        """The peak memory of a rung's step at a micro-batch, as memory.train_step_bytes counts it."""
+        cfg = dataclasses.replace(self.model_config, attention=self._attention(rung),
+                                  gradient_checkpointing=rung.checkpointing)
+        return memory.train_step_bytes(cfg, batch_size, self.seq_len, amp_dtype=self._plan(rung).amp_dtype,
+                                       accumulation=rung.accumulation)
+
     def identical_to(self, rung: Rung) -> RungResult | None:
         """The earlier measured rung this one would repeat, if any."""
         mine = self.effective(rung)
@@ -254,6 +261,11 @@ class Bench:
         res.settings = self.settings(rung, B)
         if rung.hf and not has("transformers"):
             res.status, res.note = "skipped", "needs the 'hf' extra: pip install 'gptopt[hf]'"
+            return res
+        short = memory.shortfall(self.memory_estimate(rung, B), plan.device)
+        if short is not None:  # reported before anything is allocated: a CPU would otherwise be OOM-killed
+            res.status, res.note = "oom", f"out of memory at micro-batch {B} (estimated, not run): it {short}"
+            log.warning(f"rung {res.name}: {res.note}")
             return res
         rplan = self._plan(rung)
         loader_opts = self._loader(rung)

@@ -29,6 +29,7 @@ from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
+from gptopt import memory
 from gptopt.config import ServeConfig
 from gptopt.device import resolve
 from gptopt.extras import require
@@ -315,6 +316,11 @@ def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> Engine:
     if tokenizer is None:
         raise ValueError("create_app: a model was given without its tokenizer")
     metrics = ServeMetrics()
+    # the KV cache and the warm-up's forwards, checked before the cache is allocated (the weights are loaded)
+    memory.require(memory.inference_bytes(model.config, cfg.max_batch_size, model.config.block_size,
+                                          dtype=model.transformer.wte.weight.dtype).without("weights"), plan.device,
+                   f"--max_batch_size {cfg.max_batch_size} KV-cache slots of {model.config.block_size} tokens",
+                   "lower --max_batch_size, or use --dtype bf16")
     generator = Generator(model, plan, max_batch_size=cfg.max_batch_size, compile=cfg.compile)
     engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
                     blocklist=load_blocklist(cfg.blocklist), metrics=metrics)

@@ -1,0 +1,256 @@
+"""Memory is estimated before it is allocated: the estimate against a measured peak, what the device
+has free (cgroup, ulimit), and train / profile / serve refusing a run that cannot fit with exit 2.
+
+    pytest -q tests/test_memory.py
+
+Nothing here allocates more than a few hundred MiB: absurd runs are refused before they allocate.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from gptopt import cli, memory
+from gptopt.config import TrainConfig, preset
+from gptopt.memory import Estimate, inference_bytes, train_step_bytes
+from gptopt.model import GPT
+
+ABSURD = 10_000_000  # sequences: terabytes for any preset
+
+
+@pytest.mark.parametrize("name,overrides", [("debug", {}), ("tiny", {"vocab_pad_multiple": 64}),
+                                            ("gpt2", {"bias": False}), ("gpt2-xl", {})])
+def test_param_count_is_the_models(name: str, overrides: dict[str, object]) -> None:
+    cfg = preset(name, **overrides)
+    with torch.device("meta"):  # no memory: only the shapes
+        model = GPT(cfg)
+    assert memory.param_count(cfg) == model.num_params()
+
+
+# A fresh process: ru_maxrss is its peak, so the step's growth over the memory before it is measured,
+# with no earlier test's peak in the way. Two steps, so AdamW's state exists at the second one's peak.
+MEASURE = """
+import json, resource, sys, psutil, torch
+from gptopt.config import TrainConfig, preset
+from gptopt.device import resolve
+from gptopt.model import GPT
+from gptopt.step import TrainStep
+B, T, amp, attention, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1"
+cfg = preset("tiny", attention=attention, gradient_checkpointing=ckpt, vocab_pad_multiple=64)
+plan = resolve("cpu", amp, quiet=True)
+model = GPT(cfg).train()
+step = TrainStep(model, model, plan, TrainConfig(preset="tiny"))
+x = torch.randint(0, cfg.vocab_size, (B, T))
+rss0 = psutil.Process().memory_info().rss
+for i in range(2):
+    step(i, lambda micro: (x, x))
+print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0))
+"""
+
+
+@pytest.mark.parametrize("B,T,amp,attention,ckpt", [(8, 128, "fp32", "eager", False), (8, 128, "bf16", "sdpa", True)])
+def test_the_estimate_is_within_a_small_factor_of_the_measured_peak(
+    B: int, T: int, amp: str, attention: str, ckpt: bool
+) -> None:
+    env = {"PYTHONPATH": str(Path(memory.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", MEASURE, str(B), str(T), amp, attention, str(int(ckpt))],
+                         capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    grown = json.loads(out.splitlines()[-1])
+    cfg = preset("tiny", attention=attention, gradient_checkpointing=ckpt, vocab_pad_multiple=64)
+    dtype = torch.bfloat16 if amp == "bf16" else None
+    est = train_step_bytes(cfg, B, T, amp_dtype=dtype).without("weights")  # the model was built before rss0
+    # an upper-ish bound: not far below what the step took (the refusal keeps a tenth in hand), nor far above
+    assert 0.8 * grown <= est.total <= 3 * grown, (est.describe(), grown)
+
+
+def test_each_suggested_fix_makes_the_step_smaller() -> None:
+    cfg = preset("tiny", vocab_pad_multiple=64, attention="eager")
+    base = train_step_bytes(cfg, 64, 256).total
+    assert train_step_bytes(cfg, 32, 256).total < 0.6 * base  # half the micro-batch (accumulation keeps the global)
+    ckpt = preset("tiny", vocab_pad_multiple=64, attention="eager", gradient_checkpointing=True)
+    assert train_step_bytes(ckpt, 64, 256).total < base
+    assert train_step_bytes(cfg, 64, 128).total < 0.6 * base
+    assert train_step_bytes(cfg, 64, 256, amp_dtype=torch.bfloat16).total < base
+    # the eager path's T x T scores are what SDPA does not keep
+    sdpa = preset("tiny", vocab_pad_multiple=64, attention="sdpa")
+    assert train_step_bytes(sdpa, 64, 256).parts["attention scores"] == 0 < train_step_bytes(cfg, 64, 256).parts[
+        "attention scores"]
+    fix = memory.train_fix(TrainConfig(batch_size=64, gradient_accumulation_steps=2), 256)
+    assert "--batch_size 32 --gradient_accumulation_steps 4" in fix and "--gradient_checkpointing" in fix
+    assert "--seq_len 128" in fix
+
+
+def test_fsdp_shards_and_cpu_offload_take_the_state_off_the_device() -> None:
+    cfg = preset("gpt2")
+    one = memory.for_training(cfg, TrainConfig(batch_size=1), 1024, torch.bfloat16)
+    eight = memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True), 1024, torch.bfloat16, world_size=8)
+    assert eight.parts["AdamW state"] * 8 == pytest.approx(one.parts["AdamW state"], abs=8)
+    off = memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True, cpu_offload=True), 1024, torch.bfloat16)
+    assert "weights" not in off.parts and "AdamW state" not in off.parts and off.parts["activations"] > 0
+
+
+def test_inference_counts_the_kv_cache_per_slot() -> None:
+    cfg = preset("gpt2")
+    one, eight = inference_bytes(cfg, 1, 1024, dtype=torch.bfloat16), inference_bytes(cfg, 8, 1024, dtype=torch.bfloat16)
+    # 2 (k, v) x 12 layers x 1024 positions x 768 x 2 bytes per slot
+    assert one.parts["KV cache"] == 2 * 12 * 1024 * 768 * 2
+    assert eight.parts["KV cache"] == 8 * one.parts["KV cache"]
+    assert one.parts["weights"] == memory.param_count(cfg) * 2
+
+
+# -- what the device has free ------------------------------------------------------------------
+
+
+def _cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **files: str) -> None:
+    for name, text in files.items():
+        (tmp_path / name.replace("_", ".", 1)).write_text(text)
+    monkeypatch.setattr(memory, "CGROUP_V2", tmp_path)
+    monkeypatch.setattr(memory, "CGROUP_V1", tmp_path / "v1")
+
+
+def test_a_cgroup_v2_limit_bounds_what_is_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _cgroup(tmp_path, monkeypatch, memory_max=f"{2**30}\n", memory_current=f"{600 * 2**20}\n",
+            memory_stat=f"anon 1\ninactive_file {100 * 2**20}\n")
+    assert memory.cgroup_free() == (2**30 - 500 * 2**20, 2**30)  # the page cache is reclaimed before a kill
+    free, source = memory.available_bytes(torch.device("cpu"))  # the machine itself has more than that free
+    assert free == 2**30 - 500 * 2**20 and "left under the container's 1.00 GiB memory limit" == source
+
+
+def test_no_cgroup_limit_leaves_ram(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _cgroup(tmp_path, monkeypatch, memory_max="max\n")
+    assert memory.cgroup_free() is None
+    (tmp_path / "v1").mkdir()
+    (tmp_path / "memory.max").unlink()
+    (tmp_path / "v1" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
+    assert memory.cgroup_free() is None
+    (tmp_path / "v1" / "memory.limit_in_bytes").write_text(f"{4 * 2**30}\n")
+    (tmp_path / "v1" / "memory.usage_in_bytes").write_text(f"{2**30}\n")
+    assert memory.cgroup_free() == (3 * 2**30, 4 * 2**30)
+
+
+def test_an_address_space_limit_bounds_what_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    vms = psutil.Process().memory_info().vms
+    monkeypatch.setattr(memory.resource, "getrlimit", lambda which: (vms + 2**30, resource.RLIM_INFINITY))
+    free, source = memory.available_bytes(torch.device("cpu"))
+    assert free <= 2**30 and "ulimit -v" in source
+
+
+# -- the check --------------------------------------------------------------------------------
+
+
+def test_default_sizes_pass_and_an_absurd_one_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu = torch.device("cpu")
+    # bench's and train's CPU default: tiny at 256 tokens x 16, eager attention, either precision
+    tiny = preset("tiny", vocab_pad_multiple=64, attention="eager")
+    for dtype in (None, torch.bfloat16):
+        assert memory.shortfall(train_step_bytes(tiny, 16, 256, amp_dtype=dtype), cpu) is None
+    # the GPU default, gpt2 at 1024 x 16 in bf16, fits an 80 GB card and a 40 GB one with room to spare
+    gpt2 = preset("gpt2", vocab_pad_multiple=64)
+    for gb in (80, 40):
+        monkeypatch.setattr(memory, "available_bytes", lambda device, gb=gb: (gb * 10**9, "free on cuda:0"))
+        assert memory.shortfall(train_step_bytes(gpt2, 16, 1024, amp_dtype=torch.bfloat16), cpu) is None
+    # serving gpt2 with 8 slots of 1024 tokens
+    assert memory.shortfall(inference_bytes(gpt2, 8, 1024, dtype=torch.bfloat16), cpu) is None
+    short = memory.shortfall(train_step_bytes(tiny, ABSURD, 256), cpu)
+    assert short is not None and "free on cuda:0" in short and "GiB" in short
+    with pytest.raises(ValueError, match=r"will not fit in memory: it needs about .* GiB .* but 37 GiB is free on "
+                                         r"cuda:0; use --batch_size"):
+        memory.require(train_step_bytes(tiny, ABSURD, 256), cpu, "a step", "use --batch_size 1")
+
+
+def test_the_refusal_names_the_largest_parts() -> None:
+    est = Estimate({"activations": 3 * 2**30, "logits": 2**30, "batch": 1})
+    assert est.total == 4 * 2**30 + 1
+    assert est.describe() == "4.00 GiB (activations 3.00 GiB, logits 1.00 GiB)"
+    assert "activations" not in est.without("activations").parts
+
+
+# -- the commands refuse before they allocate -------------------------------------------------
+
+
+def test_train_refuses_a_batch_that_cannot_fit_with_the_fixes(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["train", "--preset", "debug", "--data_dir", str(train_data), "--output_dir", str(tmp_path / "o"),
+            "--device", "cpu", "--max_steps", "1", "--batch_size", str(ABSURD), "--no-tensorboard"]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len([line for line in err.splitlines() if "error:" in line]) == 1
+    assert f"gptopt train: error: a training step of micro-batch {ABSURD} x 64 tokens will not fit in memory" in err
+    assert "available RAM" in err and "--gradient_checkpointing" in err and "--seq_len 32" in err
+    # the largest micro-batch that fits, at the same global batch
+    b, accum = map(int, re.search(r"--batch_size (\d+) --gradient_accumulation_steps (\d+)", err).groups())
+    assert b * accum == ABSURD and 1 <= b < ABSURD
+
+
+def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = preset("debug", vocab_pad_multiple=64)
+    train = TrainConfig(batch_size=16, gradient_accumulation_steps=2)
+
+    def at(b: int) -> Estimate:
+        return memory.for_training(cfg, train, 64, None, batch_size=b)
+
+    free = int(at(5).total / memory.REFUSE_ABOVE) + 2  # 5 fits, 6 does not: 4 is the largest that divides 32
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "test RAM"))
+    assert memory.largest_batch(at, torch.device("cpu"), 15) == 5
+    with pytest.raises(ValueError, match=r"use --batch_size 4 --gradient_accumulation_steps 8 \(the same global batch\), "
+                                         r"or --gradient_checkpointing, or --seq_len 32$"):
+        memory.require_training(at, torch.device("cpu"), train, 64)
+    # not even one sequence fits: the batch is not the fix
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (1, "test RAM"))
+    with pytest.raises(ValueError, match=r"; use --gradient_checkpointing, or --seq_len 32$"):
+        memory.require_training(at, torch.device("cpu"), train, 64)
+
+
+def test_auto_batch_size_skips_sizes_the_estimate_rules_out(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gptopt import train
+
+    tried: list[int] = []
+    real = train.find_batch_size
+
+    def spy(try_batch, global_batch, largest, fits=None):  # type: ignore[no-untyped-def]
+        return real(lambda b: (tried.append(b), try_batch(b))[1], global_batch, largest, fits)
+
+    monkeypatch.setattr(train, "find_batch_size", spy)
+    # the free memory fits micro-batch 4 of the debug model at 64 tokens, not 8
+    cfg = preset("debug", vocab_size=320, vocab_pad_multiple=64, attention="eager")  # train_data's vocabulary
+    four = memory.for_training(cfg, TrainConfig(batch_size=4), 64, None).without("weights").total
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (int(1.2 * four / memory.REFUSE_ABOVE), "test RAM"))
+    args = ["train", "--preset", "debug", "--data_dir", str(train_data), "--output_dir", str(tmp_path / "o"),
+            "--device", "cpu", "--max_steps", "1", "--batch_size", "16", "--auto_batch_size", "--attention", "eager",
+            "--eval_interval", "0", "--no-tensorboard", "--sample_tokens", "0"]
+    assert cli.main(args) == 0
+    assert tried == [4]  # 16 and 8 were never allocated
+    run = json.loads((tmp_path / "o" / "run.json").read_text())
+    assert run["config"]["batch_size"] == 4 and run["config"]["gradient_accumulation_steps"] == 4
+
+
+def test_profile_refuses_before_it_allocates(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    for mode in ("train", "generate"):
+        args = ["profile", "--preset", "debug", "--mode", mode, "--batch_size", str(ABSURD), "--device", "cpu",
+                "--data_dir", str(train_data), "--output_dir", str(tmp_path / mode)]
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err
+        assert f"profiling {mode} steps at batch {ABSURD} x 64 tokens will not fit in memory" in err
+        assert "Traceback" not in err
+
+
+def test_serve_refuses_kv_cache_slots_that_cannot_fit(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("fastapi")
+    args = ["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--max_batch_size", str(ABSURD)]
+    assert cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"--max_batch_size {ABSURD} KV-cache slots of 64 tokens will not fit in memory" in err
+    assert "KV cache" in err and "lower --max_batch_size" in err
