@@ -164,7 +164,8 @@ def test_ddp_gradient_accumulation_matches_one_process(runs: dict[str, Run]) -> 
 def test_only_rank_0_writes(runs: dict[str, Run], kind: str) -> None:
     run = runs[kind].ok()
     assert os.listdir(run.root) == ["out"]  # nothing beside the output directory, from either rank
-    assert sorted(os.listdir(run.out)) == ["ckpt-0000003", "ckpt-0000006", "metrics.jsonl", "monitor.json", "run.json"]
+    assert sorted(os.listdir(run.out)) == [".gptopt-output.json", "ckpt-0000003", "ckpt-0000006", "latest",
+                                           "metrics.jsonl", "monitor.json", "run.json"]
     records = run.records()
     assert [r["step"] for r in records if "loss" in r] == [1, 2, 3, 4, 5, 6]  # once each, not once per rank
     assert [r["step"] for r in records if "val_loss" in r] == [3, 6]

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -386,3 +387,168 @@ def test_existing_run_is_not_overwritten(train_data: Path, tmp_path: Path, capsy
     assert (out / "ckpt-0000002" / checkpoint.WEIGHTS).read_bytes() == before
     assert cli.main(cli_args(train_data, out, "--max_steps", "3", "--overwrite")) == 0
     assert [d.name for d in checkpoint.checkpoint_dirs(out)] == ["ckpt-0000003"]
+
+
+# -- nothing a user owns is lost: each test starts from a folder holding something that must survive ----
+
+
+def tree(root: Path) -> dict[str, bytes]:
+    """Every file under root (relative path -> bytes): what a refused command must leave exactly as it was."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def test_overwrite_validates_first_and_keeps_the_old_run_until_the_new_one_has_a_checkpoint(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], break_forward: Callable[..., None]
+) -> None:
+    out = tmp_path / "ow"
+    assert run(train_data, out, max_steps=4, save_interval=2) == 0
+    (out / "notes.txt").write_text("the user's own file")
+    before = tree(out)
+    assert [d.name for d in checkpoint.checkpoint_dirs(out)] == ["ckpt-0000002", "ckpt-0000004"]
+    # a bad argument: refused before anything is moved or deleted
+    assert cli.main(cli_args(train_data, out, "--max_steps", "20", "--overwrite", "--seq_len", "100000")) == 2
+    assert "exceeds the model's context" in capsys.readouterr().err
+    assert tree(out) == before
+    # a new run that fails before its first checkpoint: the old run is back, as it was
+    break_forward(lambda model, idx: model.training, "nan")
+    assert run(train_data, out, max_steps=20, overwrite=True, max_bad_steps=1) == 1
+    assert tree(out) == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".gptopt-old")]
+
+
+def test_overwrite_replaces_the_run_and_nothing_else(train_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "ow"
+    assert run(train_data, out, max_steps=4, save_interval=2) == 0
+    (out / "notes.txt").write_text("the user's own file")
+    assert run(train_data, out, max_steps=3, overwrite=True) == 0
+    assert [d.name for d in checkpoint.checkpoint_dirs(out)] == ["ckpt-0000003"]
+    assert max(losses(out)) == 3 and (out / "notes.txt").read_text() == "the user's own file"
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".gptopt-output.json"]
+
+
+def test_resuming_an_earlier_checkpoint_keeps_the_new_branch_and_points_latest_at_it(
+    train_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from gptopt.inference import model_source
+
+    out = tmp_path / "tl"
+    assert run(train_data, out, max_steps=30, save_interval=10) == 0
+    with caplog.at_level("WARNING", logger="gptopt"):
+        assert cli.main(cli_args(train_data, out, "--resume", str(out / "ckpt-0000010"), "--max_steps", "17",
+                                 "--save_interval", "5", "--save_total_limit", "1")) == 0
+    assert "ckpt-0000020, ckpt-0000030 belong to an abandoned branch" in caplog.text
+    # retention kept the last of the new lineage (10 -> 15 -> 17) and left the abandoned branch alone
+    assert [d.name for d in checkpoint.checkpoint_dirs(out)] == ["ckpt-0000017", "ckpt-0000020", "ckpt-0000030"]
+    assert checkpoint.latest_checkpoint(out) == out / "ckpt-0000017"
+    assert model_source(str(out)) == out / "ckpt-0000017"  # what generate --model / serve load
+    assert checkpoint.lineage(out / "ckpt-0000017") == ["ckpt-0000010", "ckpt-0000015", "ckpt-0000017"]
+    # --resume auto continues the new branch, not the larger step of the old one
+    assert run(train_data, out, max_steps=18, resume="auto") == 0
+    assert checkpoint.load_train_state(checkpoint.latest_checkpoint(out))["step"] == 18
+    assert max(losses(out)) == 18
+
+
+def test_a_run_that_stopped_before_its_first_checkpoint_is_not_written_over(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], break_forward: Callable[..., None]
+) -> None:
+    out = tmp_path / "r"
+    with pytest.MonkeyPatch.context() as mp:  # the earlier run died at its first step: metrics, no checkpoint
+        mp.setattr(train.Trainer, "_train_one", lambda *a: (_ for _ in ()).throw(RuntimeError("lost the device")))
+        assert run(train_data, out, max_steps=5) == 1
+    assert (out / "run.json").is_file() and checkpoint.latest_checkpoint(out) is None
+    before = tree(out)
+    assert cli.main(cli_args(train_data, out, "--max_steps", "2")) == 2
+    err = capsys.readouterr().err
+    assert "holds a training run" in err and "--resume auto" in err and "--overwrite" in err
+    assert tree(out) == before
+    # a folder with only the user's files is written beside them
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    assert run(train_data, mine, max_steps=2) == 0
+    assert (mine / "notes.txt").read_text() == "keep" and checkpoint.latest_checkpoint(mine) is not None
+
+
+def test_sigterm_to_the_process_group_saves_and_leaves_no_staging_folder(train_data: Path, tmp_path: Path) -> None:
+    # a scheduler (or torchrun, or Ctrl-C) signals the whole group: the loader's workers too, which used to
+    # die first and take the run down mid-step, without its stop checkpoint
+    out = tmp_path / "r"
+    args = cli_args(train_data, out, "--max_steps", "100000", "--save_interval", "1", "--num_workers", "2")
+    proc = subprocess.Popen([sys.executable, "-m", "gptopt", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".gptopt-output.json"]
+    stopped = checkpoint.load_train_state(checkpoint.latest_checkpoint(out))["step"]
+    # a writer killed mid-save (kill -9) leaves its staging folder: the next run there removes it at start
+    leftover = subprocess.run([sys.executable, "-c", (
+        "import os, signal, sys; from pathlib import Path; from gptopt.fsutil import staged_dir\n"
+        "with staged_dir(Path(sys.argv[1])) as tmp:\n"
+        "    (tmp / 'model.safetensors').write_bytes(b'half'); os.kill(os.getpid(), signal.SIGKILL)"),
+        str(out / "ckpt-0000999")], capture_output=True)
+    assert leftover.returncode == -signal.SIGKILL
+    assert [p.name for p in out.iterdir() if p.name.startswith(".ckpt-0000999.tmp-")]
+    assert cli.main(cli_args(train_data, out, "--max_steps", str(stopped), "--resume", "auto")) == 0  # nothing to train
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".gptopt-output.json"]
+    assert cli.main(cli_args(train_data, out, "--max_steps", str(stopped + 2), "--resume", "auto")) == 0
+    assert max(losses(out)) == stopped + 2
+
+
+def test_generate_uses_the_checkpoints_tokenizer_from_any_working_directory(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import shutil
+
+    from gptopt.inference import load_for_inference
+
+    here, there = tmp_path / "here", tmp_path / "there"
+    shutil.copytree(train_data, here / "data" / "stdlib")
+    monkeypatch.chdir(here)  # trained with a relative --data_dir, as the default data/stdlib is
+    assert run(Path("data/stdlib"), Path("out"), max_steps=2) == 0
+    other = load_tokenizer(train_data / "tokenizer.json")
+    other.add_tokens(["another corpus's token"])
+    (there / "data" / "stdlib").mkdir(parents=True)
+    other.save(str(there / "data" / "stdlib" / "tokenizer.json"))
+    monkeypatch.chdir(there)
+    _, tok = load_for_inference(str(here / "out"), tokenizer=None, plan=resolve("cpu", "fp32"))
+    assert tok.get_vocab() == load_tokenizer(train_data / "tokenizer.json").get_vocab()
+    (there / "data" / "stdlib" / "tokenizer.json").unlink()  # and with nothing in this folder at all
+    _, tok = load_for_inference(str(here / "out"), tokenizer=None, plan=resolve("cpu", "fp32"))
+    assert tok.get_vocab_size() == 320
+
+
+@pytest.mark.parametrize("bad", ["output_is_a_file", "output_unwritable", "resume_missing", "resume_not_a_checkpoint",
+                                 "init_from_missing"])
+def test_bad_arguments_write_and_delete_nothing(
+    train_data: Path, tmp_path: Path, bad: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    assert run(train_data, out, max_steps=2) == 0
+    (out / "notes.txt").write_text("the user's own file")
+    target, extra, expect = out, [], ""
+    if bad == "output_is_a_file":
+        target, expect = out / "notes.txt", "is a file"
+    elif bad == "output_unwritable":
+        if os.geteuid() == 0:
+            pytest.skip("root writes anywhere")
+        (out / "locked").mkdir()
+        (out / "locked").chmod(0o555)
+        target, expect = out / "locked" / "new", "permission denied"
+    elif bad == "resume_missing":
+        extra, expect = ["--resume", str(tmp_path / "nope")], "no such directory"
+    elif bad == "resume_not_a_checkpoint":
+        (tmp_path / "empty").mkdir()
+        extra, expect = ["--resume", str(tmp_path / "empty")], "not a training checkpoint"
+    else:
+        target, extra, expect = tmp_path / "new", ["--init_from", str(tmp_path / "nope")], "--init_from"
+    before = tree(tmp_path)
+    assert cli.main(cli_args(train_data, target, "--max_steps", "4", *extra)) == 2
+    assert expect in capsys.readouterr().err
+    assert tree(tmp_path) == before
+    assert not (tmp_path / "new").exists()

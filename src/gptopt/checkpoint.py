@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig
-from gptopt.fsutil import staged_dir
+from gptopt.fsutil import remove_dir, staged_dir, write_text_atomic
 from gptopt.model import GPT
 from gptopt.quantize import unpack_state
+from gptopt.tokenizer import TOKENIZER
 
 WEIGHTS = "model.safetensors"
 META = "gptopt.json"
@@ -110,10 +112,26 @@ def check_state(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
 
 
 # ----------------------------------------------------------------------------------------------
-# Training checkpoints: a model directory plus train_state.pt, named ckpt-<step>, the last K kept.
+# Training checkpoints: a model directory plus train_state.pt, named ckpt-<step>.
+#
+# A run's checkpoints form a lineage: each one's gptopt.json lists the names of the checkpoints of
+# its chain, itself last. Resuming from an earlier checkpoint starts a new branch; the later
+# checkpoints of the abandoned branch are not in its lineage, so retention (which keeps the last K
+# of the current lineage) never deletes the new run's checkpoints in their favour, nor them in its.
+# The output dir's `latest` file names the checkpoint the run wrote last: what --resume auto,
+# generate and serve take, whatever step numbers other branches reached.
 
 TRAIN_STATE = "train_state.pt"
 PREFIX = "ckpt-"
+LATEST = "latest"  # a one-line text file in the output dir: the name of the run's newest checkpoint
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:07d}"
+
+
+def _step(d: Path) -> int:
+    return int(d.name[len(PREFIX) :])
 
 
 def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[Path]:
@@ -126,12 +144,40 @@ def checkpoint_dirs(output_dir: str | os.PathLike[str]) -> list[Path]:
         if d.is_dir() and d.name.startswith(PREFIX) and d.name[len(PREFIX) :].isdigit():
             if (d / META).is_file() and (d / TRAIN_STATE).is_file():
                 found.append(d)
-    return sorted(found, key=lambda d: int(d.name[len(PREFIX) :]))
+    return sorted(found, key=_step)
 
 
 def latest_checkpoint(output_dir: str | os.PathLike[str]) -> Path | None:
-    dirs = checkpoint_dirs(output_dir)
+    """The checkpoint output_dir's `latest` file names; without one (a folder written before gptopt kept
+    it, or a pointer to a checkpoint since deleted), the largest step."""
+    root = Path(output_dir)
+    try:
+        name = (root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    dirs = checkpoint_dirs(root)
+    by_name = {d.name: d for d in dirs}
+    if name in by_name:
+        return by_name[name]
     return dirs[-1] if dirs else None
+
+
+def lineage(directory: str | os.PathLike[str]) -> list[str]:
+    """The names of the checkpoints of directory's chain, itself last. A checkpoint written before
+    lineages were recorded: the checkpoints beside it up to its step (a run then had one branch)."""
+    directory = Path(directory)
+    recorded = read_meta(directory).get("lineage")
+    if isinstance(recorded, list) and recorded and all(isinstance(n, str) for n in recorded):
+        return list(recorded)
+    return [d.name for d in checkpoint_dirs(directory.parent) if _step(d) <= _step(directory)] or [directory.name]
+
+
+def abandoned_after(directory: str | os.PathLike[str]) -> list[Path]:
+    """The checkpoints beside directory at later steps that are not of its lineage: an earlier run went on
+    from here (or elsewhere) and a resume from directory abandons that branch."""
+    directory = Path(directory)
+    chain = set(lineage(directory))
+    return [d for d in checkpoint_dirs(directory.parent) if _step(d) > _step(directory) and d.name not in chain]
 
 
 def save_checkpoint(
@@ -143,18 +189,28 @@ def save_checkpoint(
     *,
     meta: dict[str, Any] | None = None,
     keep: int = 3,
+    parent: Sequence[str] = (),
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
-    """Write ckpt-<step> atomically (fsutil.staged_dir), then drop all but the last `keep`.
+    """Write ckpt-<step> atomically (fsutil.staged_dir), point `latest` at it, then drop all but the last
+    `keep` checkpoints of its lineage (parent: the lineage of the checkpoint the run continues; a fresh
+    run's is empty). tokenizer: stored in the checkpoint, so generate and serve find it from anywhere.
 
     A crash in the middle leaves the previous checkpoints untouched and no partial ckpt-<step>.
     """
     root = Path(output_dir)
-    target = root / f"{PREFIX}{step:07d}"
+    name = checkpoint_name(step)
+    chain = [n for n in parent if n != name] + [name]
+    target = root / name
     with staged_dir(target, replace=True) as tmp:
-        write_model_files(config, model_state, tmp, {**(meta or {}), "step": step})
+        write_model_files(config, model_state, tmp, {**(meta or {}), "step": step, "lineage": chain})
+        if tokenizer is not None:
+            tokenizer.save(str(tmp / TOKENIZER))
         torch.save(train_state, tmp / TRAIN_STATE)
-    for old in checkpoint_dirs(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+    write_text_atomic(root / LATEST, name + "\n")  # before retention: `latest` never names a deleted checkpoint
+    mine = set(chain)
+    for old in [d for d in checkpoint_dirs(root) if d.name in mine][:-keep]:
+        remove_dir(old)  # renamed away first: a half-deleted checkpoint is never listed as one
     return target
 
 

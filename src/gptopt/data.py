@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -243,7 +244,8 @@ def make_loader(dataset: BatchDataset, start_step: int = 0, *, num_workers: int 
     """A DataLoader yielding the batches of steps start_step, start_step + 1, ... (each item is a batch)."""
     extra: dict[str, Any] = {}
     if num_workers > 0:  # DataLoader refuses these two without worker processes
-        extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers)
+        extra = dict(prefetch_factor=prefetch_factor, persistent_workers=persistent_workers,
+                     worker_init_fn=_leave_stop_signals_to_the_main_process)
     return torch.utils.data.DataLoader(
         dataset,
         batch_size=None,
@@ -255,6 +257,14 @@ def make_loader(dataset: BatchDataset, start_step: int = 0, *, num_workers: int 
         generator=torch.Generator().manual_seed(0),
         **extra,
     )
+
+
+def _leave_stop_signals_to_the_main_process(worker_id: int) -> None:
+    # A stop sent to the whole process group (a scheduler, torchrun, Ctrl-C) would otherwise kill the
+    # workers, and the main process would die of a lost worker mid-step or mid-save instead of saving
+    # at the step boundary; it shuts its workers down itself when it is done.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _cores_per_process() -> int:

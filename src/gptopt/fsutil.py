@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = ["OWNER_FILE", "Aside", "check_output", "clean_stale", "fsync_dir", "mark", "marked_kind",
-           "recover", "replace_dir", "staged_dir"]
+           "recover", "remove_dir", "replace_dir", "staged_dir", "write_text_atomic"]
 
 log = logging.getLogger("gptopt")
 
@@ -120,6 +120,22 @@ def _rmtree(path: Path) -> None:
         shutil.rmtree(trash, ignore_errors=True)
     else:
         trash.unlink(missing_ok=True)
+
+
+remove_dir = _rmtree  # the public name: a checkpoint's retention deletes through it
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace a small file (a pointer, a mark) so that a reader sees the old text or the new, never a torn one;
+    a killed writer's temporary file is tagged, so the next write there removes it (clean_stale)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{_tag('tmp')}")
+    with open(tmp, "w") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 
 
 def clean_stale(directory: Path) -> list[Path]:
@@ -348,14 +364,17 @@ class Aside:
             _rmtree(self.folder)
             self.folder = None
 
+    def rollback(self) -> None:
+        """The new output failed without an exception (a non-zero exit): the old one comes back."""
+        if self.folder is not None:
+            _restore(self.target, self.folder, self.ours)
+            self.folder = None
+
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
-        if self.folder is None:
-            return
         if kind is None:
             self.commit()
         else:
-            _restore(self.target, self.folder, self.ours)
-            self.folder = None
+            self.rollback()
 
 
 def _restore(target: Path, folder: Path, ours: Sequence[str]) -> None:

@@ -7,7 +7,8 @@ compress and export. The order, and why it is this one:
 
   1. model_source: `--model` -> a directory (a training output dir means its latest checkpoint)
      or a hub name.
-  2. find_tokenizer: the tokenizer the checkpoint recorded, else one beside the model, else GPT-2's.
+  2. find_tokenizer: the model folder's own tokenizer (checkpoints carry a copy), else the one the
+     checkpoint recorded, else one in the folder above, else GPT-2's.
   3. weights: hf.load_pretrained (a compressed checkpoint comes back dequantised, in fp32).
   4. prepare, once per model:
      a. dtype and device (weights_dtype), or a compressed checkpoint rebuilt for this device
@@ -71,13 +72,21 @@ def model_source(model: str) -> Path | str:
 
 
 def find_tokenizer(source: Path | str) -> Tokenizer:
-    """meta["tokenizer"] of a gptopt checkpoint, else tokenizer files beside the model, else GPT-2's."""
+    """The model folder's own tokenizer files (a training checkpoint carries a copy), else meta["tokenizer"]
+    of a gptopt checkpoint, else tokenizer files in the folder above, else GPT-2's.
+
+    The folder's own copy comes first: a recorded path may be relative to wherever training ran, and
+    from another working directory it would name nothing, or another corpus's tokenizer."""
     ours = isinstance(source, Path) and checkpoint.is_gptopt_dir(source)
     recorded = checkpoint.read_meta(source).get("tokenizer") if ours else None
-    candidates = [recorded] if recorded else []
-    if isinstance(source, Path):  # a folder with tokenizer.json (or GPT-2's vocab.json + merges.txt)
-        candidates += [str(d) for d in (source, source.parent)
-                       if (d / TOKENIZER).is_file() or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()]
+
+    def has_files(d: Path) -> bool:  # tokenizer.json, or GPT-2's vocab.json + merges.txt
+        return (d / TOKENIZER).is_file() or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()
+
+    candidates = [str(source)] if isinstance(source, Path) and has_files(source) else []
+    candidates += [recorded] if recorded else []
+    if isinstance(source, Path) and has_files(source.parent):
+        candidates.append(str(source.parent))
     for c in candidates:
         if Path(c).exists():
             return load_tokenizer(c)

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
 import logging
 import math
 import random
-import shutil
 import signal
 import statistics
 import sys
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gptopt import checkpoint, data, distributed, hf, memory
+from gptopt import checkpoint, data, distributed, fsutil, hf, memory
 from gptopt.config import GPTConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.distributed import DistInfo
@@ -41,9 +41,14 @@ from gptopt.model import GPT
 from gptopt.monitor import Monitor, peak_memory_bytes
 from gptopt.prepare_model import Prepared, prepare
 from gptopt.step import StepResult, TrainStep, is_oom
+from gptopt.tokenizer import TOKENIZER
 from gptopt.tracing import scheduled_profiler
 
 log = logging.getLogger("gptopt")
+RUN_KIND = "train-run"  # the output-folder mark (fsutil.mark) of a training run
+# Every top-level entry a run writes into --output_dir: a folder holding any of them holds a run, which
+# only --resume continues and only --overwrite replaces. The user's other files there are never touched.
+RUN_ENTRIES = (f"{checkpoint.PREFIX}*", checkpoint.LATEST, "metrics.jsonl", "run.json", "monitor.json", "logs")
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
 
@@ -183,11 +188,14 @@ class DeviceBatches:
 
 
 class Trainer:
-    """One training run. __init__ settles the data, where to resume from and the model; run() trains.
+    """One training run. __init__ validates everything (the output folder, data, where to resume from,
+    the model) and writes nothing; run() trains.
 
-    run() = _setup (model preparation, the TrainStep, the loader, the MFU peak, metrics, monitor,
-    profiler), then per step: _train_one (the step and its logging), _evaluate, _save, and the stop
-    conditions (signals, time budget, max steps/tokens; bad steps end the run from _train_one).
+    run() = (rank 0) the old run of --overwrite moved aside, the folder marked; the signal handlers;
+    _setup (model preparation, the TrainStep, the loader, the MFU peak, metrics, monitor, profiler),
+    then _loop, per step: _train_one (the step and its logging), _evaluate, _save (which lets the old
+    run go), and the stop conditions (signals, time budget, max steps/tokens; bad steps end the run
+    from _train_one).
     """
 
     # the loop's parts, made by _setup
@@ -209,6 +217,10 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         self.attention = cfg.attention if cfg.attention != "auto" else default_attention(self.plan.device.type)
         torch.manual_seed(cfg.seed)
+        # Everything is validated before anything is written or deleted; the old run of --overwrite is
+        # only moved aside in run(), and deleted once the new run has saved a checkpoint.
+        self.replaced = self._check_output()
+        self.aside: fsutil.Aside | None = None
         self.data = self._load_data()
         self.resume_dir = self._resume_dir()
         self.raw = self._build_model(self.resume_dir)
@@ -219,6 +231,42 @@ class Trainer:
             raise ValueError(f"--seq_len {self.seq_len} exceeds the model's context {self.model_config.block_size}: use --seq_len {self.model_config.block_size} or less")
         self.data.check_vocab(self.model_config.vocab_size)
         self.state: dict[str, Any] = checkpoint.load_train_state(self.resume_dir) if self.resume_dir else {}
+        self.lineage = self._lineage(self.resume_dir)
+
+    def _check_output(self) -> list[Path]:
+        """Refuse a bad --output_dir before any work; returns the old run's entries that --overwrite replaces.
+
+        Rank 0 also gives back what a killed --overwrite had moved aside and removes dead processes'
+        staging folders (kill -9 mid-save), in every mode: the other ranks wait, then judge the same folder."""
+        cfg, out, main = self.cfg, self.out, self.info.is_main
+        if main:
+            fsutil.recover(out, RUN_ENTRIES)
+            fsutil.check_output(out, kind=RUN_KIND, overwrite=False)  # a file? writable? (+ the clean-up)
+        distributed.barrier(self.info)
+        if cfg.resume:
+            return []
+        found = sorted(p.name for p in out.iterdir() if any(fnmatch.fnmatchcase(p.name, g) for g in RUN_ENTRIES)) \
+            if out.is_dir() else []
+        if found and not cfg.overwrite:
+            names = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+            raise ValueError(f"--output_dir {out} holds a training run ({names}); nothing was written: pass --resume "
+                             "auto to continue it, --overwrite to replace it (kept until the new run saves its first "
+                             "checkpoint), or choose another --output_dir")
+        if not found or not main:
+            return []
+        return fsutil.check_output(out, kind=RUN_KIND, overwrite=True, ours=RUN_ENTRIES)
+
+    def _lineage(self, resume_dir: Path | None) -> list[str]:
+        """The chain the new checkpoints continue: the resumed checkpoint's, when it lies in --output_dir
+        (one from elsewhere starts a chain here). Later checkpoints of another branch are named, and kept."""
+        if resume_dir is None or resume_dir.resolve().parent != self.out.resolve():
+            return []
+        abandoned = checkpoint.abandoned_after(resume_dir)
+        if abandoned and self.info.is_main:
+            log.warning(f"resuming from {resume_dir.name}: {', '.join(d.name for d in abandoned)} belong to an "
+                        "abandoned branch of this run; they are kept (retention and `latest` follow this run's "
+                        "lineage), except where this run saves a checkpoint of the same step")
+        return checkpoint.lineage(resume_dir)
 
     # -- before the loop ----------------------------------------------------------------------
 
@@ -227,26 +275,18 @@ class Trainer:
                               barrier=lambda: distributed.barrier(self.info))
 
     def _resume_dir(self) -> Path | None:
-        cfg, latest = self.cfg, checkpoint.latest_checkpoint(self.cfg.output_dir)
+        cfg = self.cfg
         if cfg.resume == "auto":
+            latest = checkpoint.latest_checkpoint(cfg.output_dir)
             if latest is None:
                 log.info(f"--resume auto: no checkpoint in {cfg.output_dir}, starting afresh")
             return latest
         if cfg.resume:
             path = Path(cfg.resume)
             if not (path / checkpoint.TRAIN_STATE).is_file():
-                raise ValueError(f"--resume {cfg.resume}: not a training checkpoint (no {checkpoint.TRAIN_STATE})")
+                what = "no such directory" if not path.exists() else f"not a training checkpoint (no {checkpoint.TRAIN_STATE})"
+                raise ValueError(f"--resume {cfg.resume}: {what}; pass --resume auto or a ckpt-* directory of a run")
             return path
-        if latest is not None and not cfg.overwrite:
-            raise ValueError(
-                f"{cfg.output_dir} holds checkpoints of a run (latest {latest.name}): pass --resume auto to continue "
-                "it, --overwrite to start afresh there, or another --output_dir"
-            )
-        if latest is not None and self.info.is_main:  # --overwrite: the user asked for the old run to go
-            for d in checkpoint.checkpoint_dirs(cfg.output_dir):
-                shutil.rmtree(d)
-            (self.out / "metrics.jsonl").unlink(missing_ok=True)
-        distributed.barrier(self.info)
         return None
 
     def _build_model(self, resume_dir: Path | None) -> GPT:
@@ -362,14 +402,32 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def run(self) -> int:
-        cfg, main = self.cfg, self.info.is_main
-        if main:
-            self.out.mkdir(parents=True, exist_ok=True)
-        if cfg.auto_batch_size:
-            self._auto_batch_size(cfg.batch_size * cfg.gradient_accumulation_steps)
-        progress = self._setup()
+        """Train; under --overwrite the old run stays aside until the new one saves its first checkpoint,
+        and comes back if the new one fails before that (rank 0 does all of it: it alone writes)."""
+        if not self.info.is_main:
+            return self._run()
+        self.out.mkdir(parents=True, exist_ok=True)
+        with fsutil.Aside(self.out, self.replaced, RUN_ENTRIES) as self.aside:
+            fsutil.mark(self.out, RUN_KIND)
+            rc = self._run()
+            if rc != 0:  # failed before its first checkpoint (after it, the old run is gone already)
+                self.aside.rollback()
+            return rc
+
+    def _run(self) -> int:
         stop_signal: list[int] = []
+        # From before the setup on (a compile can take minutes): a stop signal then still ends in a saved
+        # checkpoint after the first step, where the default action would kill the run mid-write.
         old_handlers = self._install_signals(stop_signal)
+        try:
+            if self.cfg.auto_batch_size:
+                self._auto_batch_size(self.cfg.batch_size * self.cfg.gradient_accumulation_steps)
+            return self._loop(self._setup(), stop_signal)
+        finally:
+            self._restore_signals(old_handlers)
+
+    def _loop(self, progress: Progress, stop_signal: list[int]) -> int:
+        cfg, main = self.cfg, self.info.is_main
         self.t_start = time.perf_counter()
         bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not main, dynamic_ncols=True, mininterval=1.0,
                    desc="train")
@@ -392,7 +450,6 @@ class Trainer:
             raise
         finally:
             bar.close()
-            self._restore_signals(old_handlers)
             self._teardown()
         if main:
             self._summary(progress)
@@ -514,10 +571,17 @@ class Trainer:
                 "optimizer": optim_state, "scaler": scaler.state_dict() if scaler is not None else None,
                 "rng": rng_state(), "world_size": self.info.world_size,
             }
+            # The tokenizer travels in the checkpoint (generate and serve prefer that copy); the recorded
+            # path is absolute, so even an older reader finds it from any working directory.
+            tokenizer = self.data.tokenizer()
             meta = {"environment": environment(self.plan), "train_config": dataclasses.asdict(self.cfg),
-                    "tokenizer": str(Path(self.cfg.data_dir) / "tokenizer.json")}
+                    **({"tokenizer": str(Path(self.cfg.data_dir).resolve() / TOKENIZER)} if tokenizer else {})}
             path = checkpoint.save_checkpoint(self.out, progress.step, self.model_config, model_state, train_state,
-                                              meta=meta, keep=self.cfg.save_total_limit)
+                                              meta=meta, keep=self.cfg.save_total_limit, parent=self.lineage,
+                                              tokenizer=tokenizer)
+            self.lineage = checkpoint.lineage(path)
+            if self.aside is not None:
+                self.aside.commit()  # the new run has a checkpoint of its own: the old run goes
         distributed.barrier(self.info)
         return path if path is not None else checkpoint.latest_checkpoint(self.out)
 
