@@ -152,6 +152,11 @@ class GPTConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown model config keys {unknown}; known: {sorted(known)}")
+        # A missing size would silently take GPT-2's default and fail later as a shape mismatch;
+        # the other fields came later and default to what older files meant.
+        missing = [k for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"model config lacks {', '.join(missing)}")
         return cls(**d)
 
 
