@@ -39,11 +39,13 @@ MAX_SECONDS = 7 * 86400.0  # a timeout of a week: larger values overflow event-l
 
 
 def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, cli: bool = True,
-        ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None) -> Any:
+        ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+        hint: str | None = None) -> Any:
     """A dataclass field with the help text and allowed values (choices, or a range: >= ge, > gt,
-    <= le, < lt) that the CLI shows and check_fields enforces."""
-    bounds = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt).items() if v is not None}
-    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli, **bounds})
+    <= le, < lt) that the CLI shows and check_fields enforces; hint: the fix an out-of-range value
+    is told, where the range alone does not say it."""
+    extra = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, hint=hint).items() if v is not None}
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli, **extra})
 
 
 def _base_type(tp: Any) -> tuple[type, bool]:
@@ -102,7 +104,8 @@ def check_fields(obj: Any, prefix: str = "--") -> None:
             ("ge" not in meta or value >= meta["ge"]) and ("gt" not in meta or value > meta["gt"])
             and ("le" not in meta or value <= meta["le"]) and ("lt" not in meta or value < meta["lt"])
         ):
-            raise ValueError(f"{name} must be {_range_text(meta)}, got {value}")
+            hint = f"; {meta['hint']}" if "hint" in meta else ""
+            raise ValueError(f"{name} must be {_range_text(meta)}, got {value}{hint}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,7 +215,8 @@ class PrepareConfig:
     dataset_config: str | None = opt(None, "the dataset's configuration name, if it has several")
     dataset_split: str = opt("train", "which split of the dataset to read")
     text_field: str = opt("text", "the dataset column that holds the text")
-    max_documents: int | None = opt(None, "stop after this many documents (quick experiments on big datasets)", ge=1)
+    max_documents: int | None = opt(None, "stop after this many documents (quick experiments on big datasets)",
+                                     ge=1, le=10**12)  # a trillion: more than any corpus holds
     tokenizer: str = opt(
         "bpe", "bpe (train a byte-level BPE on the corpus), gpt2 (GPT-2's own), or a tokenizer.json / directory"
     )
@@ -318,7 +322,8 @@ class TrainConfig:
     # evaluation, logging, checkpoints
     # An interval of 0 turns the periodic action off (what is always done at step 1 or at the end stays).
     eval_interval: int = opt(250, "evaluate (val loss, perplexity, a sample) every N steps; 0: never", ge=0, le=MAX_STEPS)
-    eval_iters: int = opt(20, "val batches per evaluation (--eval_interval 0 turns evaluation off)", ge=1, le=100_000)
+    eval_iters: int = opt(20, "val batches per evaluation (--eval_interval 0 turns evaluation off)", ge=1, le=100_000,
+                          hint="--eval_interval 0 turns evaluation off")
     sample_tokens: int = opt(48, "tokens of generated sample shown at each evaluation; 0: no sample",
                              ge=0, le=MAX_NEW_TOKENS)
     log_interval: int = opt(10, "write a metrics.jsonl record every N steps (and at step 1); 0: step 1 only",
