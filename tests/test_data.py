@@ -312,6 +312,75 @@ def test_missing_or_incomplete_data_is_a_clear_error(prepared: Path, tmp_path: P
         TokenData(cut).tokens("train")
 
 
+def _copy(prepared: Path, target: Path) -> Path:
+    target.mkdir()
+    for f in prepared.iterdir():
+        (target / f.name).write_bytes(f.read_bytes())
+    return target
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        (lambda m: [m], "expected a JSON object, got list"),
+        (lambda m: {**m, "vocab_size": "big"}, "vocab_size must be a positive integer, got 'big'"),
+        (lambda m: {**m, "dtype": "float64"}, "dtype must be one of uint16, uint32, got 'float64'"),
+        (lambda m: {**m, "dtype": "uint16", "vocab_size": 70000}, "does not fit dtype uint16"),
+        (lambda m: {**m, "train_tokens": -5}, "train_tokens must be a count of tokens"),
+        (lambda m: {k: v for k, v in m.items() if k != "val_tokens"}, "val_tokens must be a count"),
+        (lambda m: {**m, "tokenizer": []}, "tokenizer must be an object"),
+        (lambda m: {**m, "tokenizer": {**m["tokenizer"], "eot_id": 10**6}}, "tokenizer.eot_id must be a token id"),
+        (lambda m: {**m, "version": "1"}, "not gptopt token data"),
+    ],
+)
+def test_meta_json_of_the_wrong_shape_names_the_field(edit, needle: str, prepared: Path, tmp_path: Path) -> None:
+    d = _copy(prepared, tmp_path / "d")
+    meta = json.loads((d / "meta.json").read_text())
+    (d / "meta.json").write_text(json.dumps(edit(meta)))
+    with pytest.raises(ValueError) as e:
+        TokenData(d)
+    assert needle in str(e.value) and str(d / "meta.json") in str(e.value)
+    assert "gptopt prepare --overwrite" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("damage", "needle"),
+    [
+        (lambda t: t[: len(t) // 2], "not a Hugging Face tokenizer.json"),  # truncated
+        (lambda t: '{"hello": "world"}', "not a Hugging Face tokenizer.json"),
+    ],
+)
+def test_a_damaged_tokenizer_is_found_when_the_data_is_opened(damage, needle: str, prepared: Path,
+                                                               tmp_path: Path) -> None:
+    # not at the first evaluation, hundreds of steps into a run
+    d = _copy(prepared, tmp_path / "d")
+    (d / "tokenizer.json").write_text(damage((d / "tokenizer.json").read_text()))
+    with pytest.raises(ValueError) as e:
+        TokenData(d)
+    assert needle in str(e.value) and str(d / "tokenizer.json") in str(e.value)
+    assert f"gptopt prepare --overwrite --output_dir {d}" in str(e.value)
+
+
+def test_a_tokenizer_of_another_size_is_refused_when_the_data_is_opened(prepared: Path, tmp_path: Path) -> None:
+    from gptopt.corpus import train_bpe
+
+    d = _copy(prepared, tmp_path / "d")
+    train_bpe(["some other text entirely, " * 50], 280).save(str(d / "tokenizer.json"))
+    with pytest.raises(ValueError, match=r"tokenizer.json has \d+ tokens, meta.json says 300"):
+        TokenData(d)
+
+
+def test_train_with_a_damaged_tokenizer_stops_before_the_first_step(prepared: Path, tmp_path: Path,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    d = _copy(prepared, tmp_path / "d")
+    (d / "tokenizer.json").write_text((d / "tokenizer.json").read_text()[:100])
+    rc = main(["train", "--data_dir", str(d), "--preset", "debug", "--device", "cpu", "--seq_len", "16",
+               "--eval_interval", "2", "--output_dir", str(tmp_path / "out"), "--no-tensorboard"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tokenizer.json" in err and "Traceback" not in err
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 def test_check_vocab(prepared: Path) -> None:
     d = TokenData(prepared)
     d.check_vocab(300)

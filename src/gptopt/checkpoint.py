@@ -60,10 +60,19 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
             meta = json.load(fh)
     except FileNotFoundError:
         raise ValueError(f"{directory}: not a gptopt model directory ({META} missing)") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: corrupt JSON ({e}); the checkpoint is damaged, use an earlier one") from None
-    if meta.get("format") != "gptopt" or "model" not in meta:
+    if not isinstance(meta, dict) or meta.get("format") != "gptopt" or "model" not in meta:
         raise ValueError(f"{path}: not a gptopt model config (needs format='gptopt' and a 'model' table)")
+    # Checked here, so every reader (load, resume, tokenizer lookup, compress) meets one line, not a KeyError.
+    try:
+        GPTConfig.from_dict(meta["model"])
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{path}: model: {e}; the checkpoint is damaged, use an earlier one") from None
+    for key, kind in (("tokenizer", str), ("train_config", dict), ("compression", dict)):
+        if meta.get(key) is not None and not isinstance(meta[key], kind):
+            raise ValueError(f"{path}: {key} must be a {'path' if kind is str else 'table'}, got {meta[key]!r}; "
+                             "the checkpoint is damaged, use an earlier one")
     return meta
 
 

@@ -4,23 +4,25 @@
     gptopt doctor --smoke --config my.toml --device cpu
 
 Precedence: dataclass default < --config FILE.toml < flags on the command line. Unknown options,
-bad values and unknown TOML keys exit 2 with a message naming the option.
+bad values (config.check_fields: types, finite floats, ranges) and unknown TOML keys exit 2 with one
+line naming the option and the fix, before the command reads or writes anything. A file the command
+cannot read or write ends it the same way.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib
 import logging
 import os
 import sys
-import types
-import typing
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from gptopt import __version__
+from gptopt.config import field_types
 from gptopt.extras import MissingExtra
 
 if sys.version_info >= (3, 11):
@@ -58,17 +60,6 @@ def _load(ref: str) -> Any:
     return getattr(importlib.import_module(module), name)
 
 
-def _base_type(tp: Any) -> tuple[type, bool]:
-    """(scalar type, optional?) of a field annotation such as `int`, `str | None`."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        if len(args) != 1:
-            raise TypeError(f"unsupported option type {tp}")
-        return args[0], True
-    return tp, False
-
-
 def _parse_value(kind: type, optional: bool, name: str) -> Callable[[str], Any]:
     def parse(text: str) -> Any:
         if optional and text.lower() in ("none", "null", ""):
@@ -83,14 +74,8 @@ def _parse_value(kind: type, optional: bool, name: str) -> Callable[[str], Any]:
 
 
 def cli_fields(cls: type) -> list[tuple[dataclasses.Field[Any], type, bool]]:
-    hints = typing.get_type_hints(cls)
-    out = []
-    for f in dataclasses.fields(cls):
-        if not f.metadata.get("cli", True):
-            continue
-        kind, optional = _base_type(hints[f.name])
-        out.append((f, kind, optional))
-    return out
+    types = field_types(cls)
+    return [(f, *types[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -125,7 +110,14 @@ def load_toml(path: str, cls: type, verb: str | None = None) -> dict[str, Any]:
             data = tomllib.load(fh)
     except FileNotFoundError:
         raise ValueError(f"--config {path}: no such file") from None
-    except tomllib.TOMLDecodeError as e:
+    except IsADirectoryError:
+        raise ValueError(f"--config {path} is a folder; give the TOML file in it, e.g. {path}/best.toml") from None
+    except PermissionError:
+        raise ValueError(f"--config {path}: cannot read it (permission denied); fix its permissions or copy it "
+                         "somewhere readable") from None
+    except OSError as e:
+        raise ValueError(f"--config {path}: cannot read it ({e.strerror or e}); give a readable TOML file") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"--config {path}: not valid TOML ({e})") from None
     flat = {k: v for k, v in data.items() if not isinstance(v, dict)}
     section = data.get(verb, {}) if verb else {}
@@ -147,25 +139,38 @@ def _check_toml(path: str, table: dict[str, Any], cls: type) -> dict[str, Any]:
     return values
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with a bad input reported as one line, as every gptopt error is: the usage block that
+    argparse prints first would bury the message (a command's usage runs to dozens of lines)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.fail(f"{message}; see `{self.prog} --help`")
+
+    def fail(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def parse_config(verb: str, cls: type, argv: Sequence[str], parser: argparse.ArgumentParser) -> Any:
     ns = vars(parser.parse_args(argv))
     config_path = ns.pop("config", None)
+    # Our own messages already name the fix; argparse's (unknown flag, bad choice) get a --help pointer.
+    fail = parser.fail if isinstance(parser, _Parser) else parser.error
     values: dict[str, Any] = {}
     if config_path:
         try:
             values.update(load_toml(config_path, cls, verb))
         except ValueError as e:
-            parser.error(str(e))
+            fail(str(e))
     values.update(ns)  # only the flags given: the parser's defaults are suppressed
     try:
         return cls(**values)
     except (ValueError, TypeError) as e:
-        parser.error(str(e))
+        fail(str(e))
 
 
 def build_parser(verb: str, cls: type) -> argparse.ArgumentParser:
     cmd = COMMANDS[verb]
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog=f"gptopt {verb}", description=cmd.help, argument_default=argparse.SUPPRESS, allow_abbrev=False
     )
     parser.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file; flags override it")
@@ -175,7 +180,7 @@ def build_parser(verb: str, cls: type) -> argparse.ArgumentParser:
 
 def top_parser() -> argparse.ArgumentParser:
     lines = "\n".join(f"  {verb:<10} {cmd.help}" for verb, cmd in COMMANDS.items())
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gptopt",
         description="Make GPT-2-class Transformers train, benchmark, profile, generate and serve fast.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -229,10 +234,50 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MissingExtra as e:
         print(f"gptopt {verb}: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, NotADirectoryError, FileExistsError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         if os.environ.get("GPTOPT_DEBUG"):
             raise
         print(f"gptopt {verb}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:
+        # The net under the commands' own checks: a folder that turned out unwritable, a full disk.
+        line = os_error_line(e, output_flag(config))
+        if line is None or os.environ.get("GPTOPT_DEBUG"):
+            raise
+        print(f"gptopt {verb}: error: {line}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+def output_flag(config: Any) -> str | None:
+    """The option that names where a command writes (--output_dir, --output), if it has one."""
+    names = {f.name for f in dataclasses.fields(config)}
+    return next((f"--{n}" for n in ("output_dir", "output") if n in names), None)
+
+
+# errno -> (the verb, what went wrong, the fix). Errors only a write meets say "write"; the output flag
+# is named with them. A folder where a file was meant (or the reverse) may be an input or an output.
+_FS_ERRORS = {
+    errno.EACCES: ("write", "permission denied", "choose a folder you can write"),
+    errno.EPERM: ("write", "permission denied", "choose a folder you can write"),
+    errno.EROFS: ("write", "read-only file system", "choose a folder you can write"),
+    errno.ENOSPC: ("write", "no space left on device", "free some space or choose another disk"),
+    **({errno.EDQUOT: ("write", "disk quota exceeded", "free some space or choose another disk")}
+       if hasattr(errno, "EDQUOT") else {}),  # not on Windows
+    errno.EISDIR: ("use", "it is a folder, not a file", "check the path"),
+    errno.ENOTDIR: ("use", "part of the path is a file, not a folder", "check the path"),
+}
+
+
+def os_error_line(e: OSError, flag: str | None) -> str | None:
+    """One line for a file-system error: the path, what went wrong and the fix; None for other OSErrors
+    (a network error, say), which keep their traceback."""
+    if e.errno not in _FS_ERRORS and e.filename is None:
+        return None
+    verb, what, fix = _FS_ERRORS.get(e.errno, ("use", (e.strerror or str(e)).lower(), "check the path"))
+    path = "" if e.filename is None else f" {e.filename}"
+    if verb == "write" and e.filename is not None and os.path.exists(e.filename) \
+            and not os.access(e.filename, os.R_OK):
+        verb, fix = "read", "fix its permissions"  # an existing file we may not even read: an input
+    return f"cannot {verb}{path}: {what}; {fix}" + (f" ({flag})" if flag and verb == "write" else "")

@@ -7,13 +7,105 @@ checkpoints and benchmark results store them. Derived values live in ``__post_in
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import os
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+# ----------------------------------------------------------------------------------------------
+# Validation. Every field is checked when a config is made (from flags, TOML, JSON or code), so a
+# bad value stops a command before it reads or writes anything. A field's range lives in its
+# metadata (ge / gt / le / lt); the upper limits below are far beyond any GPT-2-class use: they
+# catch a typo (three zeros too many) that would otherwise fail minutes later, out of memory or
+# deep inside a library, after the work done so far is lost.
 
-def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, cli: bool = True) -> Any:
-    """A dataclass field with the help text (and allowed values) the CLI shows for it."""
-    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli})
+MAX_BATCH = 1 << 16  # sequences in a batch: GPT-2's 0.5M-token batch is 512 x 1024, this is 128x that
+MAX_SEQ_LEN = 1 << 20  # tokens in a sequence: 1024x GPT-2's context
+MAX_VOCAB = 1 << 24  # 64x the largest tokenizers in use (~256k)
+MAX_LAYERS = 1024  # GPT-2 XL has 48 blocks
+MAX_WIDTH = 1 << 16  # n_embd / n_head: GPT-3 175B is 12288 wide with 96 heads
+MAX_PAD_MULTIPLE = 4096  # tensor cores want 64 or 128
+MAX_STEPS = 10**9  # optimizer or timed steps: GPT-2 trained for ~0.8M
+MAX_TOKENS = 10**15  # training tokens: 1000x GPT-3's 300B
+MAX_NEW_TOKENS = 1 << 20  # generated tokens per request or prompt: as long as the longest context
+MAX_SLOTS = 4096  # KV-cache slots of a server: far past where one GPU's decode step stops gaining throughput
+# Worker processes or threads: beyond 4 per core they only contend for the cores and each costs memory.
+MAX_WORKERS = max(8, 4 * (os.cpu_count() or 1))
+MAX_SEED = 2**63 - 1  # numpy's and torch's generators accept seeds in [0, 2**63)
+MAX_SECONDS = 7 * 86400.0  # a timeout of a week: larger values overflow event-loop timers
+
+
+def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, cli: bool = True,
+        ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
+        hint: str | None = None) -> Any:
+    """A dataclass field with the help text and allowed values (choices, or a range: >= ge, > gt,
+    <= le, < lt) that the CLI shows and check_fields enforces; hint: the fix an out-of-range value
+    is told, where the range alone does not say it."""
+    extra = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, hint=hint).items() if v is not None}
+    return field(default=default, metadata={"help": help, "choices": choices, "cli": cli, **extra})
+
+
+def _base_type(tp: Any) -> tuple[type, bool]:
+    """(scalar type, optional?) of a field annotation such as `int`, `str | None`."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            raise TypeError(f"unsupported option type {tp}")
+        return args[0], True
+    return tp, False
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, tuple[type, bool]]:
+    """Each field's (scalar type, optional?) of a config dataclass."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: _base_type(hints[f.name]) for f in dataclasses.fields(cls)}
+
+
+def _range_text(meta: Any) -> str:
+    def num(x: float) -> str:
+        return f"{x:g}" if isinstance(x, float) else str(x)
+
+    lo = ("[", meta["ge"]) if "ge" in meta else ("(", meta["gt"]) if "gt" in meta else None
+    hi = ("]", meta["le"]) if "le" in meta else (")", meta["lt"]) if "lt" in meta else None
+    if lo and hi:
+        return f"in {lo[0]}{num(lo[1])}, {num(hi[1])}{hi[0]}"
+    if lo:
+        return f"{'>=' if lo[0] == '[' else '>'} {num(lo[1])}"
+    assert hi is not None
+    return f"{'<=' if hi[0] == ']' else '<'} {num(hi[1])}"
+
+
+def check_fields(obj: Any, prefix: str = "--") -> None:
+    """Raise ValueError naming the first field whose value has the wrong type, is not finite (floats:
+    NaN and infinities are never a setting) or lies outside its range or choices. prefix: how the
+    message names a field (--flag for command options, bare for stored model configs)."""
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        kind, optional = field_types(type(obj))[f.name]
+        name = f"{prefix}{f.name}"
+        if value is None and optional:
+            continue
+        # bool is an int to Python, never to a user; an int is a fine float
+        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
+        if kind is float and isinstance(value, int) and not isinstance(value, bool):
+            ok = True
+        if not ok:
+            raise ValueError(f"{name} must be {kind.__name__}{' or none' if optional else ''}, got {value!r}")
+        if kind is float and not math.isfinite(value):
+            raise ValueError(f"{name} must be a finite number, got {value}")
+        meta = f.metadata
+        if meta.get("choices") and value not in meta["choices"]:
+            raise ValueError(f"{name} must be one of {', '.join(meta['choices'])}; got {value!r}")
+        if kind in (int, float) and not (
+            ("ge" not in meta or value >= meta["ge"]) and ("gt" not in meta or value > meta["gt"])
+            and ("le" not in meta or value <= meta["le"]) and ("lt" not in meta or value < meta["lt"])
+        ):
+            hint = f"; {meta['hint']}" if "hint" in meta else ""
+            raise ValueError(f"{name} must be {_range_text(meta)}, got {value}{hint}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -22,30 +114,25 @@ def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, cli:
 
 @dataclass(kw_only=True)
 class GPTConfig:
-    n_layer: int = opt(12, "number of Transformer blocks")
-    n_head: int = opt(12, "attention heads per block")
-    n_embd: int = opt(768, "model width")
-    block_size: int = opt(1024, "context length (learned position embeddings)")
-    vocab_size: int = opt(50257, "tokenizer vocabulary size")
+    n_layer: int = opt(12, "number of Transformer blocks", ge=1, le=MAX_LAYERS)
+    n_head: int = opt(12, "attention heads per block", ge=1, le=MAX_WIDTH)
+    n_embd: int = opt(768, "model width", ge=1, le=MAX_WIDTH)
+    block_size: int = opt(1024, "context length (learned position embeddings)", ge=1, le=MAX_SEQ_LEN)
+    vocab_size: int = opt(50257, "tokenizer vocabulary size", ge=1, le=MAX_VOCAB)
     vocab_pad_multiple: int = opt(
-        1, "pad the embedding rows up to a multiple of this (64 turns GPT-2's 50257 into 50304: tensor-core shapes)"
+        1, "pad the embedding rows up to a multiple of this (64 turns GPT-2's 50257 into 50304: tensor-core shapes)",
+        ge=1, le=MAX_PAD_MULTIPLE,
     )
-    dropout: float = opt(0.0, "dropout on attention and residual paths (0 for pretraining speed)")
+    dropout: float = opt(0.0, "dropout on attention and residual paths (0 for pretraining speed)", ge=0.0, lt=1.0)
     bias: bool = opt(True, "biases in Linear and LayerNorm layers, as in GPT-2")
-    layer_norm_epsilon: float = opt(1e-5, "LayerNorm epsilon (GPT-2 uses 1e-5)")
+    layer_norm_epsilon: float = opt(1e-5, "LayerNorm epsilon (GPT-2 uses 1e-5)", gt=0.0, lt=1.0)
     attention: str = opt("sdpa", "attention kernel: sdpa (flash / mem-efficient) or eager", choices=("sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute each block in backward: less memory, ~30% more compute")
 
     def __post_init__(self) -> None:
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "vocab_pad_multiple"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_fields(self, prefix="")  # stored in gptopt.json, so named as there, not as flags
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        if self.attention not in ("sdpa", "eager"):
-            raise ValueError(f"attention must be 'sdpa' or 'eager', got {self.attention!r}")
 
     @property
     def padded_vocab_size(self) -> int:
@@ -62,10 +149,17 @@ class GPTConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
         """Build from a stored dict; keys this version does not know are an error, not silently dropped."""
+        if not isinstance(d, dict):
+            raise ValueError(f"the model config must be a table of settings, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ValueError(f"unknown model config keys {unknown}; known: {sorted(known)}")
+        # A missing size would silently take GPT-2's default and fail later as a shape mismatch;
+        # the other fields came later and default to what older files meant.
+        missing = [k for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if k not in d]
+        if missing:
+            raise ValueError(f"model config lacks {', '.join(missing)}")
         return cls(**d)
 
 
@@ -109,6 +203,7 @@ class DoctorConfig:
     json: bool = opt(False, "print one JSON document instead of the table")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
 
@@ -120,38 +215,48 @@ class PrepareConfig:
     dataset_config: str | None = opt(None, "the dataset's configuration name, if it has several")
     dataset_split: str = opt("train", "which split of the dataset to read")
     text_field: str = opt("text", "the dataset column that holds the text")
-    max_documents: int | None = opt(None, "stop after this many documents (quick experiments on big datasets)")
+    max_documents: int | None = opt(None, "stop after this many documents (quick experiments on big datasets)",
+                                     ge=1, le=10**12)  # a trillion: more than any corpus holds
     tokenizer: str = opt(
         "bpe", "bpe (train a byte-level BPE on the corpus), gpt2 (GPT-2's own), or a tokenizer.json / directory"
     )
-    vocab_size: int = opt(8192, "vocabulary size of the trained BPE (ignored for gpt2 or a given tokenizer)")
-    val_fraction: float = opt(0.005, "share of documents held out for validation")
+    # > 256: a byte-level BPE starts from the 256 bytes and needs at least one token more
+    vocab_size: int = opt(8192, "vocabulary size of the trained BPE (ignored for gpt2 or a given tokenizer)",
+                          ge=257, le=MAX_VOCAB)
+    val_fraction: float = opt(0.005, "share of documents held out for validation", gt=0.0, lt=0.5)
     output_dir: str = opt("data/stdlib", "where train.bin, val.bin, meta.json and tokenizer.json go")
-    num_workers: int = opt(0, "tokenizer threads; 0 = every core")
-    seed: int = opt(1337, "seed of the document shuffle that makes the train/val split")
+    num_workers: int = opt(0, "tokenizer threads; 0 = every core", ge=0, le=MAX_WORKERS)
+    seed: int = opt(1337, "seed of the document shuffle that makes the train/val split", ge=0, le=MAX_SEED)
     overwrite: bool = opt(False, "replace an existing output_dir")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.input and self.dataset:
             raise ValueError("give either --input or --dataset, not both")
-        if not 0.0 < self.val_fraction < 0.5:
-            raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
-        if self.vocab_size < 256 + 1:
-            raise ValueError(f"vocab_size must exceed 256 (the byte alphabet), got {self.vocab_size}")
-        if self.vocab_size > 2**32 - 1:
-            raise ValueError("vocab_size must fit in uint32")
 
 
 def parse_duration(text: str) -> float:
-    """'90', '90s', '10m', '1.5h' -> seconds."""
+    """--time_budget: '90', '90s', '10m', '1.5h' -> seconds (positive and finite)."""
     units = {"s": 1.0, "m": 60.0, "h": 3600.0}
     t = text.strip().lower()
     try:
-        if t and t[-1] in units:
-            return float(t[:-1]) * units[t[-1]]
-        return float(t)
+        seconds = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
     except ValueError:
-        raise ValueError(f"bad duration {text!r}: use seconds or a suffix, e.g. 90s, 10m, 1.5h") from None
+        seconds = math.nan
+    if not 0 < seconds < math.inf:  # NaN fails this too
+        raise ValueError(f"--time_budget {text!r} is not a duration: give a positive number of seconds or a suffix, "
+                         "e.g. 90s, 10m, 1.5h")
+    return seconds
+
+
+def check_loader(num_workers: int | None, prefetch_factor: int | None, persistent_workers: bool | None) -> None:
+    """DataLoader's own rule, checked before any work: prefetching and persistence need worker processes.
+    num_workers None (the device's default) is settled later; data.make_loader drops both without workers."""
+    if num_workers == 0 and prefetch_factor is not None:
+        raise ValueError("--prefetch_factor needs worker processes: give --num_workers 1 or more, or drop --prefetch_factor")
+    if num_workers == 0 and persistent_workers:
+        raise ValueError("--persistent_workers needs worker processes: give --num_workers 1 or more, "
+                         "or --no-persistent_workers")
 
 
 @dataclass(kw_only=True)
@@ -168,24 +273,28 @@ class TrainConfig:
     )
     data_dir: str = opt("data/stdlib", "token shards written by `gptopt prepare` (or nanoGPT train.bin/val.bin)")
     output_dir: str = opt("out", "checkpoints, metrics.jsonl, TensorBoard logs and traces go here")
-    seq_len: int | None = opt(None, "tokens per sequence; default: the model's context")
-    dropout: float = opt(0.0, "dropout (0 for pretraining; 0.1 is common when fine-tuning small data)")
-    vocab_pad_multiple: int = opt(64, "pad the vocabulary to a multiple of this (tensor-core friendly shapes)")
+    seq_len: int | None = opt(None, "tokens per sequence; default: the model's context", ge=1, le=MAX_SEQ_LEN)
+    dropout: float = opt(0.0, "dropout (0 for pretraining; 0.1 is common when fine-tuning small data)", ge=0.0, lt=1.0)
+    vocab_pad_multiple: int = opt(64, "pad the vocabulary to a multiple of this (tensor-core friendly shapes)",
+                                  ge=1, le=MAX_PAD_MULTIPLE)
     # batch and length of the run
-    batch_size: int = opt(16, "micro-batch: sequences per forward/backward on each device")
-    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step (global batch = this x batch x ranks)")
+    batch_size: int = opt(16, "micro-batch: sequences per forward/backward on each device", ge=1, le=MAX_BATCH)
+    gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step (global batch = this x batch x ranks)",
+                                           ge=1, le=MAX_BATCH)
     auto_batch_size: bool = opt(False, "find the largest micro-batch that fits and raise accumulation to keep the global batch")
-    max_steps: int = opt(600, "optimizer steps to run")
-    max_tokens: int | None = opt(None, "stop after this many training tokens (all ranks together)")
+    max_steps: int = opt(600, "optimizer steps to run", ge=1, le=MAX_STEPS)
+    max_tokens: int | None = opt(None, "stop after this many training tokens (all ranks together)", ge=1, le=MAX_TOKENS)
     time_budget: str | None = opt(None, "stop (and save) after this wall time, e.g. 10m, 2h")
     # optimizer
-    learning_rate: float = opt(1e-3, "peak learning rate")
-    min_lr: float | None = opt(None, "final learning rate of the cosine decay; default: learning_rate / 10")
-    warmup_steps: int = opt(100, "linear warmup steps")
-    weight_decay: float = opt(0.1, "AdamW weight decay on matrices (not biases or LayerNorm)")
-    beta1: float = opt(0.9, "AdamW beta1")
-    beta2: float = opt(0.95, "AdamW beta2")
-    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 disables)")
+    # AdamW above 1 only diverges; the bound catches a misplaced exponent (1e3 for 1e-3)
+    learning_rate: float = opt(1e-3, "peak learning rate", gt=0.0, le=1.0)
+    min_lr: float | None = opt(None, "final learning rate of the cosine decay, <= learning_rate; "
+                               "default: learning_rate / 10", ge=0.0, le=1.0)
+    warmup_steps: int = opt(100, "linear warmup steps", ge=0, le=MAX_STEPS)
+    weight_decay: float = opt(0.1, "AdamW weight decay on matrices (not biases or LayerNorm)", ge=0.0)
+    beta1: float = opt(0.9, "AdamW beta1", ge=0.0, lt=1.0)  # torch.optim.AdamW's own range
+    beta2: float = opt(0.95, "AdamW beta2", ge=0.0, lt=1.0)
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 disables)", ge=0.0)
     fused_optimizer: bool = opt(True, "the fused AdamW kernel where torch has it")
     # speed
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
@@ -199,40 +308,45 @@ class TrainConfig:
                          choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward: less memory, more compute")
     # data loading
-    num_workers: int | None = opt(None, "DataLoader worker processes; default chosen for the device")
+    num_workers: int | None = opt(None, "DataLoader worker processes; default chosen for the device",
+                                  ge=0, le=MAX_WORKERS)
     pin_memory: bool | None = opt(None, "page-locked host batches for async copies; default: on with CUDA")
-    prefetch_factor: int | None = opt(None, "batches each worker prepares ahead; default 2 with workers")
-    persistent_workers: bool | None = opt(None, "keep workers alive between epochs/evals; default: on with workers")
+    # >= 1: a worker with nothing to prepare ahead deadlocks, so DataLoader refuses 0
+    prefetch_factor: int | None = opt(None, "batches each worker prepares ahead (needs workers); default 2 with workers",
+                                      ge=1, le=1024)
+    persistent_workers: bool | None = opt(None, "keep workers alive between epochs/evals (needs workers); "
+                                          "default: on with workers")
     # several devices
     fsdp: bool = opt(False, "shard parameters, gradients and optimizer state with FSDP2 (under torchrun)")
     cpu_offload: bool = opt(False, "with --fsdp: keep parameters, gradients and optimizer state in host memory")
     # evaluation, logging, checkpoints
-    eval_interval: int = opt(250, "evaluate (val loss, perplexity, a sample) every N steps; 0 disables")
-    eval_iters: int = opt(20, "val batches per evaluation")
-    sample_tokens: int = opt(48, "tokens of generated sample shown at each evaluation; 0 disables")
-    log_interval: int = opt(10, "write a metrics.jsonl record every N steps")
-    save_interval: int = opt(500, "checkpoint every N steps (and always at the end)")
-    save_total_limit: int = opt(3, "keep the last K checkpoints")
+    # An interval of 0 turns the periodic action off (what is always done at step 1 or at the end stays).
+    eval_interval: int = opt(250, "evaluate (val loss, perplexity, a sample) every N steps; 0: never", ge=0, le=MAX_STEPS)
+    eval_iters: int = opt(20, "val batches per evaluation (--eval_interval 0 turns evaluation off)", ge=1, le=100_000,
+                          hint="--eval_interval 0 turns evaluation off")
+    sample_tokens: int = opt(48, "tokens of generated sample shown at each evaluation; 0: no sample",
+                             ge=0, le=MAX_NEW_TOKENS)
+    log_interval: int = opt(10, "write a metrics.jsonl record every N steps (and at step 1); 0: step 1 only",
+                            ge=0, le=MAX_STEPS)
+    save_interval: int = opt(500, "checkpoint every N steps (and always at the end); 0: only at the end",
+                             ge=0, le=MAX_STEPS)
+    save_total_limit: int = opt(3, "keep the last K checkpoints", ge=1, le=100_000)
     resume: str | None = opt(None, "auto (latest checkpoint in output_dir, if any) or a checkpoint directory")
-    max_bad_steps: int = opt(5, "stop after this many consecutive NaN/Inf steps (each one is skipped)")
+    max_bad_steps: int = opt(5, "stop after this many consecutive NaN/Inf steps (each one is skipped)",
+                             ge=1, le=MAX_STEPS)
     profile: bool = opt(False, "write torch.profiler traces of a few steady-state steps (TensorBoard opens them)")
     tensorboard: bool = opt(True, "TensorBoard event files under output_dir/logs (if tensorboard is installed)")
-    seed: int = opt(1337, "seed for init, data order and dropout")
+    seed: int = opt(1337, "seed for init, data order and dropout", ge=0, le=MAX_SEED)
     overwrite: bool = opt(False, "start afresh even if output_dir holds checkpoints of another run")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
-        for name in ("batch_size", "gradient_accumulation_steps", "max_steps", "save_total_limit", "max_bad_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_steps", "eval_interval", "eval_iters", "log_interval", "save_interval", "sample_tokens"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise ValueError(f"--seq_len must be >= 1, got {self.seq_len}")
-        if self.learning_rate <= 0:
-            raise ValueError(f"--learning_rate must be > 0, got {self.learning_rate}")
+        if self.min_lr is not None and self.min_lr > self.learning_rate:
+            raise ValueError(f"--min_lr ({self.min_lr}) must not exceed --learning_rate ({self.learning_rate}): "
+                             "it is where the cosine decay ends")
+        check_loader(self.num_workers, self.prefetch_factor, self.persistent_workers)
         if self.cpu_offload and not self.fsdp:
             raise ValueError("--cpu_offload needs --fsdp (it is FSDP2's offload policy)")
         if self.time_budget is not None:
@@ -248,31 +362,27 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class BenchConfig:
     preset: str | None = opt(None, "model size; default: tiny on a CPU, gpt2 on a GPU")
-    batch_size: int | None = opt(None, "micro-batch of every rung; default: 16 on a CPU, 16 on a GPU")
-    seq_len: int | None = opt(None, "sequence length; default: 256 on a CPU, 1024 on a GPU")
-    steps: int = opt(10, "timed steps per rung (after warm-up); the median and p10/p90 come from these")
-    warmup: int = opt(3, "untimed steps per rung before timing (compile happens in the first)")
+    batch_size: int | None = opt(None, "micro-batch of every rung; default: 16 on a CPU, 16 on a GPU", ge=1, le=MAX_BATCH)
+    seq_len: int | None = opt(None, "sequence length; default: 256 on a CPU, 1024 on a GPU", ge=1, le=MAX_SEQ_LEN)
+    # >= 10: fewer give no p10/p90
+    steps: int = opt(10, "timed steps per rung (after warm-up); the median and p10/p90 come from these",
+                     ge=10, le=100_000)
+    # >= 1: the first step compiles and warms caches
+    warmup: int = opt(3, "untimed steps per rung before timing (compile happens in the first)", ge=1, le=100_000)
     mode: str = opt("train", "train: the training ladder; infer: the generation ladder", choices=("train", "infer"))
     rungs: str = opt("default", "comma-separated rungs, 'default' or 'all'; `--rungs list` prints them")
-    loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails")
+    loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails",
+                                gt=0.0, lt=1.0)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
     output_dir: str = opt("bench_out", "report.md, results.json, results.csv, plots and best.toml go here")
-    seed: int = opt(1337, "seed for weights and data: every rung trains on identical batches")
+    seed: int = opt(1337, "seed for weights and data: every rung trains on identical batches", ge=0, le=MAX_SEED)
     json: bool = opt(False, "print the results JSON as the last line of stdout")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
-        if self.steps < 10:
-            raise ValueError(f"--steps must be >= 10 for a median with p10/p90, got {self.steps}")
-        if self.warmup < 1:
-            raise ValueError(f"--warmup must be >= 1 (the first step compiles and warms caches), got {self.warmup}")
-        for name in ("batch_size", "seq_len"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if not 0 < self.loss_tolerance < 1:
-            raise ValueError(f"--loss_tolerance must be in (0, 1), got {self.loss_tolerance}")
 
 
 TUNE_AXES = ("attention", "amp", "fused", "loader", "batch", "checkpointing", "compile")
@@ -281,39 +391,31 @@ TUNE_AXES = ("attention", "amp", "fused", "loader", "batch", "checkpointing", "c
 @dataclass(kw_only=True)
 class TuneConfig:
     preset: str | None = opt(None, "model size; default: tiny on a CPU, gpt2 on a GPU")
-    seq_len: int | None = opt(None, "sequence length; default: 256 on a CPU, 1024 on a GPU")
+    seq_len: int | None = opt(None, "sequence length; default: 256 on a CPU, 1024 on a GPU", ge=1, le=MAX_SEQ_LEN)
     # bench's micro-batch (16) on a CPU, so the winner compares with bench's rungs; room to grow on a GPU
     global_batch_tokens: int | None = opt(
         None, "tokens per optimizer step, a multiple of seq_len, kept fixed by gradient accumulation; "
-        "default: 16 sequences on a CPU, 64 on a GPU")
+        "default: 16 sequences on a CPU, 64 on a GPU", ge=1, le=MAX_BATCH * MAX_SEQ_LEN)
     time_budget: str = opt("10m", "wall time for the whole search, e.g. 90s, 10m, 1h; it always ends with a winner")
-    memory_budget: float = opt(0.9, "share of device memory a candidate may use (GPU: its memory; CPU: RAM free at start + this process's)")
+    memory_budget: float = opt(0.9, "share of device memory a candidate may use (GPU: its memory; CPU: RAM free at start + this process's)",
+                               gt=0.0, le=1.0)
     axes: str = opt("all", "comma-separated axes to search: " + ", ".join(TUNE_AXES) + "; or all")
-    steps: int = opt(5, "timed steps per candidate (after warm-up); its median step time ranks it")
-    warmup: int = opt(2, "untimed steps per candidate before timing (compile happens in the first)")
-    loss_tolerance: float = opt(0.02, "a candidate whose loss departs from the fp32 reference's by more than this share is rejected")
+    # >= 3: a median, and two steps before a slow candidate is pruned
+    steps: int = opt(5, "timed steps per candidate (after warm-up); its median step time ranks it", ge=3, le=100_000)
+    warmup: int = opt(2, "untimed steps per candidate before timing (compile happens in the first)", ge=1, le=100_000)
+    loss_tolerance: float = opt(0.02, "a candidate whose loss departs from the fp32 reference's by more than this share is rejected",
+                                gt=0.0, lt=1.0)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
     output_dir: str = opt("tune_out", "tune.toml, tune_report.md, tune_results.json / .csv and tune.png go here")
-    seed: int = opt(1337, "seed for weights and data: every candidate trains on identical batches")
+    seed: int = opt(1337, "seed for weights and data: every candidate trains on identical batches", ge=0, le=MAX_SEED)
     json: bool = opt(False, "print the summary JSON as the last line of stdout")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
-        for name in ("seq_len", "global_batch_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.steps < 3:
-            raise ValueError(f"--steps must be >= 3 (a median, and two steps before a slow candidate is pruned), got {self.steps}")
-        if self.warmup < 1:
-            raise ValueError(f"--warmup must be >= 1 (the first step compiles and warms caches), got {self.warmup}")
-        if not 0 < self.memory_budget <= 1:
-            raise ValueError(f"--memory_budget is a share of device memory in (0, 1], got {self.memory_budget}")
-        if not 0 < self.loss_tolerance < 1:
-            raise ValueError(f"--loss_tolerance must be in (0, 1), got {self.loss_tolerance}")
-        if parse_duration(self.time_budget) <= 0:
-            raise ValueError(f"--time_budget must be positive, got {self.time_budget!r}")
+        parse_duration(self.time_budget)
         unknown = set(self.axis_set) - set(TUNE_AXES)
         if unknown:
             raise ValueError(f"unknown tune axes {sorted(unknown)}; choose from: {', '.join(TUNE_AXES)}, all")
@@ -332,8 +434,8 @@ class TuneConfig:
 class ProfileConfig:
     preset: str = opt("tiny", "model size: " + ", ".join(PRESETS))
     mode: str = opt("train", "what to profile: training steps or generation steps", choices=("train", "generate"))
-    batch_size: int = opt(8, "micro-batch")
-    seq_len: int | None = opt(None, "sequence length; default: the model's context")
+    batch_size: int = opt(8, "micro-batch", ge=1, le=MAX_BATCH)
+    seq_len: int | None = opt(None, "sequence length; default: the model's context", ge=1, le=MAX_SEQ_LEN)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     use_amp: bool = opt(False, "profile under autocast")
     amp_dtype: str = opt("auto", "autocast dtype: auto picks by device", choices=("auto", "bf16", "fp16"))
@@ -341,52 +443,39 @@ class ProfileConfig:
     compile_mode: str = opt("default", "torch.compile mode", choices=("default", "reduce-overhead", "max-autotune"))
     attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs", choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward")
-    num_workers: int | None = opt(None, "DataLoader workers feeding the profiled steps; default: as `gptopt train` picks")
+    num_workers: int | None = opt(None, "DataLoader workers feeding the profiled steps; default: as `gptopt train` picks",
+                                  ge=0, le=MAX_WORKERS)
     pin_memory: bool | None = opt(None, "page-locked host batches; default: on with CUDA, as `gptopt train` picks")
     data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
-    wait: int = opt(2, "steps skipped before profiling (compile, caches)")
-    warmup: int = opt(2, "profiled-but-discarded steps (profiler warm-up)")
-    active: int = opt(4, "recorded steps")
-    row_limit: int = opt(15, "rows of the operator table")
+    # a trace of more than 1000 steps is gigabytes that no viewer opens
+    wait: int = opt(2, "steps skipped before profiling (compile, caches)", ge=0, le=1000)
+    warmup: int = opt(2, "profiled-but-discarded steps (profiler warm-up)", ge=0, le=1000)
+    active: int = opt(4, "recorded steps", ge=1, le=1000)
+    row_limit: int = opt(15, "rows of the operator table", ge=1, le=100_000)
     output_dir: str = opt("profile_out", "TensorBoard traces, Chrome trace, memory snapshot, diagnosis.json")
     json: bool = opt(False, "print the diagnosis JSON as the last line of stdout")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
-        for name in ("batch_size", "active", "row_limit"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("wait", "warmup", "num_workers"):
-            if getattr(self, name) is not None and getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0, got {getattr(self, name)}")
-        if self.seq_len is not None and self.seq_len < 1:
-            raise ValueError(f"--seq_len must be >= 1, got {self.seq_len}")
 
 
 @dataclass(kw_only=True)
 class SamplingConfig:
     """Sampling options shared by generate and serve (serve takes them per request)."""
 
-    max_new_tokens: int = opt(128, "tokens to generate per prompt")
-    temperature: float = opt(0.8, "softmax temperature; 0 = greedy")
-    top_k: int | None = opt(50, "sample from the k most likely tokens (none = all)")
-    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches p")
-    repetition_penalty: float = opt(1.0, "divide the logits of tokens already present by this (> 1 discourages repeats)")
-    seed: int | None = opt(None, "seed: the same seed and prompt give the same sample")
+    max_new_tokens: int = opt(128, "tokens to generate per prompt", ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = opt(0.8, "softmax temperature; 0 = greedy", ge=0.0)
+    top_k: int | None = opt(50, "sample from the k most likely tokens (none = all)", ge=1, le=MAX_VOCAB)
+    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches p", gt=0.0, le=1.0)
+    repetition_penalty: float = opt(1.0, "divide the logits of tokens already present by this (> 1 discourages repeats)",
+                                    gt=0.0)
+    seed: int | None = opt(None, "seed: the same seed and prompt give the same sample", ge=0, le=MAX_SEED)
     stop: str | None = opt(None, "stop when this text appears (\\n escapes allowed); it is not included")
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"--max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"--temperature must be >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"--top_k must be >= 1, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise ValueError(f"--repetition_penalty must be > 0, got {self.repetition_penalty}")
+        check_fields(self)  # every field, a subclass's too
 
 
 @dataclass(kw_only=True)
@@ -396,7 +485,7 @@ class GenerateConfig(SamplingConfig):
     tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the checkpoint was trained with")
     input: str | None = opt(None, "batch mode: a file of prompts, one per line (or .jsonl with a 'prompt' field)")
     output: str | None = opt(None, "batch mode: write one JSON object per prompt here (.jsonl)")
-    batch_size: int = opt(8, "batch mode: prompts decoded together")
+    batch_size: int = opt(8, "batch mode: prompts decoded together", ge=1, le=MAX_SLOTS)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
@@ -405,8 +494,6 @@ class GenerateConfig(SamplingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.batch_size < 1:
-            raise ValueError(f"--batch_size must be >= 1, got {self.batch_size}")
         if self.output and not self.input:
             raise ValueError("--output needs --input (batch mode)")
 
@@ -417,11 +504,13 @@ class ServeConfig:
     tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the checkpoint was trained with")
     model_name: str | None = opt(None, "the model id /v1/models reports and requests may name; default: the dir name")
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
-    port: int = opt(8000, "port (0 picks a free one)")
-    max_batch_size: int = opt(8, "KV-cache slots: requests decoded together (1 = one request at a time)")
-    max_queue: int = opt(64, "requests waiting beyond the running ones; more get 429 with Retry-After")
-    max_tokens_limit: int = opt(1024, "the largest max_tokens a request may ask for")
-    request_timeout: float = opt(120.0, "seconds a request may take before it is ended")
+    port: int = opt(8000, "port (0 picks a free one)", ge=0, le=65535)
+    max_batch_size: int = opt(8, "KV-cache slots: requests decoded together (1 = one request at a time)",
+                              ge=1, le=MAX_SLOTS)
+    # a queue of a million waiting requests is a client bug, not a workload
+    max_queue: int = opt(64, "requests waiting beyond the running ones; more get 429 with Retry-After", ge=0, le=1 << 20)
+    max_tokens_limit: int = opt(1024, "the largest max_tokens a request may ask for", ge=1, le=MAX_NEW_TOKENS)
+    request_timeout: float = opt(120.0, "seconds a request may take before it is ended", gt=0.0, le=MAX_SECONDS)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
@@ -433,11 +522,7 @@ class ServeConfig:
                                 "(matched as text, ignoring case), or re:REGEX (a regular expression, time-limited)")
 
     def __post_init__(self) -> None:
-        for name in ("max_batch_size", "max_tokens_limit"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_queue < 0 or not 0 <= self.port <= 65535 or self.request_timeout <= 0:
-            raise ValueError("--max_queue must be >= 0, --port in 0..65535 and --request_timeout > 0")
+        check_fields(self)
 
 
 MIN_OPSET = 18  # torch.onnx's dynamo exporter writes opset 18 and converts to others; 17 came out invalid
@@ -450,40 +535,39 @@ class ExportConfig:
                       "hf: a directory transformers' GPT2LMHeadModel.from_pretrained loads", choices=("onnx", "hf"))
     output_dir: str | None = opt(None, "the directory to write; default: export_onnx or export_hf (by --format)")
     tokenizer: str | None = opt(None, "tokenizer.json or dir to ship beside the model; default: the model's own, if any")
-    opset: int = opt(18, "ONNX opset version, 18 or newer (18 is the exporter's own; older ones come out invalid)")
+    # opsets count ONNX releases (23 in 2025): a three-digit one is a typo
+    opset: int = opt(18, "ONNX opset version, 18 or newer (18 is the exporter's own; older ones come out invalid)",
+                     le=99)
     # Relative, because logits of trained GPT-2s reach |100|: fp32 rounding grows with them.
     tolerance: float = opt(1e-4, "the export fails if a logit differs from PyTorch's by more than this "
-                           "times the largest |logit| (at least 1)")
+                           "times the largest |logit| (at least 1)", gt=0.0, lt=1.0)
     overwrite: bool = opt(False, "replace an output_dir that holds an earlier export")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if self.opset < MIN_OPSET:
             raise ValueError(f"--opset must be >= {MIN_OPSET}: torch's exporter converts to older ones wrongly "
                              f"(opset 17 gives a Split that onnxruntime refuses), got {self.opset}")
-        if not 0 < self.tolerance < 1:
-            raise ValueError(f"--tolerance must be in (0, 1), got {self.tolerance}")
 
 
 @dataclass(kw_only=True)
 class LoadtestConfig:
     url: str = opt("http://127.0.0.1:8000", "server base URL (its /v1/completions is driven)")
-    requests: int = opt(100, "requests to send in all")
-    concurrency: int = opt(16, "requests in flight at once (closed loop); ignored with --rate")
-    rate: float | None = opt(None, "open loop: Poisson arrivals at this many requests per second")
-    prompt_tokens: int = opt(32, "approximate prompt length in tokens (words of a fixed text)")
-    max_tokens: int = opt(64, "max_tokens of each request")
-    temperature: float = opt(0.0, "temperature of each request")
+    requests: int = opt(100, "requests to send in all", ge=1, le=10**7)
+    # one socket each: a client machine runs out of ports (~28k) long before 10000
+    concurrency: int = opt(16, "requests in flight at once (closed loop); ignored with --rate", ge=1, le=10_000)
+    rate: float | None = opt(None, "open loop: Poisson arrivals at this many requests per second", gt=0.0, le=1e6)
+    prompt_tokens: int = opt(32, "approximate prompt length in tokens (words of a fixed text)", ge=1, le=MAX_SEQ_LEN)
+    max_tokens: int = opt(64, "max_tokens of each request", ge=1, le=MAX_NEW_TOKENS)
+    temperature: float = opt(0.0, "temperature of each request", ge=0.0)
     model: str | None = opt(None, "the model field of each request")
     api_key: str | None = opt(None, "Bearer key, if the server needs one")
-    timeout: float = opt(300.0, "seconds before a request counts as an error")
-    seed: int = opt(0, "seed of arrivals and prompt choice")
+    timeout: float = opt(300.0, "seconds before a request counts as an error", gt=0.0, le=MAX_SECONDS)
+    seed: int = opt(0, "seed of arrivals and prompt choice", ge=0, le=MAX_SEED)
     json: bool = opt(False, "print the summary JSON as the last line of stdout")
 
     def __post_init__(self) -> None:
-        if self.requests < 1 or self.concurrency < 1 or self.max_tokens < 1 or self.prompt_tokens < 1:
-            raise ValueError("--requests, --concurrency, --max_tokens and --prompt_tokens must be >= 1")
-        if self.rate is not None and self.rate <= 0:
-            raise ValueError(f"--rate must be > 0, got {self.rate}")
+        check_fields(self)
 
 
 QUANTIZE_METHODS = ("int8-weight", "int8-dynamic", "int4-weight")
@@ -519,19 +603,18 @@ class CompressConfig:
     tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the model was trained with")
     data_dir: str | None = opt(None, "token shards whose val split scores perplexity and KL; default: the data the "
                                "model was trained on (its checkpoint records it), else data/stdlib")
-    eval_tokens: int = opt(16384, "val tokens scored for perplexity and KL, in windows of the model's context")
-    repeats: int = opt(5, "timed runs behind each speed figure (the median counts), after one warm-up run")
+    eval_tokens: int = opt(16384, "val tokens scored for perplexity and KL, in windows of the model's context",
+                           ge=1, le=1 << 30)  # a billion tokens: hours of scoring on any GPU
+    repeats: int = opt(5, "timed runs behind each speed figure (the median counts), after one warm-up run",
+                       ge=1, le=10_000)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     compile: bool = opt(False, "measure with the decode step compiled, as generate and serve run it with --compile")
     json: bool = opt(False, "print results.json as the last line of stdout")
 
     def __post_init__(self) -> None:
+        check_fields(self)
         if not self.output:
             raise ValueError("--output is required: the new directory the compressed checkpoint goes to")
-        if self.quantize not in ("none", *QUANTIZE_METHODS):
-            raise ValueError(f"unknown --quantize {self.quantize!r}; choose one of: none, {', '.join(QUANTIZE_METHODS)}")
         parse_prune(self.prune)
         if self.quantize == "none" and self.prune is None:
             raise ValueError("nothing to do: give --quantize METHOD and/or --prune FRACTION|2:4")
-        if self.eval_tokens < 1 or self.repeats < 1:
-            raise ValueError(f"--eval_tokens and --repeats must be >= 1, got {self.eval_tokens} and {self.repeats}")

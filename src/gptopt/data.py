@@ -44,12 +44,7 @@ class TokenData:
         self.meta: dict[str, Any] | None = None
         meta_path = self.directory / META
         if meta_path.is_file():
-            try:
-                self.meta = json.loads(meta_path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{meta_path}: corrupt JSON ({e}); re-run `gptopt prepare --overwrite`") from None
-            if self.meta.get("format") != FORMAT or self.meta.get("version", 0) > VERSION:
-                raise ValueError(f"{meta_path}: not gptopt token data of version <= {VERSION}; re-run `gptopt prepare`")
+            self.meta = read_meta(meta_path)
             self._dtype = np.dtype(self.meta["dtype"]).newbyteorder("<")
         elif (self.directory / "train.bin").is_file():
             self._dtype = np.dtype("<u2")  # nanoGPT writes np.uint16
@@ -58,6 +53,21 @@ class TokenData:
         self._arrays: dict[str, np.ndarray] = {}
         self._max_id: int | None = None
         self._tokenizer: Tokenizer | None = None
+        # Loaded and checked now: a damaged tokenizer found at the first evaluation would cost the steps before it.
+        self._check_tokenizer(self.tokenizer())
+
+    def _check_tokenizer(self, tok: Tokenizer | None) -> None:
+        if tok is None or self.meta is None:
+            return
+        size = tok.get_vocab_size(with_added_tokens=True)
+        if size != self.meta["vocab_size"]:
+            raise ValueError(
+                f"{self._tokenizer_path()} has {size} tokens, {META} says {self.meta['vocab_size']}: it is not the "
+                f"tokenizer that wrote the shards; re-run `gptopt prepare --overwrite --output_dir {self.directory}`"
+            )
+
+    def _tokenizer_path(self) -> Path:
+        return self.directory / (self.meta["tokenizer"].get("path", TOKENIZER) if self.meta else TOKENIZER)
 
     def __getstate__(self) -> dict[str, Any]:
         # Each worker maps the files itself; a memmap would otherwise be pickled as its whole contents.
@@ -118,9 +128,12 @@ class TokenData:
     def tokenizer(self) -> Tokenizer | None:
         """The tokenizer that wrote the shards (loaded once); None for nanoGPT data (tiktoken or char maps)."""
         if self._tokenizer is None:
-            name = self.meta["tokenizer"].get("path", TOKENIZER) if self.meta else TOKENIZER
-            path = self.directory / name
-            self._tokenizer = load_tokenizer(path) if path.is_file() else None
+            path = self._tokenizer_path()
+            if path.is_file():
+                try:
+                    self._tokenizer = load_tokenizer(path)
+                except ValueError as e:
+                    raise ValueError(f"{e}; re-run `gptopt prepare --overwrite --output_dir {self.directory}`") from None
         return self._tokenizer
 
     def tokenized_by(self, tok: Tokenizer) -> bool | None:
@@ -144,6 +157,51 @@ class TokenData:
                 f"shard token ids exceed the model's vocabulary: {what}, the model has {model_vocab_size}; "
                 f"use a model with vocab_size >= {need}, or prepare the data with --vocab_size <= {model_vocab_size}"
             )
+
+
+# dtype names meta.json may give, and the vocabulary each holds
+_DTYPES = {"uint16": 1 << 16, "uint32": 1 << 32}
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """meta.json of a prepared directory, its shape checked: a damaged or hand-edited file is one line
+    naming the field, never a KeyError later."""
+    fix = f"re-run `gptopt prepare --overwrite --output_dir {path.parent}`"
+    try:
+        meta = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: corrupt JSON ({e}); {fix}") from None
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{path}: {what}; {fix}")
+
+    if not isinstance(meta, dict):
+        raise bad(f"expected a JSON object, got {type(meta).__name__}")
+    version = meta.get("version", 0)
+    if meta.get("format") != FORMAT or not _is_count(version) or version > VERSION:
+        raise bad(f"not gptopt token data of version <= {VERSION} (format {meta.get('format')!r}, version {version!r})")
+    if not _is_count(meta.get("vocab_size")) or meta["vocab_size"] < 1:
+        raise bad(f"vocab_size must be a positive integer, got {meta.get('vocab_size')!r}")
+    if meta.get("dtype") not in _DTYPES:
+        raise bad(f"dtype must be one of {', '.join(_DTYPES)}, got {meta.get('dtype')!r}")
+    if meta["vocab_size"] > _DTYPES[meta["dtype"]]:
+        raise bad(f"vocab_size {meta['vocab_size']} does not fit dtype {meta['dtype']}")
+    for key in ("train_tokens", "val_tokens"):
+        if not _is_count(meta.get(key)):
+            raise bad(f"{key} must be a count of tokens (an integer >= 0), got {meta.get(key)!r}")
+    tok = meta.get("tokenizer")
+    if not isinstance(tok, dict):
+        raise bad(f"tokenizer must be an object with eot_id and path, got {tok!r}")
+    eot = tok.get("eot_id")
+    if eot is not None and not (_is_count(eot) and eot < meta["vocab_size"]):
+        raise bad(f"tokenizer.eot_id must be a token id below vocab_size {meta['vocab_size']} or null, got {eot!r}")
+    if not isinstance(tok.get("path", TOKENIZER), str):
+        raise bad(f"tokenizer.path must be a file name, got {tok.get('path')!r}")
+    return meta
+
+
+def _is_count(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
 
 
 def _token_map(tok: Tokenizer) -> tuple[Any, dict[str, int]]:

@@ -67,6 +67,9 @@ def config_from_hf(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfig:
     def refuse(reason: str) -> None:
         raise ValueError(f"{where}: {reason}; gptopt's GPT-2 cannot represent this model exactly")
 
+    if not isinstance(hf, dict):
+        raise ValueError(f"{where}: expected a JSON object of settings, got {type(hf).__name__}; "
+                         "give the config.json of a Hugging Face GPT-2")
     if hf.get("model_type") != "gpt2":
         refuse(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
     act = hf.get("activation_function", "gelu_new")
@@ -77,23 +80,23 @@ def config_from_hf(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfig:
             refuse(f"{flag} is true")
     if not hf.get("scale_attn_weights", True):
         refuse("scale_attn_weights is false (attention without the 1/sqrt(head_dim) scale)")
-    n_embd = hf.get("n_embd", 768)
-    n_inner = hf.get("n_inner")
-    if n_inner is not None and n_inner != 4 * n_embd:
-        refuse(f"n_inner is {n_inner}, gptopt's MLP is 4 * n_embd = {4 * n_embd} wide")
     if not hf.get("tie_word_embeddings", True):
         refuse("tie_word_embeddings is false (a separate lm_head), gptopt ties lm_head to wte")
-    try:
-        return GPTConfig(
+    try:  # GPTConfig checks each value's type and range
+        config = GPTConfig(
             n_layer=hf.get("n_layer", 12),
             n_head=hf.get("n_head", 12),
-            n_embd=n_embd,
+            n_embd=hf.get("n_embd", 768),
             block_size=hf.get("n_positions", hf.get("n_ctx", 1024)),  # n_ctx: very old configs
             vocab_size=hf.get("vocab_size", 50257),
             layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         )
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {e}") from None
+        raise ValueError(f"{where}: {e}; the file is damaged or not a GPT-2 config.json") from None
+    n_inner = hf.get("n_inner")
+    if n_inner is not None and n_inner != 4 * config.n_embd:
+        refuse(f"n_inner is {n_inner!r}, gptopt's MLP is 4 * n_embd = {4 * config.n_embd} wide")
+    return config
 
 
 def apply_overrides(config: GPTConfig, overrides: dict[str, Any], where: str) -> GPTConfig:
@@ -295,8 +298,8 @@ def load_hf_dir(directory: str | os.PathLike[str], **overrides: Any) -> GPT:
         )
     try:
         hf = json.loads(config_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{config_path}: corrupt JSON ({e})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_path}: corrupt JSON ({e}); the download is damaged, fetch the model again") from None
     config = apply_overrides(config_from_hf(hf, where=str(config_path)), overrides, str(directory))
     state = hf_state_to_gptopt(read_hf_weights(directory), config, where=str(directory))
     return _build(config, state)

@@ -57,4 +57,5 @@ def _tokenizer_file(path: Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for bad JSON or an unknown model type
-        raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({e})") from None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({first})") from None
