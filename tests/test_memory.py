@@ -24,6 +24,8 @@ from gptopt.memory import Estimate, inference_bytes, train_step_bytes
 from gptopt.model import GPT
 
 ABSURD = 10_000_000  # sequences: terabytes for any preset
+BIG = 4096  # within every static limit (config.MAX_BATCH, MAX_SLOTS): only the memory check refuses it
+SMALL_RAM = 64 * 2**20  # what the command tests pretend is free, so that BIG cannot fit
 
 
 @pytest.mark.parametrize("name,overrides", [("debug", {}), ("tiny", {"vocab_pad_multiple": 64}),
@@ -179,18 +181,20 @@ def test_the_refusal_names_the_largest_parts() -> None:
 
 
 def test_train_refuses_a_batch_that_cannot_fit_with_the_fixes(
-    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
     args = ["train", "--preset", "debug", "--data_dir", str(train_data), "--output_dir", str(tmp_path / "o"),
-            "--device", "cpu", "--max_steps", "1", "--batch_size", str(ABSURD), "--no-tensorboard"]
+            "--device", "cpu", "--max_steps", "1", "--batch_size", str(BIG), "--no-tensorboard"]
     assert cli.main(args) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err and len([line for line in err.splitlines() if "error:" in line]) == 1
-    assert f"gptopt train: error: a training step of micro-batch {ABSURD} x 64 tokens will not fit in memory" in err
+    assert f"gptopt train: error: a training step of micro-batch {BIG} x 64 tokens will not fit in memory" in err
     assert "available RAM" in err and "--gradient_checkpointing" in err and "--seq_len 32" in err
     # the largest micro-batch that fits, at the same global batch
     b, accum = map(int, re.search(r"--batch_size (\d+) --gradient_accumulation_steps (\d+)", err).groups())
-    assert b * accum == ABSURD and 1 <= b < ABSURD
+    assert b * accum == BIG and 1 <= b < BIG
 
 
 def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,20 +241,24 @@ def test_auto_batch_size_skips_sizes_the_estimate_rules_out(
     assert run["config"]["batch_size"] == 4 and run["config"]["gradient_accumulation_steps"] == 4
 
 
-def test_profile_refuses_before_it_allocates(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_profile_refuses_before_it_allocates(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
     for mode in ("train", "generate"):
-        args = ["profile", "--preset", "debug", "--mode", mode, "--batch_size", str(ABSURD), "--device", "cpu",
+        args = ["profile", "--preset", "debug", "--mode", mode, "--batch_size", str(BIG), "--device", "cpu",
                 "--data_dir", str(train_data), "--output_dir", str(tmp_path / mode)]
         assert cli.main(args) == 2
         err = capsys.readouterr().err
-        assert f"profiling {mode} steps at batch {ABSURD} x 64 tokens will not fit in memory" in err
+        assert f"profiling {mode} steps at batch {BIG} x 64 tokens will not fit in memory" in err
         assert "Traceback" not in err
 
 
-def test_serve_refuses_kv_cache_slots_that_cannot_fit(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_refuses_kv_cache_slots_that_cannot_fit(model_dir: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
     pytest.importorskip("fastapi")
-    args = ["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--max_batch_size", str(ABSURD)]
+    args = ["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--max_batch_size", str(BIG)]
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert f"--max_batch_size {ABSURD} KV-cache slots of 64 tokens will not fit in memory" in err
+    assert f"--max_batch_size {BIG} KV-cache slots of 64 tokens will not fit in memory" in err
     assert "KV cache" in err and "lower --max_batch_size" in err
