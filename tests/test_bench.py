@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import last_json_line
 
-from gptopt import cli, device
+from gptopt import cli, device, memory
 from gptopt.bench import ladder
 from gptopt.bench.ladder import Bench, select_rungs
 from gptopt.config import BenchConfig, TrainConfig
@@ -154,7 +154,6 @@ def test_out_of_memory_rung_is_reported_and_the_bench_goes_on(
 def test_a_rung_estimated_not_to_fit_is_reported_before_it_allocates_and_the_bench_goes_on(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gptopt import memory
 
     cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
                       output_dir=str(tmp_path / "b"), rungs="eager,sdpa")
