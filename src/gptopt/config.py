@@ -129,7 +129,8 @@ class PrepareConfig:
     output_dir: str = opt("data/stdlib", "where train.bin, val.bin, meta.json and tokenizer.json go")
     num_workers: int = opt(0, "tokenizer threads; 0 = every core")
     seed: int = opt(1337, "seed of the document shuffle that makes the train/val split")
-    overwrite: bool = opt(False, "replace an existing output_dir")
+    overwrite: bool = opt(False, "replace the train.bin, val.bin, meta.json and tokenizer.json an earlier prepare wrote "
+                                 "in output_dir (other files there are never touched)")
 
     def __post_init__(self) -> None:
         if self.input and self.dataset:

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = ["OWNER_FILE", "Aside", "check_output", "clean_stale", "fsync_dir", "mark", "marked_kind",
-           "recover", "replace_dir", "staged_dir"]
+           "recover", "replace_dir", "staged_dir", "staged_files"]
 
 log = logging.getLogger("gptopt")
 
@@ -382,3 +382,50 @@ def recover(target: Path, ours: Sequence[str] = ()) -> None:
         m = re.match(r"^old-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$", folder.name[len(_ASIDE):])
         if m and m["host"] == _HOST and not _alive(int(m["pid"])):
             _restore(target, folder, ours)
+
+
+@contextlib.contextmanager
+def staged_files(target: Path, *, kind: str, replace: Sequence[Path] = (), ours: Sequence[str] = (),
+                 last: str | None = None) -> Iterator[Path]:
+    """An empty hidden sibling of the folder target to write files into; when the block ends they are
+    moved into target beside whatever else is there (the user's files stay), `last` after all the others.
+
+    For a verb whose output shares a folder with the user's files (prepare: nanoGPT keeps input.txt and
+    prepare.py beside the shards), where staged_dir's whole-directory swap would take those files with it.
+    replace: gptopt's old entries (check_output's answer); they are set aside (Aside) until every new file
+    is in, and put back if that fails. target is then marked as kind, listing the new files. The sibling
+    is removed in every case; a killed run's is removed by the next write there (clean_stale).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(target.parent)
+    while True:
+        tmp = _sibling(target, "tmp")
+        try:
+            tmp.mkdir()
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield tmp
+        _finish_tree(tmp)
+        names = sorted(p.name for p in tmp.iterdir())
+        if last in names:
+            names.remove(last)
+            names.append(last)
+        target.mkdir(exist_ok=True)
+        moved: list[Path] = []
+        try:
+            with Aside(target, replace, ours):
+                for name in names:
+                    os.replace(tmp / name, target / name)
+                    moved.append(target / name)
+                mark(target, kind, files=names)
+                fsync_dir(target)
+        except BaseException:
+            if not replace:  # nothing was set aside, so Aside has nothing to restore: take back what came in
+                for path in moved:
+                    _rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
