@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = ["OWNER_FILE", "Aside", "check_output", "clean_stale", "fsync_dir", "mark", "marked_kind",
-           "recover", "replace_dir", "staged_dir", "staged_files"]
+           "recover", "replace_dir", "staged_dir", "staged_file", "staged_files"]
 
 log = logging.getLogger("gptopt")
 
@@ -429,3 +429,22 @@ def staged_files(target: Path, *, kind: str, replace: Sequence[Path] = (), ours:
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_file(target: Path) -> Iterator[Path]:
+    """A hidden sibling path of the file target to write; it replaces target when the block ends (os.replace:
+    readers see the old file or the new one, never half), and is deleted if the block fails, so a failed run
+    leaves an existing target as it was. A killed run's sibling is removed by the next write there."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(target.parent)
+    tmp = _sibling(target, "tmp")
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+    finally:
+        tmp.unlink(missing_ok=True)
