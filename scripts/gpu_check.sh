@@ -29,7 +29,8 @@ step prepare 60 python -m gptopt prepare --output_dir data/stdlib
 # issue targets: gpt2 (124M) at 1024 context, bf16 + compile, MFU against the table peak
 step train_gpt2 120 python -m gptopt train --preset gpt2 --seq_len 1024 --batch_size 16 --use_amp --use_compile \
   --max_steps 40 --eval_interval 0 --save_interval 1000 --output_dir "$out/train_gpt2" --overwrite
-step bench 270 python -m gptopt bench --output_dir "$out/bench" --json
+# --overwrite: a rerun into the same DIR replaces the earlier reports (each mode only its own files)
+step bench 270 python -m gptopt bench --output_dir "$out/bench" --json --overwrite
 step bench_infer 150 python -m gptopt bench --mode infer --rungs hf,kv,compiled,int8 --batch_size 8 \
-  --output_dir "$out/bench" --json
+  --output_dir "$out/bench" --json --overwrite
 echo "done in ${SECONDS}s" | tee -a "$out/summary.txt"

@@ -16,7 +16,7 @@ import torch
 from conftest import last_json_line
 
 from gptopt import cli, device, memory
-from gptopt.bench import ladder
+from gptopt.bench import ladder, report
 from gptopt.bench.ladder import Bench, select_rungs
 from gptopt.config import BenchConfig, TrainConfig
 from gptopt.device import default_attention
@@ -97,6 +97,46 @@ def test_plots_are_written_with_the_plot_extra(train_data: Path, tmp_path: Path)
     assert cli.main(bench_args(train_data, tmp_path / "b", "eager,sdpa")) == 0
     for name in ("throughput.png", "memory.png", "step_times.png"):
         assert (tmp_path / "b" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_second_bench_into_the_same_folder_is_refused_before_measuring(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert cli.main(bench_args(train_data, out, "eager")) == 0
+    first = (out / "results.json").read_text()
+    capsys.readouterr()
+
+    def no_measuring(*args: object, **kwargs: object) -> None:
+        raise AssertionError("measured before the output folder was checked")
+
+    with monkeypatch.context() as m:
+        m.setattr(ladder, "Bench", no_measuring)
+        assert cli.main(bench_args(train_data, out, "eager")) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "pass --overwrite" in err and "--output_dir" in err
+    assert (out / "results.json").read_text() == first
+    # The inference ladder's report goes beside the training ladder's: no conflict, nothing to overwrite.
+    report.check_output_dir(out, "infer", overwrite=False)
+
+    # --overwrite: a failure while the new report is written puts the old one back ...
+    def disk_full(*args: object) -> None:
+        (out / "results.json").write_text("half")
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(report, "_write_all", disk_full)
+        with pytest.raises(OSError):
+            ladder.main(BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu",
+                                    data_dir=str(train_data), output_dir=str(out), rungs="eager", overwrite=True))
+    assert (out / "results.json").read_text() == first
+    # ... and a finished one replaces gptopt's files only.
+    assert cli.main(bench_args(train_data, out, "eager", "--overwrite")) == 0
+    assert (out / "results.json").read_text() != first and (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["b"]
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != ".gptopt-output.json"]
 
 
 def test_a_rung_that_computes_something_else_fails_the_loss_check(

@@ -93,7 +93,8 @@ def test_int8_dynamic_writes_a_loadable_checkpoint_and_a_full_report(
     report = _report(out)
     assert last == report
     assert report["eval"]["data_dir"] == str(train_data.resolve())
-    assert sorted(p.name for p in out.iterdir()) == ["gptopt.json", "model.safetensors", "results.json", "tokenizer.json"]
+    assert sorted(p.name for p in out.iterdir()) == [".gptopt-output.json", "gptopt.json", "model.safetensors",
+                                                     "results.json", "tokenizer.json"]  # the first: the mark
     meta = checkpoint.read_meta(out)
     assert meta["compression"]["quantize"] == "int8-dynamic" and meta["compression"]["versions"]["torch"]
     for side in ("original", "compressed"):
@@ -190,8 +191,24 @@ def test_an_output_that_exists_and_is_not_empty_is_never_overwritten(
     (out / "keep.txt").write_text("mine")
     assert cli.main(compress_cli(trained_out, train_data, out, "--quantize", "int8-dynamic")) == 2
     assert "exists and is not empty" in capsys.readouterr().err
+    assert cli.main(compress_cli(trained_out, train_data, out, "--quantize", "int8-dynamic", "--overwrite")) == 2
+    assert "not marked as gptopt's" in capsys.readouterr().err  # --overwrite replaces compress's own output only
     assert [p.name for p in out.iterdir()] == ["keep.txt"] and (out / "keep.txt").read_text() == "mine"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken"]  # no temporary directory left either
+
+
+def test_the_output_is_checked_before_the_model_is_loaded(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    # No model at --model: an output error must come first, so no model loading was needed to reach it.
+    (tmp_path / "file").write_text("x")
+    assert cli.main(compress_cli(tmp_path / "no-model", None, tmp_path / "file", "--quantize", "int8-dynamic")) == 2
+    assert "--output" in (err := capsys.readouterr().err) and "is a file" in err
+    real = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == tmp_path else real(p, mode, **kw))
+    assert cli.main(compress_cli(tmp_path / "no-model", None, tmp_path / "c", "--quantize", "int8-dynamic")) == 2
+    err = capsys.readouterr().err
+    assert "cannot write in" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "c").exists()
 
 
 def test_nothing_to_do_and_a_missing_output_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

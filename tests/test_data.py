@@ -120,16 +120,80 @@ def test_thread_count_changes_nothing_but_speed(corpus: Path, prepared: Path, tm
         assert (serial / name).read_bytes() == (prepared / name).read_bytes()
 
 
-def test_existing_output_dir_is_refused_and_left_untouched(corpus: Path, tmp_path: Path) -> None:
-    out = tmp_path / "out"
-    out.mkdir()
-    (out / "keep.txt").write_text("mine")
-    with pytest.raises(ValueError, match="--overwrite"):
-        prepare(config(corpus, out))
-    # Not token data: --overwrite must not delete it either (think --output_dir ~).
-    with pytest.raises(ValueError, match="not a token-data folder"):
-        prepare(config(corpus, out, overwrite=True))
-    assert [p.name for p in out.iterdir()] == ["keep.txt"]
+def listing(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def nanogpt_folder(root: Path, corpus: Path) -> Path:
+    """nanoGPT's data layout: the corpus and the script that prepares it, in the folder the shards go to."""
+    root.mkdir()
+    (root / "input.txt").write_text("".join(DOCS.values()))
+    (root / "prepare.py").write_text("# nanoGPT's own preparation script\n")
+    return root
+
+
+def test_prepare_writes_beside_the_users_files_and_overwrite_keeps_them(corpus: Path, tmp_path: Path) -> None:
+    d = nanogpt_folder(tmp_path / "shakespeare", corpus)
+    users = listing(d)
+    # --input D/input.txt --output_dir D: nothing there is prepare's, so nothing is overwritten.
+    prepare(config(d / "input.txt", d))
+    assert TokenData(d).vocab_size == 300
+    (d / "notes.txt").write_text("mine")
+    users = {**users, "notes.txt": b"mine"}
+    with pytest.raises(ValueError, match="already holds output .*pass --overwrite"):
+        prepare(config(d / "input.txt", d, vocab_size=320))
+    prepare(config(d / "input.txt", d, vocab_size=320, overwrite=True))
+    assert TokenData(d).vocab_size == 320
+    assert {k: v for k, v in listing(d).items() if k in users} == users  # the corpus it read, the script, the notes
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare"]  # no staging folder left
+
+
+def test_overwrite_never_replaces_shards_gptopt_did_not_write(corpus: Path, tmp_path: Path) -> None:
+    d = nanogpt_folder(tmp_path / "shakespeare", corpus)
+    np.arange(100, dtype=np.uint16).tofile(d / "train.bin")  # nanoGPT's own shards
+    np.arange(10, dtype=np.uint16).tofile(d / "val.bin")
+    before = listing(d)
+    with pytest.raises(ValueError, match="already holds output"):
+        prepare(config(d / "input.txt", d))
+    with pytest.raises(ValueError, match="not marked as gptopt's"):
+        prepare(config(d / "input.txt", d, overwrite=True))
+    assert listing(d) == before and sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare"]
+
+
+def test_data_prepared_before_marks_existed_can_be_overwritten(corpus: Path, tmp_path: Path) -> None:
+    out = prepare(config(corpus, tmp_path / "out"))
+    (out / ".gptopt-output.json").unlink()  # as every earlier version left data/stdlib
+    (out / "notes.txt").write_text("mine")
+    prepare(config(corpus, out, vocab_size=320, overwrite=True))
+    assert TokenData(out).vocab_size == 320 and (out / "notes.txt").read_text() == "mine"
+
+
+def test_an_output_dir_inside_the_input_folder_is_refused(corpus: Path, tmp_path: Path) -> None:
+    (tmp_path / "texts").mkdir()
+    texts = write_corpus(tmp_path / "texts")
+    for out in (texts, texts / "data"):
+        with pytest.raises(ValueError, match="lies inside --input"):
+            prepare(config(texts, out))
+    assert not (texts / "data").exists() and not (texts / "train.bin").exists()
+
+
+def test_a_failed_move_puts_the_old_files_back(corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    out = prepare(config(corpus, tmp_path / "out"))
+    (out / "notes.txt").write_text("mine")
+    before = listing(out)
+    real = os.replace
+
+    def full_disk(src: object, dst: object) -> None:
+        if Path(str(dst)).name == "meta.json" and ".tmp-" in str(src):  # meta.json goes in last: it fails last
+            raise OSError(28, "No space left on device")
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk)
+    with pytest.raises(OSError, match="No space"):
+        prepare(config(corpus, out, vocab_size=320, overwrite=True))
+    monkeypatch.undo()
+    assert listing(out) == before and TokenData(out).vocab_size == 300
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".gptopt-output.json"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 

@@ -51,7 +51,8 @@ def model(model_dir: Path) -> GPT:
 def test_export_writes_the_graph_its_description_and_the_tokenizer(
     onnx_dir: Path, debug_tokenizer: Tokenizer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert sorted(p.name for p in onnx_dir.iterdir()) == ["gptopt_onnx.json", "model.onnx", "tokenizer.json"]
+    assert sorted(p.name for p in onnx_dir.iterdir()) == [".gptopt-output.json", "gptopt_onnx.json", "model.onnx",
+                                                          "tokenizer.json"]  # the first: gptopt's mark
     meta = json.loads((onnx_dir / "gptopt_onnx.json").read_text())
     assert meta["exporter"] == "dynamo" and meta["opset"] == 18 and meta["model"]["n_layer"] == 2
     inputs = {i["name"]: i["shape"] for i in meta["inputs"]}
@@ -132,7 +133,7 @@ def test_a_hugging_face_dir_without_tokenizer_files_exports_without_one_and_offl
     out = tmp_path / "hf"
     assert cli.main(["export", "--model", str(tmp_path / "hfsrc"), "--format", "hf", "--output_dir", str(out)]) == 0
     assert "no tokenizer.json" in capsys.readouterr().out  # and no hub lookup for GPT-2's
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".gptopt-output.json", "config.json", "model.safetensors"]
 
 
 def test_a_mismatch_fails_loudly_and_writes_nothing(
@@ -188,10 +189,50 @@ def test_a_non_empty_output_dir_is_never_touched(
         for fmt in ("onnx", "hf"):
             rc, err = _export(capsys, "--model", str(model_dir), "--format", fmt, "--output_dir", str(out), *extra)
             assert rc == 2 and len(err.strip().splitlines()) == 1
-            assert ("not empty" in err and "--overwrite" in err) if not extra else "holds no earlier export" in err
+            assert ("not empty" in err and "--overwrite" in err) if not extra else "not marked as gptopt's" in err
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "keep me"
     rc, err = _export(capsys, "--model", str(model_dir), "--output_dir", str(out / "notes.txt"))
     assert rc == 2 and "is a file" in err
+
+
+def downloaded_hf_folder(root: Path, model: GPT) -> Path:
+    """What a Hugging Face download looks like: weights, config, model card, tokenizer config; no gptopt mark."""
+    hf.export_hf(model, root)
+    (root / ".gptopt-output.json").unlink()
+    (root / "README.md").write_text("---\nlicense: mit\n---\n# my fine-tuned model\n")
+    (root / "tokenizer_config.json").write_text('{"model_max_length": 64}\n')
+    return root
+
+
+def test_overwrite_never_replaces_a_hugging_face_folder_gptopt_did_not_write(
+    model_dir: Path, model: GPT, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = downloaded_hf_folder(tmp_path / "downloaded", model)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    rc, err = _export(capsys, "--model", str(model_dir), "--format", "hf", "--output_dir", str(out), "--overwrite")
+    assert rc == 2 and len(err.strip().splitlines()) == 1 and "not marked as gptopt's" in err
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["downloaded"]
+
+
+def test_overwrite_replaces_gptopt_exports_only_while_they_hold_nothing_else(
+    model_dir: Path, model: GPT, onnx_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "hf"
+    assert _export(capsys, "--model", str(model_dir), "--format", "hf", "--output_dir", str(out))[0] == 0
+    (out / "notes.txt").write_text("keep me")
+    rc, err = _export(capsys, "--model", str(model_dir), "--format", "hf", "--output_dir", str(out), "--overwrite")
+    assert rc == 2 and "holds files gptopt did not write (notes.txt)" in err
+    assert (out / "notes.txt").read_text() == "keep me" and (out / "model.safetensors").is_file()
+    # An ONNX export of an earlier version (no mark; its gptopt_onnx.json lists its files) counts as gptopt's.
+    legacy = tmp_path / "onnx"
+    legacy.mkdir()
+    for p in onnx_dir.iterdir():
+        if p.name != ".gptopt-output.json":
+            (legacy / p.name).write_bytes(p.read_bytes())
+    rc, err = _export(capsys, "--model", str(model_dir), "--output_dir", str(legacy), "--overwrite")
+    assert rc == 0, err
+    assert (legacy / ".gptopt-output.json").is_file()
 
 
 def test_an_opset_the_exporter_gets_wrong_is_refused(capsys: pytest.CaptureFixture[str]) -> None:

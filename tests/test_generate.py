@@ -256,8 +256,29 @@ def test_cli_batch_mode_writes_jsonl_and_refuses_to_overwrite(model_dir: Path, t
     assert cli.main(greedy_cli(model_dir, "--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "b.jsonl"),
                                "--batch_size", "3")) == 0
     assert [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()] == rows
-    with pytest.raises(ValueError, match="out.jsonl exists"):
+    with pytest.raises(ValueError, match="out.jsonl exists; nothing was written: pass --overwrite"):
         gen_mod.main(GenerateConfig(model=str(model_dir), input=str(tmp_path / "in.txt"), output=str(out)))
+
+
+def test_overwrite_replaces_an_output_file_only_when_the_new_one_is_complete(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "in.txt").write_text("import os\ndef main():\nx\n")
+    out = tmp_path / "out.jsonl"
+    out.write_text("my earlier completions\n")
+    args = greedy_cli(model_dir, "--input", str(tmp_path / "in.txt"), "--output", str(out), "--batch_size", "2")
+
+    def broken(*a: object, **kw: object) -> None:
+        raise RuntimeError("out of memory in the second batch")
+
+    with monkeypatch.context() as m:
+        m.setattr(gen_mod, "complete", broken)
+        with pytest.raises(RuntimeError):
+            gen_mod.main(cli.parse_config("generate", GenerateConfig, [*args[1:], "--overwrite"],
+                                          cli.build_parser("generate", GenerateConfig)))
+    assert out.read_text() == "my earlier completions\n"  # the failed run left it as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.jsonl"]  # and no temporary file
+    assert cli.main([*args, "--overwrite"]) == 0
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["import os", "def main():", "x"]
 
 
 def test_cli_loads_a_training_output_dir(trained_out: Path, capsys: pytest.CaptureFixture[str]) -> None:

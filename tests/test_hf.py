@@ -104,7 +104,7 @@ def test_pytorch_bin_with_code_is_refused_without_running_it(tmp_path: Path) -> 
 
 def test_export_round_trip_through_transformers(tmp_path: Path, debug_model: GPT) -> None:
     out = hf.export_hf(debug_model, tmp_path / "export")
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [".gptopt-output.json", "config.json", "model.safetensors"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp dir left behind
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()  # tied again
@@ -266,16 +266,20 @@ def test_unsupported_config_dir_is_refused(tmp_path: Path) -> None:
         hf.load_pretrained(str(directory))
 
 
-def test_export_refuses_non_empty_dir_unless_overwrite(tmp_path: Path, debug_model: GPT) -> None:
+def test_export_refuses_non_empty_dir_and_overwrites_only_its_own_export(tmp_path: Path, debug_model: GPT) -> None:
     target = tmp_path / "export"
     target.mkdir()
     (target / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match="not empty; pass overwrite=True"):
+    with pytest.raises(ValueError, match="not empty; nothing was written"):
         hf.export_hf(debug_model, target)
+    with pytest.raises(ValueError, match="not marked as gptopt's"):  # a folder of the user's is never replaced
+        hf.export_hf(debug_model, target, overwrite=True)
     assert sorted(p.name for p in target.iterdir()) == ["notes.txt"]  # untouched
 
-    hf.export_hf(debug_model, target, overwrite=True)
-    assert sorted(p.name for p in target.iterdir()) == ["config.json", "model.safetensors"]
+    (target / "notes.txt").unlink()
+    hf.export_hf(debug_model, target)
+    hf.export_hf(debug_model, target, overwrite=True)  # gptopt's own export: replaced
+    assert sorted(p.name for p in target.iterdir()) == [".gptopt-output.json", "config.json", "model.safetensors"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temp or old dirs left
 
 

@@ -220,9 +220,12 @@ def test_a_sequence_longer_than_the_context_is_refused(train_data: Path, tmp_pat
 
 def test_cli_writes_traces_and_the_diagnosis(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "prof"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
     argv = ["profile", "--preset", "debug", "--data_dir", str(train_data), "--seq_len", "32", "--output_dir", str(out),
             "--device", "cpu", "--json"]
     assert cli.main(argv) == 0
+    assert (out / "notes.txt").read_text() == "mine"
     trace = json.loads((out / "trace.json").read_text())
     assert any(e.get("name") == STEP_RANGE for e in trace["traceEvents"])
     assert list((out / "tensorboard").glob("*.pt.trace.json"))
@@ -233,6 +236,17 @@ def test_cli_writes_traces_and_the_diagnosis(train_data: Path, tmp_path: Path, c
     assert "Self CPU" in "\n".join(stdout)  # the operator table, sorted by CPU time
     for finding in diagnosis["findings"]:
         assert f"[{finding['name']}]" in "\n".join(stdout)
+
+    # Again into the same folder: refused before any work, then replaced on request, the user's file kept.
+    first = (out / "trace.json").read_bytes()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "pass --overwrite" in err
+    assert (out / "trace.json").read_bytes() == first
+    assert cli.main([*argv, "--overwrite"]) == 0
+    assert (out / "trace.json").read_bytes() != first and (out / "notes.txt").read_text() == "mine"
+    assert len(list((out / "tensorboard").glob("*.pt.trace.json"))) == 1  # the old trace is gone, not beside the new
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prof"]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -12,13 +12,14 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 from conftest import last_json_line
 
-from gptopt import cli, tune
+from gptopt import cli, tune, tune_report
 from gptopt.bench.ladder import Bench, Rung, RungResult
 from gptopt.config import TrainConfig, TuneConfig
 from gptopt.tune import Tuner
@@ -210,6 +211,47 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
         best["batch_size"], best["use_amp"], best["attention"], best["use_compile"])
     assert cli.main(["train", "--config", str(out / "tune.toml"), "--output_dir", str(tmp_path / "train"),
                      "--max_steps", "2", "--sample_tokens", "0", "--eval_interval", "0", "--no-tensorboard"]) == 0
+
+
+def replaying_tuner(summary: dict[str, Any]) -> Callable[[TuneConfig], Any]:
+    """A Tuner that measures nothing and returns summary: what the output handling does with a finished search."""
+    def make(cfg: TuneConfig) -> Any:
+        bench = SimpleNamespace(preset=summary["preset"], seq_len=summary["seq_len"])
+        return SimpleNamespace(bench=bench, global_batch=summary["global_batch"], run=lambda: summary)
+    return make
+
+
+def test_a_second_tune_into_the_same_folder_needs_overwrite_and_keeps_the_users_files(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "t"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert cli.main(tune_args(train_data, out, "--axes", "amp")) == 0
+    first = (out / "tune_results.json").read_text()
+    summary = json.loads(first)
+    capsys.readouterr()
+
+    def no_search(cfg: TuneConfig) -> None:
+        raise AssertionError("searched before the output folder was checked")
+
+    monkeypatch.setattr(tune, "Tuner", no_search)
+    assert cli.main(tune_args(train_data, out, "--axes", "amp")) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "pass --overwrite" in err
+    assert (out / "tune_results.json").read_text() == first
+
+    monkeypatch.setattr(tune, "Tuner", replaying_tuner({**summary, "elapsed_s": 1234.0}))
+    monkeypatch.setattr(tune_report, "_write", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError):  # the new report failed: the old one is back
+        tune.main(tune_config(train_data, out, overwrite=True))
+    assert (out / "tune_results.json").read_text() == first
+    monkeypatch.undo()
+    monkeypatch.setattr(tune, "Tuner", replaying_tuner({**summary, "elapsed_s": 1234.0}))
+    assert cli.main(tune_args(train_data, out, "--axes", "amp", "--overwrite")) == 0
+    assert json.loads((out / "tune_results.json").read_text())["elapsed_s"] == 1234.0
+    assert (out / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["t"]
 
 
 def test_out_of_memory_candidates_are_recorded_and_the_search_goes_on(

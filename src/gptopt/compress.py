@@ -36,7 +36,7 @@ from gptopt import checkpoint
 from gptopt.config import CompressConfig, parse_prune
 from gptopt.data import DEFAULT_DATA, BatchDataset, TokenData, open_data
 from gptopt.device import DevicePlan, environment, resolve
-from gptopt.fsutil import staged_dir
+from gptopt.fsutil import check_output, staged_dir
 from gptopt.inference import load_for_inference, model_source
 from gptopt.measure import RECOMPILE_LIMIT, GptoptRunner, tensor_bytes, timed
 from gptopt.quantize import check_supported, compress_model, describe, pack_state
@@ -137,12 +137,13 @@ def _speed(models: dict[str, nn.Module], plan: DevicePlan, prompts: list[list[in
 # Checks of the input, all before anything is written
 
 
-def _check_output(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output {out} is a file; give the path of a new directory")
-    if out.is_dir() and any(out.iterdir()):
-        raise ValueError(f"--output {out} exists and is not empty; it is never overwritten: delete it or choose "
-                         "another directory")
+KIND = "compressed"  # the fsutil mark of a compress output: the only kind its --overwrite replaces
+
+
+def _check_output(out: Path, overwrite: bool) -> None:
+    # A file, an unwritable folder, or one holding anything but an earlier compress output: refused here,
+    # before any model is loaded.
+    check_output(out, kind=KIND, overwrite=overwrite, whole=True, flag="--output")
 
 
 def _check_source(source: Path | str) -> None:
@@ -266,7 +267,7 @@ def table(results: dict[str, Any]) -> str:
 def main(cfg: CompressConfig) -> int:
     assert cfg.output is not None  # CompressConfig refuses a missing --output
     out = Path(cfg.output).expanduser()
-    _check_output(out)
+    _check_output(out, cfg.overwrite)
     plan = resolve(cfg.device, quiet=True)
     quantize, prune = (None if cfg.quantize == "none" else cfg.quantize), parse_prune(cfg.prune)
     check_supported(quantize, prune, plan)
@@ -277,8 +278,9 @@ def main(cfg: CompressConfig) -> int:
                                     layout=False)
     data = _open_eval_data(cfg, source, tok, model.config.vocab_size)
     record = compress_model(model, quantize, prune)
-    # An --output that something else filled meanwhile makes the publish fail: it is never replaced.
-    with staged_dir(out) as tmp:
+    # Without --overwrite, an --output that something else filled meanwhile makes the publish fail: it is
+    # never replaced. With it, the earlier output stays until the new one is complete.
+    with staged_dir(out, replace=cfg.overwrite, kind=KIND) as tmp:
         meta = {"compression": record, "compressed_from": str(source), "environment": environment(plan)}
         checkpoint.write_model_files(model.config, pack_state(model, record), tmp, meta)
         tok.save(str(tmp / TOKENIZER))  # beside the weights: generate and serve find it there

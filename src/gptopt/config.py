@@ -227,7 +227,8 @@ class PrepareConfig:
     output_dir: str = opt("data/stdlib", "where train.bin, val.bin, meta.json and tokenizer.json go")
     num_workers: int = opt(0, "tokenizer threads; 0 = every core", ge=0, le=MAX_WORKERS)
     seed: int = opt(1337, "seed of the document shuffle that makes the train/val split", ge=0, le=MAX_SEED)
-    overwrite: bool = opt(False, "replace an existing output_dir")
+    overwrite: bool = opt(False, "replace the train.bin, val.bin, meta.json and tokenizer.json an earlier prepare wrote "
+                                 "in output_dir (other files there are never touched)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -376,6 +377,7 @@ class BenchConfig:
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
     output_dir: str = opt("bench_out", "report.md, results.json, results.csv, plots and best.toml go here")
+    overwrite: bool = opt(False, "replace the report an earlier bench wrote in output_dir (other files there are kept)")
     seed: int = opt(1337, "seed for weights and data: every rung trains on identical batches", ge=0, le=MAX_SEED)
     json: bool = opt(False, "print the results JSON as the last line of stdout")
 
@@ -408,6 +410,7 @@ class TuneConfig:
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
     output_dir: str = opt("tune_out", "tune.toml, tune_report.md, tune_results.json / .csv and tune.png go here")
+    overwrite: bool = opt(False, "replace the files an earlier tune wrote in output_dir (other files there are kept)")
     seed: int = opt(1337, "seed for weights and data: every candidate trains on identical batches", ge=0, le=MAX_SEED)
     json: bool = opt(False, "print the summary JSON as the last line of stdout")
 
@@ -453,6 +456,7 @@ class ProfileConfig:
     active: int = opt(4, "recorded steps", ge=1, le=1000)
     row_limit: int = opt(15, "rows of the operator table", ge=1, le=100_000)
     output_dir: str = opt("profile_out", "TensorBoard traces, Chrome trace, memory snapshot, diagnosis.json")
+    overwrite: bool = opt(False, "replace the traces an earlier profile wrote in output_dir (other files there are kept)")
     json: bool = opt(False, "print the diagnosis JSON as the last line of stdout")
 
     def __post_init__(self) -> None:
@@ -485,6 +489,7 @@ class GenerateConfig(SamplingConfig):
     tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the checkpoint was trained with")
     input: str | None = opt(None, "batch mode: a file of prompts, one per line (or .jsonl with a 'prompt' field)")
     output: str | None = opt(None, "batch mode: write one JSON object per prompt here (.jsonl)")
+    overwrite: bool = opt(False, "replace an existing --output file (written whole: a failed run keeps the old one)")
     batch_size: int = opt(8, "batch mode: prompts decoded together", ge=1, le=MAX_SLOTS)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
@@ -610,6 +615,8 @@ class CompressConfig:
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     compile: bool = opt(False, "measure with the decode step compiled, as generate and serve run it with --compile")
     json: bool = opt(False, "print results.json as the last line of stdout")
+    overwrite: bool = opt(False, "replace an earlier compress output at --output (only one gptopt wrote, holding "
+                          "nothing else)")
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -11,7 +11,8 @@ A data directory is nanoGPT's layout plus two files:
     tokenizer.json       the Hugging Face tokenizer that wrote them
     meta.json            {"format": "gptopt-tokens", ...}
 
-The directory is published whole (fsutil.staged_dir), so one with meta.json is complete. Reading it,
+The files are written beside the folder and moved in, meta.json last (fsutil.staged_files), so one
+with meta.json is complete; the user's other files in the folder are never touched. Reading it,
 and the batches training draws from it, are data.py's.
 """
 
@@ -37,7 +38,7 @@ from tqdm import tqdm
 
 from gptopt.config import PrepareConfig
 from gptopt.extras import require
-from gptopt.fsutil import staged_dir
+from gptopt.fsutil import check_output, mark, marked_kind, staged_files
 from gptopt.tokenizer import EOT, TOKENIZER, eot_id, load_tokenizer
 
 log = logging.getLogger("gptopt")
@@ -46,6 +47,8 @@ FORMAT = "gptopt-tokens"
 VERSION = 1
 META = "meta.json"
 SPLITS = ("train", "val")
+KIND = "prepared-data"  # the fsutil mark of a folder prepare wrote into
+OURS = ("train.bin", "val.bin", META, TOKENIZER)  # what prepare writes there; nothing else is touched
 
 
 # What a folder given to --input contributes: text-like suffixes only, so binaries, images and
@@ -364,36 +367,53 @@ def _write_meta(out: Path, meta: dict[str, Any]) -> None:
         json.dump(meta, fh, indent=2)
 
 
-def _check_output_dir(out: Path, overwrite: bool) -> None:
-    if out.exists() and not out.is_dir():
-        raise ValueError(f"--output_dir {out} is a file; choose a folder")
-    if not out.is_dir() or not any(out.iterdir()):
+def _adopt_legacy(out: Path) -> None:
+    """Mark a data folder that gptopt prepared before it marked its outputs, so --overwrite may replace it.
+
+    A meta.json in gptopt's own format counts as gptopt's: prepare wrote it last, into a folder it
+    published whole, so its train.bin, val.bin and tokenizer.json are gptopt's too (the default
+    data/stdlib of every earlier version). nanoGPT's shards have no such meta.json and stay unmarked.
+    """
+    if marked_kind(out) is not None or not os.access(out, os.W_OK | os.X_OK):
         return
-    if not overwrite:
-        raise ValueError(
-            f"--output_dir {out} already exists and is not empty; pass --overwrite to replace it "
-            "(the old data stays until the new is complete), or choose another --output_dir"
-        )
-    if not (out / META).is_file() and not (out / "train.bin").is_file():
-        # A typo such as --output_dir ~ must never delete a home directory.
-        raise ValueError(
-            f"--output_dir {out} is not a token-data folder (no {META} or train.bin), so --overwrite will not "
-            "delete it; choose another --output_dir"
-        )
+    try:
+        meta = json.loads((out / META).read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(meta, dict) and meta.get("format") == FORMAT:
+        mark(out, KIND, files=[name for name in OURS if (out / name).exists()])
+
+
+def _check_input(config: PrepareConfig, out: Path) -> None:
+    """The corpus is read while the new files are written: it must not be among them, nor hold them."""
+    if not config.input:
+        return
+    src, dst = Path(config.input).expanduser().resolve(), out.resolve()
+    if src.is_dir() and (src == dst or src in dst.parents):
+        # The shards, meta.json and tokenizer.json would be read as text by the next prepare of that folder.
+        raise ValueError(f"--output_dir {out} lies inside --input {config.input}; choose an --output_dir outside "
+                         "the folder of texts")
+    if src.is_file() and src.parent == dst and src.name in OURS:
+        raise ValueError(f"--input {config.input} is a file prepare writes into --output_dir {out}; rename it or "
+                         "choose another --output_dir")
 
 
 def prepare(config: PrepareConfig) -> Path:
     """Tokenize the configured corpus into config.output_dir; returns that directory.
 
-    Everything is written into a hidden temporary sibling, meta.json last, and renamed into place at
-    the end, so an interrupted run leaves no directory that looks complete (and an old one untouched).
+    Every file is written into a hidden temporary sibling and moved in at the end, meta.json last, so an
+    interrupted run leaves no folder that looks complete, gptopt's old files in place, and the user's
+    own files there untouched. Arguments and the output folder are checked before anything is written.
     """
     if config.num_workers < 0:
         raise ValueError(f"--num_workers must be >= 0 (0 = every core), got {config.num_workers}")
     if config.max_documents is not None and config.max_documents < 1:
         raise ValueError(f"--max_documents must be >= 1, got {config.max_documents}")
     out = Path(config.output_dir).expanduser()
-    _check_output_dir(out, config.overwrite)
+    if config.overwrite and out.is_dir():
+        _adopt_legacy(out)
+    old = check_output(out, kind=KIND, overwrite=config.overwrite, ours=OURS)
+    _check_input(config, out)
     # Local corpora are checked before anything is written; a dataset is streamed into the temp dir.
     corpus: Corpus | None = None
     if config.input:
@@ -401,7 +421,10 @@ def prepare(config: PrepareConfig) -> Path:
     elif not config.dataset:
         corpus = stdlib_corpus(config.max_documents)
 
-    with staged_dir(out, replace=True) as tmp:
+    # Written beside the folder, then moved in (meta.json last): the user's files there (nanoGPT keeps
+    # input.txt and prepare.py beside the shards) are never touched, and gptopt's old files stay until
+    # the new ones are complete.
+    with staged_files(out, kind=KIND, replace=old, ours=OURS, last=META) as tmp:
         if corpus is None:
             corpus = dataset_corpus(config, tmp)
         with _tokenizer_threads(config.num_workers):

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import sys
 import tempfile
 import time
@@ -33,7 +34,7 @@ from tokenizers import Tokenizer
 from gptopt import checkpoint, hf
 from gptopt.config import MIN_OPSET, ExportConfig
 from gptopt.extras import require
-from gptopt.fsutil import staged_dir
+from gptopt.fsutil import check_output, mark, marked_kind, staged_dir
 from gptopt.inference import find_tokenizer, model_source
 from gptopt.model import GPT
 from gptopt.tokenizer import TOKENIZER, eot_id, load_tokenizer
@@ -241,20 +242,33 @@ def check_onnx(model: GPT, decoder: OrtDecoder, tolerance: float) -> dict[str, f
 # Writing a directory
 
 
-def _check_output_dir(target: Path, overwrite: bool, marker: str) -> None:
-    """Refuse before any work: a file, or a non-empty directory (unless --overwrite and it holds an export)."""
-    if target.exists() and not target.is_dir():
-        raise ValueError(f"--output_dir {target} is a file; give a directory path")
-    if not target.is_dir() or not any(target.iterdir()):
+KINDS = {"onnx": "export-onnx", "hf": hf.EXPORT_KIND}  # the fsutil marks of the two export directories
+
+
+def _adopt_legacy_onnx(target: Path) -> None:
+    """Mark an ONNX export gptopt wrote before it marked its outputs, so --overwrite may replace it.
+
+    Its gptopt_onnx.json in gptopt's format lists every file of the export; only a directory that holds
+    exactly those counts as gptopt's. (A Hugging Face directory has no such record of gptopt's: a
+    downloaded model looks the same, so an unmarked one is never replaced.)
+    """
+    if marked_kind(target) is not None or not os.access(target, os.W_OK | os.X_OK):
         return
-    if not overwrite:
-        raise ValueError(f"--output_dir {target} exists and is not empty; nothing was written: choose a new "
-                         "directory, or pass --overwrite to replace an earlier export there")
-    if not (target / marker).is_file():  # a typo such as --output_dir ~ must never delete a home directory
-        raise ValueError(f"--output_dir {target} holds no earlier export ({marker} is missing), so --overwrite "
-                         "will not delete it; choose a new directory")
+    try:
+        meta = json.loads((target / ONNX_META).read_text())
+        present = {p.name for p in target.iterdir()}
+    except (OSError, ValueError):
+        return
+    if isinstance(meta, dict) and meta.get("format") == "gptopt-onnx" and present == set(meta.get("files") or ()):
+        mark(target, KINDS["onnx"], files=present)
 
 
+def _check_output_dir(target: Path, fmt: str, overwrite: bool) -> None:
+    """Refuse before any work: a file, a folder that cannot be written, a non-empty directory without
+    --overwrite, and with it any directory gptopt did not mark as this export or that holds other files."""
+    if fmt == "onnx" and overwrite and target.is_dir():
+        _adopt_legacy_onnx(target)
+    check_output(target, kind=KINDS[fmt], overwrite=overwrite, whole=True)
 
 
 def _io(values: list[Any]) -> list[dict[str, Any]]:
@@ -266,7 +280,7 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
     """Write model.onnx, gptopt_onnx.json (what goes in and out, the check) and tokenizer.json (if given)
     into directory, checked against PyTorch first; returns the JSON's contents."""
     target = Path(directory)
-    _check_output_dir(target, overwrite, ONNX_META)
+    _check_output_dir(target, "onnx", overwrite)
     for module in ("onnx", "onnxscript", "onnxruntime"):
         require(module, "onnx", "ONNX export")
     if opset < MIN_OPSET:
@@ -280,7 +294,7 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
         eager = GPT(dataclasses.replace(model.config, attention="eager"))
         eager.load_state_dict(model.state_dict())
         model = eager.eval()
-    with staged_dir(target, replace=overwrite) as tmp:
+    with staged_dir(target, replace=overwrite, kind=KINDS["onnx"]) as tmp:
         t0 = time.perf_counter()
         exporter = to_onnx(model, tmp / ONNX_FILE, opset=opset)
         export_s = time.perf_counter() - t0
@@ -313,12 +327,12 @@ def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer
                       tolerance: float = 1e-4, overwrite: bool = False) -> dict[str, float]:
     """hf.export_hf plus tokenizer.json, moved into place only once transformers' logits match PyTorch's."""
     target = Path(directory)
-    _check_output_dir(target, overwrite, hf.HF_CONFIG)
+    _check_output_dir(target, "hf", overwrite)
     transformers = require("transformers", "hf", "Hugging Face export")
     if model.transformer.wte.weight.device.type != "cpu":
         raise ValueError("the Hugging Face export is checked on the CPU: pass the model there")
     model = model.eval()
-    with staged_dir(target, replace=overwrite) as tmp:
+    with staged_dir(target, replace=overwrite, kind=KINDS["hf"]) as tmp:
         hf.export_hf(model, tmp)  # into the empty staging dir: export_hf writes its own files atomically
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER))
@@ -378,7 +392,7 @@ def _tokenizer(source: Path | str, given: str | None) -> Tokenizer | None:
 def main(cfg: ExportConfig) -> int:
     target = Path(cfg.output_dir or f"export_{cfg.format}")
     onnx = cfg.format == "onnx"
-    _check_output_dir(target, cfg.overwrite, ONNX_META if onnx else hf.HF_CONFIG)  # before any loading
+    _check_output_dir(target, cfg.format, cfg.overwrite)  # before any loading
     for module, extra in ([("onnx", "onnx"), ("onnxscript", "onnx"), ("onnxruntime", "onnx")] if onnx
                           else [("transformers", "hf")]):
         require(module, extra, f"gptopt export --format {cfg.format}")

@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = ["OWNER_FILE", "Aside", "check_output", "clean_stale", "fsync_dir", "mark", "marked_kind",
-           "recover", "remove_dir", "replace_dir", "staged_dir", "write_text_atomic"]
+           "recover", "remove_dir", "replace_dir", "staged_dir", "staged_file", "staged_files", "write_text_atomic"]
 
 log = logging.getLogger("gptopt")
 
@@ -126,16 +126,10 @@ remove_dir = _rmtree  # the public name: a checkpoint's retention deletes throug
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    """Replace a small file (a pointer, a mark) so that a reader sees the old text or the new, never a torn one;
-    a killed writer's temporary file is tagged, so the next write there removes it (clean_stale)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{_tag('tmp')}")
-    with open(tmp, "w") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """Replace a small file (a pointer, a mark) so that a reader sees the old text or the new, never a torn one
+    (staged_file)."""
+    with staged_file(Path(path)) as tmp:
+        tmp.write_text(text)
 
 
 def clean_stale(directory: Path) -> list[Path]:
@@ -229,10 +223,7 @@ def mark(directory: Path, kind: str, files: Iterable[str] | None = None) -> None
     body: dict[str, Any] = {"written_by": "gptopt", "kind": kind, "version": __version__}
     if files is not None:
         body["files"] = sorted(set(files) - {OWNER_FILE})
-    path = Path(directory) / OWNER_FILE
-    tmp = path.with_name(f"{path.name}.{_tag('tmp')}")
-    tmp.write_text(json.dumps(body, indent=2) + "\n")
-    os.replace(tmp, path)
+    write_text_atomic(Path(directory) / OWNER_FILE, json.dumps(body, indent=2) + "\n")
 
 
 def _marker(directory: Path) -> dict[str, Any] | None:
@@ -401,3 +392,69 @@ def recover(target: Path, ours: Sequence[str] = ()) -> None:
         m = re.match(r"^old-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$", folder.name[len(_ASIDE):])
         if m and m["host"] == _HOST and not _alive(int(m["pid"])):
             _restore(target, folder, ours)
+
+
+@contextlib.contextmanager
+def staged_files(target: Path, *, kind: str, replace: Sequence[Path] = (), ours: Sequence[str] = (),
+                 last: str | None = None) -> Iterator[Path]:
+    """An empty hidden sibling of the folder target to write files into; when the block ends they are
+    moved into target beside whatever else is there (the user's files stay), `last` after all the others.
+
+    For a verb whose output shares a folder with the user's files (prepare: nanoGPT keeps input.txt and
+    prepare.py beside the shards), where staged_dir's whole-directory swap would take those files with it.
+    replace: gptopt's old entries (check_output's answer); they are set aside (Aside) until every new file
+    is in, and put back if that fails. target is then marked as kind, listing the new files. The sibling
+    is removed in every case; a killed run's is removed by the next write there (clean_stale).
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(target.parent)
+    while True:
+        tmp = _sibling(target, "tmp")
+        try:
+            tmp.mkdir()
+            break
+        except FileExistsError:
+            continue
+    try:
+        yield tmp
+        _finish_tree(tmp)
+        names = sorted(p.name for p in tmp.iterdir())
+        if last in names:
+            names.remove(last)
+            names.append(last)
+        target.mkdir(exist_ok=True)
+        moved: list[Path] = []
+        try:
+            with Aside(target, replace, ours):
+                for name in names:
+                    os.replace(tmp / name, target / name)
+                    moved.append(target / name)
+                mark(target, kind, files=names)
+                fsync_dir(target)
+        except BaseException:
+            if not replace:  # nothing was set aside, so Aside has nothing to restore: take back what came in
+                for path in moved:
+                    _rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_file(target: Path) -> Iterator[Path]:
+    """A hidden sibling path of the file target to write; it replaces target when the block ends (os.replace:
+    readers see the old file or the new one, never half), and is deleted if the block fails, so a failed run
+    leaves an existing target as it was. A killed run's sibling is removed by the next write there."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(target.parent)
+    tmp = _sibling(target, "tmp")
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+        fsync_dir(target.parent)
+    finally:
+        tmp.unlink(missing_ok=True)

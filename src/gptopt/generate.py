@@ -17,13 +17,14 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TextIO
 
 import torch
 from tokenizers import Tokenizer
@@ -31,6 +32,7 @@ from tqdm import tqdm
 
 from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
 from gptopt.device import DevicePlan, resolve
+from gptopt.fsutil import staged_file
 from gptopt.inference import compile_decode, load_for_inference
 from gptopt.model import GPT, KVCacheLayer
 from gptopt.tokenizer import eot_id
@@ -570,9 +572,18 @@ def _stream_text(gen: Generator, tok: Tokenizer, ids: list[int], params: Samplin
 def _batch_jsonl(gen: Generator, tok: Tokenizer, prompts: list[str], encoded: list[list[int]],
                  params: SamplingParams, output: str | None) -> int:
     """Write {"prompt", "completion", "tokens", "finish_reason"} per prompt; the number of tokens generated."""
+    with contextlib.ExitStack() as stack:
+        fh = sys.stdout
+        if output:  # written beside, then renamed over: a failed run leaves an earlier file as it was
+            fh = stack.enter_context(open(stack.enter_context(staged_file(Path(output).expanduser())), "w",
+                                          encoding="utf-8"))
+        return _write_jsonl(gen, tok, prompts, encoded, params, fh)
+
+
+def _write_jsonl(gen: Generator, tok: Tokenizer, prompts: list[str], encoded: list[list[int]],
+                 params: SamplingParams, fh: TextIO) -> int:
     n, size = 0, gen.max_batch_size
-    sink = open(output, "x", encoding="utf-8") if output else contextlib.nullcontext(sys.stdout)
-    with sink as fh, tqdm(total=len(prompts), desc="generate", unit=" prompt", file=sys.stderr) as bar:
+    with tqdm(total=len(prompts), desc="generate", unit=" prompt", file=sys.stderr) as bar:
         for start in range(0, len(prompts), size):
             checkers = [StopChecker(tok, params.stop) for _ in encoded[start : start + size]]
 
@@ -591,9 +602,27 @@ def _batch_jsonl(gen: Generator, tok: Tokenizer, prompts: list[str], encoded: li
     return n
 
 
+def _check_output_file(output: str, overwrite: bool) -> None:
+    """--output, checked before the model is loaded: a writable place, and no file replaced unasked."""
+    path = Path(output).expanduser()
+    if path.is_dir():
+        raise ValueError(f"--output {output} is a folder; give the path of a file (.jsonl)")
+    if path.exists() and not overwrite:
+        raise ValueError(f"--output {output} exists; nothing was written: pass --overwrite to replace it (kept until "
+                         "the new file is complete), or choose another path")
+    probe = path.parent
+    while not probe.exists() and probe.parent != probe:  # the nearest existing folder is where the file goes
+        probe = probe.parent
+    if not probe.is_dir():
+        raise ValueError(f"--output {output}: {probe} is a file, not a folder; choose another --output")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ValueError(f"--output {output}: cannot write in {probe} (permission denied); choose a folder you can "
+                         "write with --output")
+
+
 def main(cfg: GenerateConfig) -> int:
-    if cfg.output and Path(cfg.output).exists():
-        raise ValueError(f"--output {cfg.output} exists; it is never overwritten: delete it or choose another path")
+    if cfg.output:
+        _check_output_file(cfg.output, cfg.overwrite)
     batch = _read_prompts(cfg.input) if cfg.input else None
     plan = resolve(cfg.device, quiet=True)
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,

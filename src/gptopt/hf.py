@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from gptopt.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.config import GPTConfig
 from gptopt.extras import require
-from gptopt.fsutil import staged_dir
+from gptopt.fsutil import check_output, staged_dir
 from gptopt.model import GPT
 
 __all__ = [
@@ -39,6 +39,7 @@ __all__ = [
 HF_CONFIG = "config.json"
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+EXPORT_KIND = "export-hf"  # the fsutil mark of a directory export_hf wrote: the only kind its overwrite replaces
 PT_BIN = "pytorch_model.bin"
 PT_BIN_INDEX = "pytorch_model.bin.index.json"
 
@@ -384,21 +385,15 @@ def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> G
 def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
     """Write a directory `transformers.GPT2LMHeadModel.from_pretrained` loads: config.json + model.safetensors.
 
-    Staged (fsutil.staged_dir): a crash never leaves half a directory.
-    overwrite=True replaces an existing directory and everything in it.
+    Staged (fsutil.staged_dir) and marked as gptopt's export: a crash never leaves half a directory.
+    overwrite=True replaces only an earlier export of gptopt's that holds nothing else; never a folder
+    gptopt did not write (a downloaded model looks just like an export).
     """
     target = Path(directory)
-    if target.exists():
-        if not target.is_dir():
-            raise ValueError(f"{target} exists and is a file; choose a directory path for the export")
-        if any(target.iterdir()) and not overwrite:
-            raise ValueError(
-                f"{target} is not empty; pass overwrite=True to replace it (all of its contents), "
-                "or choose a new directory"
-            )
+    check_output(target, kind=EXPORT_KIND, overwrite=overwrite, whole=True, flag="export directory")
     state = gptopt_state_to_hf(model)  # refuses what HF cannot hold before anything is written
     hf_cfg = hf_config(model.config, model.transformer.wte.weight.dtype)
-    with staged_dir(target, replace=overwrite) as tmp:
+    with staged_dir(target, replace=overwrite, kind=EXPORT_KIND) as tmp:
         hf_cfg.to_json_file(str(tmp / HF_CONFIG))
         # transformers refuses safetensors files without the "format" metadata.
         save_file(state, str(tmp / SAFETENSORS), metadata={"format": "pt"})

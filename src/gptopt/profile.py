@@ -39,6 +39,7 @@ from gptopt import data, memory
 from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.distributed import DistInfo
+from gptopt.fsutil import Aside, check_output, mark
 from gptopt.generate import Generator, SamplingParams
 from gptopt.model import GPT
 from gptopt.monitor import peak_memory_bytes
@@ -60,6 +61,9 @@ MEMORY_SHARE = 0.85  # of capacity at peak: a longer sequence or the allocator's
 # tokens), inside READOUT_RANGE, which is exempt: every other host sync in it is avoidable.
 SYNCS_PER_STEP = 0.0
 
+# What profile writes into --output_dir: on --overwrite these, and only these, are replaced.
+FILES = ("tensorboard", "trace.json", "memory_snapshot.pickle", "diagnosis.json")
+KIND = "profile"  # the fsutil mark of a folder profile wrote into
 STEP_RANGE = "gptopt::step"
 DATA_WAIT_RANGE = "gptopt::data_wait"
 SYNC_RANGE = "gptopt::sync"  # the barrier that ends each step so its wall time is true; exempt from the sync count
@@ -401,9 +405,10 @@ def _memory_snapshot(out: Path) -> None:
 
 
 def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
-    """Profile the configured steps, write the traces to cfg.output_dir; returns the summary and op table."""
+    """Profile the configured steps, write the traces to cfg.output_dir; returns the summary and op table.
+    (main checks the folder first; this writes into it as it is.)"""
     plan = resolve(cfg.device, cfg.amp_dtype if cfg.use_amp else "fp32")
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     tokens = data.open_data(cfg.data_dir)  # the default corpus is prepared on first use, as train does
     tcfg = train_config(cfg)
@@ -492,12 +497,20 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
 
 
 def main(cfg: ProfileConfig) -> int:
-    summary, table = profile_steps(cfg)
-    findings, f = diagnose(summary), figures(summary)
-    # Every figure goes in, not only the findings': a clean run shows how far it is from each threshold.
-    doc = {"config": dataclasses.asdict(cfg), "device_type": summary.device_type, "figures": dataclasses.asdict(f),
-           "findings": [dataclasses.asdict(finding) for finding in findings]}
-    Path(cfg.output_dir, "diagnosis.json").write_text(json.dumps(doc, indent=2))
+    out = Path(cfg.output_dir).expanduser()
+    # Before any data, model or measurement: an earlier profile's files there are refused without --overwrite,
+    # and with it replaced only in a folder gptopt marked as a profile output. The user's own files stay.
+    old = check_output(out, kind=KIND, overwrite=cfg.overwrite, ours=FILES)
+    # The profiler writes its traces as it runs, so the old ones are set aside for the whole run (a new
+    # trace must not land beside an old one) and come back if it fails (an error, Ctrl-C).
+    with Aside(out, old, FILES):
+        summary, table = profile_steps(cfg)
+        findings, f = diagnose(summary), figures(summary)
+        # Every figure goes in, not only the findings': a clean run shows how far it is from each threshold.
+        doc = {"config": dataclasses.asdict(cfg), "device_type": summary.device_type, "figures": dataclasses.asdict(f),
+               "findings": [dataclasses.asdict(finding) for finding in findings]}
+        (out / "diagnosis.json").write_text(json.dumps(doc, indent=2))
+        mark(out, KIND, files=[name for name in FILES if (out / name).exists()])
     print(table)
     print(f"diagnosis of {f.steps} recorded {cfg.mode} steps (median {f.step_ms:.1f} ms):")
     for finding in findings:

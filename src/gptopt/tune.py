@@ -484,8 +484,10 @@ class Tuner:
 
 def main(cfg: TuneConfig) -> int:
     from gptopt.tables import to_json
-    from gptopt.tune_report import table, write_all
+    from gptopt.tune_report import check_output_dir, table, write_all
 
+    out = Path(cfg.output_dir).expanduser()
+    check_output_dir(out, cfg.overwrite)  # before the tuner builds or measures anything
     tuner = Tuner(cfg)
     log.info(f"tune: {tuner.bench.preset} at {tuner.bench.seq_len} tokens, global batch {tuner.global_batch} sequences "
              f"({tuner.global_batch * tuner.bench.seq_len:,} tokens); {cfg.warmup} warm-up + {cfg.steps} timed steps "
@@ -495,7 +497,6 @@ def main(cfg: TuneConfig) -> int:
     except RuntimeError as e:  # the reference itself did not run: nothing to judge candidates against
         print(f"gptopt tune: {e}", file=sys.stderr)
         return 1
-    out = Path(cfg.output_dir)
     write_all(summary, out)
     print(table(summary))
     best = summary["best"]

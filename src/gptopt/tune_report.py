@@ -12,10 +12,14 @@ from pathlib import Path
 from typing import Any
 
 from gptopt.extras import has
+from gptopt.fsutil import Aside, check_output, mark
 from gptopt.tables import fmt, md_table, text_table, toml_text
 
 log = logging.getLogger("gptopt")
 
+# What tune writes into --output_dir: on --overwrite these, and only these, are replaced.
+FILES = ("tune.toml", "tune_report.md", "tune_results.json", "tune_results.csv", "tune.png")
+KIND = "tune"  # the fsutil mark of a folder tune wrote into
 TUNE_TOML_HEADER = ("# written by `gptopt tune`: the fastest candidate whose loss matched the fp32 reference",
                     "# gptopt train --config tune.toml")
 CSV_FIELDS = ["index", "stage", "name", "settings", "status", "batch_size", "gradient_accumulation_steps",
@@ -163,8 +167,23 @@ def plot(summary: dict[str, Any], out: Path) -> str | None:
     return "tune.png"
 
 
+def check_output_dir(out: Path, overwrite: bool) -> None:
+    """Refused before any work: an --output_dir that is a file or cannot be written, one holding an earlier
+    tune's files without --overwrite, and with it one gptopt did not mark as a tune output."""
+    check_output(out, kind=KIND, overwrite=overwrite, ours=FILES)
+
+
 def write_all(summary: dict[str, Any], out: Path) -> None:
+    """Write the report files into out beside the user's own; an earlier tune's files there (check_output_dir
+    allowed their replacement before the search began) stay until the new ones are written."""
+    old = check_output(out, kind=KIND, overwrite=True, ours=FILES)
     out.mkdir(parents=True, exist_ok=True)
+    with Aside(out, old, FILES):
+        _write(summary, out)
+        mark(out, KIND, files=[name for name in FILES if (out / name).exists()])
+
+
+def _write(summary: dict[str, Any], out: Path) -> None:
     (out / "tune_results.json").write_text(json.dumps(summary, indent=2, default=str))
     with open(out / "tune_results.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")

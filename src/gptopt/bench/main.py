@@ -2,14 +2,21 @@
 
     gptopt bench --rungs list
     gptopt bench --mode infer
+    gptopt bench --overwrite       # again into bench_out: the old report stays until the new one is written
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from gptopt.bench.report import check_output_dir
 from gptopt.config import BenchConfig
 
 
 def main(cfg: BenchConfig) -> int:
+    if cfg.rungs.strip() != "list":  # the list is printed, nothing written
+        # Before anything is built or measured: `gptopt bench` run twice must say so at once, not after minutes.
+        check_output_dir(Path(cfg.output_dir).expanduser(), cfg.mode, cfg.overwrite)
     # imported by mode: one ladder's dependencies (the inference ladder's ONNX, quantisation) stay unloaded for the other
     if cfg.mode == "infer":
         from gptopt.bench.infer import main as infer_main

@@ -6,13 +6,16 @@ same for the inference ladder (`--mode infer`): infer_report.md, infer_results.j
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from gptopt.extras import has
+from gptopt.fsutil import Aside, check_output, mark
 from gptopt.tables import fmt, md_table, text_table, toml_text
 
 log = logging.getLogger("gptopt")
@@ -20,6 +23,31 @@ log = logging.getLogger("gptopt")
 CSV_FIELDS = ["name", "status", "batch_size", "tokens_per_s", "step_time_s", "step_time_p10_s", "step_time_p90_s",
               "compile_s", "tflops", "mfu", "peak_mem_bytes", "reserved_mem_bytes", "loss", "loss_ok",
               "speedup_vs_baseline", "speedup_vs_previous", "note"]
+
+
+# What each ladder writes into --output_dir: on --overwrite these, and only these, are replaced. Each mode
+# replaces only its own, so bench_out holds both ladders' reports side by side.
+TRAIN_FILES = ("results.json", "results.csv", "best.toml", "report.md", "throughput.png", "memory.png", "step_times.png")
+INFER_FILES = ("infer_results.json", "infer_results.csv", "infer_report.md", "infer_batch_sweep.png")
+KIND = "bench"  # the fsutil mark of a folder bench wrote into
+
+
+def check_output_dir(out: Path, mode: str, overwrite: bool) -> None:
+    """Refused before any work: an --output_dir that is a file or cannot be written, one holding this mode's
+    report of an earlier run without --overwrite, and with it one gptopt did not mark as a bench output."""
+    check_output(out, kind=KIND, overwrite=overwrite, ours=INFER_FILES if mode == "infer" else TRAIN_FILES)
+
+
+@contextlib.contextmanager
+def _replacing(out: Path, files: tuple[str, ...]) -> Iterator[None]:
+    """Write a report into out beside the user's own files; an earlier report (check_output_dir allowed its
+    replacement before the run began) is set aside until the new one is written, and put back if that fails."""
+    old = check_output(out, kind=KIND, overwrite=True, ours=files)
+    out.mkdir(parents=True, exist_ok=True)
+    with Aside(out, old, files):
+        yield
+        # No file list: each mode's files are known by name, so one mode's rerun never claims the other's.
+        mark(out, KIND)
 
 
 COLUMNS = [("rung", "name", "str"), ("tokens/s", "tokens_per_s", "int"), ("step ms (p10-p90)", None, "range"),
@@ -142,7 +170,11 @@ def plot(summary: dict[str, Any], out: Path) -> list[str]:
 
 
 def write_all(summary: dict[str, Any], out: Path, best_opts: dict[str, Any] | None) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    with _replacing(out, TRAIN_FILES):
+        _write_all(summary, out, best_opts)
+
+
+def _write_all(summary: dict[str, Any], out: Path, best_opts: dict[str, Any] | None) -> None:
     (out / "results.json").write_text(json.dumps(summary, indent=2, default=str))
     with open(out / "results.csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
@@ -241,7 +273,11 @@ def infer_plot(summary: dict[str, Any], out: Path) -> str | None:
 
 
 def write_infer(summary: dict[str, Any], out: Path) -> None:
-    out.mkdir(parents=True, exist_ok=True)
+    with _replacing(out, INFER_FILES):
+        _write_infer(summary, out)
+
+
+def _write_infer(summary: dict[str, Any], out: Path) -> None:
     (out / "infer_results.json").write_text(json.dumps(summary, indent=2, default=str))
     fields = [key for _, key, _ in INFER_COLUMNS] + ["bytes_per_token", "dtype", "note"]
     with open(out / "infer_results.csv", "w", newline="") as fh:
