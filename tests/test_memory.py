@@ -37,10 +37,11 @@ def test_param_count_is_the_models(name: str, overrides: dict[str, object]) -> N
     assert memory.param_count(cfg) == model.num_params()
 
 
-# A fresh process: ru_maxrss is its peak, so the step's growth over the memory before it is measured,
-# with no earlier test's peak in the way. Two steps, so AdamW's state exists at the second one's peak.
+# A fresh process, its resident memory sampled every millisecond while it takes two steps (so that AdamW's
+# state exists at the second one's peak): the step's growth over the memory before it, with no earlier
+# test's memory in the way. Not ru_maxrss: importing torch can peak above the step and hide it.
 MEASURE = """
-import json, resource, sys, psutil, torch
+import json, sys, threading, time, psutil, torch
 from gptopt.config import TrainConfig, preset
 from gptopt.device import resolve
 from gptopt.model import GPT
@@ -51,10 +52,20 @@ plan = resolve("cpu", amp, quiet=True)
 model = GPT(cfg).train()
 step = TrainStep(model, model, plan, TrainConfig(preset="tiny"))
 x = torch.randint(0, cfg.vocab_size, (B, T))
-rss0 = psutil.Process().memory_info().rss
+proc = psutil.Process()
+rss0 = proc.memory_info().rss
+peak, done = [rss0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.001)
+sampler = threading.Thread(target=sample)
+sampler.start()
 for i in range(2):
     step(i, lambda micro: (x, x))
-print(json.dumps(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0))
+done.set()
+sampler.join()
+print(json.dumps(peak[0] - rss0))
 """
 
 
