@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from gptopt import cli, data, device, prepare_model, profile
+from gptopt import cli, data, device, memory, prepare_model, profile
 from gptopt.config import ProfileConfig
 from gptopt.generate import Generator
 from gptopt.model import GPT
@@ -163,7 +163,7 @@ def test_tiny_steps_are_found_launch_bound(train_data: Path, tmp_path: Path) -> 
 def test_memory_near_capacity_is_found(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The peak (this process's max RSS) is real; the capacity is a machine with 10% more RAM than we use now.
     small = int(psutil.Process().memory_info().rss * 1.1)
-    monkeypatch.setattr(profile, "memory_capacity", lambda plan: small)
+    monkeypatch.setattr(memory, "capacity_bytes", lambda device: small)
     summary, names = profiled(train_data, tmp_path, use_amp=True)
     assert "memory" in names
     assert figures(summary).memory_share > profile.MEMORY_SHARE

@@ -201,6 +201,18 @@ def available_bytes(device: torch.device) -> tuple[int, str]:
     return min(options)
 
 
+def capacity_bytes(device: torch.device) -> int | None:
+    """All the memory a run on the device could use: the GPU's total, or the host's RAM (a container's
+    cgroup limit if it is lower); None for a device whose total is not known (MPS)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    if device.type != "cpu":
+        return None
+    total = psutil.virtual_memory().total
+    cgroup = cgroup_free()
+    return min(total, cgroup[1]) if cgroup is not None else total
+
+
 def shortfall(estimate: Estimate, device: torch.device) -> str | None:
     """None when the estimate fits what the device has free; else the one line that says by how much."""
     free, source = available_bytes(device)

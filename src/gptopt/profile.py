@@ -30,7 +30,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 from torch.autograd.profiler_util import EventList, FunctionEvent
 from torch.profiler import DeviceType, ProfilerActivity, profile, record_function, schedule
@@ -182,15 +181,15 @@ def figures(s: TraceSummary) -> Figures:
     matmuls = [o for o in s.ops if o.matmul]
     mm_total = sum(o.dur_us for o in matmuls)
     syncs = Counter(o.name for o in s.ops if o.sync)
-    memory = None
+    memory_share = None
     if s.peak_memory_bytes is not None and s.memory_capacity_bytes:
-        memory = s.peak_memory_bytes / s.memory_capacity_bytes
+        memory_share = s.peak_memory_bytes / s.memory_capacity_bytes
     return Figures(
         steps=n, step_ms=statistics.median(s.step_s) * 1e3, data_wait_share=sum(s.data_wait_s) / total_s,
         idle_share=idle, kernels_per_step=len(kernels) / n,
         median_kernel_us=statistics.median(kernels) if kernels else None, kernel_share=sum(kernels) / 1e6 / total_s,
         fp32_matmul_share=sum(o.dur_us for o in matmuls if FP32 & set(o.dtypes)) / mm_total if mm_total else None,
-        memory_share=memory, syncs_per_step=sum(syncs.values()) / n, sync_calls=dict(syncs),
+        memory_share=memory_share, syncs_per_step=sum(syncs.values()) / n, sync_calls=dict(syncs),
         graph_breaks=None if s.graph_breaks is None else sum(s.graph_breaks.values()),
     )
 
@@ -316,19 +315,6 @@ def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
 
 # ----------------------------------------------------------------------------------------------
 # Running the steps
-
-
-def memory_capacity(plan: DevicePlan) -> int | None:
-    """Bytes the run can use: the GPU's memory, or the host's RAM (a cgroup limit if it is lower)."""
-    if plan.device.type != "cpu":
-        return torch.cuda.mem_get_info(plan.device)[1] if plan.device.type == "cuda" else None
-    total = psutil.virtual_memory().total
-    try:  # a container's memory limit (cgroup v2) is the real ceiling
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        total = min(total, int(limit)) if limit.isdigit() else total
-    except OSError:
-        pass
-    return total
 
 
 def amp_speeds_matmuls(plan: DevicePlan) -> bool:
@@ -482,7 +468,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     events = prof.events()
     summary = TraceSummary(
         device_type=plan.device.type, step_s=step_s, data_wait_s=waits, ops=trace_ops(events),
-        peak_memory_bytes=peak_memory_bytes(plan), memory_capacity_bytes=memory_capacity(plan),
+        peak_memory_bytes=peak_memory_bytes(plan), memory_capacity_bytes=memory.capacity_bytes(plan.device),
         graph_breaks=graph_breaks, amp_speeds_matmuls=amp_speeds_matmuls(plan), mode=cfg.mode,
         batch_size=cfg.batch_size, num_workers=loader_opts["num_workers"], pin_memory=loader_opts["pin_memory"],
         use_amp=cfg.use_amp, use_compile=cfg.use_compile, compile_mode=cfg.compile_mode,

@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import torch
 
-from gptopt import data
+from gptopt import data, memory
 from gptopt.bench.ladder import Bench, Rung, RungResult, StopHook, loss_matches, train_options
 from gptopt.config import BenchConfig, TrainConfig, TuneConfig
 from gptopt.device import cpu_has_fast_bf16, default_attention, environment
@@ -122,11 +122,11 @@ class Tuner:
         self.bench_all: RungResult | None = None
 
     def _memory_limit(self) -> int:
+        device = self.bench.plan.device
         if self.device_type == "cuda":
-            total = torch.cuda.get_device_properties(self.bench.plan.device).total_memory
-            return int(self.cfg.memory_budget * total)
-        # what this process can hold: the RAM free now plus its own (other processes keep theirs)
-        return int(self.cfg.memory_budget * (psutil.virtual_memory().available + psutil.Process().memory_info().rss))
+            return int(self.cfg.memory_budget * (memory.capacity_bytes(device) or 0))
+        # what this process can hold: what is free now (RAM, cgroup, ulimit -v) plus its own (others keep theirs)
+        return int(self.cfg.memory_budget * (memory.available_bytes(device)[0] + psutil.Process().memory_info().rss))
 
     # -- measuring one candidate -------------------------------------------------------------
 
