@@ -81,8 +81,10 @@ def training_data(directory: str | os.PathLike[str]) -> str | None:
     (a Hugging Face model, a hand-written directory)."""
     if not is_gptopt_dir(directory):
         return None
-    data_dir = (read_meta(directory).get("train_config") or {}).get("data_dir")
-    return str(data_dir) if data_dir else None
+    meta = read_meta(directory)
+    # the absolute path train records; older checkpoints have only the flag as given (relative to where it ran)
+    data_dir = meta.get("data_dir") or (meta.get("train_config") or {}).get("data_dir")
+    return str(data_dir) if isinstance(data_dir, str) and data_dir else None
 
 
 def load_model(directory: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> GPT:

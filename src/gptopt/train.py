@@ -574,7 +574,9 @@ class Trainer:
             # The tokenizer travels in the checkpoint (generate and serve prefer that copy); the recorded
             # path is absolute, so even an older reader finds it from any working directory.
             tokenizer = self.data.tokenizer()
+            # data_dir too: compress and bench evaluate on it by default, from whatever folder they run in
             meta = {"environment": environment(self.plan), "train_config": dataclasses.asdict(self.cfg),
+                    "data_dir": str(Path(self.cfg.data_dir).resolve()),
                     **({"tokenizer": str(Path(self.cfg.data_dir).resolve() / TOKENIZER)} if tokenizer else {})}
             path = checkpoint.save_checkpoint(self.out, progress.step, self.model_config, model_state, train_state,
                                               meta=meta, keep=self.cfg.save_total_limit, parent=self.lineage,
