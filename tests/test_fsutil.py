@@ -221,3 +221,12 @@ def test_a_swap_killed_between_its_renames_gets_the_old_directory_back(tmp_path:
     with fsutil.staged_dir(tmp_path / "other") as tmp:
         (tmp / "x").write_text("x")
     assert (tmp_path / "model" / "weights").read_text() == "the only copy"
+
+
+def test_the_current_folder_is_a_valid_output(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """nanoGPT's layout: `cd data/x && gptopt prepare --input input.txt --output_dir .` beside input.txt."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "input.txt").write_text("one line of text\n" * 200 + "and another\n" * 200)
+    prepare(PrepareConfig(input="input.txt", output_dir=".", vocab_size=260))
+    prepare(PrepareConfig(input="input.txt", output_dir=".", vocab_size=260, overwrite=True))
+    assert {"input.txt", "train.bin", "val.bin", "meta.json"} <= {p.name for p in tmp_path.iterdir()}

@@ -85,6 +85,11 @@ _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
 _STAGED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|trash)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
 
+def _path(target: str | os.PathLike[str]) -> Path:
+    """Absolute and normalised: `--output_dir .` or `out/..` has no name to make a sibling of otherwise."""
+    return Path(os.path.abspath(os.path.expanduser(target)))
+
+
 def _tag(kind: str) -> str:
     return f"{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
 
@@ -184,7 +189,7 @@ def staged_dir(target: Path, *, replace: bool = False, kind: str | None = None) 
     kind: mark the published directory as this kind of gptopt output (mark), listing its files, so
     that a later --overwrite may replace it and nothing else.
     """
-    target = Path(target)
+    target = _path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(target.parent)
     while True:
@@ -283,7 +288,7 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
     write exists and --overwrite is not given; --overwrite on a folder gptopt did not mark as `kind`,
     or (whole) one that holds a file gptopt did not write.
     """
-    target = Path(target).expanduser()
+    target = _path(target)
     if target.is_file() or (target.is_symlink() and not target.exists()):
         raise ValueError(f"{flag} {target} is a file; give the path of a folder")
     _writable(target, flag)
@@ -332,7 +337,7 @@ class Aside:
     """
 
     def __init__(self, target: Path, entries: Sequence[Path], ours: Sequence[str]) -> None:
-        self.target = Path(target)
+        self.target = _path(target)
         self.entries = list(entries)
         self.ours = tuple(ours)
         self.folder: Path | None = None
@@ -383,7 +388,7 @@ def _restore(target: Path, folder: Path, ours: Sequence[str]) -> None:
 
 def recover(target: Path, ours: Sequence[str] = ()) -> None:
     """Give back an old output that a killed --overwrite had moved aside (its process is gone)."""
-    target = Path(target)
+    target = _path(target)
     try:
         asides = [p for p in target.iterdir() if p.name.startswith(_ASIDE)]
     except OSError:
@@ -406,7 +411,7 @@ def staged_files(target: Path, *, kind: str, replace: Sequence[Path] = (), ours:
     is in, and put back if that fails. target is then marked as kind, listing the new files. The sibling
     is removed in every case; a killed run's is removed by the next write there (clean_stale).
     """
-    target = Path(target)
+    target = _path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(target.parent)
     while True:
@@ -446,7 +451,7 @@ def staged_file(target: Path) -> Iterator[Path]:
     """A hidden sibling path of the file target to write; it replaces target when the block ends (os.replace:
     readers see the old file or the new one, never half), and is deleted if the block fails, so a failed run
     leaves an existing target as it was. A killed run's sibling is removed by the next write there."""
-    target = Path(target)
+    target = _path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     clean_stale(target.parent)
     tmp = _sibling(target, "tmp")
