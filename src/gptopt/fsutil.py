@@ -173,6 +173,19 @@ def replace_dir(src: Path, dst: Path) -> None:
     fsync_dir(dst.parent)
 
 
+def _staging_dir(target: Path) -> Path:
+    """A new empty hidden sibling of target (its parent made, dead writers' leftovers there removed)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(target.parent)
+    while True:
+        tmp = _sibling(target, "tmp")
+        try:
+            tmp.mkdir()
+            return tmp
+        except FileExistsError:  # a leftover of a killed run with the same pid and token: draw again
+            continue
+
+
 @contextlib.contextmanager
 def staged_dir(target: Path, *, replace: bool = False, kind: str | None = None) -> Iterator[Path]:
     """An empty temporary sibling of target to write into; published as target when the block ends.
@@ -190,15 +203,7 @@ def staged_dir(target: Path, *, replace: bool = False, kind: str | None = None) 
     that a later --overwrite may replace it and nothing else.
     """
     target = _path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(target.parent)
-    while True:
-        tmp = _sibling(target, "tmp")
-        try:
-            tmp.mkdir()
-            break
-        except FileExistsError:  # a leftover of a killed run with the same pid and token: draw again
-            continue
+    tmp = _staging_dir(target)
     try:
         yield tmp
         if kind is not None:
@@ -412,15 +417,7 @@ def staged_files(target: Path, *, kind: str, replace: Sequence[Path] = (), ours:
     is removed in every case; a killed run's is removed by the next write there (clean_stale).
     """
     target = _path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    clean_stale(target.parent)
-    while True:
-        tmp = _sibling(target, "tmp")
-        try:
-            tmp.mkdir()
-            break
-        except FileExistsError:
-            continue
+    tmp = _staging_dir(target)
     try:
         yield tmp
         _finish_tree(tmp)
