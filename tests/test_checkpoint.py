@@ -64,3 +64,11 @@ def test_the_tokenizer_travels_in_the_checkpoint(
     path = checkpoint.save_checkpoint(tmp_path, 1, debug_model.config, debug_model.state_dict(),
                                       {"w": torch.zeros(1)}, tokenizer=debug_tokenizer if with_tokenizer else None)
     assert (path / "tokenizer.json").is_file() == with_tokenizer
+
+
+@pytest.mark.parametrize("state", [{"a": 1}, [1, 2], {"step": "x", "tokens_seen": 0, "optimizer": {}, "rng": {}}])
+def test_a_train_state_of_the_wrong_shape_is_named(debug_model: GPT, tmp_path: Path, state: object) -> None:
+    path = save(tmp_path / "run", 2, debug_model)
+    torch.save(state, path / checkpoint.TRAIN_STATE)
+    with pytest.raises(ValueError, match="not a gptopt train state"):
+        checkpoint.load_train_state(path)

@@ -529,3 +529,13 @@ def test_split_shorter_than_a_window_is_refused(prepared: Path) -> None:
     d = TokenData(prepared)
     with pytest.raises(ValueError, match="fewer than seq_len"):
         BatchDataset(d, "val", batch_size=2, seq_len=d.num_tokens("val"), seed=0)
+
+
+def test_a_damaged_shard_is_found_when_the_data_is_opened(train_data: Path, tmp_path: Path) -> None:
+    import shutil
+
+    damaged = tmp_path / "d"
+    shutil.copytree(train_data, damaged)
+    (damaged / "val.bin").write_bytes(b"")  # found at the first evaluation otherwise, after the steps before it
+    with pytest.raises(ValueError, match="val.bin holds 0 bytes"):
+        TokenData(damaged)

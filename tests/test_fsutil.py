@@ -133,7 +133,7 @@ def test_check_output_refuses_before_any_work_and_names_the_fix(tmp_path: Path) 
     with pytest.raises(ValueError, match="not marked"):  # a report.md gptopt did not write is never replaced
         fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"])
     fsutil.mark(run, "tune")
-    with pytest.raises(ValueError, match="marked as gptopt tune"):
+    with pytest.raises(ValueError, match="holds gptopt tune output"):  # each kind in a folder of its own
         fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"])
     fsutil.mark(run, "bench")
     assert fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"]) == [run / "report.md"]
@@ -230,3 +230,22 @@ def test_the_current_folder_is_a_valid_output(tmp_path: Path, monkeypatch: pytes
     prepare(PrepareConfig(input="input.txt", output_dir=".", vocab_size=260))
     prepare(PrepareConfig(input="input.txt", output_dir=".", vocab_size=260, overwrite=True))
     assert {"input.txt", "train.bin", "val.bin", "meta.json"} <= {p.name for p in tmp_path.iterdir()}
+
+
+def test_overwrite_never_deletes_a_users_file_inside_gptopts_folders(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    (run / "logs").mkdir(parents=True)
+    fsutil.mark(run, "train-run")
+    (run / "logs" / "events.out.tfevents.1").write_text("gptopt's")
+    contents = {"logs": ["events.out.tfevents.*"]}
+    assert fsutil.check_output(run, kind="train-run", overwrite=True, ours=["logs"], contents=contents) == [
+        run / "logs"]
+    (run / "logs" / "notes.txt").write_text("the user's")
+    with pytest.raises(ValueError, match=r"did not write \(logs/notes.txt\)"):
+        fsutil.check_output(run, kind="train-run", overwrite=True, ours=["logs"], contents=contents)
+
+
+@pytest.mark.parametrize("where", ["/", "~"])
+def test_the_root_and_the_home_folder_are_never_an_output(where: str) -> None:
+    with pytest.raises(ValueError, match="a folder of its own"):
+        fsutil.check_output(Path(where), kind="train-run", overwrite=True)

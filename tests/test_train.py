@@ -555,3 +555,75 @@ def test_bad_arguments_write_and_delete_nothing(
     assert expect in capsys.readouterr().err
     assert tree(tmp_path) == before
     assert not (tmp_path / "new").exists()
+
+
+# -- what a run may write over ---------------------------------------------------------------------
+
+
+def test_resume_auto_never_writes_over_a_users_files_of_a_runs_names(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "u"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 5, "note": "mine"}\n')
+    (out / "run.json").write_text('{"mine": true}\n')
+    before = tree(out)
+    assert cli.main(cli_args(train_data, out, "--max_steps", "2", "--resume", "auto")) == 2
+    assert "which gptopt did not write" in capsys.readouterr().err
+    assert tree(out) == before
+
+
+def test_overwrite_keeps_a_users_file_inside_the_runs_folders(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    assert run(train_data, out, max_steps=2) == 0
+    (out / "ckpt-0000002" / "notes.txt").write_text("the user's, inside a checkpoint")
+    before = tree(out)
+    assert cli.main(cli_args(train_data, out, "--max_steps", "2", "--overwrite")) == 2
+    assert "ckpt-0000002/notes.txt" in capsys.readouterr().err
+    assert tree(out) == before
+
+
+def test_each_kind_of_output_keeps_a_folder_of_its_own(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    assert run(train_data, out, max_steps=2) == 0
+    before = tree(out)
+    (tmp_path / "text.txt").write_text("some words of text\n" * 300)
+    assert cli.main(["prepare", "--input", str(tmp_path / "text.txt"), "--output_dir", str(out),
+                     "--vocab_size", "300"]) == 2  # shards beside a run would take over its mark
+    assert "holds gptopt train-run output" in capsys.readouterr().err
+    assert tree(out) == before
+    assert cli.main(cli_args(train_data, train_data, "--max_steps", "2")) == 2  # and a run into the data folder
+    assert "holds gptopt prepared-data output" in capsys.readouterr().err
+
+
+def test_a_signal_before_the_first_checkpoint_gives_the_overwritten_run_back(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "r"
+    assert run(train_data, out, max_steps=4, save_interval=2) == 0
+    before = tree(out)
+    real = train.Trainer._train_one
+
+    def interrupted(self: train.Trainer, progress: Any, bar: Any) -> None:  # Ctrl-C during the first step
+        real(self, progress, bar)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(train.Trainer, "_train_one", interrupted)
+    assert run(train_data, out, max_steps=20, save_interval=10, overwrite=True, seed=7) == 130
+    assert tree(out) == before  # the mistaken --overwrite is undone, its interrupt checkpoint with it
+
+
+def test_a_metrics_file_that_is_not_gptopts_stops_a_resume_with_the_fix(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    assert run(train_data, out, max_steps=2) == 0
+    with open(out / "metrics.jsonl", "a") as fh:
+        fh.write("not json\n")
+    assert cli.main(cli_args(train_data, out, "--max_steps", "4", "--resume", "auto")) == 2
+    err = capsys.readouterr().err
+    assert "metrics.jsonl: a line is not one of gptopt's metrics records" in err and "Traceback" not in err

@@ -133,6 +133,7 @@ def check_state(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
 # generate and serve take, whatever step numbers other branches reached.
 
 TRAIN_STATE = "train_state.pt"
+TRAIN_STATE_KEYS = ("step", "tokens_seen", "optimizer", "rng")  # what resuming reads (train._restore)
 PREFIX = "ckpt-"
 LATEST = "latest"  # a one-line text file in the output dir: the name of the run's newest checkpoint
 
@@ -231,6 +232,11 @@ def load_train_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"{directory}: not a training checkpoint ({TRAIN_STATE} missing)")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle opcodes, disallowed globals
         raise ValueError(f"{path}: cannot read the train state ({e}); the checkpoint is corrupt, use an earlier one") from None
+    missing = [k for k in TRAIN_STATE_KEYS if k not in state] if isinstance(state, dict) else list(TRAIN_STATE_KEYS)
+    if missing or not all(isinstance(state[k], int) for k in ("step", "tokens_seen")):
+        what = f"has no {', '.join(missing)}" if missing else "has a step count that is not a number"
+        raise ValueError(f"{path}: not a gptopt train state ({what}); the checkpoint is damaged, use an earlier one")
+    return state

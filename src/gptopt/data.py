@@ -55,6 +55,9 @@ class TokenData:
         self._tokenizer: Tokenizer | None = None
         # Loaded and checked now: a damaged tokenizer found at the first evaluation would cost the steps before it.
         self._check_tokenizer(self.tokenizer())
+        for split in SPLITS:  # a damaged shard too: found now, not at the first evaluation
+            if self.meta is not None or (self.directory / f"{split}.bin").is_file():
+                self._shard_tokens(split)
 
     def _check_tokenizer(self, tok: Tokenizer | None) -> None:
         if tok is None or self.meta is None:
@@ -96,20 +99,25 @@ class TokenData:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
         if split not in self._arrays:
-            path = self.directory / f"{split}.bin"
-            if not path.is_file():
-                raise ValueError(f"{path} is missing; re-run `gptopt prepare --overwrite --output_dir {self.directory}`")
-            size = path.stat().st_size
-            n, rest = divmod(size, self._dtype.itemsize)
-            expected = self.meta[f"{split}_tokens"] if self.meta else n
-            if rest or n != expected:
-                raise ValueError(
-                    f"{path} holds {size} bytes, not {expected} {self._dtype.name} tokens: it is truncated or "
-                    f"changed; re-run `gptopt prepare --overwrite --output_dir {self.directory}`"
-                )
+            path, n = self.directory / f"{split}.bin", self._shard_tokens(split)
             # np.memmap cannot map an empty file
             self._arrays[split] = np.memmap(path, self._dtype, mode="r", shape=(n,)) if n else np.zeros(0, self._dtype)
         return self._arrays[split]
+
+    def _shard_tokens(self, split: str) -> int:
+        """The token count of a split's shard, checked against meta.json: one line with the fix if it is not."""
+        path = self.directory / f"{split}.bin"
+        if not path.is_file():
+            raise ValueError(f"{path} is missing; re-run `gptopt prepare --overwrite --output_dir {self.directory}`")
+        size = path.stat().st_size
+        n, rest = divmod(size, self._dtype.itemsize)
+        expected = self.meta[f"{split}_tokens"] if self.meta else n
+        if rest or n != expected:
+            raise ValueError(
+                f"{path} holds {size} bytes, not {expected} {self._dtype.name} tokens: it is truncated or "
+                f"changed; re-run `gptopt prepare --overwrite --output_dir {self.directory}`"
+            )
+        return n
 
     def num_tokens(self, split: str) -> int:
         return len(self.tokens(split))

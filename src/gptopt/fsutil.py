@@ -28,7 +28,7 @@ import re
 import secrets
 import shutil
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -283,24 +283,37 @@ def _writable(path: Path, flag: str) -> None:
 
 
 def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str] = (),
-                 flag: str = "--output_dir", whole: bool = False) -> list[Path]:
+                 flag: str = "--output_dir", whole: bool = False,
+                 contents: Mapping[str, Sequence[str]] | None = None) -> list[Path]:
     """Validate an output location before any work; returns gptopt's entries there that will be replaced.
 
     ours: glob patterns of the entries this verb writes into target (a training run: "ckpt-*",
     "metrics.jsonl", ...); entries listed in target's mark count as ours too. whole: the verb
     publishes target as one directory (staged_dir(replace=True)), so target must hold nothing else.
-    Refused, with the fix named: target is a file or cannot be written; an entry the verb would
-    write exists and --overwrite is not given; --overwrite on a folder gptopt did not mark as `kind`,
-    or (whole) one that holds a file gptopt did not write.
+    contents: for folders among ours, the globs of the paths (relative to that folder) the verb writes
+    inside them: a file there that matches none is the user's, and --overwrite will not delete it.
+    Refused, with the fix named: target is a file, cannot be written, or is the filesystem root or the
+    home folder; target holds another kind of gptopt output (each kind gets a folder of its own); an
+    entry the verb would write exists and --overwrite is not given; --overwrite on a folder gptopt did
+    not mark as `kind`, or one that holds (whole: anywhere; else: inside gptopt's folders) a file gptopt
+    did not write.
     """
     target = _path(target)
     if target.is_file() or (target.is_symlink() and not target.exists()):
         raise ValueError(f"{flag} {target} is a file; give the path of a folder")
+    if target == Path(target.anchor) or target == _path(Path.home()):
+        what = "the filesystem root" if target == Path(target.anchor) else "your home folder"
+        raise ValueError(f"{flag} {target} is {what}; give the output a folder of its own, e.g. "
+                         f"{flag} {target / 'gptopt_out'}")
     _writable(target, flag)
     if not target.is_dir():
         return []
     recover(target, ours)
     clean_stale(target)
+    found = marked_kind(target)
+    if found is not None and found != kind:
+        raise ValueError(f"{flag} {target} holds gptopt {found} output; nothing was written: give this output a "
+                         f"folder of its own with {flag}")
     mine, theirs = _ours(target, ours)
     if not mine and not (whole and theirs):
         return []  # new, or the user's files only: the verb writes beside them and touches none of them
@@ -311,16 +324,35 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
         names = ", ".join(p.name for p in mine[:4]) + (", ..." if len(mine) > 4 else "")
         raise ValueError(f"{flag} {target} already holds output ({names}); nothing was written: pass --overwrite "
                          f"to replace it (kept until the new output is complete), or choose another {flag}")
-    found = marked_kind(target)
     if found != kind:
-        what = f"marked as gptopt {found}" if found else f"not marked as gptopt's ({OWNER_FILE} missing)"
+        what = (f"not marked as gptopt's ({OWNER_FILE} is damaged)" if (target / OWNER_FILE).exists()
+                else f"not marked as gptopt's ({OWNER_FILE} missing)")
         raise ValueError(f"{flag} {target} is {what}, so --overwrite will not replace it: gptopt only replaces "
                          f"what it wrote itself; choose another {flag}")
-    if whole and theirs:
-        names = ", ".join(p.name for p in theirs[:4]) + (", ..." if len(theirs) > 4 else "")
+    foreign = theirs if whole else _foreign_inside(mine, contents or {})
+    if foreign:
+        names = ", ".join(str(p.relative_to(target)) for p in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
         raise ValueError(f"{flag} {target} holds files gptopt did not write ({names}), so --overwrite will not "
                          f"replace it: move them out, or choose another {flag}")
     return mine
+
+
+def _foreign_inside(entries: Sequence[Path], contents: Mapping[str, Sequence[str]]) -> list[Path]:
+    """Files inside gptopt's folders that match none of the paths gptopt writes there."""
+    foreign: list[Path] = []
+    for entry in entries:
+        if not entry.is_dir() or entry.is_symlink():
+            continue
+        globs = next((g for pattern, g in contents.items() if fnmatch.fnmatchcase(entry.name, pattern)), None)
+        if globs is None:
+            continue
+        for path in sorted(entry.rglob("*")):
+            if path.is_dir() and not path.is_symlink():
+                continue
+            rel = path.relative_to(entry).as_posix()
+            if not any(fnmatch.fnmatchcase(rel, g) for g in globs):
+                foreign.append(path)
+    return foreign
 
 
 # ----------------------------------------------------------------------------------------------

@@ -48,6 +48,9 @@ log = logging.getLogger("gptopt")
 RUN_KIND = "train-run"  # the output-folder mark (fsutil.mark) of a training run
 # Every top-level entry a run writes into --output_dir: a folder holding any of them holds a run, which
 # only --resume continues and only --overwrite replaces. The user's other files there are never touched.
+# What a run writes inside its folders: anything else there is the user's, and --overwrite keeps away.
+RUN_CONTENTS = {f"{checkpoint.PREFIX}*": [checkpoint.WEIGHTS, checkpoint.META, checkpoint.TRAIN_STATE, TOKENIZER],
+                "logs": ["events.out.tfevents.*", "profile/*"]}
 RUN_ENTRIES = (f"{checkpoint.PREFIX}*", checkpoint.LATEST, "metrics.jsonl", "run.json", "monitor.json", "logs")
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -134,7 +137,7 @@ class Metrics:
     def __init__(self, out: Path, start_step: int, tensorboard: bool) -> None:
         self.path = out / "metrics.jsonl"
         if self.path.exists():  # a resumed run drops records past its checkpoint: they are being redone
-            kept = [line for line in self.path.read_text().splitlines() if line and json.loads(line).get("step", 0) <= start_step]
+            kept = [line for line in self.path.read_text().splitlines() if line and self._step(line) <= start_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         self.fh = open(self.path, "a")
         self.tb = None
@@ -145,6 +148,17 @@ class Metrics:
                 self.tb = SummaryWriter(str(out / "logs"), purge_step=start_step or None)
             except ImportError:
                 log.info("TensorBoard logs off: pip install 'gptopt[tensorboard]'")
+
+    def _step(self, line: str) -> int:
+        try:
+            record = json.loads(line)
+            step = record.get("step", 0) if isinstance(record, dict) else None
+        except ValueError:
+            step = None
+        if not isinstance(step, int):
+            raise ValueError(f"{self.path}: a line is not one of gptopt's metrics records ({line[:60]!r}); move the "
+                             "file away (the run's checkpoints do not need it) and resume again")
+        return step
 
     def write(self, record: dict[str, Any]) -> None:
         self.fh.write(json.dumps(record) + "\n")
@@ -243,10 +257,16 @@ class Trainer:
             fsutil.recover(out, RUN_ENTRIES)
             fsutil.check_output(out, kind=RUN_KIND, overwrite=False)  # a file? writable? (+ the clean-up)
         distributed.barrier(self.info)
-        if cfg.resume:
-            return []
         found = sorted(p.name for p in out.iterdir() if any(fnmatch.fnmatchcase(p.name, g) for g in RUN_ENTRIES)) \
             if out.is_dir() else []
+        if cfg.resume:
+            # Continuing writes metrics.jsonl, run.json, ... again: only over a run of gptopt's (marked, or
+            # from before marks, with its checkpoints), never over a user's files of the same names.
+            if found and fsutil.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
+                names = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
+                raise ValueError(f"--output_dir {out} holds {names}, which gptopt did not write (no run of its own is "
+                                 "there); nothing was written: choose another --output_dir")
+            return []
         if found and not cfg.overwrite:
             names = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
             raise ValueError(f"--output_dir {out} holds a training run ({names}); nothing was written: pass --resume "
@@ -254,7 +274,7 @@ class Trainer:
                              "checkpoint), or choose another --output_dir")
         if not found or not main:
             return []
-        return fsutil.check_output(out, kind=RUN_KIND, overwrite=True, ours=RUN_ENTRIES)
+        return fsutil.check_output(out, kind=RUN_KIND, overwrite=True, ours=RUN_ENTRIES, contents=RUN_CONTENTS)
 
     def _lineage(self, resume_dir: Path | None) -> list[str]:
         """The chain the new checkpoints continue: the resumed checkpoint's, when it lies in --output_dir
@@ -440,7 +460,9 @@ class Trainer:
                     self._evaluate(progress.step)
                 stop = self._stop_requested(stop_signal)
                 if stop or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0):
-                    progress.last_good = self._save(progress)
+                    # A checkpoint taken because of Ctrl-C / SIGTERM does not retire an old run that --overwrite
+                    # set aside: stopping a mistaken --overwrite must give the old run back (run() does).
+                    progress.last_good = self._save(progress, retire_old=not stop_signal)
                 if stop:
                     exit_code = self._stopped_early(progress, stop_signal)
                     break
@@ -521,7 +543,10 @@ class Trainer:
         """Say why the run stopped (its checkpoint is saved); the exit code: 143/130 for SIGTERM/SIGINT."""
         main = self.info.is_main
         if stop_signal:
-            if main:
+            if main and self.aside is not None and self.aside.folder is not None:
+                log.info(f"signal {signal.Signals(stop_signal[0]).name}: the run --overwrite was replacing is put back "
+                         f"in {self.out} (this run had no checkpoint before the signal)")
+            elif main:
                 log.info(f"signal {signal.Signals(stop_signal[0]).name}: saved {progress.last_good}; resume with --resume auto")
             return EXIT_CODES.get(stop_signal[0], 1)
         if main:
@@ -561,7 +586,7 @@ class Trainer:
             tqdm.write(f"step {step}: val loss {val:.4f}, perplexity {ppl:.2f}" + (f"\n  sample: {text!r}" if text else ""))
             self.metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "sample": text})
 
-    def _save(self, progress: Progress) -> Path | None:
+    def _save(self, progress: Progress, *, retire_old: bool = True) -> Path | None:
         optimizer, scaler = self.train_step.optimizer, self.train_step.scaler
         model_state, optim_state = distributed.full_state_dicts(self.raw, optimizer, self.prep.sharded)
         path = None
@@ -582,7 +607,7 @@ class Trainer:
                                               meta=meta, keep=self.cfg.save_total_limit, parent=self.lineage,
                                               tokenizer=tokenizer)
             self.lineage = checkpoint.lineage(path)
-            if self.aside is not None:
+            if self.aside is not None and retire_old:
                 self.aside.commit()  # the new run has a checkpoint of its own: the old run goes
         distributed.barrier(self.info)
         return path if path is not None else checkpoint.latest_checkpoint(self.out)
