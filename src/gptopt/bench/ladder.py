@@ -96,7 +96,7 @@ def select_rungs(spec: str) -> list[Rung]:
         elif part in by_name or part == SWEEP:
             names.append(part)
         else:
-            valid = ", ".join([*by_name, SWEEP, "default", "all"])
+            valid = ", ".join(dict.fromkeys([*by_name, SWEEP, "default", "all"]))  # "all" is a rung and a set
             raise ValueError(f"unknown rung {part!r}; valid rungs: {valid}")
     seen: list[str] = []
     for n in names:
