@@ -276,6 +276,31 @@ def test_a_rung_the_device_policy_makes_identical_is_reported_not_measured(
     assert "x" not in amp_row.replace("identical", "")  # no speedup column filled in
 
 
+def test_an_interrupt_during_dynamos_first_import_stays_an_interrupt(
+        train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.machinery
+    import sys
+    import types
+
+    cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
+                      output_dir=str(tmp_path / "b"), rungs="eager")
+    bench = Bench(cfg)
+    # What a Ctrl-C leaves when it lands while torch first imports torch._dynamo: a module in
+    # sys.modules, still initialising, without reset().
+    half = types.ModuleType("torch._dynamo")
+    half.__spec__ = importlib.machinery.ModuleSpec("torch._dynamo", None)
+    half.__spec__._initializing = True  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "torch._dynamo", half)
+    monkeypatch.setattr(torch, "_dynamo", half, raising=False)
+
+    def interrupted(*args: Any, **kw: Any) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Bench, "_build", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_rung(select_rungs("eager")[0])
+
+
 def test_rungs_list_prints_every_rung(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench", "--rungs", "list"]) == 0
     out = capsys.readouterr().out

@@ -123,6 +123,23 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_tokenizer(
     assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", str(out), "--overwrite"]) == 0
 
 
+def test_an_output_dir_where_no_folder_can_be_made_is_one_line(model_dir: Path, model: GPT, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    # /proc passes a permission check as root, yet no folder can be made in it
+    assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", "/proc/x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gptopt export: error: --output_dir /proc/x"), err
+
+    def no_staging(target: Path, **kw: object) -> None:  # a folder that vanished or turned read-only since
+        raise FileNotFoundError(2, "No such file or directory", str(target.parent / f".{target.name}.tmp-1"))
+
+    monkeypatch.setattr(export, "staged_dir", no_staging)
+    pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=r"--output_dir .*hf: cannot create a folder there \(No such file"):
+        export.export_hf_checked(model, tmp_path / "hf")
+
+
 def test_a_hugging_face_dir_without_tokenizer_files_exports_without_one_and_offline(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -264,7 +264,8 @@ def test_overwrite_replaces_an_output_file_only_when_the_new_one_is_complete(
         model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / "in.txt").write_text("import os\ndef main():\nx\n")
     out = tmp_path / "out.jsonl"
-    out.write_text("my earlier completions\n")
+    earlier = json.dumps({"prompt": "a", "completion": "b", "tokens": 1, "finish_reason": "length"}) + "\n"
+    out.write_text(earlier)  # an earlier run's output: the one kind of file --overwrite replaces
     args = greedy_cli(model_dir, "--input", str(tmp_path / "in.txt"), "--output", str(out), "--batch_size", "2")
 
     def broken(*a: object, **kw: object) -> None:
@@ -275,10 +276,72 @@ def test_overwrite_replaces_an_output_file_only_when_the_new_one_is_complete(
         with pytest.raises(RuntimeError):
             gen_mod.main(cli.parse_config("generate", GenerateConfig, [*args[1:], "--overwrite"],
                                           cli.build_parser("generate", GenerateConfig)))
-    assert out.read_text() == "my earlier completions\n"  # the failed run left it as it was
+    assert out.read_text() == earlier  # the failed run left it as it was
     assert sorted(p.name for p in tmp_path.iterdir()) == ["in.txt", "out.jsonl"]  # and no temporary file
     assert cli.main([*args, "--overwrite"]) == 0
     assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["import os", "def main():", "x"]
+
+
+def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The error line of a CLI run that must exit 2 without writing anything (after the model's log line, if
+    it was loaded)."""
+    capsys.readouterr()
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err and err.splitlines()[-1].startswith("gptopt generate: error: "), err
+    return err.splitlines()[-1]
+
+
+def test_output_never_replaces_the_input_or_a_model_file(trained_out: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import shutil
+
+    run = shutil.copytree(trained_out, tmp_path / "run")  # a copy: a broken check must not harm the shared one
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a\nb\n")
+    (tmp_path / "link.jsonl").symlink_to(prompts)
+    base = greedy_cli(run, "--max_new_tokens", "3", "--input", str(prompts), "--overwrite", "--output")
+    for output in (prompts, tmp_path / "link.jsonl"):
+        assert "is the --input file" in refused([*base, str(output)], capsys)
+    assert prompts.read_text() == "a\nb\n"
+    ckpt = checkpoint.latest_checkpoint(run)
+    assert ckpt is not None
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for output in (ckpt / "model.safetensors", run / "latest", run / "new.jsonl"):
+        assert "inside the model folder" in refused([*base, str(output)], capsys)
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_overwrite_replaces_only_a_generate_output(model_dir: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "in.txt").write_text("a\nb\n")
+    base = greedy_cli(model_dir, "--max_new_tokens", "3", "--input", str(tmp_path / "in.txt"), "--overwrite",
+                      "--output")
+    for name, text in [("notes.txt", "my notes\n"), ("data.jsonl", '{"prompt": "x", "id": 1}\n'),
+                       ("latin.jsonl", "caf\xe9\n")]:
+        (tmp_path / name).write_text(text, encoding="latin-1")
+        assert "is not a generate output" in refused([*base, str(tmp_path / name)], capsys)
+        assert (tmp_path / name).read_text(encoding="latin-1") == text
+    assert cli.main([*base, str(tmp_path / "out.jsonl")]) == 0
+    assert cli.main([*base, str(tmp_path / "out.jsonl")]) == 0  # its own output: replaced
+    assert [json.loads(line)["prompt"] for line in (tmp_path / "out.jsonl").read_text().splitlines()] == ["a", "b"]
+
+
+def test_prompts_that_are_not_utf8_are_named(model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    prompt = b"\xff".decode("utf-8", "surrogateescape")  # how Python hands over a non-UTF-8 argv byte
+    assert "the prompt is not valid UTF-8 text (byte 0xff" in refused(greedy_cli(model_dir, prompt), capsys)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"caf\xe9"), encoding="utf-8"))
+    assert "stdin is not UTF-8 text (byte 0xe9 at offset 3)" in refused(greedy_cli(model_dir, "-"), capsys)
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"ok\ncaf\xe9\n")
+    err = refused(greedy_cli(model_dir, "--input", str(latin)), capsys)
+    assert f"--input {latin} is not UTF-8 text (byte 0xe9 at offset 6)" in err
+    jsonl = tmp_path / "surrogate.jsonl"
+    jsonl.write_text('{"prompt": "\\udcff"}\n')
+    assert "prompt 1 is not valid UTF-8 text" in refused(greedy_cli(model_dir, "--input", str(jsonl)), capsys)
+    assert "no prompts in it" in refused(greedy_cli(model_dir, "--input", "/dev/null"), capsys)
+    assert "is a folder; give a file of prompts" in refused(greedy_cli(model_dir, "--input", str(tmp_path)), capsys)
 
 
 def test_cli_loads_a_training_output_dir(trained_out: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -715,3 +715,80 @@ def test_schemathesis_finds_no_server_errors(hostile_server: str, examples: int)
             assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
     check()
+
+
+# -- start-up: refused before the model loads ------------------------------------------------------
+
+
+def serve_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The one error line of `gptopt serve ARGV`, which must exit 2 before loading --model (it does not exist)."""
+    from gptopt import cli
+
+    capsys.readouterr()
+    assert cli.main(["serve", "--model", "/nonexistent/model", "--device", "cpu", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gptopt serve: error: "), err
+    return err
+
+
+def test_an_empty_api_key_is_refused(debug_tokenizer: Any, monkeypatch: pytest.MonkeyPatch,
+                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--api_key is empty; give a key or leave the option out" in serve_refused(["--api_key", ""], capsys)
+    monkeypatch.setenv("GPTOPT_API_KEY", "")  # `export GPTOPT_API_KEY=$UNSET`
+    assert "GPTOPT_API_KEY is set but empty" in serve_refused([], capsys)
+    model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size()))
+    with pytest.raises(ValueError, match="GPTOPT_API_KEY is set but empty"):
+        create_app(ServeConfig(model="debug", device="cpu"), model=model, tokenizer=debug_tokenizer)
+
+
+def test_a_port_in_use_or_a_foreign_host_is_refused_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        err = serve_refused(["--port", str(port)], capsys)
+    assert f"port {port} on 127.0.0.1 is already in use" in err and "--port N" in err
+    err = serve_refused(["--host", "192.0.2.1", "--port", "0"], capsys)  # TEST-NET-1: never this machine's
+    assert "--host 192.0.2.1 is not an address of this machine" in err
+
+
+def test_serve_announces_and_serves_the_port_it_bound(model_dir: Path) -> None:
+    import os
+    import re
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    proc = subprocess.Popen([sys.executable, "-m", "gptopt", "serve", "--model", str(model_dir), "--device", "cpu",
+                             "--port", "0", "--max_batch_size", "1"], stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert proc.stderr is not None
+        port = None
+        for line in proc.stderr:
+            if m := re.search(r"serving \S+ on http://127\.0\.0\.1:(\d+)", line):
+                port = int(m.group(1))
+                break
+        assert port, "no 'serving on' line"
+        wait_for(lambda: _answers(f"http://127.0.0.1:{port}/ready"), timeout=60)
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == model_dir.name
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def _answers(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def test_head_probes_and_one_model_by_id(url: str) -> None:
+    assert httpx.head(f"{url}/health").status_code == 200
+    assert httpx.head(f"{url}/ready").status_code == 200
+    model = httpx.get(f"{url}/v1/models/debug").json()
+    assert model == httpx.get(f"{url}/v1/models").json()["data"][0]
+    assert model["id"] == "debug" and model["object"] == "model"
+    err = assert_openai_error(httpx.get(f"{url}/v1/models/gpt-4"), 404, "model_not_found")
+    assert "'gpt-4' does not exist" in err["message"] and err["param"] == "model"

@@ -93,7 +93,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
         else:
             parser.add_argument(
                 *flags,
-                type=_parse_value(kind, optional, f.name),
+                type=_parse_value(kind, optional and not f.metadata.get("verbatim"), f.name),
                 choices=f.metadata.get("choices"),
                 metavar=kind.__name__.upper() if not f.metadata.get("choices") else None,
                 help=f"{help_text} (default: {default})",

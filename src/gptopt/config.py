@@ -40,11 +40,14 @@ MAX_SECONDS = 7 * 86400.0  # a timeout of a week: larger values overflow event-l
 
 def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, cli: bool = True,
         ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-        hint: str | None = None) -> Any:
+        hint: str | None = None, verbatim: bool = False) -> Any:
     """A dataclass field with the help text and allowed values (choices, or a range: >= ge, > gt,
     <= le, < lt) that the CLI shows and check_fields enforces; hint: the fix an out-of-range value
-    is told, where the range alone does not say it."""
+    is told, where the range alone does not say it; verbatim: the CLI keeps '' and 'none' as text
+    rather than reading them as None (a secret given as an unset "$VAR" must not vanish)."""
     extra = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, hint=hint).items() if v is not None}
+    if verbatim:
+        extra["verbatim"] = True
     return field(default=default, metadata={"help": help, "choices": choices, "cli": cli, **extra})
 
 
@@ -521,7 +524,7 @@ class ServeConfig:
                      choices=("auto", "bf16", "fp16", "fp32"))
     compile: bool = opt(False, "compile the decode step")
     quantize: str = opt("none", "int8-weight: torchao int8 weight-only (quant extra)", choices=("none", "int8-weight"))
-    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)")
+    api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)", verbatim=True)
     cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
     blocklist: str | None = opt(None, "file of rules, one a line, refused in prompts and cut from output: a plain term "
                                 "(matched as text, ignoring case), or re:REGEX (a regular expression, time-limited)")

@@ -269,6 +269,31 @@ def _check_output_dir(target: Path, fmt: str, overwrite: bool) -> None:
     if fmt == "onnx" and overwrite and target.is_dir():
         _adopt_legacy_onnx(target)
     check_output(target, kind=KINDS[fmt], overwrite=overwrite, whole=True)
+    # Permission bits do not tell everything (as root, /proc and read-only mounts pass them): make a
+    # folder where the staging folder will go, now, before the model loads.
+    probe = target.expanduser().absolute().parent
+    while not probe.exists() and probe.parent != probe:
+        probe = probe.parent
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gptopt-probe-", dir=probe))
+    except OSError as e:
+        raise ValueError(_cannot_create(target, e)) from None
+
+
+def _cannot_create(target: Path, e: OSError) -> str:
+    return (f"--output_dir {target}: cannot create a folder there ({e.strerror or e}); nothing was written: "
+            "choose a folder you can write with --output_dir")
+
+
+@contextlib.contextmanager
+def _staged(target: Path, fmt: str, replace: bool) -> Iterator[Path]:
+    """staged_dir, with a failure to create the staging folder told as one line naming --output_dir."""
+    with contextlib.ExitStack() as stack:
+        try:
+            tmp = stack.enter_context(staged_dir(target, replace=replace, kind=KINDS[fmt]))
+        except OSError as e:
+            raise ValueError(_cannot_create(target, e)) from None
+        yield tmp
 
 
 def _io(values: list[Any]) -> list[dict[str, Any]]:
@@ -294,7 +319,7 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
         eager = GPT(dataclasses.replace(model.config, attention="eager"))
         eager.load_state_dict(model.state_dict())
         model = eager.eval()
-    with staged_dir(target, replace=overwrite, kind=KINDS["onnx"]) as tmp:
+    with _staged(target, "onnx", overwrite) as tmp:
         t0 = time.perf_counter()
         exporter = to_onnx(model, tmp / ONNX_FILE, opset=opset)
         export_s = time.perf_counter() - t0
@@ -332,7 +357,7 @@ def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer
     if model.transformer.wte.weight.device.type != "cpu":
         raise ValueError("the Hugging Face export is checked on the CPU: pass the model there")
     model = model.eval()
-    with staged_dir(target, replace=overwrite, kind=KINDS["hf"]) as tmp:
+    with _staged(target, "hf", overwrite) as tmp:
         hf.export_hf(model, tmp)  # into the empty staging dir: export_hf writes its own files atomically
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER))

@@ -33,7 +33,7 @@ from tqdm import tqdm
 from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
 from gptopt.device import DevicePlan, resolve
 from gptopt.fsutil import staged_file
-from gptopt.inference import compile_decode, load_for_inference
+from gptopt.inference import compile_decode, load_for_inference, model_source
 from gptopt.model import GPT, KVCacheLayer
 from gptopt.tokenizer import eot_id
 
@@ -518,7 +518,16 @@ class StopChecker:
 # CLI
 
 
-def _encode(tok: Tokenizer, text: str, eot: int | None) -> list[int]:
+def _check_utf8(text: str, what: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:  # a lone surrogate: argv's stand-in for a byte that is not UTF-8
+        raise ValueError(f"{what} is not valid UTF-8 text ({_bad_char(text[e.start])} at character {e.start}); "
+                         "give it as UTF-8") from None
+
+
+def _encode(tok: Tokenizer, text: str, eot: int | None, what: str = "the prompt") -> list[int]:
+    _check_utf8(text, what)  # the tokenizer raises a TypeError on it
     ids = tok.encode(text).ids
     if not ids:
         if eot is None:
@@ -527,13 +536,33 @@ def _encode(tok: Tokenizer, text: str, eot: int | None) -> list[int]:
     return ids
 
 
+def _bad_char(c: str) -> str:
+    """A lone surrogate, named as the byte it stands for when Python decoded argv with surrogateescape."""
+    return f"byte 0x{ord(c) - 0xDC00:02x}" if 0xDC80 <= ord(c) <= 0xDCFF else f"lone surrogate U+{ord(c):04X}"
+
+
+# The keys of each line generate writes (_write_jsonl): how --overwrite knows a file is its own output.
+OUTPUT_KEYS = frozenset({"prompt", "completion", "tokens", "finish_reason"})
+
+
 def _read_prompts(path: str) -> list[str]:
     """One prompt per non-blank line; in a .jsonl file, each line's "prompt" field."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"--input {p}: no such file")
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise ValueError(f"--input {path} is a folder; give a file of prompts, one a line (or .jsonl)")
+    if not p.exists():
+        raise ValueError(f"--input {path}: no such file")
+    try:  # not only regular files: a pipe (--input <(cmd)) is read too
+        data = p.read_bytes()
+    except OSError as e:
+        raise ValueError(f"--input {path}: cannot read it ({e.strerror or e}); give a readable file") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--input {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+                         "convert it, e.g. iconv -f latin1 -t utf-8") from None
     prompts = []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+    for n, line in enumerate(text.splitlines(), 1):
         if not line.strip() or p.suffix != ".jsonl":
             prompts += [line] if line.strip() else []
             continue
@@ -544,7 +573,7 @@ def _read_prompts(path: str) -> list[str]:
             raise ValueError(f'{p}:{n}: expected a JSON object with a "prompt" string, got {line[:80]!r}')
         prompts.append(row["prompt"])
     if not prompts:
-        raise ValueError(f"--input {p}: no prompts in it")
+        raise ValueError(f"--input {path}: no prompts in it (it is empty or all blank lines)")
     return prompts
 
 
@@ -553,7 +582,12 @@ def _prompt_text(prompt: str | None) -> str:
         return prompt
     if sys.stdin.isatty():
         print("gptopt generate: reading the prompt from stdin (Ctrl-D ends it)", file=sys.stderr)
-    return sys.stdin.read().removesuffix("\n")  # the newline echo adds is not part of the prompt
+    try:
+        text = sys.stdin.read()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"the prompt on stdin is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+                         f"{e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
+    return text.removesuffix("\n")  # the newline echo adds is not part of the prompt
 
 
 def _stream_text(gen: Generator, tok: Tokenizer, ids: list[int], params: SamplingParams) -> int:
@@ -602,12 +636,22 @@ def _write_jsonl(gen: Generator, tok: Tokenizer, prompts: list[str], encoded: li
     return n
 
 
-def _check_output_file(output: str, overwrite: bool) -> None:
-    """--output, checked before the model is loaded: a writable place, and no file replaced unasked."""
+def _check_output_file(cfg: GenerateConfig) -> None:
+    """--output, checked before the model is loaded: a writable place, never an input, and no file replaced
+    unasked; --overwrite replaces only generate's own output."""
+    output = cfg.output
+    assert output is not None
     path = Path(output).expanduser()
     if path.is_dir():
         raise ValueError(f"--output {output} is a folder; give the path of a file (.jsonl)")
-    if path.exists() and not overwrite:
+    real = os.path.realpath(path)  # through symlinks and .., as the write would go
+    if cfg.input and (real == os.path.realpath(Path(cfg.input).expanduser()) or _same_file(path, cfg.input)):
+        raise ValueError(f"--output {output} is the --input file; nothing was written: choose another --output")
+    for folder in _model_folders(cfg.model):
+        if os.path.commonpath([real, folder]) == folder:
+            raise ValueError(f"--output {output} is inside the model folder {folder}; nothing was written: "
+                             "choose an --output outside it")
+    if path.exists() and not _overwrite_ok(path, cfg.overwrite, output):
         raise ValueError(f"--output {output} exists; nothing was written: pass --overwrite to replace it (kept until "
                          "the new file is complete), or choose another path")
     probe = path.parent
@@ -620,17 +664,66 @@ def _check_output_file(output: str, overwrite: bool) -> None:
                          "write with --output")
 
 
+def _same_file(a: Path, b: str) -> bool:
+    try:  # a hard link has another path but the same inode
+        return os.path.samefile(a, Path(b).expanduser())
+    except OSError:
+        return False
+
+
+def _model_folders(model: str) -> list[str]:
+    """The local folders --model loads from (a training run dir and the checkpoint it resolves to), resolved."""
+    if not Path(model).expanduser().is_dir():
+        return []  # a hub name, or a path load_for_inference will refuse
+    folders = {os.path.realpath(Path(model).expanduser())}
+    with contextlib.suppress(ValueError, OSError):
+        source = model_source(model)
+        if isinstance(source, Path):
+            folders.add(os.path.realpath(source))
+    return sorted(folders)
+
+
+def _overwrite_ok(path: Path, overwrite: bool, output: str) -> bool:
+    """Whether --overwrite may replace `path`: only a file generate wrote, every line a JSON object with
+    exactly OUTPUT_KEYS (or an empty file). Anything else (a prompts file, a model's weights, a script)
+    was not made by generate and may be all the user has of it, so it is refused whatever --overwrite says."""
+    if not overwrite:
+        return False
+    if not path.is_file():
+        raise ValueError(f"--output {output} exists and is not a regular file; choose another --output")
+    try:
+        with path.open("rb") as fh:
+            for line in fh:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                if not isinstance(row, dict) or set(row) != OUTPUT_KEYS:
+                    break
+            else:
+                return True
+    except (OSError, ValueError):  # unreadable, not UTF-8 (UnicodeDecodeError) or not JSON: not ours
+        pass
+    raise ValueError(f"--output {output} exists and is not a generate output (.jsonl of prompt/completion "
+                     "lines), so --overwrite does not replace it; nothing was written: choose another --output, "
+                     "or move the file away first")
+
+
 def main(cfg: GenerateConfig) -> int:
     if cfg.output:
-        _check_output_file(cfg.output, cfg.overwrite)
+        _check_output_file(cfg)
     batch = _read_prompts(cfg.input) if cfg.input else None
+    if batch is None and cfg.prompt is not None:
+        _check_utf8(cfg.prompt, "the prompt")  # before the model loads
     plan = resolve(cfg.device, quiet=True)
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
                                     quantize=cfg.quantize)
     eot = eot_id(tok)
     params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=() if eot is None else (eot,))
     gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile)
-    encoded = [_encode(tok, text, eot) for text in (batch or [_prompt_text(cfg.prompt)])]
+    if batch:
+        encoded = [_encode(tok, text, eot, f"--input {cfg.input}: prompt {i}") for i, text in enumerate(batch, 1)]
+    else:
+        encoded = [_encode(tok, _prompt_text(cfg.prompt), eot)]
     for ids in encoded:
         gen.check_prompt(ids)  # a bad line fails before the batch runs, not after
     t0 = time.perf_counter()

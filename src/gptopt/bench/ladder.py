@@ -162,6 +162,18 @@ def loss_matches(loss: float, reference: float, tolerance: float) -> bool:
 StopHook = Callable[[int, list[float]], "tuple[str, str] | None"]
 
 
+def _reset_dynamo() -> None:
+    """torch._dynamo.reset(), where dynamo is fully imported. Not imported: nothing was compiled. Partly
+    imported (a Ctrl-C landed during torch's first import of it): reset is missing or half-made, and
+    calling it would raise AttributeError in place of the interrupt."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None or getattr(getattr(dynamo, "__spec__", None), "_initializing", False):
+        return
+    reset = getattr(dynamo, "reset", None)
+    if callable(reset):
+        reset()
+
+
 class Bench:
     def __init__(self, cfg: BenchConfig, *, steps: int | None = None, warmup: int | None = None) -> None:
         self.cfg = cfg
@@ -336,13 +348,21 @@ class Bench:
                 res.status, res.note = "failed", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 log.warning(f"rung {rung.name} failed: {res.note}")
         finally:
-            del model, train_step
-            gc.collect()
-            if plan.device.type == "cuda":
-                torch.cuda.empty_cache()
-            torch._dynamo.reset()  # each rung compiles afresh; caches must not leak between rungs
-            if reused:  # the next rung (the naive ones above all) runs with glibc's defaults
-                reuse_host_memory(False)
+            # What is still in flight here is an interrupt (Ctrl-C, SystemExit): the rung's own errors were
+            # caught above. A clean-up error must not replace it, or a Ctrl-C reads as a crash.
+            interrupted = sys.exc_info()[1] is not None
+            try:
+                del model, train_step
+                gc.collect()
+                if plan.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                _reset_dynamo()  # each rung compiles afresh; caches must not leak between rungs
+                if reused:  # the next rung (the naive ones above all) runs with glibc's defaults
+                    reuse_host_memory(False)
+            except Exception as e:
+                if not interrupted:
+                    raise
+                log.debug(f"clean-up after the interrupted rung {rung.name} failed: {type(e).__name__}: {e}")
         return res
 
     # -- the ladder ------------------------------------------------------------------------

@@ -18,10 +18,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import errno
 import hmac
 import json
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -62,7 +64,7 @@ MAX_PROMPTS = 16  # prompts in one request's list
 MAX_CHOICES = 32  # prompts x n: sequences one request may put into the engine
 MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARS = 256
-ROUTES = ("/generate", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")  # metric labels
+ROUTES = ("/generate", "/v1/completions", "/v1/models", "/v1/models/{id}", "/health", "/ready", "/metrics")  # metric labels
 OPEN_ROUTES = ("/health", "/ready")  # probes: answered without the API key
 JSON_ROUTES = ("/generate", "/v1/completions")  # the routes that take a body: a JSON object
 # Prompt checks at once, in their own pool so they never hold up tokenizing. Each ends within its
@@ -183,7 +185,8 @@ class _Guard:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        route = scope["path"] if scope["path"] in ROUTES else "other"
+        route = scope["path"] if scope["path"] in ROUTES else (
+            "/v1/models/{id}" if scope["path"].startswith("/v1/models/") else "other")
         status = {"code": 500}
 
         async def counted_send(message: dict[str, Any]) -> None:
@@ -431,7 +434,7 @@ class _API:
         self.stop_ids = () if eot is None else (eot,)
         self.context = engine.generator.max_len
         self.model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name or cfg.model
-        self.api_key = cfg.api_key or os.environ.get("GPTOPT_API_KEY")
+        self.api_key = api_key(cfg)
         self.started = int(time.time())
         self.checks = concurrent.futures.ThreadPoolExecutor(BLOCKLIST_THREADS, thread_name_prefix="gptopt-blocklist")
 
@@ -442,8 +445,11 @@ class _API:
                 self.completions)
         app.post("/generate", response_model=GenerateResponse, responses=generation)(self.generate)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model_id:path}", responses=_responses(404))(self.model)
         app.get("/health")(self.health)
         app.get("/ready", responses={503: {"description": "starting or draining"}})(self.ready)
+        for probe, handler in (("/health", self.health), ("/ready", self.ready)):  # load balancers and curl -I
+            app.head(probe, include_in_schema=False)(handler)
         app.get("/metrics", response_class=PlainTextResponse,
                 responses={200: {"description": "Prometheus text format"}})(self.prometheus_metrics)
 
@@ -575,9 +581,19 @@ class _API:
         (result,) = await self.collect(request, queue, reqs)
         return GenerateResponse(generated_text=body.prompt + result.text, inference_time=time.perf_counter() - t0)
 
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "gptopt",
+                "max_model_len": self.context}
+
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": self.started,
-                                            "owned_by": "gptopt", "max_model_len": self.context}]}
+        return {"object": "list", "data": [self.model_card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """OpenAI's GET /v1/models/{model}: the served model's object, or 404 model_not_found."""
+        if model_id != self.model_name:
+            raise APIError(404, f"the model {model_id!r} does not exist; this server has {self.model_name!r}",
+                           param="model", code="model_not_found")
+        return self.model_card()
 
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}  # liveness: the process answers
@@ -664,14 +680,57 @@ def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Ite
         thread.join(timeout=60)
 
 
+def api_key(cfg: ServeConfig) -> str | None:
+    """The key requests must send: --api_key, else $GPTOPT_API_KEY, else None (no authentication).
+    An empty one is refused: it is what an unset shell variable (--api_key "$KEY") gives, and serving
+    without a key because of it would open the server silently."""
+    if cfg.api_key is not None:
+        if not cfg.api_key.strip():
+            raise ValueError("--api_key is empty; give a key or leave the option out")
+        return cfg.api_key
+    key = os.environ.get("GPTOPT_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("GPTOPT_API_KEY is set but empty; set it to a key, or unset it to serve without one")
+    return key
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening address, bound now as uvicorn would bind it, so that a port in use or a host that is
+    not this machine's fails with one line before the model loads (uvicorn itself logs and exits 1)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"port {port} on {host} is already in use (another server?); stop it, or choose "
+                             "another with --port N (--port 0 picks a free one)") from None
+        if e.errno == errno.EACCES:
+            raise ValueError(f"port {port} on {host} needs privileges to listen on; choose one from 1024 up with "
+                             "--port N") from None
+        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
+            raise ValueError(f"--host {host} is not an address of this machine; use 127.0.0.1 (this machine only) "
+                             "or 0.0.0.0 (every interface)") from None
+        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --host or --port") from None
+    return sock
+
+
 def main(cfg: ServeConfig) -> int:
     """`gptopt serve`: load the model once, warm up, serve until SIGTERM/SIGINT, drain, exit 0."""
-    app = create_app(cfg)
+    api_key(cfg)  # before any work
+    sock = bind(cfg.host, cfg.port)  # before the model loads, and before "serving on" is said
+    try:
+        app = create_app(cfg)
+    except BaseException:
+        sock.close()
+        raise
     engine: Engine = app.state.engine
+    port = sock.getsockname()[1]  # --port 0: the one picked
     log.info("serving %s on http://%s:%d (batch %d, queue %d); OpenAI base_url http://%s:%d/v1",
-             app.state.model_name, cfg.host, cfg.port, engine.generator.max_batch_size, cfg.max_queue,
-             cfg.host, cfg.port)
-    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=cfg.port, log_level="info",
+             app.state.model_name, cfg.host, port, engine.generator.max_batch_size, cfg.max_queue, cfg.host, port)
+    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=port, log_level="info",
                                            timeout_graceful_shutdown=int(cfg.request_timeout) + 1))
-    server.run()
+    server.run(sockets=[sock])
     return 0 if server.started else 1
