@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig
-from gptopt.fsutil import remove_dir, staged_dir, write_text_atomic
+from gptopt.fsutil import remove, staged_dir, write_text_atomic
 from gptopt.model import GPT
 from gptopt.quantize import unpack_state
 from gptopt.tokenizer import TOKENIZER
@@ -222,7 +222,7 @@ def save_checkpoint(
     write_text_atomic(root / LATEST, name + "\n")  # before retention: `latest` never names a deleted checkpoint
     mine = set(chain)
     for old in [d for d in checkpoint_dirs(root) if d.name in mine][:-keep]:
-        remove_dir(old)  # renamed away first: a half-deleted checkpoint is never listed as one
+        remove(old)  # renamed away first: a half-deleted checkpoint is never listed as one
     return target
 
 

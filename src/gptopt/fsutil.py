@@ -34,7 +34,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = ["OWNER_FILE", "Aside", "check_output", "clean_stale", "fsync_dir", "mark", "marked_kind",
-           "recover", "remove_dir", "replace_dir", "staged_dir", "staged_file", "staged_files", "write_text_atomic"]
+           "recover", "remove", "replace_dir", "some", "staged_dir", "staged_file", "staged_files", "write_text_atomic"]
 
 log = logging.getLogger("gptopt")
 
@@ -111,23 +111,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _rmtree(path: Path) -> None:
-    """Delete a directory of gptopt's own: renamed to a trash name first, so an interrupted delete is
-    recognisably garbage and never mistaken for the thing it was."""
-    if not path.exists():
+def _delete(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove(path: Path) -> None:
+    """Delete a file or folder of gptopt's own: renamed to a trash name first, so an interrupted delete is
+    recognisably garbage (clean_stale) and never mistaken for the thing it was."""
+    if not os.path.lexists(path):
         return
     trash = path.with_name(f".{path.name.lstrip('.')}.{_tag('trash')}")
     try:
         os.replace(path, trash)
     except OSError:
         trash = path
-    if trash.is_dir() and not trash.is_symlink():
-        shutil.rmtree(trash, ignore_errors=True)
-    else:
-        trash.unlink(missing_ok=True)
-
-
-remove_dir = _rmtree  # the public name: a checkpoint's retention deletes through it
+    _delete(trash)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
@@ -156,7 +157,7 @@ def clean_stale(directory: Path) -> list[Path]:
             os.replace(path, target)  # the new one never arrived: the old one is still the output
             log.warning(f"restored {target}, which an interrupted write had moved aside")
         else:
-            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            _delete(path)
         done.append(path)
     return done
 
@@ -167,7 +168,7 @@ def replace_dir(src: Path, dst: Path) -> None:
         old = _sibling(dst, "old")
         os.replace(dst, old)
         os.replace(src, dst)
-        _rmtree(old)
+        remove(old)
     else:
         os.replace(src, dst)
     fsync_dir(dst.parent)
@@ -269,6 +270,12 @@ def _ours(directory: Path, ours: Sequence[str]) -> tuple[list[Path], list[Path]]
     return mine, theirs
 
 
+def some(names: Iterable[str], most: int = 4) -> str:
+    """The first few names, for a message: "a, b, c, d, ..."."""
+    names = list(names)
+    return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
+
+
 def _writable(path: Path, flag: str) -> None:
     probe = path
     while not probe.exists():  # the nearest existing ancestor is where the first mkdir happens
@@ -321,7 +328,7 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
         if whole:
             raise ValueError(f"{flag} {target} exists and is not empty; nothing was written: choose a new folder, "
                              "or pass --overwrite to replace an earlier output of this command there")
-        names = ", ".join(p.name for p in mine[:4]) + (", ..." if len(mine) > 4 else "")
+        names = some(p.name for p in mine)
         raise ValueError(f"{flag} {target} already holds output ({names}); nothing was written: pass --overwrite "
                          f"to replace it (kept until the new output is complete), or choose another {flag}")
     if found != kind:
@@ -331,7 +338,7 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
                          f"what it wrote itself; choose another {flag}")
     foreign = theirs if whole else _foreign_inside(mine, contents or {})
     if foreign:
-        names = ", ".join(str(p.relative_to(target)) for p in foreign[:4]) + (", ..." if len(foreign) > 4 else "")
+        names = some(str(p.relative_to(target)) for p in foreign)
         raise ValueError(f"{flag} {target} holds files gptopt did not write ({names}), so --overwrite will not "
                          f"replace it: move them out, or choose another {flag}")
     return mine
@@ -394,7 +401,7 @@ class Aside:
     def commit(self) -> None:
         """The new output stands: the old one goes."""
         if self.folder is not None:
-            _rmtree(self.folder)
+            remove(self.folder)
             self.folder = None
 
     def rollback(self) -> None:
@@ -414,11 +421,11 @@ def _restore(target: Path, folder: Path, ours: Sequence[str]) -> None:
     mine, _ = _ours(target, ours)
     for path in mine:
         if (folder / path.name).exists() or any(fnmatch.fnmatchcase(path.name, g) for g in ours):
-            _rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+            remove(path)
     for path in folder.iterdir():
         if path.name != OWNER_FILE:
             os.replace(path, target / path.name)
-    _rmtree(folder)
+    remove(folder)
     fsync_dir(target)
     log.warning(f"{target}: the new output failed; the earlier one is back in place")
 
@@ -469,7 +476,7 @@ def staged_files(target: Path, *, kind: str, replace: Sequence[Path] = (), ours:
         except BaseException:
             if not replace:  # nothing was set aside, so Aside has nothing to restore: take back what came in
                 for path in moved:
-                    _rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+                    remove(path)
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

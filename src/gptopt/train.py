@@ -263,13 +263,11 @@ class Trainer:
             # Continuing writes metrics.jsonl, run.json, ... again: only over a run of gptopt's (marked, or
             # from before marks, with its checkpoints), never over a user's files of the same names.
             if found and fsutil.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
-                names = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-                raise ValueError(f"--output_dir {out} holds {names}, which gptopt did not write (no run of its own is "
+                raise ValueError(f"--output_dir {out} holds {fsutil.some(found)}, which gptopt did not write (no run of its own is "
                                  "there); nothing was written: choose another --output_dir")
             return []
         if found and not cfg.overwrite:
-            names = ", ".join(found[:4]) + (", ..." if len(found) > 4 else "")
-            raise ValueError(f"--output_dir {out} holds a training run ({names}); nothing was written: pass --resume "
+            raise ValueError(f"--output_dir {out} holds a training run ({fsutil.some(found)}); nothing was written: pass --resume "
                              "auto to continue it, --overwrite to replace it (kept until the new run saves its first "
                              "checkpoint), or choose another --output_dir")
         if not found or not main:
