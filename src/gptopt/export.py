@@ -269,30 +269,18 @@ def _check_output_dir(target: Path, fmt: str, overwrite: bool) -> None:
     if fmt == "onnx" and overwrite and target.is_dir():
         _adopt_legacy_onnx(target)
     check_output(target, kind=KINDS[fmt], overwrite=overwrite, whole=True)
-    # Permission bits do not tell everything (as root, /proc and read-only mounts pass them): make a
-    # folder where the staging folder will go, now, before the model loads.
-    probe = target.expanduser().absolute().parent
-    while not probe.exists() and probe.parent != probe:
-        probe = probe.parent
-    try:
-        os.rmdir(tempfile.mkdtemp(prefix=".gptopt-probe-", dir=probe))
-    except OSError as e:
-        raise ValueError(_cannot_create(target, e)) from None
-
-
-def _cannot_create(target: Path, e: OSError) -> str:
-    return (f"--output_dir {target}: cannot create a folder there ({e.strerror or e}); nothing was written: "
-            "choose a folder you can write with --output_dir")
 
 
 @contextlib.contextmanager
 def _staged(target: Path, fmt: str, replace: bool) -> Iterator[Path]:
-    """staged_dir, with a failure to create the staging folder told as one line naming --output_dir."""
+    """staged_dir, with a failure to create the staging folder (the place changed since check_output
+    probed it) told as one line naming --output_dir."""
     with contextlib.ExitStack() as stack:
         try:
             tmp = stack.enter_context(staged_dir(target, replace=replace, kind=KINDS[fmt]))
         except OSError as e:
-            raise ValueError(_cannot_create(target, e)) from None
+            raise ValueError(f"--output_dir {target}: cannot create a folder there ({e.strerror or e}); nothing was "
+                             "written: choose a folder you can write with --output_dir") from None
         yield tmp
 
 

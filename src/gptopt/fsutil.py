@@ -28,12 +28,13 @@ import re
 import secrets
 import shutil
 import socket
+import tempfile
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["OWNER_FILE", "Aside", "check_output", "clean_stale", "fsync_dir", "mark", "marked_kind",
+__all__ = ["OWNER_FILE", "Aside", "check_output", "check_writable", "clean_stale", "fsync_dir", "mark", "marked_kind",
            "recover", "remove", "replace_dir", "some", "staged_dir", "staged_file", "staged_files", "write_text_atomic"]
 
 log = logging.getLogger("gptopt")
@@ -276,17 +277,26 @@ def some(names: Iterable[str], most: int = 4) -> str:
     return ", ".join(names[:most]) + (", ..." if len(names) > most else "")
 
 
-def _writable(path: Path, flag: str) -> None:
-    probe = path
+def check_writable(path: Path, flag: str, shown: Path | str | None = None) -> None:
+    """Refuse (ValueError naming flag and the fix) when path, or the nearest folder above it that exists,
+    cannot take a new folder: a file there, no permission, or a folder that cannot be created after all
+    (permission bits do not tell everything: as root, /proc and read-only mounts pass them)."""
+    shown = path if shown is None else shown
+    probe = Path(path)
     while not probe.exists():  # the nearest existing ancestor is where the first mkdir happens
         if probe.parent == probe:
             break
         probe = probe.parent
     if probe.is_file():
-        raise ValueError(f"{flag} {path}: {probe} is a file, not a folder; choose another {flag}")
+        raise ValueError(f"{flag} {shown}: {probe} is a file, not a folder; choose another {flag}")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {path}: cannot write in {probe} (permission denied); choose a folder you can "
+        raise ValueError(f"{flag} {shown}: cannot write in {probe} (permission denied); choose a folder you can "
                          f"write with {flag}")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gptopt-probe-", dir=probe))
+    except OSError as e:
+        raise ValueError(f"{flag} {shown}: cannot create a folder there ({e.strerror or e}); nothing was written: "
+                         f"choose a folder you can write with {flag}") from None
 
 
 def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str] = (),
@@ -312,7 +322,9 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
         what = "the filesystem root" if target == Path(target.anchor) else "your home folder"
         raise ValueError(f"{flag} {target} is {what}; give the output a folder of its own, e.g. "
                          f"{flag} {target / 'gptopt_out'}")
-    _writable(target, flag)
+    check_writable(target, flag)
+    if whole and target.exists():  # staged beside target and renamed in its parent: that must take writes too
+        check_writable(target.parent, flag, shown=target)
     if not target.is_dir():
         return []
     recover(target, ours)

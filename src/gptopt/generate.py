@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
 from gptopt.device import DevicePlan, resolve
-from gptopt.fsutil import staged_file
+from gptopt.fsutil import check_writable, staged_file
 from gptopt.inference import compile_decode, load_for_inference, model_source
 from gptopt.model import GPT, KVCacheLayer
 from gptopt.tokenizer import eot_id
@@ -654,14 +654,7 @@ def _check_output_file(cfg: GenerateConfig) -> None:
     if path.exists() and not _overwrite_ok(path, cfg.overwrite, output):
         raise ValueError(f"--output {output} exists; nothing was written: pass --overwrite to replace it (kept until "
                          "the new file is complete), or choose another path")
-    probe = path.parent
-    while not probe.exists() and probe.parent != probe:  # the nearest existing folder is where the file goes
-        probe = probe.parent
-    if not probe.is_dir():
-        raise ValueError(f"--output {output}: {probe} is a file, not a folder; choose another --output")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"--output {output}: cannot write in {probe} (permission denied); choose a folder you can "
-                         "write with --output")
+    check_writable(path.parent, "--output", shown=output)  # the folder the file goes into
 
 
 def _same_file(a: Path, b: str) -> bool:

@@ -173,14 +173,15 @@ class _Guard:
     `curl -d` (form-encoded) works and a body that is not JSON is told exactly that."""
 
     def __init__(self, app: Any, metrics: ServeMetrics, api_key: str | None) -> None:
-        self.app, self.metrics, self.api_key = app, metrics, api_key
+        self.app, self.metrics = app, metrics
+        self.api_key = api_key.encode() if api_key is not None else None
 
-    def authorized(self, scope: dict[str, Any]) -> bool:
+    def authorized(self, scope: dict[str, Any], headers: dict[bytes, bytes]) -> bool:
         if self.api_key is None or scope["path"] in OPEN_ROUTES:
             return True
-        given = dict(scope["headers"]).get(b"authorization", b"")
+        given = headers.get(b"authorization", b"")
         token = given[7:] if given[:7].lower() == b"bearer " else b""
-        return hmac.compare_digest(token, self.api_key.encode())
+        return hmac.compare_digest(token, self.api_key)
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -194,15 +195,16 @@ class _Guard:
                 status["code"] = message["status"]
             await send(message)
 
+        headers = dict(scope["headers"])
         try:
-            if not self.authorized(scope):
+            if not self.authorized(scope, headers):
                 err = APIError(401, "missing or incorrect API key (send 'Authorization: Bearer KEY')",
                                code="invalid_api_key")
                 return await JSONResponse(err.body(), 401, headers={"WWW-Authenticate": "Bearer"})(
                     scope, receive, counted_send)
             if scope["method"] in ("POST", "PUT", "PATCH"):
                 body = bytearray()
-                length = dict(scope["headers"]).get(b"content-length", b"0")
+                length = headers.get(b"content-length", b"0")
                 too_big = not length.isdigit() or int(length) > MAX_BODY_BYTES
                 while not too_big:  # a chunked body has no length: count what arrives
                     message = await receive()
