@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from gptopt import __version__
-from gptopt.config import field_types
+from gptopt.config import field_types, type_ok
 from gptopt.extras import MissingExtra
 
 if sys.version_info >= (3, 11):
@@ -133,7 +133,7 @@ def _check_toml(path: str, table: dict[str, Any], cls: type) -> dict[str, Any]:
         kind = fields[key]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
-        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        if not type_ok(value, kind):
             raise ValueError(f"--config {path}: {key} must be {kind.__name__}, got {value!r}")
         values[key] = value
     return values

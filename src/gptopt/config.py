@@ -82,6 +82,13 @@ def _range_text(meta: Any) -> str:
     return f"{'<=' if hi[0] == ']' else '<'} {num(hi[1])}"
 
 
+def type_ok(value: Any, kind: type) -> bool:
+    """Whether value is an option of type kind: bool is an int to Python, never to a user; an int is a fine float."""
+    if isinstance(value, bool) and kind is not bool:
+        return False
+    return isinstance(value, kind) or (kind is float and isinstance(value, int))
+
+
 def check_fields(obj: Any, prefix: str = "--") -> None:
     """Raise ValueError naming the first field whose value has the wrong type, is not finite (floats:
     NaN and infinities are never a setting) or lies outside its range or choices. prefix: how the
@@ -92,11 +99,7 @@ def check_fields(obj: Any, prefix: str = "--") -> None:
         name = f"{prefix}{f.name}"
         if value is None and optional:
             continue
-        # bool is an int to Python, never to a user; an int is a fine float
-        ok = isinstance(value, kind) and not (kind is int and isinstance(value, bool))
-        if kind is float and isinstance(value, int) and not isinstance(value, bool):
-            ok = True
-        if not ok:
+        if not type_ok(value, kind):
             raise ValueError(f"{name} must be {kind.__name__}{' or none' if optional else ''}, got {value!r}")
         if kind is float and not math.isfinite(value):
             raise ValueError(f"{name} must be a finite number, got {value}")

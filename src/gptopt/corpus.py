@@ -405,15 +405,11 @@ def prepare(config: PrepareConfig) -> Path:
     interrupted run leaves no folder that looks complete, gptopt's old files in place, and the user's
     own files there untouched. Arguments and the output folder are checked before anything is written.
     """
-    if config.num_workers < 0:
-        raise ValueError(f"--num_workers must be >= 0 (0 = every core), got {config.num_workers}")
-    if config.max_documents is not None and config.max_documents < 1:
-        raise ValueError(f"--max_documents must be >= 1, got {config.max_documents}")
-    out = Path(config.output_dir).expanduser()
-    if config.overwrite and out.is_dir():
-        _adopt_legacy(out)
-    old = check_output(out, kind=KIND, overwrite=config.overwrite, ours=OURS)
+    out = Path(config.output_dir).expanduser()  # the options themselves: PrepareConfig checked them
     _check_input(config, out)
+    if config.overwrite and out.is_dir():
+        _adopt_legacy(out)  # writes a mark: only once nothing else can refuse
+    old = check_output(out, kind=KIND, overwrite=config.overwrite, ours=OURS)
     # Local corpora are checked before anything is written; a dataset is streamed into the temp dir.
     corpus: Corpus | None = None
     if config.input:

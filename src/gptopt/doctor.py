@@ -32,6 +32,7 @@ import torch
 from gptopt import device as device_mod
 from gptopt.config import PRESETS, DoctorConfig, GPTConfig, TrainConfig, preset
 from gptopt.extras import installed_extras
+from gptopt.memory import param_count
 
 log = logging.getLogger("gptopt")
 
@@ -221,14 +222,6 @@ def probe(plan: device_mod.DevicePlan | None, device_error: str | None = None) -
 
 # ----------------------------------------------------------------------------------------------
 # Sizing: what training a preset needs, from its config alone (building even a meta model is slow).
-
-
-def param_count(cfg: GPTConfig) -> int:
-    """Parameters of GPT(cfg), tied lm_head counted once (tests pin it against the model)."""
-    C, b = cfg.n_embd, int(cfg.bias)
-    ln = C * (1 + b)
-    block = 2 * ln + (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b)
-    return cfg.padded_vocab_size * C + cfg.block_size * C + cfg.n_layer * block + ln
 
 
 def train_bytes(cfg: GPTConfig) -> int:

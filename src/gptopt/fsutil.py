@@ -35,7 +35,7 @@ from types import TracebackType
 from typing import Any
 
 __all__ = ["OWNER_FILE", "Aside", "check_output", "check_writable", "clean_stale", "fsync_dir", "mark", "marked_kind",
-           "recover", "remove", "replace_dir", "some", "staged_dir", "staged_file", "staged_files", "write_text_atomic"]
+           "recover", "remove", "replace_dir", "replacing", "some", "staged_dir", "staged_file", "staged_files", "write_text_atomic"]
 
 log = logging.getLogger("gptopt")
 
@@ -427,6 +427,23 @@ class Aside:
             self.commit()
         else:
             self.rollback()
+
+
+@contextlib.contextmanager
+def replacing(out: Path, *, kind: str, ours: Sequence[str], old: Sequence[Path] | None = None,
+              list_files: bool = True) -> Iterator[None]:
+    """Write an output into out as a run goes, beside the user's own files (bench, tune, profile).
+
+    gptopt's old entries (old: check_output's answer, made before the run; worked out again when None)
+    stay aside until the block ends and come back if it fails; out is then marked as kind, listing the
+    entries of ours it now holds (list_files=False: none, for a folder two modes share by file name)."""
+    out = _path(out)
+    if old is None:
+        old = check_output(out, kind=kind, overwrite=True, ours=ours)
+    out.mkdir(parents=True, exist_ok=True)
+    with Aside(out, old, ours):
+        yield
+        mark(out, kind, files=[name for name in ours if (out / name).exists()] if list_files else None)
 
 
 def _restore(target: Path, folder: Path, ours: Sequence[str]) -> None:

@@ -72,7 +72,7 @@ def param_count(config: GPTConfig) -> int:
 
 
 def _itemsize(dtype: torch.dtype | None) -> int:
-    return _F32 if dtype is None else torch.empty((), dtype=dtype).element_size()
+    return _F32 if dtype is None else dtype.itemsize
 
 
 def train_step_bytes(config: GPTConfig, batch_size: int, seq_len: int, *, amp_dtype: torch.dtype | None = None,
@@ -96,12 +96,13 @@ def train_step_bytes(config: GPTConfig, batch_size: int, seq_len: int, *, amp_dt
     score = (_F32 + (a if amp_dtype is not None else 0) + (1 if config.dropout else 0)
              if config.attention == "eager" else 0)
     scores_per_layer = batch_size * H * seq_len * seq_len * score
+    backward_scores = 3 * _F32 * batch_size * H * seq_len * seq_len if score else 0
     if config.gradient_checkpointing:  # each block keeps its input; backward recomputes one block at a time
         activations = tokens * (L * _F32 * C + per_layer)
-        scores = scores_per_layer + (3 * _F32 * batch_size * H * seq_len * seq_len if score else 0)
+        scores = scores_per_layer + backward_scores
     else:
         activations = tokens * L * per_layer
-        scores = L * scores_per_layer + (3 * _F32 * batch_size * H * seq_len * seq_len if score else 0)
+        scores = L * scores_per_layer + backward_scores
     activations += tokens * (_F32 + a) * C  # ln_f's input and lm_head's
     # The lm_head output (padded vocabulary, matmul dtype), then cross-entropy in fp32: its input copy and
     # log-softmax output in forward, the gradients of both in backward.

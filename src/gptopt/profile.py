@@ -38,7 +38,7 @@ from gptopt import data, memory
 from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.distributed import DistInfo
-from gptopt.fsutil import Aside, check_output, mark
+from gptopt.fsutil import check_output, replacing
 from gptopt.generate import Generator, SamplingParams
 from gptopt.model import GPT
 from gptopt.monitor import peak_memory_bytes
@@ -489,14 +489,13 @@ def main(cfg: ProfileConfig) -> int:
     old = check_output(out, kind=KIND, overwrite=cfg.overwrite, ours=FILES)
     # The profiler writes its traces as it runs, so the old ones are set aside for the whole run (a new
     # trace must not land beside an old one) and come back if it fails (an error, Ctrl-C).
-    with Aside(out, old, FILES):
+    with replacing(out, kind=KIND, ours=FILES, old=old):
         summary, table = profile_steps(cfg)
         findings, f = diagnose(summary), figures(summary)
         # Every figure goes in, not only the findings': a clean run shows how far it is from each threshold.
         doc = {"config": dataclasses.asdict(cfg), "device_type": summary.device_type, "figures": dataclasses.asdict(f),
                "findings": [dataclasses.asdict(finding) for finding in findings]}
         (out / "diagnosis.json").write_text(json.dumps(doc, indent=2))
-        mark(out, KIND, files=[name for name in FILES if (out / name).exists()])
     print(table)
     print(f"diagnosis of {f.steps} recorded {cfg.mode} steps (median {f.step_ms:.1f} ms):")
     for finding in findings:

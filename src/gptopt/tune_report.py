@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from gptopt.extras import has
-from gptopt.fsutil import Aside, check_output, mark
+from gptopt.fsutil import check_output, replacing
 from gptopt.tables import fmt, md_table, text_table, toml_text
 
 log = logging.getLogger("gptopt")
@@ -176,11 +176,8 @@ def check_output_dir(out: Path, overwrite: bool) -> None:
 def write_all(summary: dict[str, Any], out: Path) -> None:
     """Write the report files into out beside the user's own; an earlier tune's files there (check_output_dir
     allowed their replacement before the search began) stay until the new ones are written."""
-    old = check_output(out, kind=KIND, overwrite=True, ours=FILES)
-    out.mkdir(parents=True, exist_ok=True)
-    with Aside(out, old, FILES):
+    with replacing(out, kind=KIND, ours=FILES):
         _write(summary, out)
-        mark(out, KIND, files=[name for name in FILES if (out / name).exists()])
 
 
 def _write(summary: dict[str, Any], out: Path) -> None:

@@ -314,7 +314,7 @@ def main(cfg: BenchConfig) -> int:
     log.info(f"bench --mode infer: {bench.preset}, {bench.prompt_len}-token prompts + {bench.new_tokens} "
              f"new, batches {bench.batch_sizes}, {len(rungs)} rungs")
     summary = bench.run(rungs)
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir).expanduser()  # the folder bench/main.py checked
     report.write_infer(summary, out)
     print(report.infer_table(summary))
     print(f"\nreport: {out / 'infer_report.md'}")

@@ -483,7 +483,7 @@ def main(cfg: BenchConfig) -> int:
     log.info(f"bench: {bench.preset} at {bench.seq_len} tokens x micro-batch {bench.batch_size}, "
              f"{cfg.warmup} warm-up + {cfg.steps} timed steps per rung, {len(rungs)} rungs")
     summary = bench.run(rungs)
-    out = Path(cfg.output_dir)
+    out = Path(cfg.output_dir).expanduser()  # the folder bench/main.py checked
     report.write_all(summary, out, best_train_config(summary, cfg.data_dir))
     print(report.table(summary))
     best = summary["best"]

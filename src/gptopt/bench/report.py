@@ -6,16 +6,14 @@ same for the inference ladder (`--mode infer`): infer_report.md, infer_results.j
 
 from __future__ import annotations
 
-import contextlib
 import csv
 import json
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from gptopt.extras import has
-from gptopt.fsutil import Aside, check_output, mark
+from gptopt.fsutil import check_output, replacing
 from gptopt.tables import fmt, md_table, text_table, toml_text
 
 log = logging.getLogger("gptopt")
@@ -36,18 +34,6 @@ def check_output_dir(out: Path, mode: str, overwrite: bool) -> None:
     """Refused before any work: an --output_dir that is a file or cannot be written, one holding this mode's
     report of an earlier run without --overwrite, and with it one gptopt did not mark as a bench output."""
     check_output(out, kind=KIND, overwrite=overwrite, ours=INFER_FILES if mode == "infer" else TRAIN_FILES)
-
-
-@contextlib.contextmanager
-def _replacing(out: Path, files: tuple[str, ...]) -> Iterator[None]:
-    """Write a report into out beside the user's own files; an earlier report (check_output_dir allowed its
-    replacement before the run began) is set aside until the new one is written, and put back if that fails."""
-    old = check_output(out, kind=KIND, overwrite=True, ours=files)
-    out.mkdir(parents=True, exist_ok=True)
-    with Aside(out, old, files):
-        yield
-        # No file list: each mode's files are known by name, so one mode's rerun never claims the other's.
-        mark(out, KIND)
 
 
 COLUMNS = [("rung", "name", "str"), ("tokens/s", "tokens_per_s", "int"), ("step ms (p10-p90)", None, "range"),
@@ -170,7 +156,8 @@ def plot(summary: dict[str, Any], out: Path) -> list[str]:
 
 
 def write_all(summary: dict[str, Any], out: Path, best_opts: dict[str, Any] | None) -> None:
-    with _replacing(out, TRAIN_FILES):
+    # No file list in the mark: each mode's files are known by name, so one mode's rerun never claims the other's.
+    with replacing(out, kind=KIND, ours=TRAIN_FILES, list_files=False):
         _write_all(summary, out, best_opts)
 
 
@@ -273,7 +260,7 @@ def infer_plot(summary: dict[str, Any], out: Path) -> str | None:
 
 
 def write_infer(summary: dict[str, Any], out: Path) -> None:
-    with _replacing(out, INFER_FILES):
+    with replacing(out, kind=KIND, ours=INFER_FILES, list_files=False):
         _write_infer(summary, out)
 
 
