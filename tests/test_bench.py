@@ -315,3 +315,16 @@ def test_the_default_ladder_with_compiled_rungs(train_data: Path, tmp_path: Path
     summary = Bench(cfg).run(select_rungs(cfg.rungs))
     assert all(r["status"] in ("ok", "skipped") for r in summary["rungs"]), summary["rungs"]
     assert summary["best"] is not None
+
+
+def test_the_report_goes_to_the_folder_that_was_checked(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--output_dir ~/b`: the folder whose old report --overwrite sets aside is the one the new report goes to."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert cli.main(bench_args(train_data, Path("~/b"), "eager")) == 0
+    assert cli.main(bench_args(train_data, Path("~/b"), "eager", "--overwrite")) == 0
+    assert (tmp_path / "home" / "b" / "report.md").is_file()
+    assert list((tmp_path / "cwd").iterdir()) == []
