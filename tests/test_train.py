@@ -66,6 +66,12 @@ def test_training_learns_and_logs_every_required_field(train_data: Path, tmp_pat
     assert info["peak_source"].startswith("measured matmul peak")
     assert info["environment"]["torch"] == torch.__version__
     assert info["host_memory_reuse"] is dev.reuse_host_memory(False)  # on where glibc allows, and set back after
+    # the closing summary, for scripts: the step count and the median of the logged step times
+    summary = info["summary"]
+    assert summary["step"] == 40 and summary["peak_source"].startswith("measured matmul peak")
+    median = sorted(r["step_time_s"] for r in steps[1:])[19]  # 39 timed steps: the first pays warm-up
+    assert summary["median_step_s"] == pytest.approx(median, rel=0.05)
+    assert 0 < summary["mfu"] < 1 and summary["peak_memory_bytes"] > 0
     # the final checkpoint loads as a model for generate/serve
     model = checkpoint.load_model(checkpoint.latest_checkpoint(out))
     assert model.config.n_layer == preset("debug").n_layer

@@ -235,6 +235,7 @@ class Trainer:
         # only moved aside in run(), and deleted once the new run has saved a checkpoint.
         self.replaced = self._check_output()
         self.aside: fsutil.Aside | None = None
+        self.run_info: dict[str, Any] | None = None  # run.json, which the closing summary extends
         self.data = self._load_data()
         self.resume_dir = self._resume_dir()
         self.raw = self._build_model(self.resume_dir)
@@ -616,9 +617,11 @@ class Trainer:
                 "environment": environment(plan), "device_policy": plan.reason, "peak_source": peak_source,
                 "fused_adamw": fused, "dataloader": loader, "host_memory_reuse": host_memory_reuse,
                 "seq_len": self.seq_len}
+        self.run_info = info
         (self.out / "run.json").write_text(json.dumps(info, indent=2, default=str))
 
     def _summary(self, progress: Progress) -> None:
+        """The closing line, and the same figures as run.json's "summary" for scripts (scripts/gpu_check.py)."""
         if not progress.times:
             log.info(f"stopped at step {progress.step}")
             return
@@ -626,11 +629,19 @@ class Trainer:
         peak, peak_source = self._peak(remeasure=True)
         med = statistics.median(progress.times)
         tps = self.tokens_per_step / med
+        wait = statistics.mean(progress.waits)
         log.info(
             f"done: step {progress.step}; first step (compile/warm-up) {progress.compile_s:.1f}s; median step "
             f"{med * 1e3:.1f} ms, {tps:,.0f} tokens/s, MFU {mfu(tps, self.fpt, peak):.1%} of {peak_source}; "
-            f"data wait {statistics.mean(progress.waits):.1%} of step time"
+            f"data wait {wait:.1%} of step time"
         )
+        if self.run_info is not None:
+            summary = {"step": progress.step, "first_step_s": progress.compile_s, "median_step_s": med,
+                       "tokens_per_s": tps, "mfu": mfu(tps, self.fpt, peak), "peak_flops": peak,
+                       "peak_source": peak_source, "data_wait": wait,
+                       "peak_memory_bytes": peak_memory_bytes(self.plan)}
+            fsutil.write_text_atomic(self.out / "run.json",
+                                     json.dumps({**self.run_info, "summary": summary}, indent=2, default=str))
 
     @staticmethod
     def _install_signals(flag: list[int]) -> dict[int, Any]:
