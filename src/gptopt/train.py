@@ -523,6 +523,8 @@ class Trainer:
                 "step_time_s": dt, "data_wait_frac": self.batches.wait / dt, "grad_norm": result.grad_norm,
                 "peak_mem_bytes": mem, "tokens_seen": progress.tokens_seen,
                 "elapsed_s": time.perf_counter() - self.t_start,
+                # fp16: the GradScaler's scale; one that keeps falling means overflowing gradients
+                **({"loss_scale": scaler.get_scale()} if (scaler := self.train_step.scaler) is not None else {}),
                 **{k: v for k, v in self.monitor.latest().items() if k != "t"},
             })
 
