@@ -1,0 +1,787 @@
+#!/usr/bin/env python3
+"""Every GPU path of gptopt, run and measured in one call: the plan, the runner and the record.
+
+    bash scripts/gpu_check.sh DIR                       # the GPU machine: install, then every step
+    python3 scripts/gpu_check.py run DIR --only bench   # again, some steps only (after a fix)
+    python3 scripts/gpu_check.py dry-run DIR            # any machine: the plan, and DIR/results.json of it
+    python3 scripts/gpu_check.py record DIR             # results.json -> the rows of docs/gpu-results.md
+
+Standard library only: the runner starts before gptopt is installed (its first step installs it),
+and every step is a separate process, so one that crashes, hangs or runs out of memory costs only
+its own time limit. A GPU machine is lent rarely and briefly, so the run never stops early: a
+failed step keeps the tail of its log, the next step starts, and results.json plus summary.txt
+are rewritten after every step (a run cut off from outside still leaves what it had).
+
+The plan is one list of steps in one place; the same steps run on a CPU with the debug preset
+(`run DIR --target cpu`, what tests/test_gpu_check.py does) so that a typo in a command is found
+here, not on the GPU. Steps that start together (`group`) only check that a path works: nothing
+timed runs beside anything else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BUDGET_S = 540  # nine minutes, the install included: a lease is 15 minutes, start-up and one rerun included
+CPU_LIMIT_S = 420  # per step on a CPU: compile alone takes 20-80 s there, and the CPU run checks commands, not speed
+RANDOM_WEIGHTS = "random weights and the stdlib corpus (no network): speed figures are real, text and loss are not"
+
+# What a GPU image may lack, by import name -> the wheels to carry (pip names); see scripts/gpu_check.sh.
+NEEDED = {"fastapi": "fastapi starlette pydantic pydantic-core annotated-types typing-inspection",
+          "uvicorn": "uvicorn", "torchao": "torchao", "prometheus_client": "prometheus-client",
+          "regex": "regex", "httpx": "httpx", "transformers": "transformers", "pynvml": "nvidia-ml-py",
+          "psutil": "psutil", "tqdm": "tqdm", "pytest": "pytest"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What differs between the GPU run and its CPU rehearsal: sizes only, never flags."""
+
+    model: str  # the model of every step but the large-model decode
+    large: str  # the large-model decode
+    seq: int
+    batch: int
+    train_steps: int  # the measured training run
+    few_steps: int  # the path checks
+    bench_warmup: int
+    infer_batch: int  # bench --mode infer sweeps 1, 2, 4, ... up to this
+    infer_seq: int
+    new_tokens: int
+    eval_tokens: int
+    clients: tuple[int, ...]
+    serve_tokens: int
+
+
+SIZES = {
+    "gpu": Sizes(model="gpt2", large="gpt2-xl", seq=1024, batch=16, train_steps=40, few_steps=4,
+                 bench_warmup=2, infer_batch=64, infer_seq=256, new_tokens=128, eval_tokens=16384,
+                 clients=(1, 16, 64), serve_tokens=64),
+    "cpu": Sizes(model="debug", large="debug", seq=64, batch=4, train_steps=4, few_steps=2,
+                 bench_warmup=1, infer_batch=2, infer_seq=64, new_tokens=16, eval_tokens=1024,
+                 clients=(1, 2, 4), serve_tokens=8),
+}
+
+
+@dataclasses.dataclass
+class Step:
+    name: str
+    limit: int  # seconds, on the GPU
+    what: str  # the path it proves, and the figures it reports
+    argv: list[str]
+    cpu: bool = True  # the command means something on a CPU too (the rehearsal runs it)
+    group: str | None = None  # steps of one group start together (path checks only: nothing timed)
+    stdout: str | None = None  # keep stdout in DIR/<this> (a JSON document), the log gets stderr
+    model: bool = False  # runs on the model the training steps saved (the first of MODEL_FROM that has one)
+    serve: bool = False  # argv is the server's; the runner drives it with loadtest
+
+
+@dataclasses.dataclass
+class Ctx:
+    out: Path
+    target: str
+    sizes: Sizes
+    python: str = sys.executable
+
+    def gptopt(self, *args: object) -> list[str]:
+        return [self.python, "-m", "gptopt", *map(str, args)]
+
+    def path(self, name: str) -> str:
+        return str(self.out / name)
+
+
+MODEL_FROM = ("train", "train_fp16", "train_ckpt")  # training outputs, in the order the model is taken from
+
+
+def plan(ctx: Ctx) -> list[Step]:
+    """Every step, in order. The limits add up to under BUDGET_S (a test holds them to it)."""
+    s, g, p = ctx.sizes, ctx.gptopt, ctx.path
+    data = ("--data_dir", p("data"))
+    # --overwrite everywhere: a rerun into the same DIR (after a fix) replaces what the last run wrote there
+    train = (*data, "--preset", s.model, "--seq_len", s.seq, "--eval_interval", 0, "--seed", 0, "--overwrite")
+    few = (*train, "--max_steps", s.few_steps, "--batch_size", max(s.batch // 2, 1), "--use_amp")
+    torchrun = [ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "gptopt"]
+    # --steps 10: bench's least (its p10/p90); in --mode infer a full generation is repeated max(3, steps // 3) times
+    infer = ("--mode", "infer", *data, "--seq_len", s.infer_seq, "--steps", 10, "--warmup", 1, "--json", "--overwrite")
+    compress = ("--model", "MODEL", *data, "--eval_tokens", s.eval_tokens, "--repeats", 3, "--json", "--overwrite")
+    return [
+        Step("install", 25, "gptopt itself, offline, over the machine's CUDA torch (and the wheels carried, if any)",
+             [ctx.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
+              "-e", str(ROOT)], cpu=False),
+        Step("doctor", 25, "doctor --smoke: the GPU, driver, CUDA, NCCL, flash attention, a bf16 step",
+             g("doctor", "--smoke", "--json"), group="start", stdout="doctor.json"),
+        Step("prepare", 25, "the stdlib corpus, tokenized (CPU work only)", g("prepare", "--output_dir", p("data"), "--overwrite"),
+             group="start"),
+        Step("cuda_tests", 45, "pytest -m cuda: each GPU path's own test", [
+            ctx.python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--junitxml",
+            p("cuda_tests.xml"), str(ROOT / "tests")], cpu=False, group="start"),
+        Step("train", 65, f"train {s.model} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: tokens/s, "
+             "MFU against the table peak", g("train", *train, "--batch_size", s.batch, "--use_amp", "--use_compile",
+                                            "--max_steps", s.train_steps, "--log_interval", 10, "--output_dir",
+                                            p("train"))),
+        Step("train_fp16", 40, "fp16 autocast + GradScaler (loss_scale logged)",
+             g("train", *few, "--amp_dtype", "fp16", "--output_dir", p("train_fp16"), "--log_interval", 1),
+             cpu=False, group="paths"),
+        Step("train_ckpt", 40, "--gradient_checkpointing",
+             g("train", *few, "--gradient_checkpointing", "--output_dir", p("train_ckpt")), group="paths"),
+        Step("train_auto_batch", 40, "--auto_batch_size: the largest micro-batch that fits, accumulation to match",
+             g("train", *few, "--auto_batch_size", "--gradient_accumulation_steps", 4,
+               "--output_dir", p("train_auto_batch")), group="paths"),
+        Step("train_ddp", 40, "torchrun, one process: NCCL process group, distributed sampler, rank-0 saves",
+             [*torchrun, "train", *map(str, few), "--output_dir", p("train_ddp")], group="paths"),
+        Step("train_fsdp", 40, "torchrun --fsdp, one process: FSDP2 sharding, mixed-precision policy, sharded save",
+             [*torchrun, "train", *map(str, few), "--fsdp", "--output_dir", p("train_fsdp")], group="paths"),
+        Step("bench", 90, f"bench: the default ladder on {s.model} at {s.seq} tokens, each rung against the HF baseline",
+             g("bench", "--preset", s.model, *data, "--batch_size", s.batch, "--seq_len", s.seq, "--steps",
+               10, "--warmup", s.bench_warmup, "--output_dir", p("bench"), "--json", "--overwrite"),
+             stdout="bench.json"),
+        Step("bench_infer", 80, f"bench --mode infer on {s.model}: hf, kv, compiled (CUDA graphs), int8, int4 at "
+             f"batch 1 to {s.infer_batch}: decode tokens/s, bandwidth share", g(
+                 "bench", "--preset", s.model, *infer, "--rungs", "hf,kv,compiled,int8,int4", "--batch_size",
+                 s.infer_batch, "--output_dir", p("bench_infer")), stdout="bench_infer.json"),
+        Step("decode_large", 50, f"{s.large} batch-1 decode in bf16, compiled: achieved memory bandwidth as a share "
+             "of the table's", g("bench", "--preset", s.large, *infer, "--rungs", "compiled", "--batch_size", 1,
+                                 "--output_dir", p("decode_large")), stdout="decode_large.json"),
+        Step("generate", 25, "generate --compile: CUDA-graph decode from a checkpoint, tokens/s",
+             g("generate", "--model", "MODEL", "--compile", "--max_new_tokens", s.new_tokens, "--temperature", 0,
+               "def fib(n):"), model=True),
+        Step("compress_int8", 15, "compress int8-weight (torchao): size, decode speed, perplexity and KL",
+             g("compress", *compress, "--quantize", "int8-weight", "--output", p("compress_int8")), model=True,
+             stdout="compress_int8.json"),
+        Step("compress_int4", 15, "compress int4-weight (torchao tinygemm): size, decode speed, quality",
+             g("compress", *compress, "--quantize", "int4-weight", "--output", p("compress_int4")), model=True,
+             stdout="compress_int4.json", cpu=False),
+        Step("compress_2_4", 15, "compress --prune 2:4 (semi-structured sparse kernels): size, speed, quality",
+             g("compress", *compress, "--prune", "2:4", "--output", p("compress_2_4")), model=True,
+             stdout="compress_2_4.json", cpu=False),
+        Step("serve", 40, f"serve on the GPU, loadtest at {', '.join(map(str, s.clients))} clients: start to /ready, "
+             "TTFT, TPOT, output tokens/s, errors, server memory",
+             g("serve", "--model", "MODEL", "--host", "127.0.0.1", "--port", "PORT", "--max_batch_size",
+               max(s.clients)), model=True, serve=True),
+        Step("profile", 25, f"profile --preset {s.model} --use_amp: where the time goes, and the fix",
+             g("profile", "--preset", s.model, "--use_amp", *data, "--output_dir", p("profile"), "--json", "--overwrite"),
+             stdout="profile.json"),
+    ]
+
+
+def loadtests(ctx: Ctx, url: str) -> list[tuple[int, list[str]]]:
+    s = ctx.sizes
+    return [(c, ctx.gptopt("loadtest", "--url", url, "--concurrency", c, "--requests", max(4 * c, 8),
+                           "--max_tokens", s.serve_tokens, "--json")) for c in s.clients]
+
+
+def phases(steps: list[Step]) -> list[list[Step]]:
+    """Consecutive steps of one group form one phase; every other step is a phase of its own."""
+    out: list[list[Step]] = []
+    for step in steps:
+        if out and step.group is not None and out[-1][0].group == step.group:
+            out[-1].append(step)
+        else:
+            out.append([step])
+    return out
+
+
+def budget(steps: list[Step]) -> int:
+    """The plan's wall time at worst: a phase takes its longest step's limit."""
+    return sum(max(step.limit for step in phase) for phase in phases(steps))
+
+
+# ---------------------------------------------------------------------------------------------
+# Figures: each step's few numbers worth a row, read from what the command wrote
+
+
+def _json(path: Path) -> Any:
+    """A command's --json output: the whole file, or its last line (logs may precede it)."""
+    try:
+        text = path.read_text()
+    except OSError:
+        return None
+    for candidate in (text, *reversed(text.strip().splitlines()[-1:])):
+        try:
+            return json.loads(candidate)
+        except ValueError:
+            continue
+    return None
+
+
+def _r(x: Any, nd: int = 1) -> Any:
+    return round(x, nd) if isinstance(x, float) else x
+
+
+def _gib(x: Any) -> Any:
+    return round(x / 2**30, 2) if isinstance(x, (int, float)) else None
+
+
+def fig_doctor(out: Path, _log: str) -> dict[str, Any]:
+    d = _json(out / "doctor.json") or {}
+    facts, gpus = d.get("facts", {}), d.get("facts", {}).get("gpus") or [{}]
+    gpu = gpus[0] if isinstance(gpus[0], dict) else {}
+    return {"gpu": gpu.get("name"), "gpu_memory_gib": _gib(gpu.get("memory_total")),
+            "capability": gpu.get("capability"), "torch": facts.get("torch_version"), "cuda": facts.get("torch_cuda"),
+            "driver": facts.get("driver"), "nccl": facts.get("nccl"), "device_policy": facts.get("device_reason"),
+            "checks": d.get("summary"), "smoke": d.get("smoke")}
+
+
+def fig_prepare(out: Path, _log: str) -> dict[str, Any]:
+    meta = _json(out / "data" / "meta.json") or {}
+    return {k: meta.get(k) for k in ("train_tokens", "val_tokens", "vocab_size") if k in meta}
+
+
+def fig_pytest(out: Path, _log: str) -> dict[str, Any]:
+    try:
+        root = ET.parse(out / "cuda_tests.xml").getroot()
+    except (OSError, ET.ParseError):
+        return {}
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    if suite is None:
+        return {}
+    failed = [c.get("name") for c in suite.iter("testcase") if c.find("failure") is not None or c.find("error") is not None]
+    skipped = {c.get("name"): (c.find("skipped").get("message") or "")[:120] for c in suite.iter("testcase")
+               if c.find("skipped") is not None}
+    counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
+    return {**counts, "failed": failed, "skipped_why": skipped}
+
+
+def _train(name: str) -> Callable[[Path, str], dict[str, Any]]:
+    def figures(out: Path, _log: str) -> dict[str, Any]:
+        run = _json(out / name / "run.json") or {}
+        summary, cfg = run.get("summary") or {}, run.get("config") or {}
+        records = []
+        try:
+            records = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line]
+        except (OSError, ValueError):
+            pass
+        steps = [r for r in records if "loss" in r]
+        res = {"steps": summary.get("step"), "median_step_ms": _r(summary.get("median_step_s", 0) * 1e3),
+               "tokens_per_s": _r(summary.get("tokens_per_s"), 0), "mfu": _r(summary.get("mfu"), 3),
+               "peak": summary.get("peak_source"), "first_step_s": _r(summary.get("first_step_s")),
+               "peak_memory_gib": _gib(summary.get("peak_memory_bytes")),
+               "loss_first_last": [_r(steps[0]["loss"], 3), _r(steps[-1]["loss"], 3)] if steps else None,
+               "micro_batch_x_accumulation": [cfg.get("batch_size"), cfg.get("gradient_accumulation_steps")],
+               "amp": (run.get("environment") or {}).get("amp_dtype")}
+        scales = [r["loss_scale"] for r in steps if "loss_scale" in r]
+        if scales:
+            res["loss_scale_first_last"] = [scales[0], scales[-1]]
+        return {k: v for k, v in res.items() if v not in (None, [None, None])}
+    return figures
+
+
+def _rung(r: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    out = {"status": r.get("status")}
+    out.update({k: _r(r.get(k), 3) for k in keys if r.get(k) is not None})
+    if r.get("note"):
+        out["note"] = r["note"][:160]
+    return out
+
+
+def fig_bench(out: Path, _log: str) -> dict[str, Any]:
+    d = _json(out / "bench" / "results.json") or _json(out / "bench.json") or {}
+    rungs = {r["name"]: _rung(r, ("tokens_per_s", "mfu", "speedup_vs_baseline", "compile_s", "loss_ok"))
+             for r in d.get("rungs", [])}
+    return {"best": d.get("best"), "peak": d.get("peak_source") or d.get("peak"), "rungs": rungs} if rungs else {}
+
+
+def _infer(name: str) -> Callable[[Path, str], dict[str, Any]]:
+    def figures(out: Path, _log: str) -> dict[str, Any]:
+        d = _json(out / name / "results.json") or _json(out / f"{name}.json") or {}
+        rungs = {}
+        for r in d.get("rungs", []):
+            row = _rung(r, ("decode_tokens_per_s", "bandwidth_gbs", "bandwidth_util", "speedup_vs_baseline",
+                            "ttft_s", "tokens_match"))
+            sweep = r.get("batch_sweep") or []
+            if sweep:
+                row["top_batch"] = [sweep[-1]["batch_size"], _r(sweep[-1]["tokens_per_s"], 0)]
+            rungs[r["name"]] = row
+        if not rungs:
+            return {}
+        peak = d.get("peak_bandwidth")
+        return {"weights": RANDOM_WEIGHTS, "peak_bandwidth_gbs": _r(peak / 1e9) if peak else None,
+                "bandwidth_source": d.get("bandwidth_source"), "rungs": rungs}
+    return figures
+
+
+def fig_generate(_out: Path, log: str) -> dict[str, Any]:
+    m = re.findall(r"([\d,.]+) tokens/s", log)
+    return {"tokens_per_s": float(m[-1].replace(",", ""))} if m else {}
+
+
+def _compress(name: str) -> Callable[[Path, str], dict[str, Any]]:
+    def figures(out: Path, _log: str) -> dict[str, Any]:
+        d = _json(out / name / "results.json") or _json(out / f"{name}.json") or {}
+        if not d:
+            return {}
+        orig, comp = d.get("original") or {}, d.get("compressed") or {}
+        res: dict[str, Any] = {"method": d.get("method")}
+        for key in ("disk_bytes", "memory_bytes"):
+            if orig.get(key) and comp.get(key):
+                res[f"{key.split('_')[0]}_ratio"] = _r(comp[key] / orig[key], 3)
+        res["decode_tokens_per_s"] = {"original": orig.get("decode_tokens_per_s"),
+                                      "compressed": comp.get("decode_tokens_per_s")}
+        res.update({k: _r(d[k], 4) for k in ("perplexity", "perplexity_reference", "kl") if k in d})
+        quality = d.get("quality") or {}
+        res.update({k: _r(quality[k], 4) for k in ("perplexity", "perplexity_reference", "kl") if k in quality})
+        return res
+    return figures
+
+
+def fig_profile(out: Path, _log: str) -> dict[str, Any]:
+    d = _json(out / "profile.json") or {}
+    if not d:
+        return {}
+    figures = {k: _r(v, 3) for k, v in (d.get("figures") or {}).items() if isinstance(v, (int, float))}
+    return {"figures": figures, "findings": [f"{f.get('name')}: {f.get('figure')} -> {f.get('fix')}"
+                                             for f in d.get("findings") or []][:4]}
+
+
+FIGURES: dict[str, Callable[[Path, str], dict[str, Any]]] = {
+    "doctor": fig_doctor, "prepare": fig_prepare, "cuda_tests": fig_pytest, "bench": fig_bench,
+    "bench_infer": _infer("bench_infer"), "decode_large": _infer("decode_large"), "generate": fig_generate,
+    "profile": fig_profile,
+    **{n: _train(n) for n in ("train", "train_fp16", "train_ckpt", "train_auto_batch", "train_ddp", "train_fsdp")},
+    **{n: _compress(n) for n in ("compress_int8", "compress_int4", "compress_2_4")},
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "src"), env.get("PYTHONPATH")]))
+    return env
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the step's whole process group (torchrun's ranks, compile workers), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 5)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def _model_dir(out: Path) -> Path | None:
+    for name in MODEL_FROM:
+        if (out / name / "latest").is_file():
+            return out / name
+    return None
+
+
+class Runner:
+    def __init__(self, ctx: Ctx, steps: list[Step], budget_s: int, order: list[str] | None = None) -> None:
+        self.ctx, self.steps, self.budget_s = ctx, steps, budget_s
+        self.order = order or [s.name for s in steps]  # the whole plan's: results.json lists steps in it
+        self.t0 = time.monotonic()
+        self.results: dict[str, dict[str, Any]] = {s.name: planned(s, ctx) for s in steps}
+        self.header: dict[str, Any] = {"started": _now(), "target": ctx.target, "budget_s": budget_s,
+                                       "planned_s": budget(steps), "python": ctx.python, "repo": str(ROOT),
+                                       "commit": _git_commit(), "weights": RANDOM_WEIGHTS}
+        self.earlier: dict[str, dict[str, Any]] = {}  # steps an earlier run into DIR ran and this one does not
+
+    def keep_earlier(self) -> None:
+        """A rerun of some steps (--only) into the same DIR keeps the other steps' results."""
+        old = _json(self.ctx.out / "results.json")
+        if not isinstance(old, dict) or old.get("target") != self.ctx.target:
+            return
+        self.earlier = {r["name"]: r for r in old.get("steps", []) if r.get("status") != "planned"
+                        and r["name"] not in self.results}
+        self.header["earlier_run"] = {k: old.get(k) for k in ("started", "commit", "seconds")}
+
+    def left(self) -> float:
+        return self.budget_s - (time.monotonic() - self.t0)
+
+    def run(self) -> dict[str, Any]:
+        self.keep_earlier()
+        self.header.update(_machine(self.ctx))
+        self.save()
+        for phase in phases(self.steps):
+            self.run_phase(phase)
+            self.save()
+        self.header["finished"] = _now()
+        self.header["seconds"] = round(time.monotonic() - self.t0, 1)
+        return self.save()
+
+    def run_phase(self, phase: list[Step]) -> None:
+        procs: dict[str, tuple[Step, subprocess.Popen[bytes], float, float]] = {}
+        for step in phase:
+            own = step.limit if self.ctx.target == "gpu" else CPU_LIMIT_S
+            limit = min(own, self.left())
+            res = self.results[step.name]
+            if limit < min(own, 5):  # too little of the budget left to start it
+                res.update(status="skipped", note="out of time: the run's budget is spent")
+                _say(f"-- {step.name}: skipped, out of time")
+                continue
+            if step.model:
+                model = _model_dir(self.ctx.out)
+                if model is None:
+                    res.update(status="skipped", note=f"no model: none of {', '.join(MODEL_FROM)} saved a checkpoint")
+                    _say(f"-- {step.name}: skipped, no model")
+                    continue
+                res["model"] = str(model)
+            if step.serve:
+                self.run_serve(step, limit)
+                continue
+            argv = resolve(step.argv, res.get("model"))
+            log = self.ctx.out / f"{step.name}.log"
+            _say(f"== {step.name} (limit {limit:.0f}s): {shlex.join(argv)}")
+            stdout = open(self.ctx.out / step.stdout, "wb") if step.stdout else None  # noqa: SIM115
+            with open(log, "wb") as err:
+                proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=stdout or err, stderr=err,
+                                        start_new_session=True)
+            if stdout:
+                stdout.close()
+            procs[step.name] = (step, proc, time.monotonic(), limit)
+        while procs:
+            for name, (step, proc, start, limit) in list(procs.items()):
+                rc, spent = proc.poll(), time.monotonic() - start
+                if rc is None and spent < limit:
+                    continue
+                if rc is None:
+                    _stop(proc)
+                    self.finish(step, "timeout", proc.returncode, spent, f"stopped at its limit of {limit:.0f}s")
+                else:
+                    self.finish(step, "ok" if rc == 0 else "failed", rc, spent)
+                del procs[name]
+            time.sleep(0.2)
+
+    def finish(self, step: Step, status: str, rc: int | None, seconds: float, note: str = "") -> None:
+        res, log = self.results[step.name], self.ctx.out / f"{step.name}.log"
+        res.update(status=status, rc=rc, seconds=round(seconds, 1))
+        if note:
+            res["note"] = note
+        if step.name in FIGURES:
+            try:
+                res["figures"] = FIGURES[step.name](self.ctx.out, log.read_text(errors="replace") if log.exists() else "")
+            except Exception as e:  # a figure that cannot be read must not cost the rest of the run
+                res["figures"] = {"unreadable": f"{type(e).__name__}: {e}"}
+        if status != "ok":
+            res["error_tail"] = _tail(log)
+        _say(f"   {step.name}: {status} (rc {rc}) in {seconds:.1f}s {json.dumps(res.get('figures', {}))[:300]}")
+
+    def run_serve(self, step: Step, limit: float) -> None:
+        """The server in the background; /ready polled; loadtest at each client count; /metrics; stopped."""
+        res, log = self.results[step.name], self.ctx.out / f"{step.name}.log"
+        start = time.monotonic()
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = resolve(step.argv, res["model"], port)
+        _say(f"== {step.name} (limit {limit:.0f}s): {shlex.join(argv)}")
+        figures: dict[str, Any] = {}
+        res["figures"] = figures
+        with open(log, "wb") as err:
+            server = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=err, stderr=err, start_new_session=True)
+        status, note = "ok", ""
+        try:
+            while _get(f"{url}/ready") != 200:
+                if server.poll() is not None:
+                    status, note = "failed", f"the server exited with {server.returncode} before /ready"
+                    break
+                if time.monotonic() - start > limit:
+                    status, note = "timeout", f"not ready within {limit:.0f}s"
+                    break
+                time.sleep(0.25)
+            else:
+                figures["ready_s"] = round(time.monotonic() - start, 1)
+                figures["memory_at_ready"] = _server_memory(url)
+                for clients, lt in loadtests(self.ctx, url):
+                    left = limit - (time.monotonic() - start)
+                    if left < 3:
+                        status, note = "timeout", f"no time left for {clients} clients"
+                        break
+                    figures[f"clients_{clients}"] = self._loadtest(lt, left, clients)
+                    if figures[f"clients_{clients}"].get("status") != "ok":
+                        status = "failed"
+                figures["memory_at_end"] = _server_memory(url)
+        finally:
+            _stop(server)
+        self.finish_serve(step, status, server.returncode, time.monotonic() - start, note)
+
+    def _loadtest(self, argv: list[str], limit: float, clients: int) -> dict[str, Any]:
+        _say(f"   loadtest {clients} clients: {shlex.join(argv)}")
+        try:
+            done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, timeout=limit)
+        except subprocess.TimeoutExpired:
+            return {"status": "timeout"}
+        with open(self.ctx.out / "serve.log", "ab") as f:
+            f.write(b"\n--- loadtest %d clients\n" % clients + done.stderr + done.stdout)
+        summary = None
+        for line in reversed(done.stdout.decode(errors="replace").splitlines()):
+            try:
+                summary = json.loads(line)
+                break
+            except ValueError:
+                continue
+        if done.returncode != 0 or not isinstance(summary, dict):
+            return {"status": "failed", "rc": done.returncode, "tail": done.stderr.decode(errors="replace")[-400:]}
+        keep = ("requests", "errors", "requests_per_s", "output_tokens_per_s", "ttft_s", "tpot_s", "server_memory")
+        row: dict[str, Any] = {"status": "ok"}
+        for k in keep:
+            v = summary.get(k)
+            if isinstance(v, dict):
+                v = {q: _r(x, 4) for q, x in v.items() if q in ("p50", "p90", "p99", "mean", "start", "end", "peak")
+                     or not isinstance(x, float)}
+            if v is not None:
+                row[k] = _r(v, 1)
+        return row
+
+    def finish_serve(self, step: Step, status: str, rc: int | None, seconds: float, note: str) -> None:
+        res = self.results[step.name]
+        res.update(status=status, rc=rc, seconds=round(seconds, 1))
+        if note:
+            res["note"] = note
+        if status != "ok":
+            res["error_tail"] = _tail(self.ctx.out / f"{step.name}.log")
+        _say(f"   {step.name}: {status} in {seconds:.1f}s {json.dumps(res['figures'])[:300]}")
+
+    def save(self) -> dict[str, Any]:
+        both = {**self.earlier, **self.results}
+        rank = {name: i for i, name in enumerate(self.order)}
+        doc = {**self.header, "steps": sorted(both.values(), key=lambda r: rank.get(r["name"], len(rank)))}
+        write_atomic(self.ctx.out / "results.json", json.dumps(doc, indent=2, default=str) + "\n")
+        write_atomic(self.ctx.out / "summary.txt", summary_text(doc))
+        return doc
+
+
+def resolve(argv: list[str], model: str | None, port: int | None = None) -> list[str]:
+    return [model if a == "MODEL" and model else str(port) if a == "PORT" and port else a for a in argv]
+
+
+def planned(step: Step, ctx: Ctx) -> dict[str, Any]:
+    limit = step.limit if ctx.target == "gpu" else CPU_LIMIT_S
+    res: dict[str, Any] = {"name": step.name, "what": step.what, "limit_s": limit, "status": "planned",
+                           "command": shlex.join(step.argv)}
+    if step.group:
+        res["group"] = step.group
+    if step.model:
+        res["model_from"] = list(MODEL_FROM)
+    if step.serve:
+        res["loadtests"] = [shlex.join(a) for _, a in loadtests(ctx, "http://127.0.0.1:PORT")]
+    return res
+
+
+def summary_text(doc: dict[str, Any]) -> str:
+    lines = [f"gptopt GPU check, {doc.get('gpu') or doc['target']}: started {doc['started']}, "
+             f"planned {doc['planned_s']}s of a {doc['budget_s']}s budget"
+             + (f", took {doc['seconds']}s" if "seconds" in doc else ""), f"({doc['weights']})", ""]
+    for r in doc["steps"]:
+        took = f"{r['seconds']:>6.1f}s" if "seconds" in r else "      -"
+        lines.append(f"{r['name']:<17} {r['status']:<8} {took} / {r['limit_s']}s  {r['what']}")
+        if r.get("note"):
+            lines.append(f"{'':<17} note: {r['note']}")
+        if r.get("figures"):
+            lines.append(f"{'':<17} {json.dumps(r['figures'], default=str)}")
+        if r.get("error_tail"):
+            lines += [f"{'':<17} | {line}" for line in r["error_tail"].splitlines()[-8:]]
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def _machine(ctx: Ctx) -> dict[str, Any]:
+    """The GPU (nvidia-smi), the CPU, and which imports the steps need are missing (with the wheels to carry)."""
+    info: dict[str, Any] = {}
+    try:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=20)
+        (ctx.out / "nvidia-smi.txt").write_text(smi.stdout + smi.stderr)
+        if smi.returncode == 0 and smi.stdout.strip():
+            info["gpu"] = smi.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name")), None)
+        info["cpu"] = f"{cpu}, {os.cpu_count()} logical cores"
+    except OSError:
+        pass
+    probe = subprocess.run([ctx.python, "-c", "import importlib.util, json, sys; print(json.dumps("
+                            "[m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]))", *NEEDED],
+                           capture_output=True, text=True, timeout=60)
+    try:
+        missing = json.loads(probe.stdout)
+    except ValueError:
+        missing = []
+    if missing:
+        info["missing"] = {m: NEEDED[m] for m in missing}
+        _say(f"!! missing here: {', '.join(missing)}; carry these wheels: {' '.join(NEEDED[m] for m in missing)}")
+    return info
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, timeout: float = 2.0) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return int(r.status)
+    except Exception:  # not up yet: refused, reset, 503
+        return None
+
+
+def _server_memory(url: str) -> dict[str, Any]:
+    """The server's resident memory and, on a GPU, its device memory, from /metrics."""
+    try:
+        with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
+            text = r.read().decode()
+    except Exception as e:
+        return {"unreadable": str(e)[:100]}
+    out: dict[str, Any] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == "process_resident_memory_bytes" or name.startswith("gptopt_device_memory"):
+            try:
+                out[name.removesuffix("_bytes") + "_gib"] = _gib(float(value))
+            except ValueError:
+                continue
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Recording: results.json -> rows of docs/gpu-results.md
+
+
+RECORD_START = "<!-- gpu-check rows: `python3 scripts/gpu_check.py record DIR` adds a run here -->"
+
+
+def rows(doc: dict[str, Any]) -> list[str]:
+    date = (doc.get("started") or "")[:10]
+    gpu = (doc.get("gpu") or "?").split(",")[0]
+    out = []
+    for r in doc["steps"]:
+        if r["status"] == "planned":
+            continue
+        took = f"{r.get('seconds', '-')} s of {r['limit_s']}"
+        result = r["status"] + (f": {r['note']}" if r.get("note") else "")
+        figures = json.dumps(r.get("figures") or {}, default=str, separators=(", ", ": "))
+        cell = f"{result}; {figures}" if r.get("figures") else result
+        out.append(f"| {date} | {gpu} | `{r['name']}` | {took} | {cell.replace('|', '/')} |")
+    return out
+
+
+def record(out: Path, doc_path: Path) -> list[str]:
+    doc = json.loads((out / "results.json").read_text())
+    if doc.get("target") != "gpu":
+        raise SystemExit(f"{out}/results.json is a {doc.get('target')} run; only GPU runs are recorded")
+    new = rows(doc)
+    if not new:
+        raise SystemExit(f"{out}/results.json holds no step that ran (a dry run?): nothing to record")
+    text = doc_path.read_text()
+    if RECORD_START not in text:
+        raise SystemExit(f"{doc_path} lacks the line {RECORD_START!r} that marks where runs go")
+    head = (f"\n#### {doc['started']} — {doc.get('gpu', '?')}; {doc.get('cpu', '')}; commit {doc.get('commit')}, "
+            f"{doc.get('seconds', '?')} s of a {doc['budget_s']} s budget\n\n"
+            "| date | GPU | step | seconds | result and figures |\n|---|---|---|---|---|\n")
+    write_atomic(doc_path, text.replace(RECORD_START, RECORD_START + "\n" + head + "\n".join(new) + "\n", 1))
+    return new
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="verb", required=True)
+    for verb, what in (("run", "run the steps"), ("dry-run", "print the plan and write DIR/results.json of it")):
+        p = sub.add_parser(verb, help=what)
+        p.add_argument("dir", type=Path, help="where logs, outputs, results.json and summary.txt go")
+        p.add_argument("--target", choices=SIZES, default="gpu",
+                       help="gpu: the real sizes; cpu: the debug preset, to rehearse every command (default: gpu)")
+        p.add_argument("--only", default="", help="comma-separated steps to run (default: all)")
+        p.add_argument("--skip", default="", help="comma-separated steps to leave out")
+        p.add_argument("--budget", type=int, default=None, help=f"seconds for the whole run (default: {BUDGET_S} on "
+                       "a GPU; on a CPU the steps' limits)")
+    p = sub.add_parser("record", help="add DIR/results.json's rows to docs/gpu-results.md")
+    p.add_argument("dir", type=Path)
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "gpu-results.md")
+    args = ap.parse_args(argv)
+
+    if args.verb == "record":
+        for line in record(args.dir, args.doc):
+            print(line)
+        return 0
+    ctx = Ctx(out=args.dir.resolve(), target=args.target, sizes=SIZES[args.target])
+    steps = plan(ctx)
+    order = [s.name for s in steps]
+    names = set(order)
+    only, skip = ({n for n in x.split(",") if n} for x in (args.only, args.skip))
+    if unknown := (only | skip) - names:
+        ap.error(f"unknown step(s) {', '.join(sorted(unknown))}; the steps: {', '.join(s.name for s in steps)}")
+    steps = [s for s in steps if (not only or s.name in only) and s.name not in skip
+             and (args.target == "gpu" or s.cpu or s.name in only)]
+    ctx.out.mkdir(parents=True, exist_ok=True)
+    budget_s = args.budget or (BUDGET_S if args.target == "gpu" else CPU_LIMIT_S * len(phases(steps)))
+    runner = Runner(ctx, steps, budget_s, order)
+    if args.verb == "dry-run":
+        for phase in phases(steps):
+            for step in phase:
+                together = f" [starts with: {', '.join(s.name for s in phase if s is not step)}]" if len(phase) > 1 else ""
+                _say(f"{step.name:<17} {runner.results[step.name]['limit_s']:>4}s  {step.what}{together}")
+                _say(f"{'':<17}        $ {runner.results[step.name]['command']}")
+                for lt in runner.results[step.name].get("loadtests", []):
+                    _say(f"{'':<17}        $ {lt}")
+        _say(f"planned: {budget(steps)}s of a {budget_s}s budget, {len(steps)} steps -> {ctx.out / 'results.json'}")
+        runner.save()
+        return 0
+    doc = runner.run()
+    bad = [name for name, r in runner.results.items() if r["status"] != "ok"]  # this run's steps
+    _say(f"done in {doc['seconds']}s: {len(runner.results) - len(bad)} ok" + (f", not ok: {', '.join(bad)}" if bad else ""))
+    _say(f"results: {ctx.out / 'results.json'}, {ctx.out / 'summary.txt'}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

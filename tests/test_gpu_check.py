@@ -1,0 +1,222 @@
+"""scripts/gpu_check.py, the one prepared call a GPU lease runs: the plan covers every GPU path within
+nine minutes, every command it will run parses, the runner never stops early, and a run is recorded
+in one command.
+
+    pytest -q tests/test_gpu_check.py                 # the dry run, the commands, the runner (seconds)
+    pytest -q -m slow tests/test_gpu_check.py         # every step with a CPU meaning, run on the CPU (minutes)
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from gptopt import cli
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "gpu_check.py"
+NINE_MINUTES = 540
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+gc = _load()
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
+    out = tmp_path_factory.mktemp("dry")
+    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout, json.loads((out / "results.json").read_text())
+
+
+def _commands(doc: dict) -> dict[str, str]:
+    return {r["name"]: " ".join([r["command"], *r.get("loadtests", [])]) for r in doc["steps"]}
+
+
+def test_dry_run_prints_each_step_with_its_command_and_limit_within_nine_minutes(dry_run: tuple[str, dict]) -> None:
+    stdout, doc = dry_run
+    assert doc["steps"] and all(r["status"] == "planned" for r in doc["steps"])
+    for r in doc["steps"]:
+        assert f"{r['name']:<17} {r['limit_s']:>4}s" in stdout  # the step and its limit
+        assert r["command"] in stdout
+    # the wall time at worst: steps of one group start together, every other step waits for the last
+    phases: list[list[int]] = []
+    for r, prev in zip(doc["steps"], [{}, *doc["steps"]], strict=False):
+        if r.get("group") is not None and r.get("group") == prev.get("group"):
+            phases[-1].append(r["limit_s"])
+        else:
+            phases.append([r["limit_s"]])
+    assert doc["planned_s"] == sum(max(p) for p in phases) < NINE_MINUTES  # the install is the first step: it is inside the budget
+    assert doc["budget_s"] <= NINE_MINUTES
+
+
+def test_the_plan_runs_every_gpu_path(dry_run: tuple[str, dict]) -> None:
+    cmds = _commands(dry_run[1])
+    every = " ".join(cmds.values())
+    assert "--no-index --no-deps --no-build-isolation -e" in cmds["install"]  # offline; the machine's torch stays
+    assert "doctor --smoke --json" in cmds["doctor"]
+    assert "-m cuda" in cmds["cuda_tests"]
+    train = cmds["train"]
+    assert all(f in train for f in ("--preset gpt2 ", "--seq_len 1024", "--use_amp", "--use_compile", "--max_steps 40"))
+    assert "--amp_dtype fp16" in cmds["train_fp16"]
+    assert "torch.distributed.run" in cmds["train_ddp"] and "--nproc_per_node 1" in cmds["train_ddp"]
+    assert "--fsdp" in cmds["train_fsdp"] and "torch.distributed.run" in cmds["train_fsdp"]
+    assert "--gradient_checkpointing" in cmds["train_ckpt"] and "--auto_batch_size" in cmds["train_auto_batch"]
+    assert "--preset gpt2 " in cmds["bench"] and "--rungs" not in cmds["bench"]  # the default ladder
+    infer = cmds["bench_infer"]
+    assert "--mode infer" in infer and "--batch_size 64" in infer
+    assert set("hf,kv,compiled,int8,int4".split(",")) <= set(infer.split("--rungs ")[1].split()[0].split(","))
+    assert "--preset gpt2-xl" in cmds["decode_large"] and "--batch_size 1" in cmds["decode_large"]
+    assert "--compile" in cmds["generate"]
+    assert "int8-weight" in cmds["compress_int8"] and "int4-weight" in cmds["compress_int4"]
+    assert "--prune 2:4" in cmds["compress_2_4"]
+    assert all(f"--concurrency {c} " in cmds["serve"] for c in (1, 16, 64))
+    assert all(f in cmds["profile"] for f in ("--preset gpt2 ", "--use_amp", "--json"))
+    # nothing is downloaded: models come from presets (random weights), data from the stdlib corpus
+    assert "--init_from" not in every and "--model_name" not in every and "--input" not in cmds["prepare"]
+
+
+@pytest.mark.parametrize("target", ["gpu", "cpu"])
+def test_every_gptopt_command_of_the_plan_parses(target: str, tmp_path: Path) -> None:
+    """A wrong flag or an out-of-range value is found here, not in the GPU lease."""
+    ctx = gc.Ctx(out=tmp_path, target=target, sizes=gc.SIZES[target])
+    argvs = []
+    for step in gc.plan(ctx):
+        argvs.append(gc.resolve(step.argv, str(tmp_path / "model"), 8000))
+        if step.serve:
+            argvs += [argv for _, argv in gc.loadtests(ctx, "http://127.0.0.1:8000")]
+    parsed = 0
+    for argv in argvs:
+        if "gptopt" not in argv:
+            continue
+        verb, rest = argv[argv.index("gptopt") + 1], argv[argv.index("gptopt") + 2:]
+        cls = cli._load(cli.COMMANDS[verb].config)
+        cli.parse_config(verb, cls, rest, cli.build_parser(verb, cls))  # exits 2 on a bad flag or value
+        parsed += 1
+    assert parsed >= 16
+
+
+def _fake_plan(marker: Path) -> list:
+    py = sys.executable
+    sleeper = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+               f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    return [
+        gc.Step("breaks", 30, "a step that fails", [py, "-c", "import sys; print('boom: the reason'); sys.exit(3)"]),
+        gc.Step("hangs", 2, "a step past its limit, with a child process", [py, "-c", sleeper]),
+        gc.Step("first", 30, "runs beside second", [py, "-c", "print('one')"], group="g"),
+        gc.Step("second", 30, "runs beside first", [py, "-c", "print('two')"], group="g"),
+    ]
+
+
+def _alive(pid: int) -> bool:
+    """Running, as opposed to gone or a zombie nobody has reaped yet (its parent was killed)."""
+    for _ in range(50):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return False
+        if state == "Z":
+            return False
+        time.sleep(0.1)  # the signal may still be on its way
+    return True
+
+
+def test_a_failing_or_hanging_step_costs_only_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "child.pid"
+    monkeypatch.setattr(gc, "plan", lambda ctx: _fake_plan(marker))
+    out = tmp_path / "run"
+    assert gc.main(["run", str(out), "--budget", "120"]) == 1  # not every step passed
+    doc = json.loads((out / "results.json").read_text())
+    by = {r["name"]: r for r in doc["steps"]}
+    assert [r["name"] for r in doc["steps"]] == ["breaks", "hangs", "first", "second"]
+    assert by["breaks"]["status"] == "failed" and by["breaks"]["rc"] == 3
+    assert "boom: the reason" in by["breaks"]["error_tail"]
+    assert by["hangs"]["status"] == "timeout"
+    assert not _alive(int(marker.read_text()))  # the step's whole process group was stopped, not only its head
+    assert by["first"]["status"] == by["second"]["status"] == "ok"  # the run went on after both
+    summary = (out / "summary.txt").read_text()
+    assert "breaks" in summary and "boom: the reason" in summary and "timeout" in summary
+
+    # a rerun of one step after a fix keeps the others' results
+    monkeypatch.setattr(gc, "plan", lambda ctx: [gc.Step("breaks", 30, "fixed", [sys.executable, "-c", "pass"]),
+                                                 *_fake_plan(marker)[1:]])
+    assert gc.main(["run", str(out), "--only", "breaks"]) == 0
+    again = {r["name"]: r for r in json.loads((out / "results.json").read_text())["steps"]}
+    assert again["breaks"]["status"] == "ok" and again["hangs"]["status"] == "timeout"
+
+
+def test_unknown_step_names_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        gc.main(["run", str(tmp_path / "x"), "--only", "bench,nope"])
+    assert e.value.code == 2 and "nope" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
+
+
+def test_record_adds_a_runs_rows_to_the_results_doc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gc, "plan", lambda ctx: _fake_plan(tmp_path / "child.pid")[2:])
+    out = tmp_path / "run"
+    assert gc.main(["run", str(out)]) == 0
+    doc = tmp_path / "gpu-results.md"
+    shutil.copy(ROOT / "docs" / "gpu-results.md", doc)
+    before = doc.read_text()
+    assert gc.main(["record", str(out), "--doc", str(doc)]) == 0
+    after = doc.read_text()
+    assert after.startswith(before.split(gc.RECORD_START)[0])  # what was there stays
+    rows = [line for line in after.splitlines() if line.startswith("| 20")]
+    assert [row.split("|")[3].strip() for row in rows] == ["`first`", "`second`"]
+    assert all("ok" in row for row in rows)
+    # a dry run ran nothing: there is nothing to record, and the doc is left as it was
+    assert gc.main(["dry-run", str(tmp_path / "dry")]) == 0
+    with pytest.raises(SystemExit, match="nothing to record"):
+        gc.record(tmp_path / "dry", doc)
+    assert doc.read_text() == after
+
+
+@pytest.mark.slow
+def test_every_step_with_a_cpu_meaning_runs_on_the_cpu(tmp_path: Path) -> None:
+    """The rehearsal: the same commands with the debug preset, end to end, figures read back."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "run", str(tmp_path), "--target", "cpu"],
+                          capture_output=True, text=True, timeout=3600)
+    doc = json.loads((tmp_path / "results.json").read_text())
+    by = {r["name"]: r for r in doc["steps"]}
+    assert {n: r["status"] for n, r in by.items() if r["status"] != "ok"} == {}, done.stdout[-3000:]
+    assert done.returncode == 0
+    assert set(by) == {s.name for s in gc.plan(gc.Ctx(tmp_path, "cpu", gc.SIZES["cpu"])) if s.cpu}
+    for name in ("train", "train_ckpt", "train_auto_batch", "train_ddp", "train_fsdp"):
+        assert by[name]["figures"]["tokens_per_s"] > 0 and by[name]["figures"]["steps"] > 0, name
+    assert by["train_auto_batch"]["figures"]["micro_batch_x_accumulation"][0] * \
+        by["train_auto_batch"]["figures"]["micro_batch_x_accumulation"][1] == 2 * 4  # the global batch kept
+    assert by["bench"]["figures"]["rungs"]["hf"]["speedup_vs_baseline"] == 1.0
+    infer = by["bench_infer"]["figures"]["rungs"]
+    assert all(infer[r]["status"] == "ok" for r in ("hf", "kv", "compiled", "int8"))
+    assert infer["int4"]["status"] == "skipped" and infer["int4"]["note"]  # a CPU has no int4 kernel
+    assert "compiled decode after the first" in (tmp_path / "generate.log").read_text()
+    assert by["generate"]["figures"]["tokens_per_s"] > 0
+    assert by["compress_int8"]["figures"]["disk_ratio"] < 1
+    serve = by["serve"]["figures"]
+    assert serve["ready_s"] > 0 and serve["memory_at_end"]["process_resident_memory_gib"] > 0
+    for clients in gc.SIZES["cpu"].clients:
+        row = serve[f"clients_{clients}"]
+        assert row["status"] == "ok" and row["requests"] > 0 and not row["errors"], row
+    assert by["profile"]["figures"]["figures"]["steps"] > 0
+    assert shlex.split(by["doctor"]["command"])[-3:] == ["doctor", "--smoke", "--json"]
+    assert by["doctor"]["figures"]["smoke"]["passed"] is True
