@@ -98,6 +98,7 @@ class Ctx:
     target: str
     sizes: Sizes
     python: str = sys.executable
+    wheels: tuple[str, ...] = ()  # carried wheels the install step installs with gptopt (offline)
 
     def gptopt(self, *args: object) -> list[str]:
         return [self.python, "-m", "gptopt", *map(str, args)]
@@ -121,17 +122,17 @@ def plan(ctx: Ctx) -> list[Step]:
     infer = ("--mode", "infer", *data, "--seq_len", s.infer_seq, "--steps", 10, "--warmup", 1, "--json", "--overwrite")
     compress = ("--model", "MODEL", *data, "--eval_tokens", s.eval_tokens, "--repeats", 3, "--json", "--overwrite")
     return [
-        Step("install", 25, "gptopt itself, offline, over the machine's CUDA torch (and the wheels carried, if any)",
+        Step("install", 20, "gptopt itself, offline, over the machine's CUDA torch (and the wheels carried, if any)",
              [ctx.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
-              "-e", str(ROOT)], cpu=False),
+              "-e", str(ROOT), *ctx.wheels], cpu=False),
         Step("doctor", 25, "doctor --smoke: the GPU, driver, CUDA, NCCL, flash attention, a bf16 step",
              g("doctor", "--smoke", "--json"), group="start", stdout="doctor.json"),
         Step("prepare", 25, "the stdlib corpus, tokenized (CPU work only)", g("prepare", "--output_dir", p("data"), "--overwrite"),
              group="start"),
-        Step("cuda_tests", 45, "pytest -m cuda: each GPU path's own test", [
+        Step("cuda_tests", 60, "pytest -m cuda: each GPU path's own test", [
             ctx.python, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", "--junitxml",
             p("cuda_tests.xml"), str(ROOT / "tests")], cpu=False, group="start"),
-        Step("train", 65, f"train {s.model} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: tokens/s, "
+        Step("train", 60, f"train {s.model} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: tokens/s, "
              "MFU against the table peak", g("train", *train, "--batch_size", s.batch, "--use_amp", "--use_compile",
                                             "--max_steps", s.train_steps, "--log_interval", 10, "--output_dir",
                                             p("train"))),
@@ -147,7 +148,7 @@ def plan(ctx: Ctx) -> list[Step]:
              [*torchrun, "train", *map(str, few), "--output_dir", p("train_ddp")], group="paths"),
         Step("train_fsdp", 40, "torchrun --fsdp, one process: FSDP2 sharding, mixed-precision policy, sharded save",
              [*torchrun, "train", *map(str, few), "--fsdp", "--output_dir", p("train_fsdp")], group="paths"),
-        Step("bench", 90, f"bench: the default ladder on {s.model} at {s.seq} tokens, each rung against the HF baseline",
+        Step("bench", 85, f"bench: the default ladder on {s.model} at {s.seq} tokens, each rung against the HF baseline",
              g("bench", "--preset", s.model, *data, "--batch_size", s.batch, "--seq_len", s.seq, "--steps",
                10, "--warmup", s.bench_warmup, "--output_dir", p("bench"), "--json", "--overwrite"),
              stdout="bench.json"),
@@ -155,7 +156,7 @@ def plan(ctx: Ctx) -> list[Step]:
              f"batch 1 to {s.infer_batch}: decode tokens/s, bandwidth share", g(
                  "bench", "--preset", s.model, *infer, "--rungs", "hf,kv,compiled,int8,int4", "--batch_size",
                  s.infer_batch, "--output_dir", p("bench_infer")), stdout="bench_infer.json"),
-        Step("decode_large", 50, f"{s.large} batch-1 decode in bf16, compiled: achieved memory bandwidth as a share "
+        Step("decode_large", 55, f"{s.large} batch-1 decode in bf16, compiled: achieved memory bandwidth as a share "
              "of the table's", g("bench", "--preset", s.large, *infer, "--rungs", "compiled", "--batch_size", 1,
                                  "--output_dir", p("decode_large")), stdout="decode_large.json"),
         Step("generate", 25, "generate --compile: CUDA-graph decode from a checkpoint, tokens/s",
@@ -753,7 +754,9 @@ def main(argv: list[str] | None = None) -> int:
         for line in record(args.dir, args.doc):
             print(line)
         return 0
-    ctx = Ctx(out=args.dir.resolve(), target=args.target, sizes=SIZES[args.target])
+    wheels = Path(os.environ.get("GPTOPT_WHEELS", ROOT / ".whl"))
+    ctx = Ctx(out=args.dir.resolve(), target=args.target, sizes=SIZES[args.target],
+              wheels=tuple(sorted(str(w) for w in wheels.glob("*.whl"))) if wheels.is_dir() else ())
     steps = plan(ctx)
     order = [s.name for s in steps]
     names = set(order)

@@ -15,7 +15,7 @@
 # on a machine with network, for the GPU machine's Python (3.12 here) and a torchao built for its torch:
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     -d .whl fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn torchao
-# and this script installs them first when GPTOPT_WHEELS names their folder (default: .whl).
+# and the install step installs them with gptopt when GPTOPT_WHEELS names their folder (default: .whl).
 #
 # Each step runs with its own time limit and the run never stops early: a failing step keeps its
 # log (DIR/STEP.log) and error tail, and DIR/results.json and DIR/summary.txt are rewritten after
@@ -27,9 +27,4 @@ case "${1:-}" in
   ""|-h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
   --dry-run) shift; exec "$py" scripts/gpu_check.py dry-run "$@" ;;
 esac
-wheels=${GPTOPT_WHEELS:-.whl}
-if compgen -G "$wheels/*.whl" >/dev/null; then
-  echo "== wheels from $wheels"
-  "$py" -m pip install -q --no-index --no-deps "$wheels"/*.whl || echo "!! the wheels in $wheels did not all install"
-fi
 exec "$py" scripts/gpu_check.py run "$@"
