@@ -741,6 +741,12 @@ def test_an_empty_api_key_is_refused(debug_tokenizer: Any, monkeypatch: pytest.M
         create_app(ServeConfig(model="debug", device="cpu"), model=model, tokenizer=debug_tokenizer)
 
 
+def test_quantize_int4_on_a_cpu_is_refused_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    err = serve_refused(["--quantize", "int4-weight", "--port", "0"], capsys)
+    assert "int4-weight needs an NVIDIA GPU of compute capability 8.0 or newer" in err and "this cpu" in err
+    assert "drop --quantize here, or use --quantize int8-weight" in err
+
+
 def test_a_port_in_use_or_a_foreign_host_is_refused_before_serving(capsys: pytest.CaptureFixture[str]) -> None:
     import socket
 
