@@ -23,7 +23,7 @@ from gptopt import cli, extras
 from gptopt.bench import infer, report
 from gptopt.bench.infer import RUNGS, InferBench, select_rungs
 from gptopt.config import BenchConfig
-from gptopt.measure import GptoptRunner
+from gptopt.measure import GptoptRunner, weight_bytes
 
 CONTRACT = ("name", "prefill_s", "ttft_s", "decode_tokens_per_s", "batch_sweep", "bandwidth_gbs", "bandwidth_util",
             "tokens_match", "status", "note", "speedup_vs_baseline")
@@ -54,12 +54,12 @@ def bench(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> InferBe
 def test_default_is_every_rung_and_unknown_names_list_the_valid_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert [r.name for r in select_rungs("default")] == ["hf", "kv", "compiled", "bf16", "int8", "onnxruntime"]
+    assert [r.name for r in select_rungs("default")] == ["hf", "kv", "compiled", "bf16", "int8", "int4", "onnxruntime"]
     assert select_rungs("all") == select_rungs("default")
     assert [r.name for r in select_rungs("kv,hf,kv")] == ["kv", "hf"]
     with pytest.raises(ValueError) as e:
         select_rungs("kv,turbo")
-    for name in ("hf", "kv", "compiled", "bf16", "int8", "onnxruntime"):
+    for name in ("hf", "kv", "compiled", "bf16", "int8", "int4", "onnxruntime"):
         assert name in str(e.value)
     assert cli.main(infer_args(tmp_path, tmp_path / "o", "turbo")) == 2
     assert "unknown rung 'turbo'" in capsys.readouterr().err
@@ -128,6 +128,49 @@ def test_int8_runs_on_a_cpu_or_says_why_not(bench: InferBench, monkeypatch: pyte
     assert res.status == "skipped" and res.note == "needs the 'quant' extra: pip install 'gptopt[quant]'"
 
 
+def test_rungs_list_names_int4(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(infer_args(tmp_path, tmp_path / "o", "list")) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert "torchao int4 weight-only" in lines["int4"]
+
+
+def test_int4_on_a_cpu_is_skipped_with_the_reason_and_exits_0(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # tinygemm's int4 kernel needs sm_80+ CUDA: a CPU bench reports why, it does not fail
+    assert cli.main(infer_args(train_data, tmp_path / "b", "int4", "--json")) == 0
+    out = capsys.readouterr().out
+    (int4,) = last_json_line(out)["rungs"]
+    assert int4["name"] == "int4" and int4["status"] == "skipped" and int4["dtype"] == "int4"
+    assert "needs an NVIDIA GPU of compute capability 8.0 or newer" in int4["note"] and "this cpu" in int4["note"]
+    assert "compute capability 8.0" in out.split("\n{")[0]  # the printed table says so too
+
+
+def test_int4_weights_are_counted_by_their_packed_bytes() -> None:
+    # bytes per token counts what a decode step reads: tinygemm's packed int4 and its scales, not bf16's
+    tile = pytest.importorskip("torchao.quantization.quantize_.workflows.int4.int4_tile_packed_to_4d_tensor")
+    n, k, group = 64, 1024, 128  # tinygemm pads the input width to 1024: this one needs none
+    qdata = torch.zeros(n // 8, k // 128, 32, 4, dtype=torch.int32)  # 8 int4 per int32: n * k / 2 bytes
+    scale_and_zero = torch.zeros(k // group, n, 2, dtype=torch.bfloat16)
+    weight = tile.Int4TilePackedTo4dTensor(qdata, scale_and_zero, [1, group], torch.Size([n, k]))
+    layer = torch.nn.Linear(k, n, bias=False)
+    layer.weight = torch.nn.Parameter(weight, requires_grad=False)
+    assert weight_bytes(layer) == n * k // 2 + (k // group) * n * 2 * 2  # not n * k * 2 (bf16)
+
+
+@pytest.mark.cuda
+def test_int4_runs_on_an_sm80_gpu(train_data: Path, tmp_path: Path) -> None:
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torchao's int4 kernel needs compute capability 8.0+")
+    gpu = InferBench(BenchConfig(mode="infer", preset="tiny", seq_len=32, batch_size=2, warmup=1, device="cuda",
+                                 data_dir=str(train_data), output_dir=str(tmp_path)))
+    res = gpu.run_rung(dataclasses.replace(RUNG["int4"], compile=False))  # eager: quick; test_quantize compiles
+    assert res.status == "ok", res.note
+    assert res.dtype == "int4" and 0 < res.max_logit_diff < math.inf and res.decode_tokens_per_s > 0
+    assert [p["batch_size"] for p in res.batch_sweep] == [1, 2] and res.bytes_per_token > 0
+
+
 def test_bf16_is_skipped_where_the_device_has_no_native_bf16(bench: InferBench, monkeypatch: pytest.MonkeyPatch) -> None:
     no_bf16 = dataclasses.replace(bench.plan, amp_dtype=None, reason="device cpu: CPU without native bf16 matmul")
     monkeypatch.setattr(bench, "plan", no_bf16)
@@ -177,11 +220,12 @@ def test_the_default_ladder_runs_end_to_end_with_its_compiled_rungs(
     assert cli.main(infer_args(train_data, tmp_path / "b", "default", "--json")) == 0
     results = last_json_line(capsys.readouterr().out)
     rungs = {r["name"]: r for r in results["rungs"]}
-    assert list(rungs) == ["hf", "kv", "compiled", "bf16", "int8", "onnxruntime"]
+    assert list(rungs) == ["hf", "kv", "compiled", "bf16", "int8", "int4", "onnxruntime"]
     assert rungs["compiled"]["status"] == "ok", rungs["compiled"]["note"]
     # compiling the decode step over a static cache changes the speed, not the tokens
     assert rungs["compiled"]["tokens_match"] == 1.0
     assert [p["batch_size"] for p in rungs["compiled"]["batch_sweep"]] == [1, 2]
+    assert rungs["int4"]["status"] == "skipped" and "compute capability 8.0" in rungs["int4"]["note"]
     for name in ("bf16", "int8", "onnxruntime"):
         r = rungs[name]
         assert r["status"] in ("ok", "skipped"), r["note"]

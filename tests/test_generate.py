@@ -390,6 +390,21 @@ def test_quantize_int8_is_refused_naming_int8_weight(verb: str, capsys: pytest.C
     assert exit_.value.code == 2 and "int8-weight" in capsys.readouterr().err
 
 
+def test_quantize_int4_on_a_cpu_is_refused_before_loading_with_the_reason(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # torchao's int4 kernel runs on sm_80+ CUDA only: say so at once, not after loading the weights
+    def no_loading(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the model was loaded before int4-weight was refused")
+
+    monkeypatch.setattr("gptopt.hf.load_pretrained", no_loading)
+    capsys.readouterr()
+    assert cli.main(["generate", "--model", str(model_dir), "--device", "cpu", "--quantize", "int4-weight", "x"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gptopt generate: error: "), err
+    assert "int4-weight needs an NVIDIA GPU of compute capability 8.0 or newer" in err and "this cpu" in err
+    assert "drop --quantize here, or use --quantize int8-weight" in err
+
+
 def test_quantize_int8_from_a_config_file_is_refused_before_loading(tmp_path: Path) -> None:
     # A TOML config skips argparse's choices: the loader names the valid ones, before reading any weights.
     with pytest.raises(ValueError, match="int8-weight"):

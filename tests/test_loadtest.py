@@ -17,7 +17,7 @@ pytest.importorskip("httpx")
 from conftest import last_json_line
 
 from gptopt.config import LoadtestConfig, ServeConfig, preset  # noqa: E402
-from gptopt.loadtest import MemoryTrace, distribution, main  # noqa: E402
+from gptopt.loadtest import MEMORY_METRICS, MemoryTrace, distribution, main, metric_values  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
 from gptopt.serve.app import create_app, serve_in_thread  # noqa: E402
 
@@ -52,6 +52,7 @@ def test_closed_loop_reports_every_figure_and_no_errors(url: str, capsys: pytest
     assert mem["peak_bytes"] >= max(mem["start_bytes"], mem["end_bytes"])
     assert mem["growth_after_warmup_bytes"] == mem["end_bytes"] - mem["after_warmup_bytes"]
     assert "server RSS" in captured.out
+    assert summary["server_device_memory"] is None and "server GPU" not in captured.out  # a CPU server
 
 
 def test_poisson_arrivals_complete(url: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -80,6 +81,7 @@ def test_server_errors_are_counted_by_status(capsys: pytest.CaptureFixture[str])
     summary = last_json_line(capsys.readouterr().out)
     assert summary["errors"] == {"500": 6, "429": 2} and summary["completed"] == 0
     assert summary["server_memory"] is None  # no /metrics there: nothing to report, no error either
+    assert summary["server_device_memory"] is None
     assert summary["ttft_s"] == {k: None for k in STATS}
 
 
@@ -104,3 +106,63 @@ def test_memory_growth_is_measured_after_the_warmup_tenth() -> None:
     assert mem == {"start_bytes": 100.0, "after_warmup_bytes": 200.0, "end_bytes": 210.0, "peak_bytes": 230.0,
                    "growth_after_warmup_bytes": 10.0, "samples": 5}
     assert MemoryTrace([(0, 100.0)]).summary(requests=10) is None  # one sample shows no growth
+
+
+METRICS_TEXT = """# HELP process_resident_memory_bytes Resident memory size in bytes.
+# TYPE process_resident_memory_bytes gauge
+process_resident_memory_bytes 4.123e+08
+# HELP gptopt_device_memory_allocated_bytes device memory held by tensors
+# TYPE gptopt_device_memory_allocated_bytes gauge
+gptopt_device_memory_allocated_bytes 1.073741824e+09
+gptopt_device_memory_allocated_bytes_extra 7.0
+gptopt_device_memory_reserved_bytes 2147483648.0
+gptopt_device_memory_peak_allocated_bytes 3.0e+09 1700000000000
+gptopt_requests_total{route="/v1/completions",status="200"} 5.0
+gptopt_time_to_first_token_seconds_bucket{le="0.001"} 0.0
+"""
+
+
+def test_memory_figures_are_read_from_the_metrics_text() -> None:
+    assert metric_values(METRICS_TEXT) == {
+        "process_resident_memory_bytes": 4.123e8, "gptopt_device_memory_allocated_bytes": 2.0**30,
+        "gptopt_device_memory_reserved_bytes": 2.0**31, "gptopt_device_memory_peak_allocated_bytes": 3e9}
+    # a CPU server (or any other): RSS alone, and no device figures made up
+    cpu = "\n".join(line for line in METRICS_TEXT.splitlines() if "device" not in line)
+    assert metric_values(cpu) == {"process_resident_memory_bytes": 4.123e8}
+    assert metric_values("") == {} and set(metric_values(METRICS_TEXT, ("gptopt_requests_total",))) == set()
+
+
+def test_a_cuda_servers_device_memory_is_reported_beside_its_rss(
+        debug_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # A CPU server whose metrics are bound as on CUDA, to torch.cuda stand-ins: the server's gauges and
+    # loadtest's reading of them, end to end. Allocated memory grows by 1 MiB per scrape.
+    scrapes = {"n": 0}
+
+    def allocated(device: torch.device) -> int:
+        scrapes["n"] += 1
+        return 2**30 + scrapes["n"] * 2**20
+
+    monkeypatch.setattr(torch.cuda, "memory_allocated", allocated)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 2**31)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 3 * 2**30)
+    torch.manual_seed(0)
+    model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size())).eval()
+    app = create_app(ServeConfig(model="debug", device="cpu", max_batch_size=2), model=model, tokenizer=debug_tokenizer)
+    app.state.metrics.bind_device_memory(torch.device("cuda", 0))
+    with serve_in_thread(app) as server:
+        cfg = LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=6, concurrency=2, prompt_tokens=4,
+                             max_tokens=4, json=True)
+        assert main(cfg) == 0
+    captured = capsys.readouterr()
+    summary = last_json_line(captured.out)
+    gpu, rss = summary["server_device_memory"], summary["server_memory"]
+    assert set(gpu) == {"start_bytes", "after_warmup_bytes", "end_bytes", "peak_bytes", "growth_after_warmup_bytes",
+                        "samples", "peak_since_start_bytes", "reserved_start_bytes", "reserved_end_bytes"}
+    assert gpu["samples"] == rss["samples"] == scrapes["n"] >= 2  # one scrape gives both figures
+    assert gpu["start_bytes"] == 2**30 + 2**20 and gpu["end_bytes"] == 2**30 + scrapes["n"] * 2**20
+    assert gpu["peak_bytes"] == gpu["end_bytes"] and gpu["peak_since_start_bytes"] == 3 * 2**30
+    assert gpu["growth_after_warmup_bytes"] == gpu["end_bytes"] - gpu["after_warmup_bytes"]
+    assert gpu["reserved_start_bytes"] == gpu["reserved_end_bytes"] == 2**31
+    assert "server RSS" in captured.out and "server GPU   start 1025.0 MiB" in captured.out
+    assert "(3072.0 since the server started); reserved 2048.0 -> 2048.0 MiB" in captured.out
+    assert set(MEMORY_METRICS) == set(metric_values(app.state.metrics.render().decode()))  # the names agree

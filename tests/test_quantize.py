@@ -205,6 +205,19 @@ def test_what_a_cpu_cannot_run_is_refused_with_the_reason(method: str, prune: st
         q.check_supported(method, prune, CPU)
 
 
+def test_int4_on_an_sm80_gpu_needs_bf16_weights_and_is_refused_before_loading(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # One rule for compress, generate, serve and bench: the device, then the dtype tinygemm takes.
+    assert "int4-weight needs an NVIDIA GPU of compute capability 8.0" in q.int4_unsupported(CPU, torch.bfloat16, "x")
+    monkeypatch.setattr(q, "_sm80", lambda plan: True)  # as on an A100 / H100
+    assert q.int4_unsupported(CPU, torch.bfloat16, "x") is None and q.int4_unsupported(CPU, None, "x") is None
+    assert q.int4_unsupported(CPU, torch.float16, "x") == ("int4-weight runs bf16 weights (torchao's tinygemm "
+                                                            "kernel), not float16; use --dtype auto or bf16")
+    # the dtype is checked before --model is even looked at (it does not exist here)
+    with pytest.raises(ValueError, match="runs bf16 weights .*not float32; use --dtype auto or bf16"):
+        load_for_inference(str(tmp_path / "nothing"), tokenizer=None, plan=CPU, dtype="fp32", quantize="int4-weight")
+
+
 # ----------------------------------------------------------------------------------------------
 # GPU paths (scripts/gpu_check.sh)
 
@@ -232,6 +245,38 @@ def test_gpu_methods_load_and_match_the_dequantised_model(
         want = ref(x).float()
         assert (loaded(x).float() - want).abs().max().item() <= 0.05 * want.abs().max().item()
     assert len(generate(Generator(loaded, gpu), [PROMPT], GREEDY)[0]) == GREEDY.max_new_tokens
+
+
+@pytest.mark.cuda
+def test_int4_on_the_fly_runs_tinygemm_on_an_int4_grid_of_the_weights_compiled_too() -> None:
+    # generate / serve / bench --quantize int4-weight: prepare quantises the bf16 block Linears itself
+    pytest.importorskip("torchao")
+    if torch.cuda.get_device_capability() < (8, 0):
+        pytest.skip("torchao's int4 kernel needs compute capability 8.0+")
+    from gptopt.config import preset
+    from gptopt.inference import prepare
+
+    gpu = resolve("cuda", quiet=True)
+    torch.manual_seed(0)
+    model = GPT(preset("tiny", vocab_size=320)).eval()
+    original = {n: m.weight.detach().to("cuda", torch.bfloat16).float() for n, m in q.block_linears(model).items()}
+    int4 = prepare(model, gpu, dtype=torch.bfloat16, quantize="int4-weight")
+    g = q.int4_group_size(int4)
+    assert int4.lm_head.weight is int4.transformer.wte.weight and int4.lm_head.weight.dtype == torch.bfloat16
+    for name, layer in q.block_linears(int4).items():
+        assert type(layer.weight).__name__ == "Int4TilePackedTo4dTensor", name
+        eye = torch.eye(layer.in_features, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():  # x = I gives back the weights the kernel multiplies by, (out, in)
+            ran = torch.nn.functional.linear(eye, layer.weight).float().T
+        w = original[name].view(layer.out_features, -1, g)
+        step = (w.amax(-1, keepdim=True) - w.amin(-1, keepdim=True)) / 15
+        # within a step of rounding (bf16 scales and zeros move it a little past half), on at most 16 levels a group
+        assert ((ran.view_as(w) - w).abs() <= 0.75 * step).all(), name
+        levels = ran.reshape(-1, g).sort(-1).values
+        assert (1 + (levels[:, 1:] != levels[:, :-1]).sum(-1)).max().item() <= 16, name
+    for compile_ in (False, True):  # the compiled decode (CUDA graphs) is what bench's int4 rung runs
+        tokens = generate(Generator(int4, gpu, compile=compile_), [PROMPT], GREEDY)[0]
+        assert len(tokens) == GREEDY.max_new_tokens, compile_
 
 
 def test_module_swap_keeps_every_other_parameter(varied_model: GPT, tokenizer_file: Path, tmp_path: Path) -> None:

@@ -231,6 +231,33 @@ def test_metrics_expose_histograms_gauges_and_counters(url: str) -> None:
     ok = [s for s in families["gptopt_requests"].samples
           if s.labels == {"route": "/v1/completions", "status": "200"} and s.name.endswith("_total")]
     assert ok and ok[0].value > 0
+    assert not [name for name in families if name.startswith("gptopt_device_memory")]  # CUDA only
+
+
+def test_device_memory_gauges_are_read_at_scrape_time_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gptopt.serve.metrics import ServeMetrics
+
+    def scrape(metrics: ServeMetrics) -> dict[str, float]:
+        return {f.name: f.samples[0].value for f in text_string_to_metric_families(metrics.render().decode())
+                if f.name.startswith("gptopt_device_memory")}
+
+    seen: list[torch.device] = []
+    now = {"allocated": 100}
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: seen.append(device) or now["allocated"])
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 300)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device: 200)
+    cpu = ServeMetrics()
+    cpu.bind_device_memory(torch.device("cpu"))
+    assert scrape(cpu) == {} and not seen
+    gpu = ServeMetrics()
+    gpu.bind_device_memory(torch.device("cuda", 1))
+    assert scrape(gpu) == {"gptopt_device_memory_allocated_bytes": 100, "gptopt_device_memory_reserved_bytes": 300,
+                           "gptopt_device_memory_peak_allocated_bytes": 200}
+    now["allocated"] = 150  # the figure of the moment, not the one at start-up
+    assert scrape(gpu)["gptopt_device_memory_allocated_bytes"] == 150
+    assert seen == [torch.device("cuda", 1)] * 2  # the server's own device
 
 
 # -- bad input: 4xx with OpenAI's error body, never a 5xx ----------------------------------------
@@ -739,6 +766,12 @@ def test_an_empty_api_key_is_refused(debug_tokenizer: Any, monkeypatch: pytest.M
     model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size()))
     with pytest.raises(ValueError, match="GPTOPT_API_KEY is set but empty"):
         create_app(ServeConfig(model="debug", device="cpu"), model=model, tokenizer=debug_tokenizer)
+
+
+def test_quantize_int4_on_a_cpu_is_refused_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    err = serve_refused(["--quantize", "int4-weight", "--port", "0"], capsys)
+    assert "int4-weight needs an NVIDIA GPU of compute capability 8.0 or newer" in err and "this cpu" in err
+    assert "drop --quantize here, or use --quantize int8-weight" in err
 
 
 def test_a_port_in_use_or_a_foreign_host_is_refused_before_serving(capsys: pytest.CaptureFixture[str]) -> None:

@@ -488,6 +488,10 @@ class SamplingConfig:
         check_fields(self)  # every field, a subclass's too
 
 
+# --quantize of generate and serve: the names gptopt compress gives the same torchao methods
+INFER_QUANTIZE = ("none", "int8-weight", "int4-weight")
+
+
 @dataclass(kw_only=True)
 class GenerateConfig(SamplingConfig):
     prompt: str | None = field(default=None, metadata={"help": "the prompt; '-' or none reads stdin", "positional": True})
@@ -501,7 +505,9 @@ class GenerateConfig(SamplingConfig):
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
     compile: bool = opt(False, "compile the decode step (reduce-overhead: CUDA graphs on GPUs)")
-    quantize: str = opt("none", "int8-weight: torchao int8 weight-only (quant extra)", choices=("none", "int8-weight"))
+    quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
+                        "int4-weight, torchao int4 weight-only (NVIDIA GPUs, compute capability 8.0+, bf16)",
+                        choices=INFER_QUANTIZE)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -526,7 +532,9 @@ class ServeConfig:
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
     compile: bool = opt(False, "compile the decode step")
-    quantize: str = opt("none", "int8-weight: torchao int8 weight-only (quant extra)", choices=("none", "int8-weight"))
+    quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
+                        "int4-weight, torchao int4 weight-only (NVIDIA GPUs, compute capability 8.0+, bf16)",
+                        choices=INFER_QUANTIZE)
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)", verbatim=True)
     cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
     blocklist: str | None = opt(None, "file of rules, one a line, refused in prompts and cut from output: a plain term "

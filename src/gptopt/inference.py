@@ -13,7 +13,8 @@ compress and export. The order, and why it is this one:
   4. prepare, once per model:
      a. dtype and device (weights_dtype), or a compressed checkpoint rebuilt for this device
         (quantize.restore, which needs the fp32 weights of step 3 to recover the stored integers);
-     b. int8 weight-only (quantize_int8): swaps weights for torchao tensors, so after the cast;
+     b. int8 or int4 weight-only (quantize_int8, quantize_int4): swaps weights for torchao tensors, so
+        after the cast (int4 runs bf16 on sm_80+ CUDA only: refused before step 1 elsewhere);
      c. weight layout (prepare_model.inference_layout): float weights only, so after int8.
   5. compile_decode, once per Generator (it needs the KV cache, which the Generator owns):
      static cache addresses for CUDA graphs, or on CPUs the gemv Linears (prepare_model.gemv_linears,
@@ -33,10 +34,12 @@ import torch
 from tokenizers import Tokenizer
 
 from gptopt import checkpoint, hf
+from gptopt.config import INFER_QUANTIZE
 from gptopt.device import DevicePlan
+from gptopt.extras import require
 from gptopt.model import GPT
 from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
-from gptopt.quantize import describe, quantize_int8, restore
+from gptopt.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
 from gptopt.tokenizer import TOKENIZER, load_tokenizer
 
 __all__ = ["QUANTIZE", "compile_decode", "find_tokenizer", "load_for_inference", "model_source", "prepare",
@@ -44,8 +47,7 @@ __all__ = ["QUANTIZE", "compile_decode", "find_tokenizer", "load_for_inference",
 
 log = logging.getLogger("gptopt")
 
-# --quantize of generate and serve: int8-weight is the name gptopt compress gives the same method.
-QUANTIZE = ("none", "int8-weight")
+QUANTIZE = INFER_QUANTIZE  # --quantize of generate and serve (config.py, for their choices)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Names that are hub models rather than missing directories: GPT-2's own, or anything "org/name".
@@ -109,9 +111,15 @@ def weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _check_quantize(quantize: str) -> None:
+def _check_quantize(quantize: str, plan: DevicePlan, dtype: torch.dtype) -> None:
+    """Refuse what cannot run here before anything is loaded (a TOML config skips argparse's choices)."""
     if quantize not in QUANTIZE:
-        raise ValueError(f"unknown quantize {quantize!r}; choose {' or '.join(QUANTIZE)}")
+        raise ValueError(f"unknown quantize {quantize!r}; choose {', '.join(QUANTIZE[:-1])} or {QUANTIZE[-1]}")
+    if quantize == "int4-weight":
+        problem = int4_unsupported(plan, dtype, "drop --quantize here, or use --quantize int8-weight")
+        if problem:
+            raise ValueError(problem)
+        require("torchao.quantization", "quant", "--quantize int4-weight")
 
 
 def prepare(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, quantize: str = "none",
@@ -120,11 +128,13 @@ def prepare(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, quantize: str =
 
     compression: a compressed checkpoint's record (it came back dequantised, in fp32), rebuilt for this
     device. layout: False for a caller that transforms the weights further (gptopt compress)."""
-    _check_quantize(quantize)
+    _check_quantize(quantize, plan, dtype)
     assert not (compression and quantize != "none"), "a compressed model is not quantised again"
     model = (restore(model, compression, plan, dtype) if compression else model.to(device=plan.device, dtype=dtype)).eval()
     if quantize == "int8-weight":
         quantize_int8(model, plan)
+    elif quantize == "int4-weight":
+        model = quantize_int4(model, plan, dtype, int4_group_size(model))
     if layout:
         inference_layout(model, plan.device.type)  # CPU: the batch-1 linears' fast operand layout
     return model
@@ -137,9 +147,9 @@ def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, d
 
     layout: store fp weights in the layout that runs inference fastest (prepare_model.inference_layout);
     False for a caller that transforms the weights further (gptopt compress)."""
-    _check_quantize(quantize)  # before any loading
-    source = model_source(model)
     dt = weights_dtype(dtype, plan)
+    _check_quantize(quantize, plan, dt)  # before any loading
+    source = model_source(model)
     tok = load_tokenizer(tokenizer) if tokenizer is not None else find_tokenizer(source)
     net = hf.load_pretrained(source)  # a compressed checkpoint comes back dequantised, in fp32
     if tok.get_vocab_size() > net.config.vocab_size:

@@ -11,7 +11,8 @@ first (TPOT), the gaps between streamed chunks (ITL), and errors by HTTP status 
 
 Where the server's /metrics has `process_resident_memory_bytes` (gptopt serve does, on Linux), its
 resident memory is sampled through the run: growth after the warm-up tenth of the requests is how a
-leak shows.
+leak shows. A server on CUDA also exports its device memory (`gptopt_device_memory_*_bytes`: allocated,
+reserved, peak allocated), sampled the same way: on a GPU that is the memory that runs out.
 """
 
 from __future__ import annotations
@@ -51,25 +52,43 @@ class Sample:
     gaps: list[float] = field(default_factory=list)  # between successive text chunks
 
 
-RSS_LINE = re.compile(r"^process_resident_memory_bytes\s+([0-9.eE+]+)\s*$", re.MULTILINE)
+# The server's memory figures sampled from its /metrics (gptopt serve's names; any server may have them)
+RSS = "process_resident_memory_bytes"  # prometheus_client's process collector, Linux
+DEVICE_ALLOCATED = "gptopt_device_memory_allocated_bytes"  # gptopt serve on CUDA: torch.cuda.memory_allocated
+DEVICE_RESERVED = "gptopt_device_memory_reserved_bytes"  # torch.cuda.memory_reserved
+DEVICE_PEAK = "gptopt_device_memory_peak_allocated_bytes"  # torch.cuda.max_memory_allocated, since it started
+MEMORY_METRICS = (RSS, DEVICE_ALLOCATED, DEVICE_RESERVED, DEVICE_PEAK)
 MEMORY_INTERVAL_S = 1.0
+# an unlabelled sample: NAME VALUE [TIMESTAMP]
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[ \t]+(\S+)(?:[ \t]+-?[0-9]+)?[ \t]*$", re.MULTILINE)
 
 
-async def server_rss(client: Any) -> float | None:
-    """The server's resident memory from its Prometheus /metrics, or None if it does not say."""
+def metric_values(text: str, names: tuple[str, ...] = MEMORY_METRICS) -> dict[str, float]:
+    """The unlabelled samples of `names` in a Prometheus text exposition; a name it lacks is left out."""
+    out: dict[str, float] = {}
+    for m in _SAMPLE.finditer(text):
+        if m.group(1) in names:
+            try:
+                out[m.group(1)] = float(m.group(2))
+            except ValueError:
+                continue
+    return out
+
+
+async def server_memory(client: Any) -> dict[str, float]:
+    """The server's memory figures (MEMORY_METRICS) from its /metrics; empty if it says none."""
     import httpx
 
     try:
         r = await client.get("/metrics", timeout=10.0)
     except (httpx.HTTPError, OSError):
-        return None
-    m = RSS_LINE.search(r.text) if r.status_code == 200 else None
-    return float(m.group(1)) if m else None
+        return {}
+    return metric_values(r.text) if r.status_code == 200 else {}
 
 
 @dataclass
 class MemoryTrace:
-    """(completed requests, server RSS bytes) samples over a run."""
+    """(completed requests, bytes) samples of one of the server's memory figures over a run."""
 
     samples: list[tuple[int, float]] = field(default_factory=list)
 
@@ -145,8 +164,23 @@ def distribution(values: list[float]) -> dict[str, float | None]:
     return {"mean": float(a.mean()), "p50": float(p50), "p90": float(p90), "p99": float(p99)}
 
 
+def device_memory(traces: dict[str, MemoryTrace], requests: int) -> dict[str, float] | None:
+    """The server's device memory over the run: allocated as MemoryTrace.summary reports it, plus the
+    server's own peak (which sees allocations between two samples, and those since it started) and
+    the allocator's reserved memory at the start and the end. None where /metrics has no device figures."""
+    out = traces[DEVICE_ALLOCATED].summary(requests)
+    peak, reserved = traces[DEVICE_PEAK].samples, traces[DEVICE_RESERVED].samples
+    if out is None:
+        return None
+    return {**out, "peak_since_start_bytes": peak[-1][1] if peak else None,
+            "reserved_start_bytes": reserved[0][1] if reserved else None,
+            "reserved_end_bytes": reserved[-1][1] if reserved else None}
+
+
 def summarize(samples: list[Sample], wall: float, cfg: LoadtestConfig,
-              memory: MemoryTrace | None = None) -> dict[str, Any]:
+              memory: dict[str, MemoryTrace] | None = None) -> dict[str, Any]:
+    """The run's figures; memory: a MemoryTrace per MEMORY_METRICS name (None: the server has no /metrics)."""
+    traces = memory or {name: MemoryTrace() for name in MEMORY_METRICS}
     ok = [s for s in samples if s.status == "ok"]
     tokens = sum(s.tokens for s in ok)
     return {
@@ -159,7 +193,8 @@ def summarize(samples: list[Sample], wall: float, cfg: LoadtestConfig,
         "itl_s": distribution([g for s in ok for g in s.gaps]),
         "e2e_s": distribution([s.e2e for s in ok]),
         "errors": dict(collections.Counter(s.status for s in samples if s.status != "ok")),
-        "server_memory": memory.summary(len(samples)) if memory is not None else None,
+        "server_memory": traces[RSS].summary(len(samples)),
+        "server_device_memory": device_memory(traces, len(samples)),
     }
 
 
@@ -181,20 +216,23 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
             samples.append(await one_request(client, cfg, prompt))
             bar.update()
 
-        memory = MemoryTrace()
-        first = await server_rss(client)
-        sampler = None
-        if first is not None:
-            memory.samples.append((0, first))
+        memory = {name: MemoryTrace() for name in MEMORY_METRICS}
 
-            async def sample_memory() -> None:
+        async def sample_memory(done: int) -> bool:
+            figures = await server_memory(client)
+            for name, value in figures.items():
+                memory[name].samples.append((done, value))
+            return bool(figures)
+
+        sampler = None
+        if await sample_memory(0):
+
+            async def sample_memory_often() -> None:
                 while True:
                     await asyncio.sleep(MEMORY_INTERVAL_S)
-                    rss = await server_rss(client)
-                    if rss is not None:
-                        memory.samples.append((len(samples), rss))
+                    await sample_memory(len(samples))
 
-            sampler = asyncio.create_task(sample_memory())
+            sampler = asyncio.create_task(sample_memory_often())
         t0 = time.perf_counter()
         if cfg.rate is None:  # closed loop: each worker sends its next request when the last one ends
             queue = collections.deque(prompts)
@@ -213,15 +251,21 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
         wall = time.perf_counter() - t0
         if sampler is not None:
             sampler.cancel()
-            last = await server_rss(client)
-            if last is not None:
-                memory.samples.append((len(samples), last))
+            await sample_memory(len(samples))
     bar.close()
-    return summarize(samples, wall, cfg, memory if first is not None else None)
+    return summarize(samples, wall, cfg, memory if sampler is not None else None)
 
 
 def _fmt(d: dict[str, float | None], scale: float = 1000.0) -> str:
     return "  ".join(f"{k} {'-' if v is None else f'{v * scale:.1f}'}" for k, v in d.items())
+
+
+def _device_extra(mem: dict[str, Any], mib: int) -> str:
+    """The device line's tail: the server's own peak allocated, and the allocator's reserved memory."""
+    since = mem["peak_since_start_bytes"]
+    reserved = mem["reserved_end_bytes"]
+    return ("" if since is None else f" ({since / mib:.1f} since the server started)") + \
+        ("" if reserved is None else f"; reserved {mem['reserved_start_bytes'] / mib:.1f} -> {reserved / mib:.1f} MiB")
 
 
 def main(cfg: LoadtestConfig) -> int:
@@ -235,12 +279,14 @@ def main(cfg: LoadtestConfig) -> int:
     print(f"  throughput   {summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tokens/s")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "latency")):
         print(f"  {name:<12} ms: {_fmt(summary[key])}")
-    mem = summary["server_memory"]
-    if mem:
-        mib = 2**20
-        print(f"  server RSS   start {mem['start_bytes'] / mib:.1f} MiB, after warm-up {mem['after_warmup_bytes'] / mib:.1f}, "
-              f"end {mem['end_bytes'] / mib:.1f} ({mem['growth_after_warmup_bytes'] / mib:+.1f} after warm-up), "
-              f"peak {mem['peak_bytes'] / mib:.1f}")
+    mib = 2**20
+    for key, name in (("server_memory", "server RSS"), ("server_device_memory", "server GPU")):
+        mem = summary[key]
+        if mem:
+            print(f"  {name:<12} start {mem['start_bytes'] / mib:.1f} MiB, after warm-up "
+                  f"{mem['after_warmup_bytes'] / mib:.1f}, end {mem['end_bytes'] / mib:.1f} "
+                  f"({mem['growth_after_warmup_bytes'] / mib:+.1f} after warm-up), peak {mem['peak_bytes'] / mib:.1f}"
+                  + ("" if key == "server_memory" else _device_extra(mem, mib)))
     if summary["errors"]:
         print("  errors       " + ", ".join(f"{k}: {v}" for k, v in sorted(summary["errors"].items())))
     if cfg.json:

@@ -32,8 +32,8 @@ from gptopt.device import DevicePlan
 from gptopt.extras import has, require
 from gptopt.model import GPT
 
-__all__ = ["METHODS", "check_supported", "compress_model", "describe", "mask_2_4", "pack_state",
-           "parse_prune", "quantize_int8", "restore", "unpack_state"]
+__all__ = ["METHODS", "check_supported", "compress_model", "describe", "int4_group_size", "int4_unsupported",
+           "mask_2_4", "pack_state", "parse_prune", "quantize_int4", "quantize_int8", "restore", "unpack_state"]
 
 log = logging.getLogger("gptopt")
 
@@ -62,13 +62,26 @@ def _where(plan: DevicePlan) -> str:
     return f"this {plan.device.type}"
 
 
+def int4_unsupported(plan: DevicePlan, dtype: torch.dtype | None, instead: str) -> str | None:
+    """Why torchao's int4 weight-only kernel (tinygemm) cannot run on plan.device in `dtype`, as one line
+    ending in the fix (`instead` where the device is the problem); None where it can. dtype None: any.
+    The one rule for int4: compress, generate, serve and bench --mode infer all ask it."""
+    if not _sm80(plan):
+        return (f"int4-weight needs an NVIDIA GPU of compute capability 8.0 or newer (torchao's int4 "
+                f"kernel), not {_where(plan)}; {instead}")
+    if dtype is not None and dtype != torch.bfloat16:
+        return (f"int4-weight runs bf16 weights (torchao's tinygemm kernel), not "
+                f"{str(dtype).removeprefix('torch.')}; use --dtype auto or bf16")
+    return None
+
+
 def check_supported(quantize: str | None, prune: float | str | None, plan: DevicePlan) -> None:
     """Refuse, before any work, what this device cannot run: the reason and what to use instead."""
     if quantize is not None and quantize not in METHODS:
         raise ValueError(f"unknown --quantize {quantize!r}; choose one of: none, {', '.join(METHODS)}")
-    if quantize == "int4-weight" and not _sm80(plan):
-        raise ValueError(f"--quantize int4-weight needs an NVIDIA GPU of compute capability 8.0 or newer (torchao's "
-                         f"int4 kernel), not {_where(plan)}; use --quantize int8-dynamic on CPUs, int8-weight on GPUs")
+    if quantize == "int4-weight" and (problem := int4_unsupported(plan, None, "use --quantize int8-dynamic on CPUs, "
+                                                                                 "int8-weight on GPUs")):
+        raise ValueError(problem)
     if prune == SPARSE_2_4 and quantize is not None:
         raise ValueError("--prune 2:4 together with --quantize is not supported; choose one of them")
     if prune == SPARSE_2_4 and not _sm80(plan):
@@ -313,14 +326,7 @@ def restore(model: GPT, record: dict[str, Any], plan: DevicePlan, dtype: torch.d
     if quantize in ("int8-weight", "int8-dynamic"):
         return _restore_int8(model, quantize, plan, dtype)
     if quantize == "int4-weight" and _sm80(plan):
-        if dtype != torch.bfloat16:
-            raise ValueError(f"int4-weight runs bf16 weights (torchao's tinygemm kernel), not {dtype}; use --dtype auto or bf16")
-        ao = require("torchao.quantization", "quant", "int4-weight")
-        model = model.to(plan.device, dtype)
-        names = set(block_linears(model))
-        config = ao.Int4WeightOnlyConfig(group_size=record["int4_group_size"], int4_packing_format="tile_packed_to_4d")
-        ao.quantize_(model, config, filter_fn=lambda _, name: name in names)  # the grid on disk is tinygemm's
-        return model
+        return quantize_int4(model, plan, dtype, record["int4_group_size"])  # the grid on disk is tinygemm's
     if quantize == "int4-weight":
         log.warning("int4-weight checkpoint on %s: torchao's int4 kernel needs an NVIDIA GPU of compute capability "
                     "8.0 or newer; running the dequantised weights (same outputs, no int4 speed or memory gain)", _where(plan))
@@ -342,4 +348,20 @@ def quantize_int8(model: GPT, plan: DevicePlan) -> GPT:
         log.warning("--quantize int8-weight on a CPU: torchao's int8 kernels measured slower than fp32 on CPUs "
                     "(docs: 2-core AVX-512, torch 2.13); running it as asked, compare tokens/s with --quantize none")
     quant.quantize_(model, quant.Int8WeightOnlyConfig())
+    return model
+
+
+def quantize_int4(model: GPT, plan: DevicePlan, dtype: torch.dtype, group_size: int) -> GPT:
+    """torchao int4 weight-only on every block Linear (tinygemm: asymmetric, per group of `group_size` inputs),
+    the model moved to plan.device in bf16 first: a quarter of bf16's weight bytes read per decode step.
+    Used on the fly (generate, serve, bench --quantize int4-weight) and by restore for a compressed
+    checkpoint, whose weights already lie on this grid. lm_head stays bf16: it is tied to the embedding."""
+    problem = int4_unsupported(plan, dtype, "use --quantize int8-weight instead")
+    if problem:
+        raise ValueError(problem)
+    ao = require("torchao.quantization", "quant", "--quantize int4-weight")
+    model = model.to(plan.device, dtype)
+    names = set(block_linears(model))
+    config = ao.Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d")
+    ao.quantize_(model, config, filter_fn=lambda _, name: name in names)
     return model

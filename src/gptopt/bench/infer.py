@@ -1,4 +1,4 @@
-"""The inference ladder: Hugging Face `generate` against gptopt's Generator, compiled, bf16, int8, onnxruntime.
+"""The inference ladder: Hugging Face `generate` against gptopt's Generator, compiled, bf16, int8, int4, onnxruntime.
 
     gptopt bench --mode infer                       # tiny on a CPU, gpt2 on a GPU
     gptopt bench --mode infer --rungs hf,kv,compiled --batch_size 8 --json
@@ -8,6 +8,9 @@ so its tokens can be compared with the baseline's. --seq_len bounds prompt + com
 is min(seq_len // 2, 128) tokens, then up to 64 (CPU) / 256 (GPU) new ones. --batch_size is the
 largest batch of the sweep (default 16 on a CPU, 64 on a GPU); --steps times each prefill and first
 token, max(3, steps // 3) each whole generation; --warmup runs come first.
+
+A rung this device cannot run is `skipped` with the reason in its note (int4 off sm_80+ CUDA, a
+missing extra): the default ladder is every rung, so a report shows what was left out and why.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from gptopt.extras import EXTRAS, has, require
 from gptopt.inference import prepare, weights_dtype
 from gptopt.measure import RECOMPILE_LIMIT, GptoptRunner, free_memory, timed, weight_bytes
 from gptopt.model import GPT
+from gptopt.quantize import int4_unsupported
 from gptopt.step import is_oom
 from gptopt.tables import to_json
 
@@ -47,6 +51,7 @@ class InferRung:
     compile: bool = False
     bf16: bool = False  # bf16 weights instead of the device's inference dtype
     int8: bool = False
+    int4: bool = False  # torchao int4 weight-only (tinygemm), bf16: sm_80+ CUDA only
     onnx: bool = False  # the model exported by `gptopt export`, run by onnxruntime
 
 
@@ -58,6 +63,7 @@ RUNGS: list[InferRung] = [
               compile=True),
     InferRung("bf16", "compiled, bf16 weights", compile=True, bf16=True),
     InferRung("int8", "compiled, torchao int8 weight-only Linear layers", compile=True, int8=True),
+    InferRung("int4", "compiled, torchao int4 weight-only (tinygemm), bf16", compile=True, int4=True),
     InferRung("onnxruntime", "onnxruntime (CPU) on the ONNX export: KV cache as graph inputs and outputs",
               onnx=True),
 ]
@@ -175,7 +181,11 @@ class InferBench:
     def _skip(self, rung: InferRung) -> str | None:
         if rung.hf and not has("transformers"):
             return "needs the 'hf' extra: pip install 'gptopt[hf]'"
-        if rung.int8 and not has("torchao"):
+        if rung.int4:  # the device first: installing torchao would not make int4 run on a CPU
+            problem = int4_unsupported(self.plan, torch.bfloat16, "bench this rung on such a GPU (--device cuda)")
+            if problem:
+                return problem
+        if (rung.int8 or rung.int4) and not has("torchao"):
             return "needs the 'quant' extra: pip install 'gptopt[quant]'"
         if rung.onnx and not all(has(m) for m in EXTRAS["onnx"]):
             return "needs the 'onnx' extra: pip install 'gptopt[onnx]'"
@@ -190,9 +200,9 @@ class InferBench:
     # -- one rung --------------------------------------------------------------------------
 
     def run_rung(self, rung: InferRung) -> InferResult:
-        dtype = torch.bfloat16 if rung.bf16 else self.base_dtype
-        res = InferResult(name=rung.name, what=rung.what,
-                          dtype="int8" if rung.int8 else str(dtype).removeprefix("torch."))
+        dtype = torch.bfloat16 if rung.bf16 or rung.int4 else self.base_dtype
+        label = "int8" if rung.int8 else "int4" if rung.int4 else str(dtype).removeprefix("torch.")
+        res = InferResult(name=rung.name, what=rung.what, dtype=label)
         skip = self._skip(rung)
         if skip:
             res.status, res.note = "skipped", skip
@@ -216,8 +226,9 @@ class InferBench:
         elif rung.onnx:
             runner, kv_dtype = OnnxRunner(self._model(torch.float32)), torch.float32
         else:
-            # The transforms generate and serve apply, in their order (dtype, int8, layout).
-            model = prepare(self._model(dtype), plan, dtype=dtype, quantize="int8-weight" if rung.int8 else "none")
+            # The transforms generate and serve apply, in their order (dtype, int8 or int4, layout).
+            quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
+            model = prepare(self._model(dtype), plan, dtype=dtype, quantize=quantize)
             kv_dtype = model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
             runner = GptoptRunner(model, plan, self.max_len, compile=rung.compile)
         p0 = self.prompts[0]
@@ -259,7 +270,9 @@ class InferBench:
 
     def _bytes_per_token(self, model: nn.Module, kv_dtype: torch.dtype, *, static: bool) -> int:
         # A static (compiled) cache attends over all max_len positions every step; a dynamic one over
-        # the tokens so far: prompt + N/2 on average over the decode steps.
+        # the tokens so far: prompt + N/2 on average over the decode steps. Quantised weights count
+        # their stored tensors (measure.tensor_bytes): int8 or packed int4 integers plus their scales
+        # (int4 also the zero points, and tinygemm's padding of the input width to 1024: the kernel reads it).
         c = self.model_config
         keys = self.max_len if static else self.prompt_len + self.new_tokens // 2
         kv = 2 * c.n_layer * c.n_embd * keys * torch.empty((), dtype=kv_dtype).element_size()
@@ -320,4 +333,7 @@ def main(cfg: BenchConfig) -> int:
     print(f"\nreport: {out / 'infer_report.md'}")
     if cfg.json:
         print(to_json(summary))
-    return 0 if summary["baseline"] else 1
+    # 1: nothing measured though something should have been (a rung failed, or none fit); a ladder of
+    # rungs this device cannot run (--rungs int4 on a CPU) is skipped with the reasons, not an error
+    skipped = all(r["status"] == "skipped" for r in summary["rungs"])
+    return 0 if summary["baseline"] or skipped else 1

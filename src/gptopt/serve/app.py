@@ -335,6 +335,7 @@ def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> Engine:
         raise ValueError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
                          "lower --max_batch_size, or use --dtype bf16 or --quantize int8-weight") from None
     metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
+    metrics.bind_device_memory(plan.device)  # CUDA only
     return engine
 
 

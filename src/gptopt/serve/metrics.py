@@ -1,4 +1,5 @@
-"""Prometheus metrics of the server: latency histograms, load gauges, token and request counters.
+"""Prometheus metrics of the server: latency histograms, load gauges, token and request counters, and
+on CUDA the device memory (allocated, reserved, peak allocated), read at scrape time.
 
     curl -s http://127.0.0.1:8000/metrics | grep gptopt_
 
@@ -9,6 +10,8 @@ one process (tests build several), and /metrics should show this server's figure
 from __future__ import annotations
 
 from collections.abc import Callable
+
+import torch
 
 from gptopt.extras import require
 
@@ -52,6 +55,23 @@ class ServeMetrics:
         """Read the gauges from the engine at scrape time, so they can never drift from its state."""
         self.running.set_function(running)
         self.waiting.set_function(waiting)
+
+    def bind_device_memory(self, device: torch.device) -> None:
+        """On CUDA, gauges of the device's memory read from torch's caching allocator at scrape time:
+        what `gptopt loadtest` samples beside the RSS (on a GPU the memory that runs out is the device's).
+        Elsewhere nothing is added: a CPU server's memory is its RSS."""
+        if device.type != "cuda":
+            return
+        r = self.registry
+        # torch.cuda's functions are looked up at each scrape, not bound here (tests stand in for them)
+        Gauge("gptopt_device_memory_allocated_bytes", "device memory held by tensors (torch.cuda.memory_allocated)",
+              registry=r).set_function(lambda: torch.cuda.memory_allocated(device))
+        Gauge("gptopt_device_memory_reserved_bytes", "device memory held by torch's caching allocator, "
+              "allocated or cached (torch.cuda.memory_reserved)", registry=r
+              ).set_function(lambda: torch.cuda.memory_reserved(device))
+        Gauge("gptopt_device_memory_peak_allocated_bytes", "the most device memory tensors held since the server "
+              "started, warm-up included (torch.cuda.max_memory_allocated)", registry=r
+              ).set_function(lambda: torch.cuda.max_memory_allocated(device))
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)
