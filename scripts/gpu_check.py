@@ -213,7 +213,7 @@ def _json(path: Path) -> Any:
         text = path.read_text()
     except OSError:
         return None
-    for candidate in (text, *reversed(text.strip().splitlines()[-1:])):
+    for candidate in (text, *text.strip().splitlines()[-1:]):
         try:
             return json.loads(candidate)
         except ValueError:
@@ -525,7 +525,7 @@ class Runner:
                 figures["memory_at_end"] = _server_memory(url)
         finally:
             _stop(server)
-        self.finish_serve(step, status, server.returncode, time.monotonic() - start, note)
+        self.finish(step, status, server.returncode, time.monotonic() - start, note)
 
     def _loadtest(self, argv: list[str], limit: float, clients: int) -> dict[str, Any]:
         _say(f"   loadtest {clients} clients: {shlex.join(argv)}")
@@ -544,25 +544,18 @@ class Runner:
                 continue
         if done.returncode != 0 or not isinstance(summary, dict):
             return {"status": "failed", "rc": done.returncode, "tail": done.stderr.decode(errors="replace")[-400:]}
-        keep = ("requests", "errors", "requests_per_s", "output_tokens_per_s", "ttft_s", "tpot_s", "server_memory")
+        keep = ("requests", "errors", "requests_per_s", "output_tokens_per_s", "ttft_s", "tpot_s", "server_memory",
+                "server_device_memory")
         row: dict[str, Any] = {"status": "ok"}
         for k in keep:
             v = summary.get(k)
-            if isinstance(v, dict):
-                v = {q: _r(x, 4) for q, x in v.items() if q in ("p50", "p90", "p99", "mean", "start", "end", "peak")
-                     or not isinstance(x, float)}
+            if isinstance(v, dict) and k.startswith("server_"):  # bytes -> GiB
+                v = {q.removesuffix("_bytes") + "_gib": _gib(x) for q, x in v.items() if q.endswith("_bytes")}
+            elif isinstance(v, dict):
+                v = {q: _r(x, 4) for q, x in v.items() if q in ("p50", "p90", "p99", "mean") or not isinstance(x, float)}
             if v is not None:
                 row[k] = _r(v, 1)
         return row
-
-    def finish_serve(self, step: Step, status: str, rc: int | None, seconds: float, note: str) -> None:
-        res = self.results[step.name]
-        res.update(status=status, rc=rc, seconds=round(seconds, 1))
-        if note:
-            res["note"] = note
-        if status != "ok":
-            res["error_tail"] = _tail(self.ctx.out / f"{step.name}.log")
-        _say(f"   {step.name}: {status} in {seconds:.1f}s {json.dumps(res['figures'])[:300]}")
 
     def save(self) -> dict[str, Any]:
         both = {**self.earlier, **self.results}

@@ -112,6 +112,16 @@ def test_without_the_hf_extra_hf_is_skipped_and_kv_is_the_baseline(
     assert "pip install 'gptopt[hf]'" in report.infer_table(summary)
 
 
+def test_each_rung_gets_the_same_weights_with_lm_head_tied_to_the_embedding(bench: InferBench) -> None:
+    """Built without init work (gpt2-xl's takes ~30 s on a CPU): the stored weights, tied as GPT-2 ties
+    them, so the embedding is read, and counted in bytes per token, once."""
+    a, b = bench._model(torch.float32), bench._model(torch.float32)
+    for model in (a, b):
+        assert model.lm_head.weight is model.transformer.wte.weight
+        assert all(torch.equal(v, bench.init_state[k].cpu()) for k, v in model.state_dict().items())
+    assert a.transformer.wte.weight.data_ptr() != b.transformer.wte.weight.data_ptr()  # a rung may change its own
+
+
 def test_int8_runs_on_a_cpu_or_says_why_not(bench: InferBench, monkeypatch: pytest.MonkeyPatch) -> None:
     # The ladder's int8 rung is compiled (the slow test runs it so); eager here keeps this test quick.
     int8 = dataclasses.replace(RUNG["int8"], compile=False)

@@ -148,7 +148,8 @@ class InferBench:
         self.base_dtype = weights_dtype("auto", self.plan)  # the device's inference dtype, as generate and serve load
         self.prompts = self._prompts(self.batch_sizes[-1])
         torch.manual_seed(cfg.seed)
-        init = GPT(self.model_config)
+        with torch.device(self.plan.device):  # initialised where it runs: gpt2-xl's init takes ~30 s on a CPU
+            init = GPT(self.model_config)
         # GPT-2's 0.02 init makes a random model repeat its last prompt token, so any two
         # implementations would agree trivially; wide weights make greedy text change every token.
         with torch.no_grad():
@@ -174,9 +175,12 @@ class InferBench:
         return [tokens[s : s + self.prompt_len].astype("int64").tolist() for s in starts]
 
     def _model(self, dtype: torch.dtype) -> GPT:
-        model = GPT(self.model_config)
+        with torch.device("meta"):  # shapes only: the weights come from init_state, so no init work
+            model = GPT(self.model_config)
+        model = model.to_empty(device=self.plan.device)
+        model.lm_head.weight = model.transformer.wte.weight  # to_empty gives each its own tensor: tie them again
         model.load_state_dict(self.init_state)
-        return model.to(self.plan.device, dtype).eval()
+        return model.to(dtype=dtype).eval()
 
     def _skip(self, rung: InferRung) -> str | None:
         if rung.hf and not has("transformers"):
