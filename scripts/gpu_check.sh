@@ -12,9 +12,10 @@
 # transformers, nvidia-ml-py, pytest and the serve and quant extras. A package the image lacks
 # (results.json's "missing" names them; a bare CUDA image often lacks fastapi, starlette, pydantic,
 # pydantic-core, annotated-types, typing-inspection, uvicorn and torchao) travels as wheels fetched
-# on a machine with network, for the GPU machine's Python (3.12 here) and a torchao built for its torch:
+# on a machine with network, for the GPU machine's Python and a torchao built for its torch (0.18 goes
+# with torch 2.11; the wheels' own --platform tags may need adding, e.g. manylinux_2_17_x86_64):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
-#     -d .whl fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn torchao
+#     -d .whl fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn torchao==0.18.0
 # and the install step installs them with gptopt when GPTOPT_WHEELS names their folder (default: .whl).
 #
 # Each step runs with its own time limit and the run never stops early: a failing step keeps its
@@ -24,7 +25,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 case "${1:-}" in
-  ""|-h|--help) sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
+  "") echo "usage: bash scripts/gpu_check.sh DIR [--only STEP,...] | --dry-run DIR | --help" >&2; exit 2 ;;
   --dry-run) shift; exec "$py" scripts/gpu_check.py dry-run "$@" ;;
 esac
 exec "$py" scripts/gpu_check.py run "$@"

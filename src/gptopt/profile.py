@@ -259,9 +259,15 @@ def diagnose(s: TraceSummary) -> list[Finding]:
     return out
 
 
+def is_python_frame(e: FunctionEvent) -> bool:
+    """A Python frame that with_stack recorded, not an operator. torch 2.12 started listing those frames
+    among the events (and flagging them); before it they are not events, and the flag does not exist."""
+    return bool(getattr(e, "is_python_function", False))
+
+
 def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
     """The events inside the `gptopt::step` ranges of a real torch.profiler trace, as OpRecords."""
-    cpu = [e for e in events if e.device_type == DeviceType.CPU and not e.is_python_function]
+    cpu = [e for e in events if e.device_type == DeviceType.CPU and not is_python_frame(e)]
     steps = sorted((e.time_range.start, e.time_range.end) for e in cpu if e.name == STEP_RANGE)
     exempt = [(e.time_range.start, e.time_range.end) for e in cpu if e.name in (SYNC_RANGE, READOUT_RANGE)]
     starts = [a for a, _ in steps]
@@ -285,7 +291,7 @@ def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
     for e in events:
         t0, t1 = e.time_range.start, e.time_range.end
         i = step_of(t0)
-        if i is None or e.is_python_function:
+        if i is None or is_python_frame(e):
             continue
         base = dict(name=e.name, step=i, start_us=t0 - steps[i][0], dur_us=t1 - t0)
         if e.device_type == DeviceType.CUDA:
@@ -475,7 +481,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
         gradient_checkpointing=cfg.gradient_checkpointing,
     )
     # Operators only: Python frames (with_stack) and our own ranges would otherwise lead a CPU table by self time.
-    python = {e.name for e in events if e.is_python_function}
+    python = {e.name for e in events if is_python_frame(e)}
     ops = [a for a in prof.key_averages() if a.key not in python and not a.is_user_annotation]
     table = EventList(ops, use_device="cuda" if gpu else None, profile_memory=True).table(
         sort_by="self_cuda_time_total" if gpu else "self_cpu_time_total", row_limit=cfg.row_limit)
