@@ -192,6 +192,19 @@ def test_aside_restores_the_old_output_when_the_new_one_fails(tmp_path: Path) ->
     assert (run / "metrics.jsonl").read_text() == "new metrics"
 
 
+def test_a_first_run_that_fails_part_way_can_be_rerun_with_overwrite(tmp_path: Path) -> None:
+    """bench, tune and profile write as they go: a crash after the first files must not leave a folder
+    that --overwrite then refuses as the user's."""
+    out = tmp_path / "prof"
+    ours = ["trace.json", "diagnosis.json"]
+    with pytest.raises(RuntimeError), fsutil.replacing(out, kind="profile", ours=ours):
+        (out / "trace.json").write_text("partial")
+        raise RuntimeError("the run crashed after its trace")
+    assert fsutil.check_output(out, kind="profile", overwrite=True, ours=ours) == [out / "trace.json"]
+    with pytest.raises(ValueError, match="--overwrite"):  # and without --overwrite it is still kept
+        fsutil.check_output(out, kind="profile", overwrite=False, ours=ours)
+
+
 def test_a_killed_replacement_is_undone_and_killed_staging_is_removed(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()

@@ -441,9 +441,20 @@ def replacing(out: Path, *, kind: str, ours: Sequence[str], old: Sequence[Path] 
     if old is None:
         old = check_output(out, kind=kind, overwrite=True, ours=ours)
     out.mkdir(parents=True, exist_ok=True)
-    with Aside(out, old, ours):
-        yield
+
+    def mark_ours() -> None:
         mark(out, kind, files=[name for name in ours if (out / name).exists()] if list_files else None)
+
+    with Aside(out, old, ours):
+        try:
+            yield
+        except BaseException:
+            # A first run that failed part-way: what it wrote is still gptopt's, so a rerun with
+            # --overwrite may replace it (unmarked, it would be refused as the user's).
+            if not old:
+                mark_ours()
+            raise
+        mark_ours()
 
 
 def _restore(target: Path, folder: Path, ours: Sequence[str]) -> None:
