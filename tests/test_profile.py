@@ -346,8 +346,9 @@ def test_a_summary_without_steps_is_an_error() -> None:
 
 
 def test_the_trace_is_read_where_torch_does_not_flag_python_frames() -> None:
-    """torch < 2.12 (2.11 is common on GPU images) has no FunctionEvent.is_python_function: the trace
-    must still read, not end `gptopt profile` in an AttributeError after every step ran."""
+    """torch < 2.12 (2.11 is common on GPU images) has no FunctionEvent.is_python_function nor
+    input_dtypes: the trace must still read, not end `gptopt profile` in an AttributeError after every
+    step ran, and the dtypes are unknown rather than "not float32"."""
     from torch.profiler import ProfilerActivity, record_function
 
     x = torch.randn(64, 64)
@@ -357,8 +358,11 @@ def test_the_trace_is_read_where_torch_does_not_flag_python_frames() -> None:
     events = prof.events()
     flagged = {e.name for e in events if getattr(e, "is_python_function", False)}
     for e in events:  # as torch 2.11 builds them
-        if hasattr(e, "is_python_function"):
-            del e.is_python_function
-    names = {op.name for op in profile.trace_ops(events)}
+        for attr in ("is_python_function", "input_dtypes"):
+            if hasattr(e, attr):
+                delattr(e, attr)
+    ops = profile.trace_ops(events)
+    names = {op.name for op in ops}
     assert "aten::mm" in names
     assert not names & flagged - {"aten::mm"}  # no frame that this torch flags is counted as an operator
+    assert all(op.dtypes is None for op in ops if op.matmul)

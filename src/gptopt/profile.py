@@ -97,7 +97,7 @@ class OpRecord:
     start_us: float  # from the start of that step
     dur_us: float  # host time on a CPU; device time for CUDA kernels and matmuls
     self_us: float | None = None  # CPU ops: own time without callees' (a kernel counts this); None: dur_us
-    dtypes: tuple[str, ...] = ()  # input dtypes, as record_shapes gives them
+    dtypes: tuple[str, ...] | None = ()  # input dtypes, as record_shapes gives them; None: this torch records none
     kernel: bool = False  # a unit of device work: a CUDA kernel; on a CPU an aten op doing its own work
     busy: bool = False  # the device works meanwhile: CUDA kernels and copies; on a CPU a top-level aten op
     matmul: bool = False  # the innermost op of a matrix multiply (addmm inside linear, flash inside sdpa)
@@ -137,7 +137,7 @@ class Figures:
     kernels_per_step: float
     median_kernel_us: float | None
     kernel_share: float  # of step time inside kernels (summed)
-    fp32_matmul_share: float | None  # None when no matmul was recorded
+    fp32_matmul_share: float | None  # None when no matmul was recorded, or the dtypes are unknown (torch < 2.12)
     memory_share: float | None
     syncs_per_step: float
     sync_calls: dict[str, int]
@@ -188,7 +188,8 @@ def figures(s: TraceSummary) -> Figures:
         steps=n, step_ms=statistics.median(s.step_s) * 1e3, data_wait_share=sum(s.data_wait_s) / total_s,
         idle_share=idle, kernels_per_step=len(kernels) / n,
         median_kernel_us=statistics.median(kernels) if kernels else None, kernel_share=sum(kernels) / 1e6 / total_s,
-        fp32_matmul_share=sum(o.dur_us for o in matmuls if FP32 & set(o.dtypes)) / mm_total if mm_total else None,
+        fp32_matmul_share=sum(o.dur_us for o in matmuls if FP32 & set(o.dtypes or ())) / mm_total
+        if mm_total and all(o.dtypes is not None for o in matmuls) else None,
         memory_share=memory_share, syncs_per_step=sum(syncs.values()) / n, sync_calls=dict(syncs),
         graph_breaks=None if s.graph_breaks is None else sum(s.graph_breaks.values()),
     )
@@ -265,6 +266,12 @@ def is_python_frame(e: FunctionEvent) -> bool:
     return bool(getattr(e, "is_python_function", False))
 
 
+def input_dtypes(e: FunctionEvent) -> tuple[str, ...] | None:
+    """The op's input dtypes (record_shapes), or None where torch does not keep them (before 2.12)."""
+    dtypes = getattr(e, "input_dtypes", None)
+    return None if dtypes is None else tuple(map(str, dtypes))
+
+
 def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
     """The events inside the `gptopt::step` ranges of a real torch.profiler trace, as OpRecords."""
     cpu = [e for e in events if e.device_type == DeviceType.CPU and not is_python_frame(e)]
@@ -305,14 +312,14 @@ def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
             if gpu:  # the device's side of the story comes from its own events
                 if matmul:
                     records.append(OpRecord(**{**base, "dur_us": e.device_time_total},
-                                            dtypes=tuple(map(str, e.input_dtypes)), matmul=True))
+                                            dtypes=input_dtypes(e), matmul=True))
                 continue
             # A CPU 'kernel' does its own work: most of its time is its own, not its callees' (addmm runs the
             # GEMM and calls copy_ for the bias; linear only calls addmm). Views and empty tensors are no work.
             kernel = e.name not in CPU_METADATA_OPS and e.self_cpu_time_total >= 0.5 * e.cpu_time_total
             sync = top and e.name in HOST_READ_OPS and not any(a <= t0 <= b for a, b in exempt)
             if top or kernel or matmul or sync:
-                records.append(OpRecord(**base, self_us=e.self_cpu_time_total, dtypes=tuple(map(str, e.input_dtypes)),
+                records.append(OpRecord(**base, self_us=e.self_cpu_time_total, dtypes=input_dtypes(e),
                                         kernel=kernel, busy=top, matmul=matmul, sync=sync))
         elif e.name in CUDA_SYNC_CALLS and not any(a <= t0 <= b for a, b in exempt):
             records.append(OpRecord(**base, sync=True))
