@@ -345,10 +345,10 @@ def test_a_summary_without_steps_is_an_error() -> None:
         figures(synthetic(steps=0))
 
 
-def test_the_trace_is_read_where_torch_does_not_flag_python_frames() -> None:
+def test_the_trace_is_read_where_torch_does_not_flag_python_frames_or_keep_dtypes() -> None:
     """torch < 2.12 (2.11 is common on GPU images) has no FunctionEvent.is_python_function nor
-    input_dtypes: the trace must still read, not end `gptopt profile` in an AttributeError after every
-    step ran, and the dtypes are unknown rather than "not float32"."""
+    input_dtypes: the trace must still read (not end `gptopt profile` in an AttributeError after every
+    step ran), with the dtypes taken from the kineto events, where that torch keeps them."""
     from torch.profiler import ProfilerActivity, record_function
 
     x = torch.randn(64, 64)
@@ -356,13 +356,18 @@ def test_the_trace_is_read_where_torch_does_not_flag_python_frames() -> None:
         with record_function(STEP_RANGE):
             (x @ x).sum()
     events = prof.events()
+    profile.attach_dtypes(prof, events)  # what profile does (nothing to do on torch >= 2.12)
     flagged = {e.name for e in events if getattr(e, "is_python_function", False)}
+    want = {op.name: op.dtypes for op in profile.trace_ops(events) if op.matmul}
+    assert want and all(dtypes for dtypes in want.values())
     for e in events:  # as torch 2.11 builds them
         for attr in ("is_python_function", "input_dtypes"):
             if hasattr(e, attr):
                 delattr(e, attr)
-    ops = profile.trace_ops(events)
-    names = {op.name for op in ops}
+    bare = profile.trace_ops(events)
+    names = {op.name for op in bare}
     assert "aten::mm" in names
     assert not names & flagged - {"aten::mm"}  # no frame that this torch flags is counted as an operator
-    assert all(op.dtypes is None for op in ops if op.matmul)
+    assert all(op.dtypes is None for op in bare if op.matmul)  # unknown, not "not float32"
+    profile.attach_dtypes(prof, events)
+    assert {op.name: op.dtypes for op in profile.trace_ops(events) if op.matmul} == want

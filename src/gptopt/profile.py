@@ -267,9 +267,26 @@ def is_python_frame(e: FunctionEvent) -> bool:
 
 
 def input_dtypes(e: FunctionEvent) -> tuple[str, ...] | None:
-    """The op's input dtypes (record_shapes), or None where torch does not keep them (before 2.12)."""
+    """The op's input dtypes (record_shapes), or None where they are unknown."""
     dtypes = getattr(e, "input_dtypes", None)
     return None if dtypes is None else tuple(map(str, dtypes))
+
+
+def attach_dtypes(prof: Any, events: Sequence[FunctionEvent]) -> None:
+    """torch before 2.12 keeps record_shapes' input dtypes on its kineto events only, not on the
+    FunctionEvents built from them: copy them over, matched by the id and start time each was given."""
+    if not events or all(hasattr(e, "input_dtypes") for e in events):
+        return
+    results = getattr(getattr(prof, "profiler", None), "kineto_results", None)
+    if results is None or not hasattr(results, "trace_start_ns"):
+        return
+    start = results.trace_start_ns()
+    dtypes = {(k.correlation_id(), (k.start_ns() - start) / 1000): k.dtypes() for k in results.events()
+              if k.device_type() == DeviceType.CPU}
+    for e in events:
+        found = dtypes.get((e.id, e.time_range.start))
+        if found is not None and not hasattr(e, "input_dtypes"):
+            e.input_dtypes = found
 
 
 def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
@@ -479,6 +496,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     if cfg.use_compile:  # reason (its first line) -> count
         graph_breaks = {str(r).strip().splitlines()[0]: n for r, n in counters["graph_break"].items()}
     events = prof.events()
+    attach_dtypes(prof, events)
     summary = TraceSummary(
         device_type=plan.device.type, step_s=step_s, data_wait_s=waits, ops=trace_ops(events),
         peak_memory_bytes=peak_memory_bytes(plan), memory_capacity_bytes=memory.capacity_bytes(plan.device),
