@@ -164,6 +164,23 @@ def test_a_failing_or_hanging_step_costs_only_itself(tmp_path: Path, monkeypatch
     assert again["breaks"]["status"] == "ok" and again["hangs"]["status"] == "timeout"
 
 
+def test_the_test_steps_figures_name_the_failing_tests_even_without_its_report(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tests = tmp_path / "test_paths.py"
+    tests.write_text("def test_works():\n    pass\n\n\ndef test_breaks():\n    assert 1 == 2\n")
+    monkeypatch.setattr(gc, "plan", lambda ctx: [gc.Step("cuda_tests", 60, "pytest", [
+        sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--junitxml", ctx.path("cuda_tests.xml"),
+        "-o", "addopts=", str(tests)])])
+    out = tmp_path / "run"
+    assert gc.main(["run", str(out)]) == 1
+    figures = json.loads((out / "results.json").read_text())["steps"][0]["figures"]
+    assert figures["tests"] == 2 and figures["failures"] == 1 and figures["failed"] == ["test_breaks"]
+    # stopped at its limit, pytest writes no report: the log's lines still say what failed
+    (out / "cuda_tests.xml").unlink()
+    again = gc.fig_pytest(out, (out / "cuda_tests.log").read_text())
+    assert again["ran"] == 2 and again["passed"] == 1 and again["failed"][0].endswith("::test_breaks")
+
+
 def test_unknown_step_names_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         gc.main(["run", str(tmp_path / "x"), "--only", "bench,nope"])
