@@ -282,6 +282,13 @@ def _train(name: str) -> Callable[[Path, str], dict[str, Any]]:
         scales = [r["loss_scale"] for r in steps if "loss_scale" in r]
         if scales:
             res["loss_scale_first_last"] = [scales[0], scales[-1]]
+        monitor = _json(out / name / "monitor.json") or {}  # NVML, sampled through the run
+        if monitor.get("gpu_available"):
+            res["nvml"] = {k.removeprefix("gpu0_"): _r(v.get("mean" if "pct" in k or "power" in k else "max"), 1)
+                           for k, v in monitor.items() if k.startswith("gpu0_") and isinstance(v, dict)
+                           and any(t in k for t in ("util_pct", "power_w", "sm_clock", "temp_c"))}
+        elif monitor.get("gpu_reason"):
+            res["nvml"] = monitor["gpu_reason"]
         return {k: v for k, v in res.items() if v not in (None, [None, None])}
     return figures
 
