@@ -328,3 +328,24 @@ def test_the_report_goes_to_the_folder_that_was_checked(
     assert cli.main(bench_args(train_data, Path("~/b"), "eager", "--overwrite")) == 0
     assert (tmp_path / "home" / "b" / "report.md").is_file()
     assert list((tmp_path / "cwd").iterdir()) == []
+
+
+def test_ctrl_c_keeps_the_rungs_measured_so_far(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """A long ladder stopped by Ctrl-C (or a time limit's SIGINT) still writes its report: the rungs
+    measured before it with their figures, the rest marked as not measured."""
+    real = Bench.run_rung
+
+    def stop_at_sdpa(self: Bench, rung: ladder.Rung) -> ladder.RungResult:
+        if rung.name == "sdpa":
+            raise KeyboardInterrupt
+        return real(self, rung)
+
+    monkeypatch.setattr(Bench, "run_rung", stop_at_sdpa)
+    out = tmp_path / "b"
+    assert cli.main(bench_args(train_data, out, "eager,sdpa,amp", "--json")) == 130
+    summary = json.loads((out / "results.json").read_text())
+    assert last_json_line(capsys.readouterr().out) == summary
+    status = {r["name"]: (r["status"], r["note"]) for r in summary["rungs"]}
+    assert status["eager"][0] == "ok" and summary["rungs"][0]["tokens_per_s"] > 0
+    assert status["sdpa"] == status["amp"] == ("skipped", ladder.STOPPED)

@@ -21,9 +21,9 @@ from conftest import last_json_line
 
 from gptopt import cli, extras
 from gptopt.bench import infer, report
-from gptopt.bench.infer import RUNGS, InferBench, select_rungs
+from gptopt.bench.infer import RUNGS, InferBench, InferRung, select_rungs
 from gptopt.config import BenchConfig
-from gptopt.measure import GptoptRunner, weight_bytes
+from gptopt.measure import STOPPED, GptoptRunner, weight_bytes
 
 CONTRACT = ("name", "prefill_s", "ttft_s", "decode_tokens_per_s", "batch_sweep", "bandwidth_gbs", "bandwidth_util",
             "tokens_match", "status", "note", "speedup_vs_baseline")
@@ -241,3 +241,41 @@ def test_the_default_ladder_runs_end_to_end_with_its_compiled_rungs(
         assert r["status"] in ("ok", "skipped"), r["note"]
         if r["status"] == "ok":
             assert 0 <= r["tokens_match"] <= 1 and r["max_logit_diff"] > 0 and r["decode_tokens_per_s"] > 0
+
+
+def test_ctrl_c_keeps_the_rungs_measured_so_far(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Stopped by Ctrl-C (or a time limit's SIGINT) mid-ladder: the report still holds the rungs done."""
+    real = InferBench.run_rung
+
+    def stop_at_compiled(self: InferBench, rung: InferRung) -> object:
+        if rung.name == "compiled":
+            raise KeyboardInterrupt
+        return real(self, rung)
+
+    monkeypatch.setattr(InferBench, "run_rung", stop_at_compiled)
+    out = tmp_path / "b"
+    assert cli.main(infer_args(train_data, out, "kv,compiled,int8")) == 130
+    rungs = {r["name"]: r for r in json.loads((out / "infer_results.json").read_text())["rungs"]}
+    assert rungs["kv"]["status"] == "ok" and rungs["kv"]["decode_tokens_per_s"] > 0
+    assert all(rungs[n]["status"] == "skipped" and rungs[n]["note"] == STOPPED for n in ("compiled", "int8"))
+
+
+def test_batch_sizes_choose_the_sweep_and_batch_1_is_always_in_it(train_data: Path, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    def sweep_args(out: Path, *sizes: str) -> list[str]:
+        args = infer_args(train_data, out, "kv")
+        i = args.index("--batch_size")
+        return [*args[:i], *args[i + 2:], *sizes]
+
+    out = tmp_path / "b"
+    assert cli.main(sweep_args(out, "--batch_sizes", "3")) == 0
+    results = json.loads((out / "infer_results.json").read_text())
+    assert results["batch_sizes"] == [1, 3]  # batch 1's figures head every rung
+    assert [row["batch_size"] for row in results["rungs"][0]["batch_sweep"]] == [1, 3]
+    for bad, says in ((["--batch_sizes", "0,8"], "1..65536"), (["--batch_sizes", "8", "--batch_size", "8"], "not both")):
+        with pytest.raises(SystemExit) as e:
+            cli.main(sweep_args(tmp_path / "c", *bad))
+        assert e.value.code == 2 and says in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--batch_sizes", "1,8"])  # the training ladder has no sweep
+    assert "--mode infer" in capsys.readouterr().err

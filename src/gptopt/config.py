@@ -378,6 +378,10 @@ class BenchConfig:
     warmup: int = opt(3, "untimed steps per rung before timing (compile happens in the first)", ge=1, le=100_000)
     mode: str = opt("train", "train: the training ladder; infer: the generation ladder", choices=("train", "infer"))
     rungs: str = opt("default", "comma-separated rungs, 'default' or 'all'; `--rungs list` prints them")
+    batch_sizes: str | None = opt(None, "--mode infer: the batch sizes of the decode sweep, comma-separated (e.g. "
+                                  "1,16,64; each compiled rung compiles once per size; batch 1 is always measured: "
+                                  "the decode, TTFT and bandwidth figures are its); default: 1, 2, 4, ... up to "
+                                  "--batch_size")
     loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails",
                                 gt=0.0, lt=1.0)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
@@ -391,6 +395,22 @@ class BenchConfig:
         check_fields(self)
         if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        if self.batch_sizes is not None:
+            if self.mode != "infer":
+                raise ValueError("--batch_sizes is the decode sweep of --mode infer; the training ladder takes --batch_size")
+            if self.batch_size is not None:
+                raise ValueError("give --batch_sizes (the sweep's sizes) or --batch_size (its largest), not both")
+            self.sweep()  # refused here, before any work, if malformed
+
+    def sweep(self) -> list[int] | None:
+        """--batch_sizes as sorted distinct integers, or None (the doubling sweep)."""
+        if self.batch_sizes is None:
+            return None
+        parts = [p.strip() for p in self.batch_sizes.split(",") if p.strip()]
+        if not parts or not all(p.isdigit() and 1 <= int(p) <= MAX_BATCH for p in parts):
+            raise ValueError(f"--batch_sizes {self.batch_sizes!r}: give comma-separated integers in 1..{MAX_BATCH}, "
+                             "e.g. 1,16,64")
+        return sorted({1, *(int(p) for p in parts)})
 
 
 TUNE_AXES = ("attention", "amp", "fused", "loader", "batch", "checkpointing", "compile")

@@ -32,7 +32,7 @@ from gptopt.device import DevicePlan, environment, memory_bandwidth
 from gptopt.export import OnnxRunner
 from gptopt.extras import EXTRAS, has, require
 from gptopt.inference import prepare, weights_dtype
-from gptopt.measure import RECOMPILE_LIMIT, GptoptRunner, free_memory, timed, weight_bytes
+from gptopt.measure import RECOMPILE_LIMIT, STOPPED, GptoptRunner, free_memory, timed, weight_bytes
 from gptopt.model import GPT
 from gptopt.quantize import int4_unsupported
 from gptopt.step import is_oom
@@ -143,7 +143,7 @@ class InferBench:
         self.new_tokens = min(256 if gpu else 64, seq_len - self.prompt_len)
         self.max_len = self.prompt_len + self.new_tokens
         top = cfg.batch_size or (64 if gpu else 16)
-        self.batch_sizes = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < top] + [top]
+        self.batch_sizes = cfg.sweep() or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < top] + [top]
         self.repeats = max(3, cfg.steps // 3)
         self.base_dtype = weights_dtype("auto", self.plan)  # the device's inference dtype, as generate and serve load
         self.prompts = self._prompts(self.batch_sizes[-1])
@@ -165,6 +165,7 @@ class InferBench:
         torch.set_float32_matmul_precision(precision)
         self.peak_bandwidth, self.bandwidth_source = memory_bandwidth(self.plan)
         self.results: list[InferResult] = []
+        self.stopped = False  # Ctrl-C ended the ladder early
 
     def _prompts(self, n: int) -> list[list[int]]:
         """n real windows of prompt_len tokens, evenly spread over the val split (train if val is short)."""
@@ -286,9 +287,15 @@ class InferBench:
 
     def run(self, rungs: list[InferRung]) -> dict[str, Any]:
         with torch._dynamo.config.patch(**{RECOMPILE_LIMIT: 32}):  # one compile per batch size stays compiled
-            for rung in rungs:
-                log.info(f"bench --mode infer: rung {rung.name}")
-                self.results.append(self.run_rung(rung))
+            try:
+                for rung in rungs:
+                    log.info(f"bench --mode infer: rung {rung.name}")
+                    self.results.append(self.run_rung(rung))
+            except KeyboardInterrupt:  # what was measured is reported; the rest say why they have no figures
+                self.stopped = True
+                done = {r.name for r in self.results}
+                self.results += [InferResult(name=r.name, what=r.what, status="skipped", note=STOPPED)
+                                 for r in rungs if r.name not in done]
         self._compare()
         return self.summary()
 
@@ -340,4 +347,7 @@ def main(cfg: BenchConfig) -> int:
     # 1: nothing measured though something should have been (a rung failed, or none fit); a ladder of
     # rungs this device cannot run (--rungs int4 on a CPU) is skipped with the reasons, not an error
     skipped = all(r["status"] == "skipped" for r in summary["rungs"])
+    if bench.stopped:
+        log.warning("bench --mode infer was stopped: the report holds the rungs measured before it")
+        return 130
     return 0 if summary["baseline"] or skipped else 1

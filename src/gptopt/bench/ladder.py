@@ -35,6 +35,7 @@ from gptopt.config import BenchConfig, TrainConfig
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, reuse_host_memory
 from gptopt.extras import has
 from gptopt.flops import flops_per_token, mfu
+from gptopt.measure import STOPPED
 from gptopt.model import GPT
 from gptopt.monitor import Monitor, format_summary
 from gptopt.prepare_model import compile_model
@@ -191,6 +192,7 @@ class Bench:
         self.init_state = {k: v.clone() for k, v in init.state_dict().items()}
         self.peak, self.peak_source = peak_flops(self.plan)
         self.results: list[RungResult] = []
+        self.stopped = False  # Ctrl-C ended the ladder early
         self._effective: dict[str, dict[str, Any]] = {}  # rung name -> its effective settings (self.effective)
         self.monitor: dict[str, Any] = {}
 
@@ -379,6 +381,11 @@ class Bench:
                 same = self.identical_to(rung)
                 self._effective[rung.name] = self.effective(rung)
                 self.results.append(self.run_rung(rung) if same is None else self._identical(rung, same))
+        except KeyboardInterrupt:  # what was measured is reported; the rest say why they have no figures
+            self.stopped = True
+            done = {r.name for r in self.results}
+            self.results += [RungResult(name=r.name, what=r.what, status="skipped", note=STOPPED)
+                             for r in rungs if r.name not in done]
         finally:
             bar.close()
             monitor.stop()
@@ -490,4 +497,7 @@ def main(cfg: BenchConfig) -> int:
     print(f"\nreport: {out / 'report.md'}" + (f"; best rung '{best}' -> {out / 'best.toml'}" if best else ""))
     if cfg.json:
         print(to_json(summary))
+    if bench.stopped:
+        log.warning("bench was stopped: the report holds the rungs measured before it")
+        return 130
     return 0 if best else 1
