@@ -21,6 +21,7 @@ timed runs beside anything else.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime as dt
 import json
@@ -61,7 +62,7 @@ class Sizes:
     train_steps: int  # the measured training run
     few_steps: int  # the path checks
     bench_warmup: int
-    infer_batch: int  # bench --mode infer sweeps 1, 2, 4, ... up to this
+    infer_batches: str  # bench --mode infer's sweep (each compiled rung compiles once per size)
     infer_seq: int
     new_tokens: int
     eval_tokens: int
@@ -71,10 +72,10 @@ class Sizes:
 
 SIZES = {
     "gpu": Sizes(model="gpt2", large="gpt2-xl", seq=1024, batch=16, train_steps=40, few_steps=4,
-                 bench_warmup=2, infer_batch=64, infer_seq=256, new_tokens=128, eval_tokens=16384,
+                 bench_warmup=2, infer_batches="1,64", infer_seq=256, new_tokens=128, eval_tokens=16384,
                  clients=(1, 16, 64), serve_tokens=64),
     "cpu": Sizes(model="debug", large="debug", seq=64, batch=4, train_steps=4, few_steps=2,
-                 bench_warmup=1, infer_batch=2, infer_seq=64, new_tokens=16, eval_tokens=1024,
+                 bench_warmup=1, infer_batches="1,2", infer_seq=64, new_tokens=16, eval_tokens=1024,
                  clients=(1, 2, 4), serve_tokens=8),
 }
 
@@ -154,11 +155,11 @@ def plan(ctx: Ctx) -> list[Step]:
                10, "--warmup", s.bench_warmup, "--output_dir", p("bench"), "--json", "--overwrite"),
              stdout="bench.json"),
         Step("bench_infer", 80, f"bench --mode infer on {s.model}: hf, kv, compiled (CUDA graphs), int8, int4 at "
-             f"batch 1 to {s.infer_batch}: decode tokens/s, bandwidth share", g(
-                 "bench", "--preset", s.model, *infer, "--rungs", "hf,kv,compiled,int8,int4", "--batch_size",
-                 s.infer_batch, "--output_dir", p("bench_infer")), stdout="bench_infer.json"),
+             f"batch {s.infer_batches.replace(',', ' and ')}: decode tokens/s, bandwidth share", g(
+                 "bench", "--preset", s.model, *infer, "--rungs", "hf,kv,compiled,int8,int4", "--batch_sizes",
+                 s.infer_batches, "--output_dir", p("bench_infer")), stdout="bench_infer.json"),
         Step("decode_large", 55, f"{s.large} batch-1 decode in bf16, compiled: achieved memory bandwidth as a share "
-             "of the table's", g("bench", "--preset", s.large, *infer, "--rungs", "compiled", "--batch_size", 1,
+             "of the table's", g("bench", "--preset", s.large, *infer, "--rungs", "compiled", "--batch_sizes", 1,
                                  "--output_dir", p("decode_large")), stdout="decode_large.json"),
         Step("generate", 25, "generate --compile: CUDA-graph decode from a checkpoint, tokens/s",
              g("generate", "--model", "MODEL", "--compile", "--max_new_tokens", s.new_tokens, "--temperature", 0,
@@ -272,7 +273,8 @@ def _train(name: str) -> Callable[[Path, str], dict[str, Any]]:
         except (OSError, ValueError):
             pass
         steps = [r for r in records if "loss" in r]
-        res = {"steps": summary.get("step"), "median_step_ms": _r(summary.get("median_step_s", 0) * 1e3),
+        median = summary.get("median_step_s")
+        res = {"steps": summary.get("step"), "median_step_ms": _r(median * 1e3) if median else None,
                "tokens_per_s": _r(summary.get("tokens_per_s"), 0), "mfu": _r(summary.get("mfu"), 3),
                "peak": summary.get("peak_source"), "first_step_s": _r(summary.get("first_step_s")),
                "peak_memory_gib": _gib(summary.get("peak_memory_bytes")),
@@ -310,7 +312,7 @@ def fig_bench(out: Path, _log: str) -> dict[str, Any]:
 
 def _infer(name: str) -> Callable[[Path, str], dict[str, Any]]:
     def figures(out: Path, _log: str) -> dict[str, Any]:
-        d = _json(out / name / "results.json") or _json(out / f"{name}.json") or {}
+        d = _json(out / name / "infer_results.json") or _json(out / f"{name}.json") or {}
         rungs = {}
         for r in d.get("rungs", []):
             row = _rung(r, ("decode_tokens_per_s", "bandwidth_gbs", "bandwidth_util", "speedup_vs_baseline",
@@ -328,8 +330,15 @@ def _infer(name: str) -> Callable[[Path, str], dict[str, Any]]:
 
 
 def fig_generate(_out: Path, log: str) -> dict[str, Any]:
-    m = re.findall(r"([\d,.]+) tokens/s", log)
-    return {"tokens_per_s": float(m[-1].replace(",", ""))} if m else {}
+    """generate --compile's decode rate after the compile; the whole-run rate (mostly compile) beside it."""
+    whole = re.search(r"gptopt generate: (\d+) tokens in ([\d.]+) s: ([\d,.]+) tokens/s", log)
+    after = re.search(r"compiled decode after the first \d+ tokens \(([\d.]+) s\): ([\d,.]+) tokens/s", log)
+    out: dict[str, Any] = {}
+    if whole:
+        out.update(tokens=int(whole[1]), whole_run_s=float(whole[2]))
+    if after:
+        out.update(compile_and_warmup_s=float(after[1]), tokens_per_s=float(after[2].replace(",", "")))
+    return out
 
 
 def _compress(name: str) -> Callable[[Path, str], dict[str, Any]]:
@@ -342,11 +351,10 @@ def _compress(name: str) -> Callable[[Path, str], dict[str, Any]]:
         for key in ("disk_bytes", "memory_bytes"):
             if orig.get(key) and comp.get(key):
                 res[f"{key.split('_')[0]}_ratio"] = _r(comp[key] / orig[key], 3)
-        res["decode_tokens_per_s"] = {"original": orig.get("decode_tokens_per_s"),
-                                      "compressed": comp.get("decode_tokens_per_s")}
-        res.update({k: _r(d[k], 4) for k in ("perplexity", "perplexity_reference", "kl") if k in d})
-        quality = d.get("quality") or {}
-        res.update({k: _r(quality[k], 4) for k in ("perplexity", "perplexity_reference", "kl") if k in quality})
+        res["decode_tokens_per_s"] = {name: {b: _r(v, 0) for b, v in (m.get("decode_tokens_per_s") or {}).items()}
+                                      for name, m in (("original", orig), ("compressed", comp))}
+        res["perplexity"] = [_r(orig.get("perplexity"), 3), _r(comp.get("perplexity"), 3)]
+        res["kl"] = _r(comp.get("kl_divergence"), 5)
         return res
     return figures
 
@@ -380,19 +388,48 @@ def _env() -> dict[str, str]:
     return env
 
 
+GRACE_S = (5, 5)  # after a step's limit: SIGINT to its leader, then SIGTERM and SIGKILL to its group this long apart
+
+
+class CutOff(Exception):
+    """The runner itself was told to stop (SIGTERM, or Ctrl-C at a terminal)."""
+
+
+def _cut_off(signum: int, _frame: object) -> None:
+    raise CutOff(signal.Signals(signum).name)
+
+
+def _killpg(pid: int, sig: int) -> None:
+    try:
+        os.killpg(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _start(argv: list[str], log: Path, stdout: Path | None = None) -> subprocess.Popen[bytes]:
+    """The step in a process group of its own (its torchrun ranks, compile workers and DataLoader
+    workers join it), so it can be stopped whole; in this session, so whatever stops the runner's
+    session stops it too."""
+    with open(log, "ab") as err, open(stdout or os.devnull, "wb") as out:
+        return subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=out if stdout else err, stderr=err,
+                                preexec_fn=os.setpgrp)  # noqa: PLW1509 (no threads here)
+
+
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """To the step's whole process group (torchrun's ranks, compile workers): SIGINT first, which pytest
-    answers with its report and gptopt with what it has so far, then SIGTERM, then SIGKILL."""
-    for sig, wait in ((signal.SIGINT, 5), (signal.SIGTERM, 5), (signal.SIGKILL, 5)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
+    """Blocking: SIGINT to the leader (pytest then writes its report, gptopt what it has), SIGTERM and
+    SIGKILL to the group; and the group's leftovers always."""
+    for sig, wait in ((signal.SIGINT, GRACE_S[0]), (signal.SIGTERM, GRACE_S[1]), (signal.SIGKILL, 5)):
+        if sig == signal.SIGINT:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, sig)
+        else:
+            _killpg(proc.pid, sig)
         try:
             proc.wait(wait)
-            return
+            break
         except subprocess.TimeoutExpired:
             continue
+    _killpg(proc.pid, signal.SIGKILL)
 
 
 def _tail(path: Path, lines: int = 25) -> str:
@@ -409,9 +446,20 @@ def _model_dir(out: Path) -> Path | None:
     return None
 
 
+@dataclasses.dataclass
+class Live:
+    step: Step
+    proc: subprocess.Popen[bytes]
+    start: float
+    limit: float
+    stage: int = 0  # 0 running; 1 SIGINT sent; 2 SIGTERM; 3 SIGKILL
+    since: float = 0.0
+
+
 class Runner:
-    def __init__(self, ctx: Ctx, steps: list[Step], budget_s: int, order: list[str] | None = None) -> None:
-        self.ctx, self.steps, self.budget_s = ctx, steps, budget_s
+    def __init__(self, ctx: Ctx, steps: list[Step], budget_s: int, order: list[str] | None = None,
+                 report: Path | None = None) -> None:
+        self.ctx, self.steps, self.budget_s, self.report = ctx, steps, budget_s, report
         self.order = order or [s.name for s in steps]  # the whole plan's: results.json lists steps in it
         self.t0 = time.monotonic()
         self.results: dict[str, dict[str, Any]] = {s.name: planned(s, ctx) for s in steps}
@@ -419,6 +467,7 @@ class Runner:
                                        "planned_s": budget(steps), "python": ctx.python, "repo": str(ROOT),
                                        "commit": _git_commit(), "weights": RANDOM_WEIGHTS}
         self.earlier: dict[str, dict[str, Any]] = {}  # steps an earlier run into DIR ran and this one does not
+        self.live: list[Live] = []
 
     def keep_earlier(self) -> None:
         """A rerun of some steps (--only) into the same DIR keeps the other steps' results."""
@@ -432,24 +481,45 @@ class Runner:
     def left(self) -> float:
         return self.budget_s - (time.monotonic() - self.t0)
 
+    def own(self, step: Step) -> int:
+        return step.limit if self.ctx.target == "gpu" else CPU_LIMIT_S
+
     def run(self) -> dict[str, Any]:
         self.keep_earlier()
         self.header.update(_machine(self.ctx))
         self.save()
-        for phase in phases(self.steps):
-            self.run_phase(phase)
-            self.save()
+        old = {sig: signal.signal(sig, _cut_off) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            todo = phases(self.steps)
+            for i, phase in enumerate(todo):
+                # Time a step leaves unused goes to the later ones: each may use its own limit plus what the
+                # budget holds beyond the limits of the steps still to come (this phase's included).
+                rest = sum(max(self.own(s) for s in p) for p in todo[i:])
+                self.run_phase(phase, extra=max(0.0, self.left() - rest))
+                if phase[0].name == "install":  # what is still missing once gptopt and the wheels are in
+                    self.header.update(missing_after_install=_missing(self.ctx.python))
+                self.save()
+        except CutOff as e:
+            for live in self.live:
+                _killpg(live.proc.pid, signal.SIGKILL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    live.proc.wait(5)
+                self.finish(live.step, "cut off", live.proc.returncode, time.monotonic() - live.start,
+                            f"the run was stopped from outside ({e})")
+            self.header["cut_off"] = str(e)
+        finally:
+            for sig, handler in old.items():
+                signal.signal(sig, handler)
         self.header["finished"] = _now()
         self.header["seconds"] = round(time.monotonic() - self.t0, 1)
         return self.save()
 
-    def run_phase(self, phase: list[Step]) -> None:
-        procs: dict[str, tuple[Step, subprocess.Popen[bytes], float, float]] = {}
+    def run_phase(self, phase: list[Step], extra: float = 0.0) -> None:
         for step in phase:
-            own = step.limit if self.ctx.target == "gpu" else CPU_LIMIT_S
-            limit = min(own, self.left())
+            own = self.own(step)
+            limit = min(own + extra, self.left())
             res = self.results[step.name]
-            if limit < min(own, 5):  # too little of the budget left to start it
+            if limit < min(own, 15):  # too little left even to import torch and start
                 res.update(status="skipped", note="out of time: the run's budget is spent")
                 _say(f"-- {step.name}: skipped, out of time")
                 continue
@@ -460,30 +530,38 @@ class Runner:
                     _say(f"-- {step.name}: skipped, no model")
                     continue
                 res["model"] = str(model)
+            res["limit_s"] = round(limit)
             if step.serve:
                 self.run_serve(step, limit)
                 continue
             argv = resolve(step.argv, res.get("model"))
-            log = self.ctx.out / f"{step.name}.log"
             _say(f"== {step.name} (limit {limit:.0f}s): {shlex.join(argv)}")
-            stdout = open(self.ctx.out / step.stdout, "wb") if step.stdout else None  # noqa: SIM115
-            with open(log, "wb") as err:
-                proc = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=stdout or err, stderr=err,
-                                        start_new_session=True)
-            if stdout:
-                stdout.close()
-            procs[step.name] = (step, proc, time.monotonic(), limit)
-        while procs:
-            for name, (step, proc, start, limit) in list(procs.items()):
-                rc, spent = proc.poll(), time.monotonic() - start
-                if rc is None and spent < limit:
-                    continue
-                if rc is None:
-                    _stop(proc)
-                    self.finish(step, "timeout", proc.returncode, spent, f"stopped at its limit of {limit:.0f}s")
-                else:
-                    self.finish(step, "ok" if rc == 0 else "failed", rc, spent)
-                del procs[name]
+            log = self.ctx.out / f"{step.name}.log"
+            log.unlink(missing_ok=True)
+            try:
+                proc = _start(argv, log, self.ctx.out / step.stdout if step.stdout else None)
+            except OSError as e:
+                self.finish(step, "failed", None, 0.0, f"could not start: {e}")
+                continue
+            self.live.append(Live(step, proc, time.monotonic(), limit))
+        while self.live:
+            now = time.monotonic()
+            for live in list(self.live):
+                rc = live.proc.poll()
+                if rc is not None:
+                    _killpg(live.proc.pid, signal.SIGKILL)  # its leftovers: workers, ranks, compile pools
+                    self.live.remove(live)
+                    if live.stage:
+                        self.finish(live.step, "timeout", rc, now - live.start, f"stopped at its limit of {live.limit:.0f}s")
+                    else:
+                        self.finish(live.step, "ok" if rc == 0 else "failed", rc, now - live.start)
+                elif live.stage == 0 and now - live.start >= live.limit:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(live.proc.pid, signal.SIGINT)
+                    live.stage, live.since = 1, now
+                elif 0 < live.stage < 3 and now - live.since >= GRACE_S[live.stage - 1]:
+                    _killpg(live.proc.pid, signal.SIGTERM if live.stage == 1 else signal.SIGKILL)
+                    live.stage, live.since = live.stage + 1, now
             time.sleep(0.2)
 
     def finish(self, step: Step, status: str, rc: int | None, seconds: float, note: str = "") -> None:
@@ -510,8 +588,14 @@ class Runner:
         _say(f"== {step.name} (limit {limit:.0f}s): {shlex.join(argv)}")
         figures: dict[str, Any] = {}
         res["figures"] = figures
-        with open(log, "wb") as err:
-            server = subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=err, stderr=err, start_new_session=True)
+        log.unlink(missing_ok=True)
+        (self.ctx.out / "serve_loadtest.log").unlink(missing_ok=True)
+        try:
+            server = _start(argv, log)
+        except OSError as e:
+            self.finish(step, "failed", None, 0.0, f"could not start: {e}")
+            return
+        self.live.append(Live(step, server, start, limit))
         status, note = "ok", ""
         try:
             while _get(f"{url}/ready") != 200:
@@ -536,6 +620,7 @@ class Runner:
                 figures["memory_at_end"] = _server_memory(url)
         finally:
             _stop(server)
+            self.live.remove(self.live[-1])
         self.finish(step, status, server.returncode, time.monotonic() - start, note)
 
     def _loadtest(self, argv: list[str], limit: float, clients: int) -> dict[str, Any]:
@@ -544,7 +629,7 @@ class Runner:
             done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, timeout=limit)
         except subprocess.TimeoutExpired:
             return {"status": "timeout"}
-        with open(self.ctx.out / "serve.log", "ab") as f:
+        with open(self.ctx.out / "serve_loadtest.log", "ab") as f:
             f.write(b"\n--- loadtest %d clients\n" % clients + done.stderr + done.stdout)
         summary = None
         for line in reversed(done.stdout.decode(errors="replace").splitlines()):
@@ -572,8 +657,16 @@ class Runner:
         both = {**self.earlier, **self.results}
         rank = {name: i for i, name in enumerate(self.order)}
         doc = {**self.header, "steps": sorted(both.values(), key=lambda r: rank.get(r["name"], len(rank)))}
+        text = summary_text(doc)
         write_atomic(self.ctx.out / "results.json", json.dumps(doc, indent=2, default=str) + "\n")
-        write_atomic(self.ctx.out / "summary.txt", summary_text(doc))
+        write_atomic(self.ctx.out / "summary.txt", text)
+        if self.report is not None:  # a few small files, for a machine that returns only a few
+            self.report.mkdir(parents=True, exist_ok=True)
+            write_atomic(self.report / "results.json", json.dumps(doc, indent=2, default=str) + "\n")
+            write_atomic(self.report / "summary.txt", text)
+            tails = [f"===== {r['name']} ({r['status']})\n{_tail(self.ctx.out / (r['name'] + '.log'), 60)}\n"
+                     for r in doc["steps"] if r["status"] != "planned"]
+            write_atomic(self.report / "logs.txt", "\n".join(tails))
         return doc
 
 
@@ -632,6 +725,20 @@ def _git_commit() -> str | None:
         return None
 
 
+def _missing(python: str) -> dict[str, str]:
+    """The imports the steps need that `python` lacks, each with the wheels to carry."""
+    try:
+        probe = subprocess.run([python, "-c", "import importlib.util, json, sys; print(json.dumps("
+                                "[m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]))", *NEEDED],
+                               capture_output=True, text=True, timeout=60)
+        missing = json.loads(probe.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return {}
+    if missing:
+        _say(f"!! missing here: {', '.join(missing)}; carry these wheels: {' '.join(NEEDED[m] for m in missing)}")
+    return {m: NEEDED[m] for m in missing}
+
+
 def _machine(ctx: Ctx) -> dict[str, Any]:
     """The GPU (nvidia-smi), the CPU, and which imports the steps need are missing (with the wheels to carry)."""
     info: dict[str, Any] = {}
@@ -641,7 +748,7 @@ def _machine(ctx: Ctx) -> dict[str, Any]:
         (ctx.out / "nvidia-smi.txt").write_text(smi.stdout + smi.stderr)
         if smi.returncode == 0 and smi.stdout.strip():
             info["gpu"] = smi.stdout.strip().splitlines()[0]
-    except (OSError, subprocess.TimeoutExpired):
+    except (OSError, subprocess.SubprocessError):
         pass
     try:
         cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -649,16 +756,9 @@ def _machine(ctx: Ctx) -> dict[str, Any]:
         info["cpu"] = f"{cpu}, {os.cpu_count()} logical cores"
     except OSError:
         pass
-    probe = subprocess.run([ctx.python, "-c", "import importlib.util, json, sys; print(json.dumps("
-                            "[m for m in sys.argv[1:] if importlib.util.find_spec(m) is None]))", *NEEDED],
-                           capture_output=True, text=True, timeout=60)
-    try:
-        missing = json.loads(probe.stdout)
-    except ValueError:
-        missing = []
+    missing = _missing(ctx.python)
     if missing:
-        info["missing"] = {m: NEEDED[m] for m in missing}
-        _say(f"!! missing here: {', '.join(missing)}; carry these wheels: {' '.join(NEEDED[m] for m in missing)}")
+        info["missing"] = missing
     return info
 
 
@@ -749,6 +849,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--skip", default="", help="comma-separated steps to leave out")
         p.add_argument("--budget", type=int, default=None, help=f"seconds for the whole run (default: {BUDGET_S} on "
                        "a GPU; on a CPU the steps' limits)")
+        p.add_argument("--report", type=Path, default=None, help="also keep results.json, summary.txt and logs.txt "
+                       "(each step's log tail) here: three small files, for a machine that returns only a few")
     p = sub.add_parser("record", help="add DIR/results.json's rows to docs/gpu-results.md")
     p.add_argument("dir", type=Path)
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "gpu-results.md")
@@ -767,11 +869,14 @@ def main(argv: list[str] | None = None) -> int:
     only, skip = ({n for n in x.split(",") if n} for x in (args.only, args.skip))
     if unknown := (only | skip) - names:
         ap.error(f"unknown step(s) {', '.join(sorted(unknown))}; the steps: {', '.join(s.name for s in steps)}")
+    if only and args.target == "gpu":
+        # a rerun on a fresh machine (a lease's machine goes back when idle) needs gptopt and the data again
+        only |= {"install"} | ({"prepare"} if not (ctx.out / "data" / "meta.json").is_file() else set())
     steps = [s for s in steps if (not only or s.name in only) and s.name not in skip
              and (args.target == "gpu" or s.cpu or s.name in only)]
     ctx.out.mkdir(parents=True, exist_ok=True)
     budget_s = args.budget or (BUDGET_S if args.target == "gpu" else CPU_LIMIT_S * len(phases(steps)))
-    runner = Runner(ctx, steps, budget_s, order)
+    runner = Runner(ctx, steps, budget_s, order, report=args.report.resolve() if args.report else None)
     if args.verb == "dry-run":
         for phase in phases(steps):
             for step in phase:
@@ -784,6 +889,9 @@ def main(argv: list[str] | None = None) -> int:
         runner.save()
         return 0
     doc = runner.run()
+    if "cut_off" in doc:
+        _say(f"cut off ({doc['cut_off']}) after {doc['seconds']}s; results: {ctx.out / 'results.json'}")
+        return 130
     bad = [name for name, r in runner.results.items() if r["status"] != "ok"]  # this run's steps
     _say(f"done in {doc['seconds']}s: {len(runner.results) - len(bad)} ok" + (f", not ok: {', '.join(bad)}" if bad else ""))
     _say(f"results: {ctx.out / 'results.json'}, {ctx.out / 'summary.txt'}")

@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -83,9 +86,9 @@ def test_the_plan_runs_every_gpu_path(dry_run: tuple[str, dict]) -> None:
     assert "--gradient_checkpointing" in cmds["train_ckpt"] and "--auto_batch_size" in cmds["train_auto_batch"]
     assert "--preset gpt2 " in cmds["bench"] and "--rungs" not in cmds["bench"]  # the default ladder
     infer = cmds["bench_infer"]
-    assert "--mode infer" in infer and "--batch_size 64" in infer
+    assert "--mode infer" in infer and "--batch_sizes 1,64" in infer  # batch 1 to 64
     assert set("hf,kv,compiled,int8,int4".split(",")) <= set(infer.split("--rungs ")[1].split()[0].split(","))
-    assert "--preset gpt2-xl" in cmds["decode_large"] and "--batch_size 1" in cmds["decode_large"]
+    assert "--preset gpt2-xl" in cmds["decode_large"] and "--batch_sizes 1 " in cmds["decode_large"]
     assert "--compile" in cmds["generate"]
     assert "int8-weight" in cmds["compress_int8"] and "int4-weight" in cmds["compress_int4"]
     assert "--prune 2:4" in cmds["compress_2_4"]
@@ -117,11 +120,14 @@ def test_every_gptopt_command_of_the_plan_parses(target: str, tmp_path: Path) ->
 
 def _fake_plan(marker: Path) -> list:
     py = sys.executable
-    sleeper = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-               f"open({str(marker)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    # a leader that ignores SIGINT and SIGTERM, with a child that ignores SIGINT: only SIGKILL to the group ends both
+    stubborn = ("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN); import time; time.sleep(60)")
+    sleeper = (f"import signal, subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {stubborn!r}]); "
+               f"open({str(marker)!r}, 'w').write(str(p.pid)); signal.signal(signal.SIGINT, signal.SIG_IGN); "
+               "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
     return [
-        gc.Step("breaks", 30, "a step that fails", [py, "-c", "import sys; print('boom: the reason'); sys.exit(3)"]),
         gc.Step("hangs", 2, "a step past its limit, with a child process", [py, "-c", sleeper]),
+        gc.Step("breaks", 30, "a step that fails", [py, "-c", "import sys; print('boom: the reason'); sys.exit(3)"]),
         gc.Step("first", 30, "runs beside second", [py, "-c", "print('one')"], group="g"),
         gc.Step("second", 30, "runs beside first", [py, "-c", "print('two')"], group="g"),
     ]
@@ -143,25 +149,52 @@ def _alive(pid: int) -> bool:
 def test_a_failing_or_hanging_step_costs_only_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "child.pid"
     monkeypatch.setattr(gc, "plan", lambda ctx: _fake_plan(marker))
+    monkeypatch.setattr(gc, "GRACE_S", (0.5, 0.5))
     out = tmp_path / "run"
-    assert gc.main(["run", str(out), "--budget", "120"]) == 1  # not every step passed
+    assert gc.main(["run", str(out), "--budget", "62"]) == 1  # the plan's own limits: no time to spare
     doc = json.loads((out / "results.json").read_text())
     by = {r["name"]: r for r in doc["steps"]}
-    assert [r["name"] for r in doc["steps"]] == ["breaks", "hangs", "first", "second"]
+    assert [r["name"] for r in doc["steps"]] == ["hangs", "breaks", "first", "second"]
+    assert by["hangs"]["status"] == "timeout" and by["hangs"]["seconds"] < 10  # SIGINT, SIGTERM, then SIGKILL
+    assert not _alive(int(marker.read_text()))  # the step's whole process group was stopped, not only its head
     assert by["breaks"]["status"] == "failed" and by["breaks"]["rc"] == 3
     assert "boom: the reason" in by["breaks"]["error_tail"]
-    assert by["hangs"]["status"] == "timeout"
-    assert not _alive(int(marker.read_text()))  # the step's whole process group was stopped, not only its head
     assert by["first"]["status"] == by["second"]["status"] == "ok"  # the run went on after both
     summary = (out / "summary.txt").read_text()
     assert "breaks" in summary and "boom: the reason" in summary and "timeout" in summary
 
     # a rerun of one step after a fix keeps the others' results
-    monkeypatch.setattr(gc, "plan", lambda ctx: [gc.Step("breaks", 30, "fixed", [sys.executable, "-c", "pass"]),
-                                                 *_fake_plan(marker)[1:]])
+    monkeypatch.setattr(gc, "plan", lambda ctx: [_fake_plan(marker)[0],
+                                                 gc.Step("breaks", 30, "fixed", [sys.executable, "-c", "pass"]),
+                                                 *_fake_plan(marker)[2:]])
     assert gc.main(["run", str(out), "--only", "breaks"]) == 0
     again = {r["name"]: r for r in json.loads((out / "results.json").read_text())["steps"]}
     assert again["breaks"]["status"] == "ok" and again["hangs"]["status"] == "timeout"
+
+
+def test_a_run_stopped_from_outside_stops_its_steps_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "child.pid"
+    monkeypatch.setattr(gc, "plan", lambda ctx: _fake_plan(marker)[:1] + [
+        gc.Step("after", 30, "never starts", [sys.executable, "-c", "pass"])])
+    out = tmp_path / "run"
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # what ends a lease
+    assert gc.main(["run", str(out), "--report", str(tmp_path / "small")]) == 130
+    by = {r["name"]: r for r in json.loads((out / "results.json").read_text())["steps"]}
+    assert by["hangs"]["status"] == "cut off" and by["after"]["status"] == "planned"
+    assert not _alive(int(marker.read_text()))  # nothing of it is left running on the machine
+    assert json.loads((tmp_path / "small" / "results.json").read_text())["cut_off"] == "SIGTERM"
+    assert "===== hangs (cut off)" in (tmp_path / "small" / "logs.txt").read_text()
+
+
+def test_time_a_step_leaves_unused_goes_to_the_later_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    py = sys.executable
+    monkeypatch.setattr(gc, "plan", lambda ctx: [
+        gc.Step("quick", 20, "done at once", [py, "-c", "pass"]),
+        gc.Step("slow", 1, "needs 3 s, planned for 1", [py, "-c", "import time; time.sleep(3)"])])
+    out = tmp_path / "run"
+    assert gc.main(["run", str(out), "--budget", "21"]) == 0  # quick's spare seconds let slow finish
+    by = {r["name"]: r for r in json.loads((out / "results.json").read_text())["steps"]}
+    assert by["slow"]["status"] == "ok" and by["slow"]["limit_s"] > 3
 
 
 def test_the_test_steps_figures_name_the_failing_tests_even_without_its_report(
