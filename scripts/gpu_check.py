@@ -200,11 +200,6 @@ def phases(steps: list[Step]) -> list[list[Step]]:
     return out
 
 
-def budget(steps: list[Step]) -> int:
-    """The plan's wall time at worst: a phase takes its longest step's limit."""
-    return sum(max(step.limit for step in phase) for phase in phases(steps))
-
-
 # ---------------------------------------------------------------------------------------------
 # Figures: each step's few numbers worth a row, read from what the command wrote
 
@@ -464,7 +459,8 @@ class Runner:
         self.t0 = time.monotonic()
         self.results: dict[str, dict[str, Any]] = {s.name: planned(s, ctx) for s in steps}
         self.header: dict[str, Any] = {"started": _now(), "target": ctx.target, "budget_s": budget_s,
-                                       "planned_s": budget(steps), "python": ctx.python, "repo": str(ROOT),
+                                       "planned_s": sum(max(self.own(s) for s in p) for p in phases(steps)),
+                                       "python": ctx.python, "repo": str(ROOT),
                                        "commit": _git_commit(), "weights": RANDOM_WEIGHTS}
         self.earlier: dict[str, dict[str, Any]] = {}  # steps an earlier run into DIR ran and this one does not
         self.live: list[Live] = []
@@ -885,7 +881,8 @@ def main(argv: list[str] | None = None) -> int:
                 _say(f"{'':<17}        $ {runner.results[step.name]['command']}")
                 for lt in runner.results[step.name].get("loadtests", []):
                     _say(f"{'':<17}        $ {lt}")
-        _say(f"planned: {budget(steps)}s of a {budget_s}s budget, {len(steps)} steps -> {ctx.out / 'results.json'}")
+        _say(f"planned: {runner.header['planned_s']}s of a {budget_s}s budget, {len(steps)} steps -> "
+             f"{ctx.out / 'results.json'}")
         runner.save()
         return 0
     doc = runner.run()
