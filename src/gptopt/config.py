@@ -369,7 +369,8 @@ class TrainConfig:
 @dataclass(kw_only=True)
 class BenchConfig:
     preset: str | None = opt(None, "model size; default: tiny on a CPU, gpt2 on a GPU")
-    batch_size: int | None = opt(None, "micro-batch of every rung; default: 16 on a CPU, 16 on a GPU", ge=1, le=MAX_BATCH)
+    batch_size: int | None = opt(None, "micro-batch of every rung (default: 16); --mode infer: the largest batch of "
+                                 "the decode sweep (default: 64 on a GPU, 16 on a CPU)", ge=1, le=MAX_BATCH)
     seq_len: int | None = opt(None, "sequence length; default: 256 on a CPU, 1024 on a GPU", ge=1, le=MAX_SEQ_LEN)
     # >= 10: fewer give no p10/p90
     steps: int = opt(10, "timed steps per rung (after warm-up); the median and p10/p90 come from these",
