@@ -68,7 +68,7 @@ def forward_backward(
 class StepResult:
     loss: float  # mean loss over the global batch (all micro-steps, all ranks)
     grad_norm: float  # the global gradient norm before clipping
-    finite: bool  # False: the optimizer step was skipped
+    finite: bool  # False: the step was skipped as non-finite (under fp16 the GradScaler skips overflow steps itself: True, inf grad_norm)
 
 
 class TrainStep:
