@@ -288,3 +288,23 @@ def test_module_swap_keeps_every_other_parameter(varied_model: GPT, tokenizer_fi
     ref = _dequantised(directory)
     assert model.transformer.wte.weight.equal(ref.transformer.wte.weight)
     assert model.transformer.h[1].ln_2.weight.equal(ref.transformer.h[1].ln_2.weight)
+
+
+@pytest.mark.parametrize("method", ["int8-weight", "int8-dynamic"])
+def test_quantising_leaves_inductors_settings_for_the_rest_of_the_process(
+        varied_model: GPT, tokenizer_file: Path, tmp_path: Path, method: str) -> None:
+    """torchao would switch on coordinate-descent tuning process-wide: every later compile (bench's
+    next rungs, say) would tune each kernel and compare differently compiled code."""
+    pytest.importorskip("torchao")
+    import copy
+
+    from torch._inductor import config as inductor
+
+    from gptopt.inference import prepare
+
+    before = (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions)
+    prepare(copy.deepcopy(varied_model), CPU, dtype=torch.float32, quantize="int8-weight")
+    directory = write(varied_model, tmp_path / "c", q.compress_model(copy.deepcopy(varied_model), method, None),
+                      tokenizer_file)
+    load_for_inference(str(directory), tokenizer=None, plan=CPU)
+    assert (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions) == before

@@ -408,7 +408,7 @@ class BenchConfig:
         if self.batch_sizes is None:
             return None
         parts = [p.strip() for p in self.batch_sizes.split(",") if p.strip()]
-        if not parts or not all(p.isdigit() and 1 <= int(p) <= MAX_BATCH for p in parts):
+        if not parts or not all(p.isascii() and p.isdigit() and 1 <= int(p) <= MAX_BATCH for p in parts):
             raise ValueError(f"--batch_sizes {self.batch_sizes!r}: give comma-separated integers in 1..{MAX_BATCH}, "
                              "e.g. 1,16,64")
         return sorted({1, *(int(p) for p in parts)})

@@ -452,7 +452,8 @@ def replacing(out: Path, *, kind: str, ours: Sequence[str], old: Sequence[Path] 
             # A first run that failed part-way: what it wrote is still gptopt's, so a rerun with
             # --overwrite may replace it (unmarked, it would be refused as the user's).
             if not old:
-                mark_ours()
+                with contextlib.suppress(OSError):  # never hide the error that ended the run
+                    mark_ours()
             raise
         mark_ours()
 

@@ -42,12 +42,11 @@ from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inf
 from gptopt.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
 from gptopt.tokenizer import TOKENIZER, load_tokenizer
 
-__all__ = ["QUANTIZE", "compile_decode", "find_tokenizer", "load_for_inference", "model_source", "prepare",
+__all__ = ["compile_decode", "find_tokenizer", "load_for_inference", "model_source", "prepare",
            "weights_dtype"]
 
 log = logging.getLogger("gptopt")
 
-QUANTIZE = INFER_QUANTIZE  # --quantize of generate and serve (config.py, for their choices)
 _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Names that are hub models rather than missing directories: GPT-2's own, or anything "org/name".
@@ -113,8 +112,8 @@ def weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
 
 def _check_quantize(quantize: str, plan: DevicePlan, dtype: torch.dtype) -> None:
     """Refuse what cannot run here before anything is loaded (a TOML config skips argparse's choices)."""
-    if quantize not in QUANTIZE:
-        raise ValueError(f"unknown quantize {quantize!r}; choose {', '.join(QUANTIZE[:-1])} or {QUANTIZE[-1]}")
+    if quantize not in INFER_QUANTIZE:
+        raise ValueError(f"unknown quantize {quantize!r}; choose {', '.join(INFER_QUANTIZE[:-1])} or {INFER_QUANTIZE[-1]}")
     if quantize == "int4-weight":
         problem = int4_unsupported(plan, dtype, "drop --quantize here, or use --quantize int8-weight")
         if problem:

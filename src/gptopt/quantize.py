@@ -43,6 +43,9 @@ FORMAT = 1  # version of the on-disk layout; a checkpoint of a newer one is refu
 INT4_GROUP_SIZES = (128, 64, 32)  # the largest that divides every layer's input width is used
 _SCALE, _MIN = "_scale", "_min"  # suffixes of a quantised weight's key: weight_scale, weight_min
 _TINY = 1e-12  # an all-zero row (padding, a pruned-away channel) keeps a finite scale
+# NO_INDUCTOR_CONFIG: torchao's configs would set inductor's "recommended" options (coordinate-descent
+# tuning) for the whole process and never set them back: every later compile in it (bench's next rungs,
+# a server's other models) would tune each kernel, and rungs would compare differently compiled code.
 
 
 def block_linears(model: GPT) -> dict[str, nn.Linear]:
@@ -307,10 +310,6 @@ def _restore_int8(model: GPT, quantize: str, plan: DevicePlan, dtype: torch.dtyp
     if quantize == "int8-weight" and plan.device.type == "cpu":
         log.warning("int8-weight on a CPU: torchao's int8 weight-only Linear measured no faster than fp32 on CPUs, "
                     "eager or compiled (docs/benchmarks.md); int8-dynamic is the CPU path")
-    if plan.device.type == "cuda" and has("torchao"):
-        from torchao.quantization.utils import recommended_inductor_config_setter
-
-        recommended_inductor_config_setter()  # what torchao's quantize_ sets for its int8 kernels
     model = model.to(plan.device, dtype)
     for n in names:
         q, s = ints[n]
@@ -347,7 +346,7 @@ def quantize_int8(model: GPT, plan: DevicePlan) -> GPT:
     if plan.device.type == "cpu":
         log.warning("--quantize int8-weight on a CPU: torchao's int8 kernels measured slower than fp32 on CPUs "
                     "(docs: 2-core AVX-512, torch 2.13); running it as asked, compare tokens/s with --quantize none")
-    quant.quantize_(model, quant.Int8WeightOnlyConfig())
+    quant.quantize_(model, quant.Int8WeightOnlyConfig(set_inductor_config=False))  # see NO_INDUCTOR_CONFIG
     return model
 
 
@@ -362,6 +361,7 @@ def quantize_int4(model: GPT, plan: DevicePlan, dtype: torch.dtype, group_size: 
     ao = require("torchao.quantization", "quant", "--quantize int4-weight")
     model = model.to(plan.device, dtype)
     names = set(block_linears(model))
-    config = ao.Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d")
+    config = ao.Int4WeightOnlyConfig(group_size=group_size, int4_packing_format="tile_packed_to_4d",
+                                     set_inductor_config=False)  # see NO_INDUCTOR_CONFIG
     ao.quantize_(model, config, filter_fn=lambda _, name: name in names)
     return model

@@ -157,7 +157,8 @@ class InferBench:
                 if p.dim() == 2:
                     p.normal_(0.0, 0.5)
         self.params = init.num_params()
-        self.init_state = {k: v.clone() for k, v in init.state_dict().items()}
+        # kept on the host: the device's memory is for the rungs (their batch sweeps stop where it runs out)
+        self.init_state = {k: v.detach().to("cpu", copy=True) for k, v in init.state_dict().items()}
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")  # the reference in true fp32, not TF32
         ref = GptoptRunner(self._model(torch.float32), self.plan, self.max_len, compile=False)

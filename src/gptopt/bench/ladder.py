@@ -389,8 +389,10 @@ class Bench:
         finally:
             bar.close()
             monitor.stop()
-        # measured again after the rungs: MFU is stated against the faster of the two moments
-        self.peak, self.peak_source = peak_flops(self.plan, remeasure=True)
+        # measured again after the rungs: MFU is stated against the faster of the two moments (not after
+        # Ctrl-C: the report of what was measured comes first)
+        if not self.stopped:
+            self.peak, self.peak_source = peak_flops(self.plan, remeasure=True)
         for r in self.results:
             if r.tokens_per_s:
                 r.mfu = mfu(r.tokens_per_s, self.fpt, self.peak)
