@@ -122,10 +122,14 @@ def plan(ctx: Ctx) -> list[Step]:
     # --steps 10: bench's least (its p10/p90); in --mode infer a full generation is repeated max(3, steps // 3) times
     infer = ("--mode", "infer", *data, "--seq_len", s.infer_seq, "--steps", 10, "--warmup", 1, "--json", "--overwrite")
     compress = ("--model", "MODEL", *data, "--eval_tokens", s.eval_tokens, "--repeats", 3, "--json", "--overwrite")
+    pip = [ctx.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
+    install = [*pip, "--no-build-isolation", "-e", str(ROOT)]
+    if ctx.wheels:  # apart, and each on its own: one wheel with the wrong tag must not keep the others out
+        script = "; ".join(shlex.join([*pip, w]) + " || rc=1" for w in ctx.wheels)
+        install = ["sh", "-c", f"rc=0; {script}; {shlex.join(install)} || rc=1; exit $rc"]
     return [
         Step("install", 20, "gptopt itself, offline, over the machine's CUDA torch (and the wheels carried, if any)",
-             [ctx.python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
-              "-e", str(ROOT), *ctx.wheels], cpu=False),
+             install, cpu=False),
         Step("doctor", 25, "doctor --smoke: the GPU, driver, CUDA, NCCL, flash attention, a bf16 step",
              g("doctor", "--smoke", "--json"), group="start", stdout="doctor.json"),
         Step("prepare", 25, "the stdlib corpus, tokenized (CPU work only)", g("prepare", "--output_dir", p("data"), "--overwrite"),
@@ -246,8 +250,12 @@ def fig_pytest(out: Path, log: str) -> dict[str, Any]:
         root = ET.parse(out / "cuda_tests.xml").getroot()
     except (OSError, ET.ParseError):  # stopped before its report: the -v lines of the tests that ran
         seen = re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)", log, flags=re.M)
-        return {"ran": len(seen), "failed": [t for t, r in seen if r in ("FAILED", "ERROR")],
-                "passed": sum(r == "PASSED" for _, r in seen)} if seen else {}
+        started = re.findall(r"^(\S+::\S+)", log, flags=re.M)
+        out: dict[str, Any] = {"ran": len(seen), "failed": [t for t, r in seen if r in ("FAILED", "ERROR")],
+                               "passed": sum(r == "PASSED" for _, r in seen)} if seen else {}
+        if started and started[-1] not in {t for t, _ in seen}:
+            out["running_at_stop"] = started[-1]  # the test that hung, most likely
+        return out
     suite = root if root.tag == "testsuite" else root.find("testsuite")
     if suite is None:
         return {}
@@ -333,6 +341,8 @@ def fig_generate(_out: Path, log: str) -> dict[str, Any]:
         out.update(tokens=int(whole[1]), whole_run_s=float(whole[2]))
     if after:
         out.update(compile_and_warmup_s=float(after[1]), tokens_per_s=float(after[2].replace(",", "")))
+    elif whole:
+        out["note"] = "no compiled decode rate: too few tokens came after the compile (an early end of text?)"
     return out
 
 
@@ -386,8 +396,10 @@ def _env() -> dict[str, str]:
 GRACE_S = (5, 5)  # after a step's limit: SIGINT to its leader, then SIGTERM and SIGKILL to its group this long apart
 
 
-class CutOff(Exception):
-    """The runner itself was told to stop (SIGTERM, or Ctrl-C at a terminal)."""
+class CutOff(BaseException):
+    """The runner itself was told to stop (SIGTERM, or Ctrl-C at a terminal). A BaseException, like
+    KeyboardInterrupt: the runner's own `except Exception` (polling /ready, reading figures) must not
+    swallow it."""
 
 
 def _cut_off(signum: int, _frame: object) -> None:
@@ -405,9 +417,9 @@ def _start(argv: list[str], log: Path, stdout: Path | None = None) -> subprocess
     """The step in a process group of its own (its torchrun ranks, compile workers and DataLoader
     workers join it), so it can be stopped whole; in this session, so whatever stops the runner's
     session stops it too."""
+    group: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
     with open(log, "ab") as err, open(stdout or os.devnull, "wb") as out:
-        return subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=out if stdout else err, stderr=err,
-                                preexec_fn=os.setpgrp)  # noqa: PLW1509 (no threads here)
+        return subprocess.Popen(argv, cwd=ROOT, env=_env(), stdout=out if stdout else err, stderr=err, **group)
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -580,7 +592,7 @@ class Runner:
         start = time.monotonic()
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
-        argv = resolve(step.argv, res["model"], port)
+        argv = resolve(step.argv, res.get("model"), port)
         _say(f"== {step.name} (limit {limit:.0f}s): {shlex.join(argv)}")
         figures: dict[str, Any] = {}
         res["figures"] = figures
@@ -614,9 +626,13 @@ class Runner:
                     if figures[f"clients_{clients}"].get("status") != "ok":
                         status = "failed"
                 figures["memory_at_end"] = _server_memory(url)
-        finally:
-            _stop(server)
+        except CutOff:
+            _killpg(server.pid, signal.SIGKILL)
             self.live.remove(self.live[-1])
+            self.finish(step, "cut off", None, time.monotonic() - start, "the run was stopped from outside")
+            raise
+        _stop(server)
+        self.live.remove(self.live[-1])
         self.finish(step, status, server.returncode, time.monotonic() - start, note)
 
     def _loadtest(self, argv: list[str], limit: float, clients: int) -> dict[str, Any]:
@@ -773,7 +789,8 @@ def _get(url: str, timeout: float = 2.0) -> int | None:
 
 
 def _server_memory(url: str) -> dict[str, Any]:
-    """The server's resident memory and, on a GPU, its device memory, from /metrics."""
+    """The server's resident memory and, on a GPU, its device memory, from /metrics. (loadtest reads the
+    same figures with its own parser; this runner imports nothing of gptopt's: it runs before the install.)"""
     try:
         with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
             text = r.read().decode()

@@ -186,6 +186,20 @@ def test_a_run_stopped_from_outside_stops_its_steps_and_says_so(tmp_path: Path, 
     assert "===== hangs (cut off)" in (tmp_path / "small" / "logs.txt").read_text()
 
 
+def test_a_run_stopped_while_its_server_starts_stops_the_server_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    marker = tmp_path / "server.pid"
+    never_ready = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+    monkeypatch.setattr(gc, "plan", lambda ctx: [gc.Step("serve", 30, "a server that never gets ready",
+                                                         [sys.executable, "-c", never_ready], serve=True)])
+    out = tmp_path / "run"
+    threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    assert gc.main(["run", str(out)]) == 130
+    serve = json.loads((out / "results.json").read_text())["steps"][0]
+    assert serve["status"] == "cut off" and "ready_s" not in serve["figures"]
+    assert not _alive(int(marker.read_text()))
+
+
 def test_time_a_step_leaves_unused_goes_to_the_later_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     py = sys.executable
     monkeypatch.setattr(gc, "plan", lambda ctx: [
@@ -210,8 +224,12 @@ def test_the_test_steps_figures_name_the_failing_tests_even_without_its_report(
     assert figures["tests"] == 2 and figures["failures"] == 1 and figures["failed"] == ["test_breaks"]
     # stopped at its limit, pytest writes no report: the log's lines still say what failed
     (out / "cuda_tests.xml").unlink()
-    again = gc.fig_pytest(out, (out / "cuda_tests.log").read_text())
+    log = (out / "cuda_tests.log").read_text()
+    again = gc.fig_pytest(out, log)
     assert again["ran"] == 2 and again["passed"] == 1 and again["failed"][0].endswith("::test_breaks")
+    assert "running_at_stop" not in again
+    hung = gc.fig_pytest(out, log + f"{tests}::test_hangs ")  # stopped while a third test ran
+    assert hung["running_at_stop"] == f"{tests}::test_hangs"
 
 
 def test_unknown_step_names_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
