@@ -83,6 +83,7 @@ EXPECTED_OPTIONS = {
     },
     "bench": {
         "batch_size",
+        "batch_sizes",
         "data_dir",
         "device",
         "json",
