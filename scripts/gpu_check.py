@@ -138,6 +138,8 @@ def plan(ctx: Ctx) -> list[Step]:
             # -v: a line per test in the log, kept even if the step is stopped at its limit
             ctx.python, "-m", "pytest", "-v", "-m", "cuda", "-p", "no:cacheprovider", "--junitxml",
             p("cuda_tests.xml"), str(ROOT / "tests")], cpu=False, group="start"),
+        # train runs at bench's model, batch and length: bench's compiled rungs then find inductor's cache warm
+        # (on the CPU rehearsal the `all` rung compiled in 0.5 s after compile_amp's 12 s)
         Step("train", 60, f"train {s.model} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: tokens/s, "
              "MFU against the table peak", g("train", *train, "--batch_size", s.batch, "--use_amp", "--use_compile",
                                             "--max_steps", s.train_steps, "--log_interval", 10, "--output_dir",
