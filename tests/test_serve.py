@@ -42,7 +42,7 @@ def running(tokenizer: Any, decode_delay: float = 0.0, **overrides: Any) -> Iter
     """(base URL, app) of a live server with the debug model (the same weights every time)."""
     torch.manual_seed(0)
     model = GPT(preset("debug", vocab_size=tokenizer.get_vocab_size())).eval()
-    app = create_app(ServeConfig(model="debug", device="cpu", **overrides), model=model, tokenizer=tokenizer)
+    app = create_app(ServeConfig(**{"model": "debug", "device": "cpu", **overrides}), model=model, tokenizer=tokenizer)
     if decode_delay:  # slow requests down so several overlap, as under real load
         gen, decode = app.state.engine.generator, app.state.engine.generator.decode
 
@@ -815,6 +815,17 @@ def _answers(url: str) -> bool:
         return httpx.get(url).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def test_the_model_is_also_named_by_the_model_argument_as_given(debug_tokenizer: Any) -> None:
+    """vLLM's convention: clients send the path the server was started with, and it must work."""
+    with running(debug_tokenizer, model="runs/tiny/") as (url, _):
+        assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny", "runs/tiny/"]
+        assert completion(url, model="runs/tiny/", max_tokens=2).json()["model"] == "runs/tiny/"  # echoed
+        assert completion(url, max_tokens=2).json()["model"] == "tiny"
+        assert httpx.get(f"{url}/v1/models/runs/tiny/").json()["id"] == "runs/tiny/"
+        err = assert_openai_error(completion(url, model="runs/other"), 404, "model_not_found")
+        assert "has 'tiny' (also named 'runs/tiny/')" in err["message"]
 
 
 def test_head_probes_and_one_model_by_id(url: str) -> None:

@@ -416,11 +416,17 @@ def _openapi(app: FastAPI, *, guarded: bool, max_tokens_limit: int) -> dict[str,
     return app.openapi_schema
 
 
-def _check_completion(body: CompletionRequest, prompts: list[str], model_name: str, max_tokens_limit: int) -> None:
+def _no_such_model(name: str, names: tuple[str, ...]) -> APIError:
+    also = f" (also named {', '.join(map(repr, names[1:]))})" if len(names) > 1 else ""
+    return APIError(404, f"the model {name!r} does not exist; this server has {names[0]!r}{also}",
+                    param="model", code="model_not_found")
+
+
+def _check_completion(body: CompletionRequest, prompts: list[str], names: tuple[str, ...],
+                      max_tokens_limit: int) -> None:
     """The request limits of /v1/completions that need no tokenizer (the schema checked the rest)."""
-    if body.model is not None and body.model != model_name:
-        raise APIError(404, f"the model {body.model!r} does not exist; this server has {model_name!r}",
-                       param="model", code="model_not_found")
+    if body.model is not None and body.model not in names:
+        raise _no_such_model(body.model, names)
     if len(prompts) * body.n > MAX_CHOICES:
         raise APIError(400, f"len(prompt) x n may be at most {MAX_CHOICES}", param="n")
     if body.max_tokens is not None and body.max_tokens > max_tokens_limit:
@@ -437,6 +443,9 @@ class _API:
         self.stop_ids = () if eot is None else (eot,)
         self.context = engine.generator.max_len
         self.model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name or cfg.model
+        # Also the --model argument exactly as given: vLLM's convention, so clients that send the path
+        # the server was launched with work unchanged. The first is the id responses carry by default.
+        self.model_names = tuple(dict.fromkeys([self.model_name, cfg.model]))
         self.api_key = api_key(cfg)
         self.started = int(time.time())
         self.checks = concurrent.futures.ThreadPoolExecutor(BLOCKLIST_THREADS, thread_name_prefix="gptopt-blocklist")
@@ -540,7 +549,7 @@ class _API:
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        _check_completion(body, prompts, self.model_name, self.cfg.max_tokens_limit)
+        _check_completion(body, prompts, self.model_names, self.cfg.max_tokens_limit)
         await self.check_prompts(prompts)
         ids = await self.encode(prompts)
         budgets = [self.fit(x, body.max_tokens, "max_tokens") for x in ids]
@@ -554,7 +563,7 @@ class _API:
                     seed=None if body.seed is None else body.seed + i * body.n + j))  # choices differ
         queue, reqs = self.submit(seqs, params)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name}
+                "model": body.model or self.model_name}  # the name the client used, as OpenAI's API echoes it
         echo = [prompts[k // body.n] if body.echo else "" for k in range(len(seqs))]
         prompt_tokens = sum(len(x) for x in ids)
         if body.stream:
@@ -584,19 +593,19 @@ class _API:
         (result,) = await self.collect(request, queue, reqs)
         return GenerateResponse(generated_text=body.prompt + result.text, inference_time=time.perf_counter() - t0)
 
-    def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.started, "owned_by": "gptopt",
+    def model_card(self, name: str) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": self.started, "owned_by": "gptopt",
                 "max_model_len": self.context}
 
     async def models(self) -> dict[str, Any]:
-        return {"object": "list", "data": [self.model_card()]}
+        """Every name of the one served model, its default id first."""
+        return {"object": "list", "data": [self.model_card(name) for name in self.model_names]}
 
     async def model(self, model_id: str) -> dict[str, Any]:
         """OpenAI's GET /v1/models/{model}: the served model's object, or 404 model_not_found."""
-        if model_id != self.model_name:
-            raise APIError(404, f"the model {model_id!r} does not exist; this server has {self.model_name!r}",
-                           param="model", code="model_not_found")
-        return self.model_card()
+        if model_id not in self.model_names:
+            raise _no_such_model(model_id, self.model_names)
+        return self.model_card(model_id)
 
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}  # liveness: the process answers
