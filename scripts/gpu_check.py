@@ -605,7 +605,6 @@ class Runner:
         except OSError as e:
             self.finish(step, "failed", None, 0.0, f"could not start: {e}")
             return
-        self.live.append(Live(step, server, start, limit))
         status, note = "ok", ""
         try:
             while _get(f"{url}/ready") != 200:
@@ -628,13 +627,11 @@ class Runner:
                     if figures[f"clients_{clients}"].get("status") != "ok":
                         status = "failed"
                 figures["memory_at_end"] = _server_memory(url)
-        except CutOff:
+        except CutOff:  # run() stops the steps in self.live; the server is this method's own
             _killpg(server.pid, signal.SIGKILL)
-            self.live.remove(self.live[-1])
             self.finish(step, "cut off", None, time.monotonic() - start, "the run was stopped from outside")
             raise
         _stop(server)
-        self.live.remove(self.live[-1])
         self.finish(step, status, server.returncode, time.monotonic() - start, note)
 
     def _loadtest(self, argv: list[str], limit: float, clients: int) -> dict[str, Any]:

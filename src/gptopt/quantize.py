@@ -353,7 +353,7 @@ def quantize_int8(model: GPT, plan: DevicePlan) -> GPT:
 def quantize_int4(model: GPT, plan: DevicePlan, dtype: torch.dtype, group_size: int) -> GPT:
     """torchao int4 weight-only on every block Linear (tinygemm: asymmetric, per group of `group_size` inputs),
     the model moved to plan.device in bf16 first: a quarter of bf16's weight bytes read per decode step.
-    Used on the fly (generate, serve, bench --quantize int4-weight) and by restore for a compressed
+    Used on the fly (generate and serve --quantize int4-weight, bench's int4 rung) and by restore for a compressed
     checkpoint, whose weights already lie on this grid. lm_head stays bf16: it is tied to the embedding."""
     problem = int4_unsupported(plan, dtype, "use --quantize int8-weight instead")
     if problem:

@@ -631,15 +631,15 @@ class Trainer:
         peak, peak_source = self._peak(remeasure=True)
         med = statistics.median(progress.times)
         tps = self.tokens_per_step / med
-        wait = statistics.mean(progress.waits)
+        wait, run_mfu = statistics.mean(progress.waits), mfu(tps, self.fpt, peak)
         log.info(
             f"done: step {progress.step}; first step (compile/warm-up) {progress.compile_s:.1f}s; median step "
-            f"{med * 1e3:.1f} ms, {tps:,.0f} tokens/s, MFU {mfu(tps, self.fpt, peak):.1%} of {peak_source}; "
+            f"{med * 1e3:.1f} ms, {tps:,.0f} tokens/s, MFU {run_mfu:.1%} of {peak_source}; "
             f"data wait {wait:.1%} of step time"
         )
         if self.run_info is not None:
             summary = {"step": progress.step, "first_step_s": progress.compile_s, "median_step_s": med,
-                       "tokens_per_s": tps, "mfu": mfu(tps, self.fpt, peak), "peak_flops": peak,
+                       "tokens_per_s": tps, "mfu": run_mfu, "peak_flops": peak,
                        "peak_source": peak_source, "data_wait": wait,
                        "peak_memory_bytes": peak_memory_bytes(self.plan)}
             fsutil.write_text_atomic(self.out / "run.json",
