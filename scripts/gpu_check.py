@@ -139,7 +139,7 @@ def plan(ctx: Ctx) -> list[Step]:
             ctx.python, "-m", "pytest", "-v", "-m", "cuda", "-p", "no:cacheprovider", "--junitxml",
             p("cuda_tests.xml"), str(ROOT / "tests")], cpu=False, group="start"),
         # train runs at bench's model, batch and length: bench's compiled rungs then find inductor's cache warm
-        # (on the CPU rehearsal the `all` rung compiled in 0.5 s after compile_amp's 12 s)
+        # (CPU rehearsal, 2-core AMD EPYC with native bf16: `all` compiled in 0.5 s after compile_amp's 12 s)
         Step("train", 60, f"train {s.model} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: tokens/s, "
              "MFU against the table peak", g("train", *train, "--batch_size", s.batch, "--use_amp", "--use_compile",
                                             "--max_steps", s.train_steps, "--log_interval", 10, "--output_dir",
@@ -681,6 +681,21 @@ class Runner:
         return doc
 
 
+def unfit_folder(folder: Path) -> str | None:
+    """Why the run may not write into `folder`, or None: it writes results.json, summary.txt and a log per
+    step there without asking, so only a new or empty folder, or one an earlier run of this script wrote."""
+    if not folder.exists():
+        return None
+    if not folder.is_dir():
+        return "is a file; give a folder"
+    if not any(folder.iterdir()):
+        return None
+    earlier = _json(folder / "results.json")
+    if isinstance(earlier, dict) and "steps" in earlier and "target" in earlier:
+        return None
+    return "holds files that an earlier GPU check did not write; choose a new or empty folder"
+
+
 def resolve(argv: list[str], model: str | None, port: int | None = None) -> list[str]:
     return [model if a == "MODEL" and model else str(port) if a == "PORT" and port else a for a in argv]
 
@@ -886,6 +901,9 @@ def main(argv: list[str] | None = None) -> int:
         only |= {"install"} | ({"prepare"} if not (ctx.out / "data" / "meta.json").is_file() else set())
     steps = [s for s in steps if (not only or s.name in only) and s.name not in skip
              and (args.target == "gpu" or s.cpu or s.name in only)]
+    for folder, flag in ((ctx.out, "DIR"), (args.report, "--report")):
+        if folder is not None and (problem := unfit_folder(folder)):
+            ap.error(f"{flag} {folder}: {problem}")
     ctx.out.mkdir(parents=True, exist_ok=True)
     budget_s = args.budget or (BUDGET_S if args.target == "gpu" else CPU_LIMIT_S * len(phases(steps)))
     runner = Runner(ctx, steps, budget_s, order, report=args.report.resolve() if args.report else None)

@@ -232,6 +232,20 @@ def test_the_test_steps_figures_name_the_failing_tests_even_without_its_report(
     assert hung["running_at_stop"] == f"{tests}::test_hangs"
 
 
+def test_a_folder_of_someone_elses_files_is_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "summary.txt").write_text("my notes")
+    for argv in (["run", str(theirs)], ["dry-run", str(theirs)], ["run", str(tmp_path / "new"), "--report", str(theirs)]):
+        with pytest.raises(SystemExit) as e:
+            gc.main(argv)
+        assert e.value.code == 2 and "earlier GPU check did not write" in capsys.readouterr().err
+    assert (theirs / "summary.txt").read_text() == "my notes" and not (tmp_path / "new").exists()
+    assert gc.main(["dry-run", str(tmp_path / "dry")]) == 0
+    assert gc.main(["dry-run", str(tmp_path / "dry")]) == 0  # its own earlier output is fine
+
+
 def test_unknown_step_names_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         gc.main(["run", str(tmp_path / "x"), "--only", "bench,nope"])
