@@ -62,6 +62,35 @@ def test_prompt_alone_equals_the_prompt_in_a_batch_of_other_lengths(varied_model
     assert generate(Generator(varied_model, CPU, max_batch_size=3), PROMPTS, GREEDY) == alone
 
 
+def test_chunked_prefill_gives_the_tokens_of_a_whole_prefill(varied_model: GPT) -> None:
+    """A long prompt prefilled a few tokens a forward, beside others in the same forwards, decodes the same."""
+    alone = [generate(Generator(varied_model, CPU, max_batch_size=1), [p], GREEDY)[0] for p in PROMPTS]
+    for chunk in (1, 3, 5, 16):
+        gen = Generator(varied_model, CPU, max_batch_size=4)
+        seqs, logits = gen.begin_many(PROMPTS, GREEDY, chunk=chunk)
+        assert all(s.cached == len(p) for s, p in zip(seqs, PROMPTS, strict=True))
+        out = [[t] for t in gen.sample_next(logits, seqs)]
+        for _ in range(GREEDY.max_new_tokens - 1):
+            for s, o in zip(seqs, out, strict=True):
+                s.add(o[-1])
+            for o, t in zip(out, gen.sample_next(gen.decode_next(seqs), seqs), strict=True):
+                o.append(t)
+        assert out == alone, f"chunk {chunk}"
+
+
+def test_a_prefill_step_stays_within_its_token_budget_and_finishes_in_order(varied_model: GPT) -> None:
+    gen = Generator(varied_model, CPU, max_batch_size=4)
+    long, short = gen.open(PROMPTS[2], GREEDY), gen.open(PROMPTS[1], GREEDY)  # 17 tokens, then 1
+    done, logits = gen.prefill_step([long, short], 8)  # the long one takes the whole budget
+    assert (done, long.cached, short.cached, logits.shape[0]) == ([], 8, 0, 0)
+    done, _ = gen.prefill_step([long, short], 8)
+    assert (done, long.cached, short.cached) == ([], 16, 0)
+    done, logits = gen.prefill_step([long, short], 8)  # the last token of the long one beside the short one
+    assert done == [long, short] and logits.shape == (2, varied_model.config.vocab_size)
+    with pytest.raises(ValueError, match="already prefilled"):
+        gen.prefill_step([long], 8)
+
+
 def test_greedy_equals_hugging_face_greedy(varied_model: GPT) -> None:
     pytest.importorskip("transformers")
     from gptopt.hf import to_hf_model

@@ -99,6 +99,11 @@ class Decoding:
     rng: torch.Generator | None  # Generator.rng(params.seed)
     ids: list[int]  # the prompt, then the new tokens (the repetition penalty's history)
     finish: Finish | None = None
+    cached: int = 0  # prompt tokens in the cache so far: prefill_step runs the rest, a chunk at a time
+
+    @property
+    def prefilled(self) -> bool:
+        return self.cached >= self.prompt_len
 
     @property
     def tokens(self) -> list[int]:
@@ -222,17 +227,62 @@ class Generator:
     def free_slots(self) -> int:
         return self.max_batch_size - len(self._used)
 
-    def begin(self, prompt: list[int], params: SamplingParams) -> tuple[Decoding, torch.Tensor]:
-        """Prefill `prompt` into the lowest free slot: its Decoding, and logits (V,) of its last token."""
+    def open(self, prompt: list[int], params: SamplingParams) -> Decoding:
+        """A Decoding of `prompt` in the lowest free slot, nothing cached yet: prefill_step runs its prompt."""
+        self.check_prompt(prompt)
         slot = self.alloc()
-        try:
-            logits = self.prefill(slot, prompt)
-        except BaseException:
-            self.free(slot)
-            raise
         budget = min(params.max_new_tokens, self.max_len - len(prompt))
         return Decoding(slot=slot, params=params, prompt_len=len(prompt), budget=budget, rng=self.rng(params.seed),
-                        ids=list(prompt)), logits
+                        ids=list(prompt))
+
+    def begin(self, prompt: list[int], params: SamplingParams) -> tuple[Decoding, torch.Tensor]:
+        """Prefill `prompt` into the lowest free slot: its Decoding, and logits (V,) of its last token."""
+        seqs, logits = self.begin_many([prompt], params)
+        return seqs[0], logits[0]
+
+    def begin_many(self, prompts: Sequence[list[int]], params: SamplingParams,
+                   chunk: int | None = None) -> tuple[list[Decoding], torch.Tensor]:
+        """Prefill prompts together (prefill_step, `chunk` tokens a forward; default: all at once), each
+        in its own slot: their Decodings, and logits (B, V) of each one's last token."""
+        seqs: list[Decoding] = []
+        try:
+            for p in prompts:
+                seqs.append(self.open(p, params))
+            logits: dict[int, torch.Tensor] = {}
+            while len(logits) < len(seqs):
+                done, out = self.prefill_step([s for s in seqs if not s.prefilled],
+                                              chunk or len(seqs) * max(len(p) for p in prompts))
+                logits.update((id(s), row) for s, row in zip(done, out, strict=True))
+        except BaseException:
+            for s in seqs:
+                self.end(s)
+            raise
+        return seqs, torch.stack([logits[id(s)] for s in seqs])
+
+    def prefill_step(self, seqs: Sequence[Decoding], budget: int) -> tuple[list[Decoding], torch.Tensor]:
+        """One forward over the next chunk of each sequence's prompt, taken in order while rows x the
+        longest chunk stay within `budget` tokens (the first always runs, cut to `budget`): a long
+        prompt is prefilled over several calls, so the decodes between them wait one chunk at most.
+
+        The sequences whose prompt is now complete, and logits (k, V) of their last prompt token."""
+        if budget < 1:
+            raise ValueError(f"the prefill budget must be >= 1 token, got {budget}")
+        rows: list[Decoding] = []
+        width = 0
+        for s in seqs:
+            if s.prefilled:
+                raise ValueError(f"slot {s.slot}'s prompt is already prefilled")
+            w = min(budget, max(width, s.prompt_len - s.cached))
+            if rows and w * (len(rows) + 1) > budget:
+                break
+            rows.append(s)
+            width = w
+        chunks = [s.ids[s.cached : s.cached + width] for s in rows]
+        logits = self.extend([s.slot for s in rows], chunks, [s.cached for s in rows])
+        for s, c in zip(rows, chunks, strict=True):
+            s.cached += len(c)
+        done = [i for i, s in enumerate(rows) if s.prefilled]
+        return [rows[i] for i in done], logits[done]
 
     def decode_next(self, seqs: Sequence[Decoding]) -> torch.Tensor:
         """Feed each sequence's last token back at its position, in one forward: logits (B, V)."""
@@ -286,6 +336,37 @@ class Generator:
         self._used.add(slot)
         self.lengths[slot] = L
         return logits[0, -1].float()
+
+    @torch.no_grad()
+    def extend(self, slots: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Each slot's next tokens at positions start.. (a prompt, or its next chunk over the cached part),
+        every slot in one forward; logits (B, V) of each slot's last token.
+
+        Shorter chunks are padded on the left, so every row's last position is a real token. The
+        padding writes at the cache's last position, which holds no prompt token (a prompt leaves room
+        for one new token) and which a sequence only reaches by writing its own token there first."""
+        B = len(slots)
+        if not B == len(chunks) == len(starts) > 0 or len(set(slots)) != B or not all(chunks):
+            raise ValueError(f"extend needs distinct slots, each with tokens and a start: {slots}, {starts}")
+        if B == 1 and starts[0] == 0:
+            return self.prefill(slots[0], chunks[0])[None]  # SDPA's causal path: no mask to build
+        for s, c, p in zip(slots, chunks, starts, strict=True):
+            self._check_slot(s)
+            self._check_ids(c)
+            if p < 0 or p + len(c) > self.max_len - 1:
+                raise ValueError(f"slot {s}: positions {p}..{p + len(c) - 1} leave no room for a new token "
+                                 f"in the cache's {self.max_len}")
+        T, pad = max(len(c) for c in chunks), self.max_len - 1
+        tokens = [[0] * (T - len(c)) + c for c in chunks]
+        positions = [[pad] * (T - len(c)) + list(range(p, p + len(c))) for c, p in zip(chunks, starts, strict=True)]
+        consecutive = slots == list(range(slots[0], slots[0] + B))
+        rows = slice(slots[0], slots[0] + B) if consecutive else self._tensor(slots)
+        length = max(p + len(c) for c, p in zip(chunks, starts, strict=True))
+        logits = self._forward(self._tensor(tokens).view(B, T), self._tensor(positions).view(B, T), rows, length)
+        for s, c, p in zip(slots, chunks, starts, strict=True):
+            self._used.add(s)
+            self.lengths[s] = p + len(c)
+        return logits
 
     @torch.no_grad()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -391,14 +472,8 @@ def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
         raise ValueError(f"{len(prompts)} prompts exceed the {gen.max_batch_size} cache slots")
     for p in prompts:
         gen.check_prompt(p)
-    seqs: list[Decoding] = []
+    seqs, logits = gen.begin_many(prompts, params)  # one forward for all the prompts
     try:
-        first: list[torch.Tensor] = []
-        for p in prompts:
-            seq, logits = gen.begin(p, params)
-            seqs.append(seq)
-            first.append(logits)
-        logits = torch.stack(first)
         active = list(range(len(prompts)))
         while active:
             tokens = gen.sample_next(logits, [seqs[i] for i in active])
