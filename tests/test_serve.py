@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import shlex
 import shutil
@@ -470,6 +471,73 @@ def test_continuous_batching_shares_decode_steps(debug_tokenizer: Any) -> None:
     alone = sum(t - 1 for t in tokens)  # decode steps if each request ran by itself
     assert max(sizes) == n  # all four in one forward pass
     assert len(sizes) < 0.6 * alone, (len(sizes), tokens)
+
+
+def engine_run(model: GPT, tokenizer: Any, prompts: list[list[int]], *, slots: int, chunk: int,
+               max_tokens: int = 12, before: list[list[int]] = ()) -> tuple[list[list[int]], list[str]]:
+    """Greedy tokens of each prompt through an Engine, and the forwards it ran in order ("prefill N"
+    rows or "decode N" rows). `before` prompts are already decoding when `prompts` arrive."""
+    from gptopt.serve.engine import Engine
+
+    gen = Generator(model, resolve("cpu"), max_batch_size=slots)
+    engine, calls = Engine(gen, tokenizer, prefill_chunk=chunk), []
+    extend, decode = gen.extend, gen.decode
+
+    def spy_extend(slots: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        calls.append(f"prefill {len(slots)}")
+        return extend(slots, chunks, starts)
+
+    def spy_decode(slots: list[int], *args: Any) -> torch.Tensor:
+        calls.append(f"decode {len(slots)}")
+        return decode(slots, *args)
+
+    gen.extend, gen.decode = spy_extend, spy_decode
+    tokens: dict[int, list[int]] = {}
+    done = threading.Event()
+    params = SamplingParams(temperature=0, max_new_tokens=max_tokens)
+    reqs = []
+
+    def sink(ev: Any) -> None:
+        if ev.finish_reason is not None and all(r.seq is not None and r.seq.finish for r in reqs):
+            done.set()
+
+    for p in before:  # decoding already: admitted and one decode step run before the others arrive
+        reqs.append(engine.submit(p, dataclasses.replace(params, max_new_tokens=10 * max_tokens), sink))
+    engine.start()
+    while before and not any(c.startswith("decode") for c in calls):
+        time.sleep(0.001)
+    reqs += [engine.submit(p, params, sink) for p in prompts]
+    assert done.wait(60)
+    engine.shutdown(timeout=5)
+    for r in reqs:
+        tokens[id(r)] = r.seq.tokens
+    return [tokens[id(r)] for r in reqs[len(before):]], calls
+
+
+def test_a_burst_of_prompts_is_prefilled_in_one_forward_with_the_tokens_of_one_at_a_time(
+        varied_model: GPT, debug_tokenizer: Any) -> None:
+    """16 requests at once: every first token comes from one prefill forward, before any decode step, so
+    the last request's first token does not wait for the other fifteen; greedy tokens as one at a time."""
+    prompts = [[5 + i, 17, 99, 4, 200 + i][: 1 + i % 5] + [31] * (i % 3) for i in range(16)]
+    alone = [complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [p],
+                      SamplingParams(temperature=0, max_new_tokens=12))[0][0] for p in prompts]
+    tokens, calls = engine_run(varied_model, debug_tokenizer, prompts, slots=16, chunk=512)
+    assert calls[:2] == ["prefill 16", "decode 16"]
+    assert tokens == alone
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(
+        varied_model: GPT, debug_tokenizer: Any) -> None:
+    """A 40-token prompt at 8 tokens a forward: five prefills, each followed by a decode step of the
+    request already running, which thus never waits for more than one chunk; the same greedy tokens."""
+    long = [(7 * i) % 400 + 3 for i in range(40)]
+    alone = complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [long],
+                     SamplingParams(temperature=0, max_new_tokens=12))[0][0]
+    (tokens,), calls = engine_run(varied_model, debug_tokenizer, [long], slots=2, chunk=8, before=[[42, 7]])
+    prefills = [i for i, c in enumerate(calls) if c.startswith("prefill")][1:]  # after the running one's own
+    assert len(prefills) == 5
+    assert all(calls[i + 1] == "decode 1" for i in prefills[:-1])  # the running request's step after each chunk
+    assert tokens == alone
 
 
 def test_full_queue_gets_429_with_retry_after(debug_tokenizer: Any) -> None:

@@ -37,8 +37,8 @@ from gptopt.config import CompressConfig, parse_prune
 from gptopt.data import DEFAULT_DATA, BatchDataset, TokenData, open_data
 from gptopt.device import DevicePlan, environment, resolve
 from gptopt.fsutil import check_output, staged_dir
-from gptopt.inference import load_for_inference, model_source
-from gptopt.measure import RECOMPILE_LIMIT, GptoptRunner, tensor_bytes, timed
+from gptopt.inference import RECOMPILE_LIMIT, load_for_inference, model_source
+from gptopt.measure import GptoptRunner, tensor_bytes, timed
 from gptopt.quantize import check_supported, compress_model, describe, pack_state
 from gptopt.tables import text_table, to_json
 from gptopt.tokenizer import TOKENIZER

@@ -543,8 +543,11 @@ class ServeConfig:
     model_name: str | None = opt(None, "the model id /v1/models reports and requests may name; default: the dir name")
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
     port: int = opt(8000, "port (0 picks a free one)", ge=0, le=65535)
-    max_batch_size: int = opt(8, "KV-cache slots: requests decoded together (1 = one request at a time)",
-                              ge=1, le=MAX_SLOTS)
+    max_batch_size: int | None = opt(None, "KV-cache slots: requests decoded together (1 = one request at a time); "
+                                     "default: as many as fit in half the free memory, up to 64 on CPUs, 256 on GPUs",
+                                     ge=1, le=MAX_SLOTS)
+    prefill_chunk: int = opt(512, "prompt tokens one prefill forward takes: prompts that arrive together share "
+                             "it, a longer prompt is prefilled in chunks between decode steps", ge=1, le=MAX_SEQ_LEN)
     # a queue of a million waiting requests is a client bug, not a workload
     max_queue: int = opt(64, "requests waiting beyond the running ones; more get 429 with Retry-After", ge=0, le=1 << 20)
     max_tokens_limit: int = opt(1024, "the largest max_tokens a request may ask for", ge=1, le=MAX_NEW_TOKENS)

@@ -206,8 +206,12 @@ class Generator:
         self._used: set[int] = set()
         self._step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         if compile:  # the last inference transform (inference.py's step 5): it needs this cache
-            self._step = compile_decode(self._decode_all, self.model, self.cache.k + self.cache.v, self.device,
+            self._step = compile_decode(self._decode_rows, self.model, self.cache.k + self.cache.v, self.device,
                                         max_batch_size)
+
+    @property
+    def compiled(self) -> bool:
+        return self._step is not None
 
     # slots ------------------------------------------------------------------------------------
     def alloc(self) -> int:
@@ -396,22 +400,38 @@ class Generator:
         mask = self.cache.mask(pos, length)
         return self.model(tok, pos=pos, kv_cache=kv, attn_mask=mask, last_only=True)[:, -1].float()
 
-    def _decode_all(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        return self._forward(tok, pos, slice(None), self.max_len)
+    def _decode_rows(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # The first B cache rows, B = tok's rows: one compiled graph (one CUDA graph) per bucket size.
+        return self._forward(tok, pos, slice(0, tok.shape[0]), self.max_len)
+
+    @property
+    def buckets(self) -> list[int]:
+        """The row counts a compiled decode runs: powers of two below max_batch_size, and max_batch_size."""
+        return [b for b in (2**i for i in range(self.max_batch_size.bit_length())) if b < self.max_batch_size] + \
+            [self.max_batch_size]
+
+    def bucket(self, slots: Sequence[int]) -> int:
+        """The rows a compiled decode of these slots runs: the smallest bucket that holds the highest slot
+        (alloc hands out the lowest free slot, so the busy slots stay packed at the front)."""
+        top = max(slots) + 1
+        return next(b for b in self.buckets if b >= top)
 
     def _decode_static(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        # Every slot runs every step, so the compiled graph (and its CUDA graph) sees one shape only.
+        # The first `bucket` slots run, so each compiled graph (and CUDA graph) sees one shape only.
         # A row not asked for writes at its slot's next free position, which that slot overwrites
         # before it ever attends to it (a full slot cannot decode again), so no cache is harmed.
-        tok_all = [0] * self.max_batch_size
-        pos_all = [min(n, self.max_len - 1) for n in self.lengths]
+        rows = self.bucket(slots)
+        tok_all = [0] * rows
+        pos_all = [min(n, self.max_len - 1) for n in self.lengths[:rows]]
         for s, t, p in zip(slots, tokens, positions, strict=True):
             tok_all[s], pos_all[s] = t, p
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
         assert self._step is not None
         logits = self._step(self._tensor(tok_all).view(-1, 1), self._tensor(pos_all).view(-1, 1))
-        return logits[self._tensor(slots)]  # a copy: CUDA graphs reuse their output buffer next step
+        if slots == list(range(rows)):
+            return logits.clone()  # a copy: CUDA graphs reuse their output buffer next step
+        return logits[self._tensor(slots)]
 
     # sampling ---------------------------------------------------------------------------------
     @torch.no_grad()

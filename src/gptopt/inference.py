@@ -38,7 +38,7 @@ from gptopt.config import INFER_QUANTIZE
 from gptopt.device import DevicePlan
 from gptopt.extras import require
 from gptopt.model import GPT
-from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
+from gptopt.prepare_model import compile_model, gemv_linears, inference_layout
 from gptopt.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
 from gptopt.tokenizer import TOKENIZER, load_tokenizer
 
@@ -166,19 +166,25 @@ def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, d
 
 
 F = TypeVar("F", bound=Callable[..., Any])
+# dynamo's limit of graphs per function: recompile_limit from torch 2.6 on, cache_size_limit before
+RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: torch.device, rows: int) -> F:
-    """Step 5: `step`, the decode of every one of `rows` cache rows over `model` and its KV `cache`, compiled.
+    """Step 5: `step`, the decode of the first B of `rows` cache rows over `model` and its KV `cache`
+    (B: Generator.buckets), compiled: one static graph per B, each one's Linears chosen for its rows.
 
     CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
     in place. Elsewhere no graphs to capture: an inference compile (frozen weights), and at most
     GEMV_MAX_ROWS rows the decode's matrix-vector products as fused multiply-sums (gemv_linears).
     """
+    # One graph per bucket: more than dynamo keeps per function by default once buckets reach 4096 rows
+    # (or several generators, as bench --mode infer builds, share the decode's code).
+    limit = RECOMPILE_LIMIT
+    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
     if device.type == "cuda":
         for t in cache:
             torch._dynamo.mark_static_address(t)
-        return compile_model(step, mode="reduce-overhead")  # type: ignore[arg-type,return-value]
-    if rows <= GEMV_MAX_ROWS:
-        gemv_linears(model)
-    return compile_model(step, inference=True)  # type: ignore[arg-type,return-value]
+        return compile_model(step, mode="reduce-overhead", dynamic=False)  # type: ignore[arg-type,return-value]
+    gemv_linears(model)
+    return compile_model(step, inference=True, dynamic=False)  # type: ignore[arg-type,return-value]

@@ -20,7 +20,6 @@ from gptopt.model import GPT
 GREEDY = dict(temperature=0.0, top_k=None)
 # The note of a rung that a stopped bench (Ctrl-C, SIGINT) did not finish: the rest are still reported.
 STOPPED = "not measured: bench was stopped (Ctrl-C) before this rung finished"
-RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def free_memory(plan: DevicePlan) -> None:

@@ -254,6 +254,26 @@ def largest_batch(estimate_at: Callable[[int], Estimate], device: torch.device, 
     return lo
 
 
+# Default KV-cache slots of a server (auto_slots): CPU decode steps stop gaining throughput well before
+# 64 rows; a GPU's at a few hundred rows of a GPT-2-class model, where the step turns compute-bound.
+AUTO_SLOTS = {"cpu": 64, "cuda": 256}
+AUTO_SLOTS_SHARE = 0.5  # of the free memory: the rest stays for the allocator's slack and the machine's other work
+
+
+def auto_slots(config: GPTConfig, max_len: int, device: torch.device, *, dtype: torch.dtype | None = None) -> int:
+    """A server's default KV-cache slots: as many as fit in AUTO_SLOTS_SHARE of the memory free now (the
+    weights are loaded), with their forwards (inference_bytes), up to AUTO_SLOTS for the device; at least 1
+    (a model that does not fit even so is refused by `require` with its figures)."""
+    cap = AUTO_SLOTS.get(device.type, AUTO_SLOTS["cpu"])
+    free, _ = available_bytes(device)
+    lo, hi = 1, cap
+    while lo < hi:  # the estimate grows with the slots
+        mid = (lo + hi + 1) // 2
+        fits = inference_bytes(config, mid, max_len, dtype=dtype).without("weights").total <= AUTO_SLOTS_SHARE * free
+        lo, hi = (mid, hi) if fits else (lo, mid - 1)
+    return lo
+
+
 def train_fix(train: TrainConfig, seq_len: int, largest: int | None = None) -> str:
     """The options that make a training step smaller, as the user types them; `largest`: the largest
     micro-batch that fits, where known (0: none does)."""

@@ -28,17 +28,18 @@ class Prepared:
 
 
 def compile_model(model: nn.Module, *, mode: str = "default", fullgraph: bool = False,
-                  inference: bool = False) -> nn.Module:
+                  inference: bool = False, dynamic: bool | None = None) -> nn.Module:
     """torch.compile. inference (default mode only): inductor's freezing, which folds a compiled
     module's weights into the graph as constants (a method that reaches the model through an
     attribute, like Generator's decode step, gets them as inputs still), and fewer guards on the
-    modules' attributes (_inference_guards)."""
+    modules' attributes (_inference_guards). dynamic: torch.compile's (False: one graph per shape)."""
     if inference:
         if mode != "default":
             raise ValueError(f"an inference compile uses the default compile mode only, not {mode!r}")
-        return torch.compile(model, fullgraph=fullgraph, options={"freezing": True, "guard_filter_fn": _inference_guards})
+        return torch.compile(model, fullgraph=fullgraph, dynamic=dynamic,
+                             options={"freezing": True, "guard_filter_fn": _inference_guards})
     # "default" is passed as None: torch.compile's own default, without the mode lookup
-    return torch.compile(model, mode=None if mode == "default" else mode, fullgraph=fullgraph)
+    return torch.compile(model, mode=None if mode == "default" else mode, fullgraph=fullgraph, dynamic=dynamic)
 
 
 # The guards on modules' attributes that an inference graph keeps: their tensors (shape, dtype,

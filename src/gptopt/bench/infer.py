@@ -31,8 +31,8 @@ from gptopt.config import BenchConfig
 from gptopt.device import DevicePlan, environment, memory_bandwidth
 from gptopt.export import OnnxRunner
 from gptopt.extras import EXTRAS, has, require
-from gptopt.inference import prepare, weights_dtype
-from gptopt.measure import RECOMPILE_LIMIT, STOPPED, GptoptRunner, free_memory, timed, weight_bytes
+from gptopt.inference import RECOMPILE_LIMIT, prepare, weights_dtype
+from gptopt.measure import STOPPED, GptoptRunner, free_memory, timed, weight_bytes
 from gptopt.model import GPT
 from gptopt.quantize import int4_unsupported
 from gptopt.step import is_oom

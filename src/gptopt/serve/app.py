@@ -321,14 +321,15 @@ def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> Engine:
     if tokenizer is None:
         raise ValueError("create_app: a model was given without its tokenizer")
     metrics = ServeMetrics()
+    dtype, context = model.transformer.wte.weight.dtype, model.config.block_size
+    slots = cfg.max_batch_size or memory.auto_slots(model.config, context, plan.device, dtype=dtype)
     # the KV cache and the warm-up's forwards, checked before the cache is allocated (the weights are loaded)
-    memory.require(memory.inference_bytes(model.config, cfg.max_batch_size, model.config.block_size,
-                                          dtype=model.transformer.wte.weight.dtype).without("weights"), plan.device,
-                   f"--max_batch_size {cfg.max_batch_size} KV-cache slots of {model.config.block_size} tokens",
+    memory.require(memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"), plan.device,
+                   f"--max_batch_size {slots} KV-cache slots of {context} tokens",
                    "lower --max_batch_size, or use --dtype bf16")
-    generator = Generator(model, plan, max_batch_size=cfg.max_batch_size, compile=cfg.compile)
+    generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile)
     engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
-                    blocklist=load_blocklist(cfg.blocklist), metrics=metrics)
+                    prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics)
     try:
         engine.warmup()
     except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel
@@ -637,22 +638,28 @@ async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], h
         for i, prefix in enumerate(echo):
             if prefix:
                 yield chunk(i, prefix, None)
-        while open_:
-            ev = await queue.get()
-            if ev.finish_reason is None:
-                yield chunk(ev.index, ev.text, None)
-                continue
-            open_ -= 1
-            completion_tokens += ev.completion_tokens
-            if ev.finish_reason not in COMPLETED:
-                yield frame(_finish_error(ev, timeout).body())
-                break
-            yield chunk(ev.index, ev.text, ev.finish_reason)
-        else:
-            if usage:
-                yield frame({**head, "choices": [], "usage": {
-                    "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                    "total_tokens": prompt_tokens + completion_tokens}})
+        failed = False
+        while open_ and not failed:
+            # What has arrived goes out in one write: the engine delivers an iteration's events together.
+            events, out = [await queue.get()], []
+            while not queue.empty():
+                events.append(queue.get_nowait())
+            for ev in events:
+                if ev.finish_reason is None:
+                    out.append(chunk(ev.index, ev.text, None))
+                    continue
+                open_ -= 1
+                completion_tokens += ev.completion_tokens
+                if ev.finish_reason not in COMPLETED:
+                    out.append(frame(_finish_error(ev, timeout).body()))
+                    failed = True
+                    break
+                out.append(chunk(ev.index, ev.text, ev.finish_reason))
+            yield b"".join(out)
+        if usage and not failed:
+            yield frame({**head, "choices": [], "usage": {
+                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens}})
         yield b"data: [DONE]\n\n"
     finally:
         watcher.cancel()

@@ -3,14 +3,18 @@
     pytest -q tests/test_serve.py -k batching
 
 Every iteration of the engine thread: drop cancelled and timed-out requests, admit waiting requests
-into free slots (one prefill each), run ONE decode step for all running requests together, sample,
-push each request's new text to its client, and retire the finished ones, so a slot is free again
-within one iteration. Requests join and leave the batch at token granularity: a short request
-never waits for a long one to finish, and N requests share each forward pass.
+into free slots, run ONE prefill forward over the admitted prompts (at most `prefill_chunk` tokens:
+requests that arrive together are prefilled together, and a long prompt goes a chunk per
+iteration, so it never stalls the running decodes for more than a chunk), run ONE decode step for
+all running requests together, sample, hand each request's new text to its client, and retire the
+finished ones, so a slot is free again within one iteration. Requests join and leave the batch at
+token granularity: a short request never waits for a long one to finish, and N requests share
+each forward pass. The iteration's events go out together at its end: one wake-up of each
+client event loop per iteration, not one per token.
 
 Only this thread touches the model; other threads (the HTTP event loop) only submit, cancel and
 read stats, under one lock. Text goes back through a `sink`: for asyncio clients,
-`asyncio_sink(queue)` hands each event to the event loop with call_soon_threadsafe.
+`asyncio_sink(queue)` puts each event into the queue on its event loop (`deliver`).
 """
 
 from __future__ import annotations
@@ -36,6 +40,11 @@ log = logging.getLogger(__name__)
 # the others end it without one.
 FinishReason = Literal["stop", "length", "content_filter", "cancelled", "timeout", "error"]
 COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter")
+
+
+# Prompt tokens one prefill forward takes (Engine's prefill_chunk): 16 clients' 32-token prompts in
+# one forward, and a prompt of the whole 1,024-token context in two.
+PREFILL_CHUNK = 512
 
 
 class QueueFull(Exception):
@@ -65,17 +74,41 @@ class Event:
 Sink = Callable[[Event], None]
 
 
-def asyncio_sink(queue: asyncio.Queue[Event], loop: asyncio.AbstractEventLoop | None = None) -> Sink:
+class AsyncioSink:
+    """Delivers events into an asyncio queue on its event loop (make it on that loop). The engine hands
+    an iteration's events for one loop over in a single call (deliver), so the loop wakes once."""
+
+    def __init__(self, queue: asyncio.Queue[Event], loop: asyncio.AbstractEventLoop | None = None) -> None:
+        self.queue, self.loop = queue, loop or asyncio.get_running_loop()
+
+    def __call__(self, event: Event) -> None:
+        deliver([(self, event)])
+
+
+def asyncio_sink(queue: asyncio.Queue[Event], loop: asyncio.AbstractEventLoop | None = None) -> AsyncioSink:
     """A sink that delivers events into `queue` on its event loop (call from that loop)."""
-    loop = loop or asyncio.get_running_loop()
+    return AsyncioSink(queue, loop)
 
-    def push(event: Event) -> None:
+
+def _put_all(items: list[tuple[AsyncioSink, Event]]) -> None:
+    for sink, event in items:
+        sink.queue.put_nowait(event)
+
+
+def deliver(outbox: list[tuple[Sink, Event]]) -> None:
+    """Hand each event to its sink, in order: asyncio sinks grouped by event loop, one call_soon_threadsafe
+    per loop (each is a write to the loop's wake-up pipe and a pass of the loop), other sinks called."""
+    loops: dict[asyncio.AbstractEventLoop, list[tuple[AsyncioSink, Event]]] = {}
+    for sink, event in outbox:
+        if isinstance(sink, AsyncioSink):
+            loops.setdefault(sink.loop, []).append((sink, event))
+        else:
+            sink(event)
+    for loop, items in loops.items():
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, event)
-        except RuntimeError:  # the loop is closed: the client is gone, nothing to deliver to
+            loop.call_soon_threadsafe(_put_all, items)
+        except RuntimeError:  # the loop is closed: its clients are gone, nothing to deliver to
             pass
-
-    return push
 
 
 @dataclass(eq=False)
@@ -112,9 +145,12 @@ class Engine:
     """Continuous-batching scheduler around a Generator; see the module docstring."""
 
     def __init__(self, generator: Generator, tokenizer: Any, *, max_queue: int = 64,
-                 request_timeout: float = 120.0, blocklist: Blocklist | None = None,
-                 metrics: Any = None) -> None:
+                 request_timeout: float = 120.0, prefill_chunk: int = PREFILL_CHUNK,
+                 blocklist: Blocklist | None = None, metrics: Any = None) -> None:
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         self.generator = generator
+        self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
         self.max_queue = max_queue
         self.request_timeout = request_timeout
@@ -122,8 +158,12 @@ class Engine:
         self.metrics = metrics  # serve.metrics.ServeMetrics or None
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()
-        self._running: list[Request] = []  # engine thread only; the generator tracks their slots
-        self._n_running = 0  # mirror of len(_running), read under the lock by stats()
+        # engine thread only; the generator tracks their slots. Admitted requests prefill (a chunk an
+        # iteration) until their first token, then decode.
+        self._prefilling: list[Request] = []
+        self._running: list[Request] = []
+        self._outbox: list[tuple[Sink, Event]] = []  # this iteration's events, delivered at its end
+        self._n_running = 0  # mirror of len(_prefilling) + len(_running), read under the lock by stats()
         self._draining = False
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -173,16 +213,23 @@ class Engine:
 
     # -- lifecycle --------------------------------------------------------------------------
 
-    def warmup(self) -> None:
-        """One long prefill and one full-batch decode step, before serving: the first request is not
-        slow, and a configuration whose activations do not fit fails at start-up, not on a user."""
-        g = self.generator
+    def warmup(self) -> float:
+        """Before serving, the longest prefill and a decode step of every batch shape the decode runs
+        (each compiled bucket's graph, or its CUDA graph, is built now): the first requests are not slow,
+        and a configuration whose activations do not fit fails at start-up, not on a user. Seconds taken."""
+        g, t0 = self.generator, time.perf_counter()
         with torch.inference_mode():
             g.prefill(0, [0] * max(1, g.max_len - 1))
-            slots = list(range(g.max_batch_size))
-            g.decode(slots, [0] * len(slots), [min(g.max_len - 1, 1)] * len(slots))
-            for s in slots:
-                g.free(s)
+            g.free(0)
+            for rows in g.buckets if g.compiled else [g.max_batch_size]:
+                slots = list(range(rows))
+                g.decode(slots, [0] * rows, [min(g.max_len - 1, 1)] * rows)
+                for s in slots:
+                    g.free(s)
+        seconds = time.perf_counter() - t0
+        if g.compiled:
+            log.info("compiled the decode for batches of %s in %.1f s", ", ".join(map(str, g.buckets)), seconds)
+        return seconds
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gptopt-engine", daemon=True)
@@ -222,18 +269,21 @@ class Engine:
                             break
                     except Exception as e:  # a bug in one step must not leave clients waiting forever
                         log.exception("engine iteration failed; ending the running requests")
-                        for r in list(self._running):
+                        for r in self._prefilling + self._running:
                             self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+                    finally:
+                        self._deliver()
         finally:  # whatever ended the loop, no client may wait forever
             with self._cv:
-                left = self._running + list(self._waiting)
+                left = self._prefilling + self._running + list(self._waiting)
                 self._waiting.clear()
             for req in left:
                 self._finish(req, "cancelled")
+            self._deliver()
 
     def _iterate(self) -> bool:
         with self._cv:
-            while not (self._waiting or self._running or self._stop):
+            while not (self._waiting or self._prefilling or self._running or self._stop):
                 self._cv.wait()
             if self._stop:
                 return False
@@ -243,21 +293,28 @@ class Engine:
                 self._waiting.remove(r)
         for r in dead:
             self._finish(r, "cancelled" if r.cancelled else "timeout")
-        for r in [r for r in self._running if r.cancelled or now - r.submitted > r.timeout]:
+        for r in [r for r in self._prefilling + self._running if r.cancelled or now - r.submitted > r.timeout]:
             self._finish(r, "cancelled" if r.cancelled else "timeout")
         self._admit()
+        if self._prefilling:
+            self._prefill()
         if self._running:
             self._decode()
         return True
 
+    def _deliver(self) -> None:
+        outbox, self._outbox = self._outbox, []
+        deliver(outbox)
+
     def _admit(self) -> None:
+        """Waiting requests into free slots, in arrival order; their prompts wait for _prefill."""
         while self.generator.free_slots:
             with self._cv:
                 if not self._waiting:
                     return
                 req = self._waiting.popleft()
                 self._n_running += 1
-            self._running.append(req)
+            self._prefilling.append(req)
             req.admitted = time.perf_counter()
             if self.metrics is not None:
                 self.metrics.queue_time.observe(req.admitted - req.submitted)
@@ -265,12 +322,28 @@ class Engine:
             req.text = StopChecker(self.tokenizer, req.params.stop)
             req.filter = TextFilter(self.blocklist) if self.blocklist else None
             try:
-                req.seq, logits = self.generator.begin(req.prompt, req.params)
-                token = self.generator.sample_next(logits[None], [req.seq])[0]
-            except Exception as e:  # one bad request (or out of memory) must not take the server down
-                log.exception("prefill failed")
+                req.seq = self.generator.open(req.prompt, req.params)
+            except Exception as e:  # one bad request must not take the server down
+                log.exception("admission failed")
                 self._finish(req, "error", error=f"{type(e).__name__}: {e}")
-                continue
+
+    def _prefill(self) -> None:
+        """One prefill forward: the next chunk of the admitted prompts, oldest first (Generator.prefill_step).
+        Those whose prompt is complete take their first token and decode from now on."""
+        by_seq = {id(r.seq): r for r in self._prefilling}
+        try:
+            done, logits = self.generator.prefill_step([r.seq for r in self._prefilling if r.seq is not None],
+                                                       self.prefill_chunk)
+            tokens = self.generator.sample_next(logits, done) if done else []
+        except Exception as e:  # e.g. out of memory: these requests fail, the server goes on
+            log.exception("prefill failed")
+            for r in list(self._prefilling):
+                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            return
+        for seq, token in zip(done, tokens, strict=True):
+            req = by_seq[id(seq)]
+            self._prefilling.remove(req)
+            self._running.append(req)
             self._accept(req, token)
 
     def _decode(self) -> None:
@@ -316,17 +389,18 @@ class Engine:
         if reason is not None:
             return self._finish(req, reason, text=text)
         if text:
-            req.sink(Event(req.index, text, completion_tokens=req.completion_tokens))
+            self._outbox.append((req.sink, Event(req.index, text, completion_tokens=req.completion_tokens)))
 
     def _finish(self, req: Request, reason: FinishReason, *, text: str = "", error: str | None = None) -> None:
         """Free the request's slot (if it has one) and send its last event."""
-        if req in self._running:
-            self._running.remove(req)
-            if req.seq is not None:  # None: its prefill failed, and begin freed the slot
-                self.generator.end(req.seq)
-            with self._cv:
-                self._n_running -= 1
-                self._cv.notify_all()  # shutdown() waits for the engine to empty
+        for admitted in (self._prefilling, self._running):
+            if req in admitted:
+                admitted.remove(req)
+                if req.seq is not None:  # None: it was refused at admission, before it had a slot
+                    self.generator.end(req.seq)
+                with self._cv:
+                    self._n_running -= 1
+                    self._cv.notify_all()  # shutdown() waits for the engine to empty
         latency = time.perf_counter() - req.submitted
         if self.metrics is not None:
             self.metrics.finished.labels(reason).inc()
@@ -334,4 +408,4 @@ class Engine:
                 self.metrics.e2e.observe(latency)
         if reason in COMPLETED:
             self._mean_latency = 0.9 * self._mean_latency + 0.1 * latency
-        req.sink(Event(req.index, text, reason, len(req.prompt), req.completion_tokens, error))
+        self._outbox.append((req.sink, Event(req.index, text, reason, len(req.prompt), req.completion_tokens, error)))
