@@ -466,6 +466,28 @@ def test_compiled_static_decode_equals_eager(varied_model: GPT) -> None:
     assert generate(Generator(other, CPU, max_batch_size=4, compile=True), PROMPTS[:3], GREEDY) == theirs
 
 
+@pytest.mark.slow
+def test_compiled_decode_of_any_slots_equals_eager(varied_model: GPT) -> None:
+    """The server's case: busy slots anywhere in a large cache; the compiled decode runs the smallest bucket
+    of rows that holds them (1, 4, 8 here), and the idle rows it runs must not disturb the busy ones."""
+    eager = Generator(varied_model, CPU, max_batch_size=8)
+    compiled = Generator(copy.deepcopy(varied_model), CPU, max_batch_size=8, compile=True)
+    for slots in ([0], [0, 1, 2], [5], [1, 6]):
+        out: dict[Generator, list[list[int]]] = {}
+        for g in (eager, compiled):
+            ids = [list(PROMPTS[i]) for i in range(len(slots))]
+            for s, p in zip(slots, ids, strict=True):
+                p.append(int(g.prefill(s, p).argmax()))
+            for _ in range(6):
+                logits = g.decode(slots, [p[-1] for p in ids], [len(p) - 1 for p in ids])
+                for p, row in zip(ids, logits.argmax(-1).tolist(), strict=True):
+                    p.append(row)
+            for s in slots:
+                g.free(s)
+            out[g] = ids
+        assert out[compiled] == out[eager], slots
+
+
 def test_loaded_for_inference_on_cpu_in_the_fast_layout_with_the_same_tokens(model_dir: Path, varied_model: GPT) -> None:
     model, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU)
     assert model.lm_head.weight.t().is_contiguous() and model.lm_head.weight is model.transformer.wte.weight
