@@ -138,14 +138,17 @@ class Decoding:
 class _LayerView:
     """One layer of a KVCache as one forward sees it: these rows, writing at these positions."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | slice, index: torch.Tensor,
-                 positions: torch.Tensor, length: int) -> None:
-        self.k, self.v, self.rows, self.index, self.positions, self.length = k, v, rows, index, positions, length
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | slice, flat: torch.Tensor,
+                 length: int) -> None:
+        self.k, self.v, self.rows, self.flat, self.length = k, v, rows, flat, length
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each row writes at its own positions: rows at different lengths share one forward.
-        self.k[self.index, :, self.positions] = k.transpose(1, 2).to(self.k.dtype)  # (B, T, nh, hs)
-        self.v[self.index, :, self.positions] = v.transpose(1, 2).to(self.v.dtype)
+        # Each row writes at its own positions: rows at different lengths share one forward. One
+        # index_copy_ into the cache seen as rows of head_dim: 4-6x faster on a CPU than the equivalent
+        # cache[rows, :, positions] = ..., whose indexing around a slice takes a general scatter.
+        hs = k.size(-1)
+        self.k.view(-1, hs).index_copy_(0, self.flat, k.reshape(-1, hs).to(self.k.dtype))  # k: (B, nh, T, hs)
+        self.v.view(-1, hs).index_copy_(0, self.flat, v.reshape(-1, hs).to(self.v.dtype))
         return self.k[self.rows, :, : self.length], self.v[self.rows, :, : self.length]  # (B, nh, S, hs)
 
 
@@ -157,7 +160,7 @@ class KVCache:
         shape = (slots, config.n_head, max_len, config.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.slots, self.max_len, self.device = slots, max_len, torch.device(device)
+        self.slots, self.max_len, self.n_head, self.device = slots, max_len, config.n_head, torch.device(device)
 
     def layers(self, rows: torch.Tensor | slice, positions: torch.Tensor, length: int | None = None) -> list[KVCacheLayer]:
         """Per-layer views for one forward. rows: (B,) slot indices, or a slice of consecutive slots (the
@@ -169,8 +172,12 @@ class KVCache:
             index = torch.arange(start, stop, device=self.device)
         else:
             index = rows
+        # (B, nh, T): the row of each written key in the cache viewed as (slots * nh * max_len, hs)
+        heads = torch.arange(self.n_head, device=self.device)
+        flat = ((index[:, None, None] * self.n_head + heads[None, :, None]) * self.max_len + positions[:, None, :])
+        flat = flat.reshape(-1)
         length = self.max_len if length is None else length
-        return [_LayerView(k, v, rows, index[:, None], positions, length) for k, v in zip(self.k, self.v, strict=True)]
+        return [_LayerView(k, v, rows, flat, length) for k, v in zip(self.k, self.v, strict=True)]
 
     def mask(self, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """(B, 1, T, length) bool, True where the key's position <= the query's: each row sees its own past only."""
