@@ -487,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
         "cpu": read_cpu_info(),
         "command": shlex.join(["python", "scripts/serve_compare.py", *(sys.argv[1:] if argv is None else argv)]),
         "servers": dict(args.servers),
-        "loadtest": shlex.join(loadtest_argv(args, "{port}", "{concurrency}", args.requests)),
+        # placeholders shlex leaves unquoted, so the command reads as the one run, braces and all
+        "loadtest": shlex.join(loadtest_argv(args, "@PORT@", "@CONCURRENCY@", args.requests))
+        .replace("@PORT@", "{port}").replace("@CONCURRENCY@", "{concurrency}"),
         "model": args.model, "runs_each": args.runs, "concurrency": args.concurrency, "requests": args.requests,
         "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "warmup_requests": args.warmup_requests,
         "stopped": None,

@@ -188,7 +188,8 @@ def test_two_servers_alternate_and_every_run_is_recorded(tmp_path: Path) -> None
         assert r["output_tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 and r["ready_s"] > 0
         assert (out / r["logs"]["server"]).is_file() and (out / r["logs"]["loadtest"]).is_file()
     assert results["servers"]["nodone"].endswith("--no-done") and results["stopped"] is None
-    assert "--model /models/tiny" in results["loadtest"]  # the model field every request sends
+    assert results["loadtest"] == (f"{LOADTEST} --url http://127.0.0.1:{{port}} --requests 6 --concurrency "
+                                   "{concurrency} --max_tokens 4 --prompt_tokens 32 --model /models/tiny --json")
     report = (out / "report.md").read_text()
     assert "| 2 | done / nodone = " in report and "| 2 | 1 | nodone |" in report
     assert "[2/2] concurrency 2, run 1/1, nodone" in err  # progress on stderr
