@@ -337,7 +337,7 @@ def record(server: str, concurrency: int, run: int, ready_s: float | None, statu
     return {"server": server, "concurrency": concurrency, "run": run, "ready_s": ready_s,
             "output_tokens_per_s": s.get("output_tokens_per_s"), "ttft_p50_s": ttft.get("p50"),
             "ttft_p99_s": ttft.get("p99"), "tpot_p50_s": tpot.get("p50"),
-            "requests": s.get("requests"), "completed": s.get("completed"),
+            "requests": s.get("requests"), "completed": s.get("completed"), "output_tokens": s.get("output_tokens"),
             "errors": s.get("errors") if summary is not None else {"no summary": 1},
             "loadtest_exit": status, "logs": logs, "summary": summary}
 
@@ -403,11 +403,14 @@ def render_report(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     if meta.get("stopped"):
         lines += ["", f"**Incomplete: {meta['stopped']}**"]
     lines += ["", "## Every run", "",
-              "| concurrency | run | server | output tok/s | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | errors | ready s |",
-              "|---:|---:|---|---:|---:|---:|---:|---|---:|"]
+              # output tokens: servers that stop at different places (one honours end-of-text, one not)
+              # are not doing the same work, whatever their tokens/s
+              "| concurrency | run | server | output tok/s | output tokens | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms "
+              "| errors | ready s |",
+              "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in runs:
         lines.append(f"| {r['concurrency']} | {r['run']} | {r['server']} | {_num(r['output_tokens_per_s'], '.1f')} | "
-                     f"{_num(r['ttft_p50_s'], '.1f', 1e3)} | {_num(r['ttft_p99_s'], '.1f', 1e3)} | "
+                     f"{_num(r['output_tokens'], '.0f')} | {_num(r['ttft_p50_s'], '.1f', 1e3)} | {_num(r['ttft_p99_s'], '.1f', 1e3)} | "
                      f"{_num(r['tpot_p50_s'], '.2f', 1e3)} | {_errors(r['errors'])} | {_num(r['ready_s'], '.1f')} |")
     rows = aggregate(runs, servers)
     lines += ["", "## Per concurrency and server", "",

@@ -89,6 +89,7 @@ def _run(server: str, concurrency: int, run: int, tps: float | None, ttft: float
          errors: dict[str, int] | None = None) -> dict[str, Any]:
     return {"server": server, "concurrency": concurrency, "run": run, "ready_s": 1.5, "output_tokens_per_s": tps,
             "ttft_p50_s": ttft, "ttft_p99_s": ttft and 2 * ttft, "tpot_p50_s": 0.002, "requests": 8, "completed": 8,
+            "output_tokens": None if tps is None else 256,
             "errors": errors or {}, "loadtest_exit": 0, "logs": {}, "summary": None}
 
 
@@ -123,8 +124,8 @@ def test_the_report_lists_every_run_then_the_summary() -> None:
     text = sc.render_report(META, CANNED)
     assert "Test CPU @ 2.0GHz, 2 logical CPUs; native bf16: yes (amx_bf16)" in text
     assert "`python scripts/serve_compare.py --model m ...`" in text and "`b --port {port} {model}`" in text
-    assert "| 16 | 2 | b | 40.0 | 50.0 | 100.0 | 2.00 | none | 1.5 |" in text
-    assert "| 1 | 1 | b | - | - | - | 2.00 | no summary: 1 | 1.5 |" in text
+    assert "| 16 | 2 | b | 40.0 | 256 | 50.0 | 100.0 | 2.00 | none | 1.5 |" in text
+    assert "| 1 | 1 | b | - | - | - | - | 2.00 | no summary: 1 | 1.5 |" in text
     assert "| 16 | a | 3 | 110.0 | 100.0 | 120.0 | 1.20 | 20.0 | 0 |" in text
     assert "| 16 | a / b = 2.20 |" in text and "| 1 | a / b = - |" in text
     assert "Incomplete" not in text
@@ -184,7 +185,7 @@ def test_two_servers_alternate_and_every_run_is_recorded(tmp_path: Path) -> None
     results = json.loads((out / "results.json").read_text())
     assert [(r["server"], r["concurrency"], r["run"]) for r in results["runs"]] == [("done", 2, 1), ("nodone", 2, 1)]
     for r in results["runs"]:
-        assert r["errors"] == {} and r["completed"] == 6 and r["summary"]["output_tokens"] == 24
+        assert r["errors"] == {} and r["completed"] == 6 and r["output_tokens"] == 24
         assert r["output_tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 and r["ready_s"] > 0
         assert (out / r["logs"]["server"]).is_file() and (out / r["logs"]["loadtest"]).is_file()
     assert results["servers"]["nodone"].endswith("--no-done") and results["stopped"] is None
