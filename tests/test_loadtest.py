@@ -166,3 +166,63 @@ def test_a_cuda_servers_device_memory_is_reported_beside_its_rss(
     assert "server RSS" in captured.out and "server GPU   start 1025.0 MiB" in captured.out
     assert "(3072.0 since the server started); reserved 2048.0 -> 2048.0 MiB" in captured.out
     assert set(MEMORY_METRICS) == set(metric_values(app.state.metrics.render().decode()))  # the names agree
+
+
+def _sse_server(frames: list[str], prefix: str = "data: ") -> Any:
+    """A server whose /v1/completions streams `frames` (each one SSE data payload) and then closes."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    fake = FastAPI()
+
+    @fake.post("/v1/completions")
+    async def complete() -> StreamingResponse:
+        async def body() -> Any:
+            for f in frames:
+                yield f"{prefix}{f}\n\n".encode()
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return fake
+
+
+def _chunk(**choice: Any) -> str:
+    import json
+
+    return json.dumps({"id": "x", "object": "text_completion", "model": "m", "created": 0,
+                       "choices": [{"index": 0, **choice}]})
+
+
+# transformers serve --continuous-batching (5.x) as it streams a completion: a chunk per token, a finish
+# chunk with empty text, a usage chunk with no choices, then it closes without [DONE]
+HF_STREAM = [_chunk(text="ab"), _chunk(text="cd"), _chunk(text="ef"), _chunk(finish_reason="length", text=""),
+             '{"id": "x", "object": "text_completion", "model": "m", "created": 0, "choices": [], '
+             '"usage": {"completion_tokens": 3, "prompt_tokens": 10, "total_tokens": 13}}']
+
+
+def test_a_stream_closed_after_every_choice_finished_counts_without_done(capsys: pytest.CaptureFixture[str]) -> None:
+    with serve_in_thread(_sse_server(HF_STREAM)) as server:
+        assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=4, concurrency=2, json=True)) == 0
+    summary = last_json_line(capsys.readouterr().out)
+    assert summary["errors"] == {} and summary["completed"] == 4
+    assert summary["output_tokens"] == 12  # the usage chunk's count, though it has no choices
+    assert summary["ttft_s"]["p50"] is not None and summary["tpot_s"]["p50"] is not None
+
+
+@pytest.mark.parametrize("frames", [
+    HF_STREAM[:3],  # closed mid-answer: no finish_reason came
+    [],  # closed before a single chunk
+    [*HF_STREAM[:3], '{"error": "Continuous batching failed for the request"}'],  # transformers' error frame
+], ids=["cut-short", "empty", "error-frame"])
+def test_a_stream_that_ends_before_its_finish_is_an_error(frames: list[str],
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    with serve_in_thread(_sse_server(frames)) as server:
+        assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=2, json=True)) == 1
+    assert last_json_line(capsys.readouterr().out)["errors"] == {"stream": 2}
+
+
+def test_data_lines_without_the_optional_space_are_read(capsys: pytest.CaptureFixture[str]) -> None:
+    frames = [_chunk(text="a"), _chunk(text="b", finish_reason="stop"), "[DONE]"]
+    with serve_in_thread(_sse_server(frames, prefix="data:")) as server:  # SSE allows "data:" with no space
+        assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=1, json=True)) == 0
+    summary = last_json_line(capsys.readouterr().out)
+    assert summary["errors"] == {} and summary["output_tokens"] == 4  # no usage: one token per text chunk

@@ -8,6 +8,8 @@ Closed loop (--concurrency) keeps that many requests in flight, which measures c
 request and output-token throughput, time to first token (TTFT), time per output token after the
 first (TPOT), the gaps between streamed chunks (ITL), and errors by HTTP status (or 'timeout',
 'connect', 'stream'). Only cfg.url is contacted; every request ends within cfg.timeout seconds.
+A stream succeeds at `data: [DONE]`, or where the server closes it once every choice has its finish_reason
+(transformers serve sends no [DONE]); one that ends before that, or sends an error, is a 'stream' error.
 
 Where the server's /metrics has `process_resident_memory_bytes` (gptopt serve does, on Linux), its
 resident memory is sampled through the run: growth after the warm-up tenth of the requests is how a
@@ -119,7 +121,7 @@ async def one_request(client: Any, cfg: LoadtestConfig, prompt: str) -> Sample:
         s = Sample(status="timeout")
     except (httpx.HTTPError, OSError):
         s = Sample(status="connect")
-    except (json.JSONDecodeError, KeyError, TypeError):
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):  # a chunk not of the completions shape
         s = Sample(status="stream")
     s.e2e = time.perf_counter() - t0
     return s
@@ -131,29 +133,43 @@ async def _stream(client: Any, cfg: LoadtestConfig, prompt: str, t0: float) -> S
     if cfg.model:
         body["model"] = cfg.model
     s, chunks, last = Sample(), 0, t0
+    seen: set[int] = set()  # the choices the stream has spoken of, and those it has finished
+    finished: set[int] = set()
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             await r.aread()
             return Sample(status=str(r.status_code))
         async for line in r.aiter_lines():
-            if not line.startswith("data: "):
+            if not line.startswith("data:"):
                 continue
-            if line == "data: [DONE]":
-                s.tokens = s.tokens or chunks  # a server without usage in its stream: one token per chunk
-                return s
-            obj = json.loads(line[6:])
-            if "error" in obj:
+            data = line[5:].removeprefix(" ")  # SSE: the space after the colon is optional
+            if data == "[DONE]":
+                break
+            obj = json.loads(data)
+            if not isinstance(obj, dict) or "error" in obj:  # gptopt sends an object there, transformers a string
                 return Sample(status="stream")
-            if obj.get("usage"):
+            if obj.get("usage"):  # its own chunk (choices []) or on the last one
                 s.tokens = obj["usage"]["completion_tokens"]
-            if any(c.get("text") for c in obj.get("choices", ())):
+            choices = obj.get("choices") or ()
+            for c in choices:
+                seen.add(c.get("index", 0))
+                if c.get("finish_reason") is not None:
+                    finished.add(c.get("index", 0))
+            if any(c.get("text") for c in choices):
                 now = time.perf_counter()
                 if s.ttft is None:
                     s.ttft = now - t0
                 else:
                     s.gaps.append(now - last)
                 last, chunks = now, chunks + 1
-    return Sample(status="stream")  # the stream ended without [DONE]
+        else:
+            # Closed without [DONE]: OpenAI sends it, but some compatible servers (transformers serve)
+            # end the stream after the finish and usage chunks. Cut short before every choice finished
+            # is still a failure.
+            if not seen or not finished >= seen:
+                return Sample(status="stream")
+    s.tokens = s.tokens or chunks  # a server without usage in its stream: one token per chunk
+    return s
 
 
 def distribution(values: list[float]) -> dict[str, float | None]:
