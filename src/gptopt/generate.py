@@ -167,8 +167,9 @@ class KVCache:
         layers then return views of the cache, no gather copy). positions: (B, T) being written.
         length: return only the first `length` positions (more than any written), so fewer keys are attended."""
         if isinstance(rows, slice):
-            start, stop, step = rows.indices(self.slots)
-            assert step == 1, "a slice of rows must be consecutive"
+            # not rows.indices(): it would make a compiled decode's row count a constant (one graph per count)
+            assert rows.step in (None, 1), "a slice of rows must be consecutive"
+            start, stop = rows.start or 0, self.slots if rows.stop is None else rows.stop
             index = torch.arange(start, stop, device=self.device)
         else:
             index = rows

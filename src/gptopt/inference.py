@@ -172,7 +172,7 @@ RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_
 
 def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: torch.device, rows: int) -> F:
     """Step 5: `step`, the decode of the first B of `rows` cache rows over `model` and its KV `cache`
-    (B: Generator.buckets), compiled: one static graph per B, each one's Linears chosen for its rows.
+    (B: Generator.buckets), compiled: on CPUs one static graph per B, each one's Linears chosen for its rows.
 
     CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
     in place. Elsewhere no graphs to capture: an inference compile (frozen weights), and at most
@@ -185,6 +185,8 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     if device.type == "cuda":
         for t in cache:
             torch._dynamo.mark_static_address(t)
-        return compile_model(step, mode="reduce-overhead", dynamic=False)  # type: ignore[arg-type,return-value]
+        # The row count symbolic: one inductor compile for every bucket of 2 rows and more (1 is its own),
+        # then one CUDA graph recorded per bucket shape, so the warm-up costs two compiles, not one a bucket.
+        return compile_model(step, mode="reduce-overhead", dynamic=True)  # type: ignore[arg-type,return-value]
     gemv_linears(model)
     return compile_model(step, inference=True, dynamic=False)  # type: ignore[arg-type,return-value]
