@@ -174,6 +174,9 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
     in place. Elsewhere no graphs to capture: an inference compile (frozen weights), and at most
     GEMV_MAX_ROWS rows the decode's matrix-vector products as fused multiply-sums (gemv_linears).
+    A step traced at several batch sizes (one graph per batch bucket) passes its smallest as `rows`:
+    each graph then picks its own path by its row count at trace time. A step of more rows keeps
+    inference_layout's column-major weights, which its GEMMs run 3-10% faster on (tiny, 2-core AMD EPYC).
     """
     if device.type == "cuda":
         for t in cache:
