@@ -107,17 +107,20 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
             and m.weight.is_floating_point() and m.weight.dim() == 2]
 
 
-# Up to this many rows a compiled CPU Linear is a multiply-and-sum (gemv_linears); from 4 the GEMM is
-# as fast or faster. Tiny, 2-core AMD EPYC, the compiled decode against the eager one in one process,
-# step by step: multiply-sum 1.86x and GEMM 1.21x the eager speed at batch 1, 1.71x and 1.27x at 2;
-# at 4 1.48x and 1.42x in one run, 1.04x and 1.14x in another; at 8 1.14x and 1.13x. (Each graph
-# decides at its own trace, so a step compiled per batch bucket takes the right path per bucket.)
-GEMV_MAX_ROWS = 2
+# Up to this many rows a compiled CPU Linear is a multiply-and-sum (gemv_linears); from 2 rows the
+# GEMM. The sum loops over the rows outermost, so it reads the whole weight once per row (at 8 rows
+# tiny's 8 MB lm_head 8 times a step: 1,302 against 852 us on one thread of a 2-core AMD EPYC, whose
+# large L3 hides most of it; a 2-core Intel Xeon's compiled decode fell to 0.7x the eager one at
+# batch 4 and 8, issue 17). Putting the weight's rows outermost, (out, rows), read it once, but inside
+# the whole decode graph inductor then vectorised over the 2 rows and ran one kernel over the
+# reduction axis: 25 ms a step at batch 2 against 3.5 for the GEMM. Each graph decides at its own
+# trace, so a step compiled per batch bucket takes the multiply-and-sum in its 1-row bucket only.
+GEMV_MAX_ROWS = 1
 
 
 def gemv_linears(model: nn.Module) -> nn.Module:
     """CPU compiled decode: each float Linear, given at most GEMV_MAX_ROWS rows inside torch.compile,
-    computes (weight[:, None, :] * x).sum(-1) + bias over its row-major weight, in place.
+    computes (x[..., None, :] * weight).sum(-1) + bias over its row-major weight, in place.
 
     Inductor fuses that into one vectorised, multi-threaded pass over the weight with the bias in its
     epilogue, where the BLAS's matrix-vector path reads the weight at a fraction of this CPU's memory
@@ -137,13 +140,7 @@ def gemv_linears(model: nn.Module) -> nn.Module:
 
 def _gemv_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling() and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
-        # (out, rows): inductor loops over the output's dims in order, so the weight's rows come
-        # outermost and each is read once for all rows of x. Rows outermost, (x[..., None, :] *
-        # weight), streamed the whole weight once per row: tiny's 8 MB lm_head 8 times a step at
-        # batch 8 (1,302 against 852 us on one thread of a 2-core AMD EPYC, whose large L3 softens
-        # it; on a 2-core Intel Xeon the compiled decode fell to 0.7x the eager one, issue 17).
-        y = (self.weight.unsqueeze(1) * x.reshape(1, -1, x.shape[-1])).sum(-1)
-        y = y.t().reshape(*x.shape[:-1], y.shape[0])
+        y = (x.unsqueeze(-2) * self.weight).sum(-1)
         return y if self.bias is None else y + self.bias
     return F.linear(x, self.weight, self.bias)
 
