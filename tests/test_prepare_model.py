@@ -17,6 +17,7 @@ from gptopt import checkpoint
 from gptopt.config import preset
 from gptopt.device import resolve
 from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.inference import compile_decode
 from gptopt.model import GPT
 from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
 
@@ -83,6 +84,19 @@ def test_gemv_linears_multiply_and_sum_small_compiled_batches_only() -> None:
             ops, out = graph_ops(layer, many)
             assert "linear" in ops and "sum" not in ops
             torch.testing.assert_close(out, ref(many))
+
+
+def test_a_compiled_cpu_decode_of_more_rows_gets_the_gemm_layout_back() -> None:
+    # bench --mode infer sweeps one model through batch 1, 2, 4...: batch 1's multiply-and-sum made
+    # the weights row-major, and on them batch 2's compiled GEMMs ran 0.77x the eager decode.
+    _, model = _pair()
+    inference_layout(model, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    cpu = torch.device("cpu")
+    compile_decode(model, model, [], cpu, rows=GEMV_MAX_ROWS)  # torch.compile is lazy: nothing compiles here
+    assert all(m.weight.is_contiguous() for m in linears)
+    compile_decode(model, model, [], cpu, rows=GEMV_MAX_ROWS + 1)
+    assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
 
 
 _MATMULS = {"aten::mm", "aten::addmm"}

@@ -174,10 +174,10 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
     in place. Elsewhere no graphs to capture: an inference compile (frozen weights), and at most
     GEMV_MAX_ROWS rows the decode's matrix-vector products as fused multiply-sums (gemv_linears).
-    A step traced at several batch sizes (one graph per batch bucket) passes its smallest as `rows`:
-    each graph then picks its own path by its row count at trace time. A step of more rows keeps
-    inference_layout's column-major weights: its compiled GEMMs ran about 5% faster on them than on
-    row-major ones (tiny, batch 4 to 64, 2-core AMD EPYC; -3% to +12% over six runs).
+    A step of more rows gets inference_layout's column-major weights back: on gemv_linears' row-major
+    ones its compiled GEMMs ran 0.77x the eager decode at 2 rows (tiny, 2-core AMD EPYC; about
+    0.95x from 4 to 64 rows). A step traced at several batch sizes (one graph per batch bucket)
+    passes its smallest as `rows`, and each graph picks its path by its row count at trace time.
     """
     if device.type == "cuda":
         for t in cache:
@@ -185,4 +185,6 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
         return compile_model(step, mode="reduce-overhead")  # type: ignore[arg-type,return-value]
     if rows <= GEMV_MAX_ROWS:
         gemv_linears(model)
+    else:  # column-major again after a smaller step's gemv_linears on this model (bench's batch sweep)
+        inference_layout(model, device.type)
     return compile_model(step, inference=True)  # type: ignore[arg-type,return-value]
