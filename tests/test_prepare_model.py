@@ -1,18 +1,23 @@
 """The runtime transforms of prepare_model.py that inference relies on.
 
     pytest -q tests/test_prepare_model.py
+    pytest -q -m slow tests/test_prepare_model.py   # the compiled decode's paths (about 30 s)
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import graph_ops
+from conftest import graph_ops, make_varied_model
 
 from gptopt import checkpoint
 from gptopt.config import preset
+from gptopt.device import resolve
+from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.inference import compile_decode
 from gptopt.model import GPT
 from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
 
@@ -66,16 +71,65 @@ def test_gemv_linears_multiply_and_sum_small_compiled_batches_only() -> None:
     theirs, ours = plain.state_dict(), moved.state_dict()
     assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
     layer, ref = moved.transformer.h[0].mlp.c_fc, plain.transformer.h[0].mlp.c_fc
-    x = torch.randn(1, 1, layer.in_features)
+    x = torch.randn(GEMV_MAX_ROWS, 1, layer.in_features)  # a decode step's rows, one token each
     with torch.no_grad():
         assert torch.equal(layer(x), ref(x))  # eager: F.linear itself
-        ops, out = graph_ops(layer, x)  # one row, compiled: a multiply and a sum, no matmul
+        ops, out = graph_ops(layer, x)  # compiled: a multiply and a sum, no matmul
         assert {"mul", "sum"} <= ops and "linear" not in ops
         torch.testing.assert_close(out, ref(x))
-        many = torch.randn(2, GEMV_MAX_ROWS, layer.in_features)  # more rows than the GEMV path takes
-        ops, out = graph_ops(layer, many)
-        assert "linear" in ops and "sum" not in ops
-        torch.testing.assert_close(out, ref(many))
+        # More rows: the GEMM. From 2 rows the multiply-and-sum lost to it (issue 17: it reads the
+        # whole weight once per row, and at 8 rows made the compiled decode slower than the eager one).
+        for rows in {2, GEMV_MAX_ROWS + 1}:
+            many = torch.randn(rows, 1, layer.in_features)
+            ops, out = graph_ops(layer, many)
+            assert "linear" in ops and "sum" not in ops
+            torch.testing.assert_close(out, ref(many))
+
+
+def test_a_compiled_cpu_decode_of_more_rows_gets_the_gemm_layout_back() -> None:
+    # bench --mode infer sweeps one model through batch 1, 2, 4...: batch 1's multiply-and-sum made
+    # the weights row-major, and on them batch 2's compiled GEMMs ran 0.77x the eager decode.
+    _, model = _pair()
+    inference_layout(model, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    cpu = torch.device("cpu")
+    compile_decode(model, model, [], cpu, rows=GEMV_MAX_ROWS)  # torch.compile is lazy: nothing compiles here
+    assert all(m.weight.is_contiguous() for m in linears)
+    compile_decode(model, model, [], cpu, rows=GEMV_MAX_ROWS + 1)
+    assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+
+
+_MATMULS = {"aten::mm", "aten::addmm"}
+
+
+def _decode_ops(gen: Generator, rows: int) -> set[str]:
+    """The operators one compiled decode step of `rows` rows runs (after the step that compiles it)."""
+    for s in range(rows):
+        gen.prefill(s, [3, 1, 4])
+    gen.decode(list(range(rows)), [1] * rows, [3] * rows)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        gen.decode(list(range(rows)), [5] * rows, [4] * rows)
+    for s in range(rows):
+        gen.free(s)
+    return {e.name for e in prof.events()}
+
+
+@pytest.mark.slow
+def test_compiled_cpu_decode_multiplies_and_sums_one_row_and_runs_gemms_at_8() -> None:
+    """The path each batch size's compiled CPU decode takes, and the tokens it gives at batch 8.
+
+    The multiply-and-sum at one row, the GEMM at 8 (at 4 and 8 rows the multiply-and-sum made the
+    compiled decode slower than the eager one, issue 17)."""
+    cpu = resolve("cpu", quiet=True)
+    model = make_varied_model(512)
+    few = Generator(copy.deepcopy(model), cpu, max_batch_size=GEMV_MAX_ROWS, max_len=32, compile=True)
+    assert not _decode_ops(few, GEMV_MAX_ROWS) & _MATMULS
+    prompts = [[5, 17, 99, 4], [42], [7] * 9, [120, 3, 64], [1, 2], [300, 301, 302], [9] * 3, [511, 0]]
+    greedy = SamplingParams(temperature=0, max_new_tokens=16)
+    eager = generate(Generator(copy.deepcopy(model), cpu, max_batch_size=8, max_len=32), prompts, greedy)
+    eight = Generator(model, cpu, max_batch_size=8, max_len=32, compile=True)
+    assert generate(eight, prompts, greedy) == eager
+    assert _decode_ops(eight, 8) & _MATMULS
 
 
 def test_gemv_linears_leave_quantised_weights_alone() -> None:

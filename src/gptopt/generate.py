@@ -212,7 +212,8 @@ class Generator:
         self.cache = KVCache(cfg, max_batch_size, self.max_len, device=plan.device, dtype=dtype)
         self.lengths = [0] * max_batch_size  # tokens cached per slot: where an idle row of a static decode writes
         self._used: set[int] = set()
-        self._step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        self._keys = torch.empty(self.max_len, device=plan.device)  # _decode_rows' length, as a size
         if compile:  # the last inference transform (inference.py's step 5): it needs this cache
             self._step = compile_decode(self._decode_rows, self.model, self.cache.k + self.cache.v, self.device,
                                         max_batch_size)
@@ -408,9 +409,10 @@ class Generator:
         mask = self.cache.mask(pos, length)
         return self.model(tok, pos=pos, kv_cache=kv, attn_mask=mask, last_only=True)[:, -1].float()
 
-    def _decode_rows(self, tok: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        # The first B cache rows, B = tok's rows: one compiled graph (one CUDA graph) per bucket size.
-        return self._forward(tok, pos, slice(0, tok.shape[0]), self.max_len)
+    def _decode_rows(self, tok: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        # The first B cache rows (B = tok's rows: a bucket) over the first len(keys) positions. `keys` only
+        # carries that length as a size a compiled graph keeps symbolic (a Python int would be a constant).
+        return self._forward(tok, pos, slice(0, tok.shape[0]), keys.shape[0])
 
     @property
     def buckets(self) -> list[int]:
@@ -435,8 +437,12 @@ class Generator:
             tok_all[s], pos_all[s] = t, p
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
+            keys = self._keys  # a CUDA graph per length would be recorded every step: the whole cache
+        else:  # the positions written so far only, as the eager decode (at 64 rows 1.2x its speed with the whole)
+            keys = self._keys[: max(pos_all) + 1]
+            torch._dynamo.maybe_mark_dynamic(keys, 0)
         assert self._step is not None
-        logits = self._step(self._tensor(tok_all).view(-1, 1), self._tensor(pos_all).view(-1, 1))
+        logits = self._step(self._tensor(tok_all).view(-1, 1), self._tensor(pos_all).view(-1, 1), keys)
         if slots == list(range(rows)):
             return logits.clone()  # a copy: CUDA graphs reuse their output buffer next step
         return logits[self._tensor(slots)]

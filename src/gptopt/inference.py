@@ -38,7 +38,7 @@ from gptopt.config import INFER_QUANTIZE
 from gptopt.device import DevicePlan
 from gptopt.extras import require
 from gptopt.model import GPT
-from gptopt.prepare_model import compile_model, gemv_linears, inference_layout
+from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
 from gptopt.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
 from gptopt.tokenizer import TOKENIZER, load_tokenizer
 
@@ -172,11 +172,16 @@ RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_
 
 def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: torch.device, rows: int) -> F:
     """Step 5: `step`, the decode of the first B of `rows` cache rows over `model` and its KV `cache`
-    (B: Generator.buckets), compiled: on CPUs one static graph per B, each one's Linears chosen for its rows.
+    (B: Generator.buckets), compiled: one graph for one row, one for every B of 2 and more.
 
     CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
-    in place. Elsewhere no graphs to capture: an inference compile (frozen weights), and at most
-    GEMV_MAX_ROWS rows the decode's matrix-vector products as fused multiply-sums (gemv_linears).
+    in place, one CUDA graph recorded per bucket. Elsewhere no graphs to capture: an inference compile
+    (frozen weights) whose attention length is symbolic too, and for a step of at most GEMV_MAX_ROWS
+    rows the decode's matrix-vector products as fused multiply-sums (gemv_linears). A step of more
+    rows gets inference_layout's column-major weights back: on gemv_linears' row-major ones its
+    compiled GEMMs ran 0.77x the eager decode at 2 rows (tiny, 2-core AMD EPYC; about 0.95x from 4 to
+    64 rows). The layout is the model's, so a step of several buckets passes its largest as `rows`
+    and runs its 1-row bucket as a GEMM too.
     """
     # One graph per bucket: more than dynamo keeps per function by default once buckets reach 4096 rows
     # (or several generators, as bench --mode infer builds, share the decode's code).
@@ -188,5 +193,10 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
         # The row count symbolic: one inductor compile for every bucket of 2 rows and more (1 is its own),
         # then one CUDA graph recorded per bucket shape, so the warm-up costs two compiles, not one a bucket.
         return compile_model(step, mode="reduce-overhead", dynamic=True)  # type: ignore[arg-type,return-value]
-    gemv_linears(model)
-    return compile_model(step, inference=True, dynamic=False)  # type: ignore[arg-type,return-value]
+    if rows <= GEMV_MAX_ROWS:
+        gemv_linears(model)
+    else:  # column-major again after a smaller step's gemv_linears on this model (bench's batch sweep)
+        inference_layout(model, device.type)
+    # Sizes dynamo sees change become symbolic: the attention's length (marked so) and, from the second
+    # bucket on, the row count, so every bucket of 2 rows and more shares one graph.
+    return compile_model(step, inference=True)  # type: ignore[arg-type,return-value]

@@ -108,9 +108,15 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
             and m.weight.is_floating_point() and m.weight.dim() == 2]
 
 
-# Up to this many rows a compiled CPU Linear is a multiply-and-sum (gemv_linears); from 16 the GEMM
-# wins (tiny, compiled decode, 2 threads: 1,372 against 824 tokens/s at batch 8, 1,530 against 1,639 at 16).
-GEMV_MAX_ROWS = 8
+# Up to this many rows a compiled CPU Linear is a multiply-and-sum (gemv_linears); from 2 rows the
+# GEMM. The sum loops over the rows outermost, so it reads the whole weight once per row (at 8 rows
+# tiny's 8 MB lm_head 8 times a step: 1,302 against 852 us on one thread of a 2-core AMD EPYC, whose
+# large L3 hides most of it; a 2-core Intel Xeon's compiled decode fell to 0.7x the eager one at
+# batch 4 and 8, issue 17). Putting the weight's rows outermost, (out, rows), read it once, but inside
+# the whole decode graph inductor then vectorised over the 2 rows and ran one kernel over the
+# reduction axis: 25 ms a step at batch 2 against 3.5 for the GEMM. Each graph decides at its own
+# trace, so a step compiled per batch bucket takes the multiply-and-sum in its 1-row bucket only.
+GEMV_MAX_ROWS = 1
 
 
 def gemv_linears(model: nn.Module) -> nn.Module:
