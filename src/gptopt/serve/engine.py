@@ -9,8 +9,8 @@ iteration, so it never stalls the running decodes for more than a chunk), run ON
 all running requests together, sample, hand each request's new text to its client, and retire the
 finished ones, so a slot is free again within one iteration. Requests join and leave the batch at
 token granularity: a short request never waits for a long one to finish, and N requests share
-each forward pass. The iteration's events go out together at its end: one wake-up of each
-client event loop per iteration, not one per token.
+each forward pass. The events of a prefill and of a decode step go out together after it: one
+wake-up of each client event loop per forward, not one per token.
 
 Only this thread touches the model; other threads (the HTTP event loop) only submit, cancel and
 read stats, under one lock. Text goes back through a `sink`: for asyncio clients,
@@ -301,6 +301,7 @@ class Engine:
         self._admit()
         if self._prefilling:
             self._prefill()
+            self._deliver()  # the first tokens go out now, not after the decode step
         if self._running:
             self._decode()
         return True
