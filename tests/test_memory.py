@@ -273,3 +273,19 @@ def test_serve_refuses_kv_cache_slots_that_cannot_fit(model_dir: Path, capsys: p
     err = capsys.readouterr().err
     assert f"--max_batch_size {BIG} KV-cache slots of 64 tokens will not fit in memory" in err
     assert "KV cache" in err and "lower --max_batch_size" in err
+
+
+def test_a_servers_default_slots_are_what_fits_in_half_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve without --max_batch_size: the device's cap where memory is plenty, fewer where it is not,
+    and never a cache the start-up check then refuses."""
+    cfg, cpu = preset("gpt2"), torch.device("cpu")
+    per_slot = memory.inference_bytes(cfg, 2, 1024).total - memory.inference_bytes(cfg, 1, 1024).total
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (10**13, "test RAM"))
+    assert memory.auto_slots(cfg, 1024, cpu) == memory.AUTO_SLOTS["cpu"]
+    free = 20 * per_slot
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "test RAM"))
+    slots = memory.auto_slots(cfg, 1024, cpu)
+    assert 5 <= slots < 10  # about half of the 20 slots' worth that is free
+    assert memory.shortfall(memory.inference_bytes(cfg, slots, 1024).without("weights"), cpu) is None
+    monkeypatch.setattr(memory, "available_bytes", lambda device: (1, "test RAM"))
+    assert memory.auto_slots(cfg, 1024, cpu) == 1  # the start-up check then refuses, naming the figures
