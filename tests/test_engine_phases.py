@@ -1,0 +1,45 @@
+"""scripts/engine_phases.py: py-spy stacks into the share of each engine phase.
+
+    pytest -q tests/test_engine_phases.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "engine_phases.py"
+spec = importlib.util.spec_from_file_location("engine_phases", SCRIPT)
+assert spec is not None and spec.loader is not None
+phases = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(phases)
+
+ENGINE = "thread (7): gptopt-engine;Thread.run (threading.py:982);Engine._loop (gptopt/serve/engine.py:268)"
+STACKS = [
+    f"{ENGINE};Engine._iterate (e.py:1);Condition.wait (threading.py:327) 50",
+    f"{ENGINE};Engine._decode (e.py:2);Generator.decode_next (g.py:3);Generator.decode (g.py:4);"
+    "Linear.forward (linear.py:134) 30",
+    f"{ENGINE};Engine._decode (e.py:2);Generator.sample_next (g.py:5);Generator.sample (g.py:6) 5",
+    f"{ENGINE};Engine._decode (e.py:2);Engine._accept (e.py:7);StopChecker.add (g.py:8);"
+    "StopChecker._advance (g.py:9) 10",
+    f"{ENGINE};Engine._iterate (e.py:1);Engine._deliver (e.py:10);deliver (e.py:11) 5",
+    "thread (1): MainThread;run (u.py:1);_sse (gptopt/serve/app.py:640) 4",
+    "not a stack line",
+]
+
+
+def test_each_sample_goes_to_its_innermost_phase_and_idle_is_left_out_of_busy_time() -> None:
+    counts = phases.shares(STACKS)
+    assert counts["gptopt-engine"] == {"idle": 50, "decode forward": 30, "sampling": 5,
+                                       "detokenize and stop strings": 10, "event delivery": 5}
+    assert counts["MainThread"] == {"HTTP and streaming": 4}
+    text = phases.table(counts)
+    assert "gptopt-engine: 100 samples, busy 50.0%" in text
+    assert "decode forward                60.0% of its busy time" in text
+
+
+def test_a_missing_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert phases.main([str(tmp_path / "nope.txt")]) == 2
+    assert "nope.txt: no such file" in capsys.readouterr().err
