@@ -155,6 +155,7 @@ EXPECTED_OPTIONS = {
         "model",
         "model_name",
         "port",
+        "prefill_chunk",
         "quantize",
         "request_timeout",
         "tokenizer",
