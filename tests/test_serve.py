@@ -498,15 +498,20 @@ def engine_run(model: GPT, tokenizer: Any, prompts: list[list[int]], *, slots: i
     reqs = []
 
     def sink(ev: Any) -> None:
-        if ev.finish_reason is not None and all(r.seq is not None and r.seq.finish for r in reqs):
+        if ev.finish_reason is not None and len(reqs) == len(before) + len(prompts) and \
+                all(r.seq is not None and r.seq.finish for r in reqs):
             done.set()
 
     for p in before:  # decoding already: admitted and one decode step run before the others arrive
         reqs.append(engine.submit(p, dataclasses.replace(params, max_new_tokens=10 * max_tokens), sink))
-    engine.start()
-    while before and not any(c.startswith("decode") for c in calls):
-        time.sleep(0.001)
-    reqs += [engine.submit(p, params, sink) for p in prompts]
+    if before:
+        engine.start()
+        while not any(c.startswith("decode") for c in calls):
+            time.sleep(0.001)
+    for p in prompts:  # without `before`, all queued before the engine starts: one burst
+        reqs.append(engine.submit(p, params, sink))
+    if not before:
+        engine.start()
     assert done.wait(60)
     engine.shutdown(timeout=5)
     for r in reqs:

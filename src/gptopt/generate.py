@@ -257,6 +257,8 @@ class Generator:
                    chunk: int | None = None) -> tuple[list[Decoding], torch.Tensor]:
         """Prefill prompts together (prefill_step, `chunk` tokens a forward; default: all at once), each
         in its own slot: their Decodings, and logits (B, V) of each one's last token."""
+        if not prompts:
+            raise ValueError("begin_many needs at least one prompt")
         seqs: list[Decoding] = []
         try:
             for p in prompts:

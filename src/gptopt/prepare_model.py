@@ -114,8 +114,9 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
 # large L3 hides most of it; a 2-core Intel Xeon's compiled decode fell to 0.7x the eager one at
 # batch 4 and 8, issue 17). Putting the weight's rows outermost, (out, rows), read it once, but inside
 # the whole decode graph inductor then vectorised over the 2 rows and ran one kernel over the
-# reduction axis: 25 ms a step at batch 2 against 3.5 for the GEMM. Each graph decides at its own
-# trace, so a step compiled per batch bucket takes the multiply-and-sum in its 1-row bucket only.
+# reduction axis: 25 ms a step at batch 2 against 3.5 for the GEMM. The weights' layout is the
+# model's, so compile_decode applies it to a Generator of one slot only; a larger one's 1-row bucket
+# runs the GEMM on column-major weights.
 GEMV_MAX_ROWS = 1
 
 
