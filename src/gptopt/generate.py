@@ -212,6 +212,8 @@ class Generator:
         self.cache = KVCache(cfg, max_batch_size, self.max_len, device=plan.device, dtype=dtype)
         self.lengths = [0] * max_batch_size  # tokens cached per slot: where an idle row of a static decode writes
         self._used: set[int] = set()
+        # The row counts a compiled decode runs: powers of two below max_batch_size, and max_batch_size.
+        self.buckets = [2**i for i in range(max_batch_size.bit_length()) if 2**i < max_batch_size] + [max_batch_size]
         self._step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._keys = torch.empty(self.max_len, device=plan.device)  # _decode_rows' length, as a size
         if compile:  # the last inference transform (inference.py's step 5): it needs this cache
@@ -374,10 +376,9 @@ class Generator:
         T, pad = max(len(c) for c in chunks), self.max_len - 1
         tokens = [[0] * (T - len(c)) + c for c in chunks]
         positions = [[pad] * (T - len(c)) + list(range(p, p + len(c))) for c, p in zip(chunks, starts, strict=True)]
-        consecutive = slots == list(range(slots[0], slots[0] + B))
-        rows = slice(slots[0], slots[0] + B) if consecutive else self._tensor(slots)
         length = max(p + len(c) for c, p in zip(chunks, starts, strict=True))
-        logits = self._forward(self._tensor(tokens).view(B, T), self._tensor(positions).view(B, T), rows, length)
+        logits = self._forward(self._tensor(tokens).view(B, T), self._tensor(positions).view(B, T), self._rows(slots),
+                               length)
         for s, c, p in zip(slots, chunks, starts, strict=True):
             self._used.add(s)
             self.lengths[s] = p + len(c)
@@ -397,14 +398,17 @@ class Generator:
         if self._step is not None:
             logits = self._decode_static(slots, tokens, positions)
         else:
-            consecutive = slots == list(range(slots[0], slots[0] + B))
-            rows = slice(slots[0], slots[0] + B) if consecutive else self._tensor(slots)
             # Attend over the longest row's positions only, not the whole cache.
-            logits = self._forward(self._tensor(tokens).view(B, 1), self._tensor(positions).view(B, 1), rows,
-                                   max(positions) + 1)
+            logits = self._forward(self._tensor(tokens).view(B, 1), self._tensor(positions).view(B, 1),
+                                   self._rows(slots), max(positions) + 1)
         for s, p in zip(slots, positions, strict=True):
             self.lengths[s] = p + 1
         return logits
+
+    def _rows(self, slots: list[int]) -> torch.Tensor | slice:
+        """The cache rows of these slots: a slice when they are consecutive (views, no gather copy)."""
+        B = len(slots)
+        return slice(slots[0], slots[0] + B) if slots == list(range(slots[0], slots[0] + B)) else self._tensor(slots)
 
     def _forward(self, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | slice, length: int) -> torch.Tensor:
         kv = self.cache.layers(rows, pos, length)
@@ -415,12 +419,6 @@ class Generator:
         # The first B cache rows (B = tok's rows: a bucket) over the first len(keys) positions. `keys` only
         # carries that length as a size a compiled graph keeps symbolic (a Python int would be a constant).
         return self._forward(tok, pos, slice(0, tok.shape[0]), keys.shape[0])
-
-    @property
-    def buckets(self) -> list[int]:
-        """The row counts a compiled decode runs: powers of two below max_batch_size, and max_batch_size."""
-        return [b for b in (2**i for i in range(self.max_batch_size.bit_length())) if b < self.max_batch_size] + \
-            [self.max_batch_size]
 
     def bucket(self, slots: Sequence[int]) -> int:
         """The rows a compiled decode of these slots runs: the smallest bucket that holds the highest slot

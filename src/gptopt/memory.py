@@ -243,14 +243,15 @@ def for_training(config: GPTConfig, train: TrainConfig, seq_len: int, amp_dtype:
     return est.without("weights", "gradients", "AdamW state") if train.cpu_offload else est
 
 
-def largest_batch(estimate_at: Callable[[int], Estimate], device: torch.device, upto: int) -> int:
-    """The largest batch size up to `upto` whose estimate fits what is free (0: not even one); the
-    estimates grow with the batch, so a bisection finds it."""
+def largest_batch(estimate_at: Callable[[int], Estimate], device: torch.device, upto: int, *,
+                  share: float = REFUSE_ABOVE) -> int:
+    """The largest batch size up to `upto` whose estimate fits `share` of what is free (0: not even
+    one); the estimates grow with the batch, so a bisection finds it."""
     free, _ = available_bytes(device)
     lo, hi = 0, upto
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if estimate_at(mid).total <= REFUSE_ABOVE * free else (lo, mid - 1)
+        lo, hi = (mid, hi) if estimate_at(mid).total <= share * free else (lo, mid - 1)
     return lo
 
 
@@ -265,13 +266,8 @@ def auto_slots(config: GPTConfig, max_len: int, device: torch.device, *, dtype: 
     weights are loaded), with their forwards (inference_bytes), up to AUTO_SLOTS for the device; at least 1
     (a model that does not fit even so is refused by `require` with its figures)."""
     cap = AUTO_SLOTS.get(device.type, AUTO_SLOTS["cpu"])
-    free, _ = available_bytes(device)
-    lo, hi = 1, cap
-    while lo < hi:  # the estimate grows with the slots
-        mid = (lo + hi + 1) // 2
-        fits = inference_bytes(config, mid, max_len, dtype=dtype).without("weights").total <= AUTO_SLOTS_SHARE * free
-        lo, hi = (mid, hi) if fits else (lo, mid - 1)
-    return lo
+    return max(1, largest_batch(lambda n: inference_bytes(config, n, max_len, dtype=dtype).without("weights"),
+                                device, cap, share=AUTO_SLOTS_SHARE))
 
 
 def train_fix(train: TrainConfig, seq_len: int, largest: int | None = None) -> str:
