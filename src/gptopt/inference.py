@@ -172,10 +172,10 @@ RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_
 
 def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: torch.device, rows: int) -> F:
     """Step 5: `step`, the decode of the first B of `rows` cache rows over `model` and its KV `cache`
-    (B: Generator.buckets), compiled: one graph for one row, one for every B of 2 and more.
+    (B: Generator.buckets), compiled: on CPUs one graph for one row and one for every B of 2 and more.
 
     CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
-    in place, one CUDA graph recorded per bucket. Elsewhere no graphs to capture: an inference compile
+    in place, one static graph and CUDA graph per bucket. Elsewhere no graphs to capture: an inference compile
     (frozen weights) whose attention length is symbolic too, and for a step of at most GEMV_MAX_ROWS
     rows the decode's matrix-vector products as fused multiply-sums (gemv_linears). A step of more
     rows gets inference_layout's column-major weights back: on gemv_linears' row-major ones its
@@ -190,9 +190,9 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     if device.type == "cuda":
         for t in cache:
             torch._dynamo.mark_static_address(t)
-        # The row count symbolic: one inductor compile for every bucket of 2 rows and more (1 is its own),
-        # then one CUDA graph recorded per bucket shape, so the warm-up costs two compiles, not one a bucket.
-        return compile_model(step, mode="reduce-overhead", dynamic=True)  # type: ignore[arg-type,return-value]
+        # One static graph and CUDA graph per bucket. A symbolic row count (dynamic=True) failed on an H200
+        # with torch 2.11 (inductor's code named an undefined size, "NameError: name 's51' is not defined").
+        return compile_model(step, mode="reduce-overhead", dynamic=False)  # type: ignore[arg-type,return-value]
     if rows <= GEMV_MAX_ROWS:
         gemv_linears(model)
     else:  # column-major again after a smaller step's gemv_linears on this model (bench's batch sweep)
