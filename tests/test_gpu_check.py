@@ -263,8 +263,13 @@ def test_record_adds_a_runs_rows_to_the_results_doc(tmp_path: Path, monkeypatch:
     assert gc.main(["record", str(out), "--doc", str(doc)]) == 0
     after = doc.read_text()
     assert after.startswith(before.split(gc.RECORD_START)[0])  # what was there stays
-    rows = [line for line in after.splitlines() if line.startswith("| 20")]
+    # earlier runs' rows stay; the new run's rows are the ones the doc did not have
+    old_rows = [line for line in before.splitlines() if line.startswith("| 20")]
+    rows = [line for line in after.splitlines() if line.startswith("| 20") and line not in old_rows]
     assert [row.split("|")[3].strip() for row in rows] == ["`first`", "`second`"]
+    assert all(line in after for line in old_rows)
+    # the newest run is listed first, right under the marker
+    assert after.index(rows[0]) < min([after.index(line) for line in old_rows] or [len(after)])
     assert all("ok" in row for row in rows)
     # a dry run ran nothing: there is nothing to record, and the doc is left as it was
     assert gc.main(["dry-run", str(tmp_path / "dry")]) == 0
