@@ -43,6 +43,36 @@ def test_cpu_layout_keeps_values_ties_and_state_dict() -> None:
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
 
 
+def test_cpu_layout_runs_products_of_several_rows_on_a_packed_weight_copies_included() -> None:
+    """A prefill or a batched decode step: oneDNN's linear over the packed weight, the plain model's
+    values; one row keeps F.linear (the BLAS's matrix-vector path on the column-major weight)."""
+    plain, moved = _pair()
+    inference_layout(moved, "cpu")
+    layer, ref = moved.transformer.h[0].mlp.c_fc, plain.transformer.h[0].mlp.c_fc
+    one, many = torch.randn(1, 1, layer.in_features), torch.randn(4, 7, layer.in_features)
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got = layer(many)
+    assert "mkldnn::_linear_pointwise" in {e.name for e in prof.events()}
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got_one = layer(one)
+    assert "mkldnn::_linear_pointwise" not in {e.name for e in prof.events()}
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref(many))
+        torch.testing.assert_close(got_one, ref(one))
+        twin = copy.deepcopy(moved)  # bench and tests copy prepared models: the packed weight is repacked
+        x = torch.randint(0, 512, (3, 16))
+        torch.testing.assert_close(twin(x), plain(x))
+        torch.testing.assert_close(moved(x), plain(x))
+        # cast afterwards (bf16): the packed fp32 copy no longer applies, F.linear runs on the cast weights
+        torch.testing.assert_close(moved.to(torch.bfloat16)(x).float(), plain.to(torch.bfloat16)(x).float())
+
+
+def test_half_precision_weights_are_not_packed() -> None:
+    _, moved = _pair()
+    inference_layout(moved.to(torch.bfloat16), "cpu")
+    assert not any(hasattr(m, "_packed") for m in moved.modules())
+
+
 def test_layout_saves_and_loads_like_any_model(tmp_path: Path) -> None:
     plain, moved = _pair()
     inference_layout(moved, "cpu")
@@ -77,12 +107,13 @@ def test_gemv_linears_multiply_and_sum_small_compiled_batches_only() -> None:
         ops, out = graph_ops(layer, x)  # compiled: a multiply and a sum, no matmul
         assert {"mul", "sum"} <= ops and "linear" not in ops
         torch.testing.assert_close(out, ref(x))
-        # More rows: the GEMM. From 2 rows the multiply-and-sum lost to it (issue 17: it reads the
-        # whole weight once per row, and at 8 rows made the compiled decode slower than the eager one).
+        # More rows: the GEMM (oneDNN's, on inference_layout's packed weight). From 2 rows the
+        # multiply-and-sum lost to it (issue 17: it reads the whole weight once per row, and at 8 rows
+        # made the compiled decode slower than the eager one).
         for rows in {2, GEMV_MAX_ROWS + 1}:
             many = torch.randn(rows, 1, layer.in_features)
             ops, out = graph_ops(layer, many)
-            assert "linear" in ops and "sum" not in ops
+            assert "packed_linear.default" in ops and "sum" not in ops
             torch.testing.assert_close(out, ref(many))
 
 
@@ -99,7 +130,7 @@ def test_a_compiled_cpu_decode_of_more_rows_gets_the_gemm_layout_back() -> None:
     assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
 
 
-_MATMULS = {"aten::mm", "aten::addmm"}
+_MATMULS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}  # the BLAS, or the packed product
 
 
 def _decode_ops(gen: Generator, rows: int) -> set[str]:

@@ -84,21 +84,30 @@ def prepare(
 
 
 def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
-    """Store each Linear's weight (out, in) column-major on CPUs, in place: same values, same state dict.
+    """CPU inference: each fp32 Linear's weight stored column-major, in place, plus a oneDNN-packed
+    copy for products of several rows. Same values, same parameters and state dict.
 
-    F.linear multiplies by weight.T; with this layout that operand is contiguous, and the CPU BLAS's
-    small-batch matrix-vector path runs much faster on it (tiny, batch-1 decode: 274 against 206
-    tokens/s of CPU time per thread; the 8192 x 256 lm_head alone 233 against 659 us). GPUs' GEMMs
-    take either layout at full speed, so they are left alone. Inference only: the weights must not
-    train afterwards (the optimizer would see a strided layout). Quantised weights (tensor
-    subclasses, packed modules) are left as they are.
+    One row (a batch-1 decode step): F.linear multiplies by weight.T; with this layout that operand
+    is contiguous, and the CPU BLAS's matrix-vector path runs much faster on it (tiny, batch-1
+    decode: 274 against 206 tokens/s of CPU time per thread; the 8192 x 256 lm_head alone 233
+    against 659 us). Several rows (a batched decode step, a prefill): oneDNN's linear over a weight
+    reordered once into its blocked layout (packed_linear), where the BLAS GEMM repacks it every
+    call: at 16 rows of tiny 1.3-2x faster per Linear, and tiny's compiled 16-row decode step 1.2-1.6x
+    (2-core AMD EPYC). The packed copy costs the Linear weights' memory once more.
+
+    GPUs' GEMMs take either layout at full speed, so they are left alone. Inference only: the weights
+    must not change or train afterwards (the packed copy would not follow, and the optimizer would see
+    a strided layout). Quantised and half-precision weights are left as they are.
     """
     if device_type != "cpu":
         return model
     with torch.no_grad():
         for module in _float_linears(model):
             w = module.weight
-            w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
+            if not w.t().is_contiguous():
+                w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
+            if not hasattr(module, "_packed"):  # once: a layout change keeps the values the copy holds
+                _pack(module)
     return model
 
 
@@ -127,24 +136,67 @@ def gemv_linears(model: nn.Module) -> nn.Module:
     Inductor fuses that into one vectorised, multi-threaded pass over the weight with the bias in its
     epilogue, where the BLAS's matrix-vector path reads the weight at a fraction of this CPU's memory
     bandwidth and leaves the second thread idle (tiny, batch-1 compiled decode, 2 threads: 563
-    against 327 tokens/s). Eager calls and larger batches keep F.linear. The weights go back to
-    row-major (the sum runs along memory; inference_layout's column-major order made it 3x slower),
-    so the eager prefill runs its GEMMs on that layout. Inference only, like inference_layout;
-    quantised weights are left as they are. The model's type, parameters and state dict are unchanged.
+    against 327 tokens/s). Eager calls and larger batches keep F.linear (or inference_layout's packed
+    product). The weights go back to row-major (the sum runs along memory; inference_layout's
+    column-major order made it 3x slower). Inference only, like inference_layout; quantised weights
+    are left as they are. The model's type, parameters and state dict are unchanged.
     """
     with torch.no_grad():
         for module in _float_linears(model):
             w = module.weight
             w.data = w.data.contiguous()  # a no-op if already row-major; a tied Parameter stays one
-            module.forward = types.MethodType(_gemv_forward, module)
+            module._gemv = True
+            module.forward = types.MethodType(_inference_forward, module)
     return model
 
 
-def _gemv_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if torch.compiler.is_compiling() and x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:
-        y = (x.unsqueeze(-2) * self.weight).sum(-1)
-        return y if self.bias is None else y + self.bias
-    return F.linear(x, self.weight, self.bias)
+@torch.library.custom_op("gptopt::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x @ W.T + bias, W given as torch.ops.mkldnn._reorder_linear_weight(W) (oneDNN's blocked layout).
+
+    An operator of gptopt's own so that torch.compile calls it as one opaque kernel: inductor has no
+    lowering of the oneDNN linear for a packed weight that is a graph input (it packs only weights it
+    froze itself, and fp32 ones through the BLAS)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+class _Packed:
+    """A Linear's oneDNN-packed weight. Held in this box so that copy.deepcopy of a model (bench,
+    tests) repacks it: the packed tensor itself has no storage to copy."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _Packed:
+        return _Packed(torch.ops.mkldnn._reorder_linear_weight(self.weight.to_dense()))
+
+
+def _pack(module: nn.Linear) -> None:
+    if module.weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        return  # half precision keeps the BLAS (oneDNN's bf16 path depends on the CPU's bf16 support)
+    module._packed = _Packed(torch.ops.mkldnn._reorder_linear_weight(module.weight.detach().contiguous()))
+    module.forward = types.MethodType(_inference_forward, module)
+
+
+def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:  # one row: a matrix-vector product
+        if getattr(self, "_gemv", False) and torch.compiler.is_compiling():
+            y = (x.unsqueeze(-2) * self.weight).sum(-1)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+    packed = getattr(self, "_packed", None)
+    if packed is None or x.dtype != torch.float32 or x.device.type != "cpu":  # a model cast or moved since
+        return F.linear(x, self.weight, self.bias)
+    if torch.compiler.is_compiling():
+        return packed_linear(x, packed.weight, self.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed.weight, self.bias, "none", [], "")  # no custom-op dispatch
 
 
 def graph_break_reason(exc: BaseException) -> str | None:
