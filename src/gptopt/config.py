@@ -289,15 +289,21 @@ class TrainConfig:
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step (global batch = this x batch x ranks)",
                                            ge=1, le=MAX_BATCH)
     auto_batch_size: bool = opt(False, "find the largest micro-batch that fits and raise accumulation to keep the global batch")
+    align_documents: bool = opt(False, "start every training window at a document's start (an end-of-text "
+                                "boundary) instead of anywhere")
     max_steps: int = opt(600, "optimizer steps to run", ge=1, le=MAX_STEPS)
     max_tokens: int | None = opt(None, "stop after this many training tokens (all ranks together)", ge=1, le=MAX_TOKENS)
     time_budget: str | None = opt(None, "stop (and save) after this wall time, e.g. 10m, 2h")
+    target_loss: float | None = opt(None, "stop (and save) once the val loss is at or below this; run.json reports "
+                                    "the time, tokens and steps it took", gt=0.0)
     # optimizer
     # AdamW above 1 only diverges; the bound catches a misplaced exponent (1e3 for 1e-3)
     learning_rate: float = opt(1e-3, "peak learning rate", gt=0.0, le=1.0)
     min_lr: float | None = opt(None, "final learning rate of the cosine decay, <= learning_rate; "
                                "default: learning_rate / 10", ge=0.0, le=1.0)
     warmup_steps: int = opt(100, "linear warmup steps", ge=0, le=MAX_STEPS)
+    lr_decay_steps: int | None = opt(None, "the step where the cosine decay reaches min_lr (flat after it); "
+                                     "default: max_steps", ge=1, le=MAX_STEPS)
     weight_decay: float = opt(0.1, "AdamW weight decay on matrices (not biases or LayerNorm)", ge=0.0)
     beta1: float = opt(0.9, "AdamW beta1", ge=0.0, lt=1.0)  # torch.optim.AdamW's own range
     beta2: float = opt(0.95, "AdamW beta2", ge=0.0, lt=1.0)
@@ -328,7 +334,9 @@ class TrainConfig:
     cpu_offload: bool = opt(False, "with --fsdp: keep parameters, gradients and optimizer state in host memory")
     # evaluation, logging, checkpoints
     # An interval of 0 turns the periodic action off (what is always done at step 1 or at the end stays).
-    eval_interval: int = opt(250, "evaluate (val loss, perplexity, a sample) every N steps; 0: never", ge=0, le=MAX_STEPS)
+    eval_interval: int | None = opt(None, "evaluate (val loss, perplexity, a sample) every N steps; 0: never; "
+                                    "default: 250, or with --target_loss max_steps / 100 (10 to 100)", ge=0,
+                                    le=MAX_STEPS)
     eval_iters: int = opt(20, "val batches per evaluation (--eval_interval 0 turns evaluation off)", ge=1, le=100_000,
                           hint="--eval_interval 0 turns evaluation off")
     sample_tokens: int = opt(48, "tokens of generated sample shown at each evaluation; 0: no sample",
@@ -360,10 +368,25 @@ class TrainConfig:
             parse_duration(self.time_budget)
         if self.min_lr is None:
             self.min_lr = self.learning_rate / 10
+        if self.target_loss is not None and self.eval_interval == 0:
+            raise ValueError("--target_loss needs evaluations to notice the target: drop --eval_interval 0 "
+                             "(the default evaluates about 100 times over max_steps)")
 
     @property
     def time_budget_s(self) -> float | None:
         return None if self.time_budget is None else parse_duration(self.time_budget)
+
+    @property
+    def eval_every(self) -> int:
+        """--eval_interval, or its default: 250 steps; with a target often enough that a run stops within
+        about 1% of max_steps after reaching it."""
+        if self.eval_interval is not None:
+            return self.eval_interval
+        return 250 if self.target_loss is None else max(10, min(100, self.max_steps // 100))
+
+    @property
+    def decay_steps(self) -> int:
+        return self.max_steps if self.lr_decay_steps is None else self.lr_decay_steps
 
 
 @dataclass(kw_only=True)
@@ -377,12 +400,21 @@ class BenchConfig:
                      ge=10, le=100_000)
     # >= 1: the first step compiles and warms caches
     warmup: int = opt(3, "untimed steps per rung before timing (compile happens in the first)", ge=1, le=100_000)
-    mode: str = opt("train", "train: the training ladder; infer: the generation ladder", choices=("train", "infer"))
+    mode: str = opt("train", "train: the training ladder; infer: the generation ladder; quality: the recipe ladder "
+                    "(minutes of training to a target val loss)", choices=("train", "infer", "quality"))
     rungs: str = opt("default", "comma-separated rungs, 'default' or 'all'; `--rungs list` prints them")
     batch_sizes: str | None = opt(None, "--mode infer: the batch sizes of the decode sweep, comma-separated (e.g. "
                                   "1,16,64; each compiled rung compiles once per size; batch 1 is always measured: "
                                   "the decode, TTFT and bandwidth figures are its); default: 1, 2, 4, ... up to "
                                   "--batch_size")
+    target_loss: float | None = opt(None, "--mode quality: the val loss every run trains to; default: the "
+                                    "preset's embedded target (tiny: 5.0)", gt=0.0)
+    seeds: int = opt(3, "--mode quality: runs of each recipe, seeds --seed, --seed + 1, ...", ge=1, le=100)
+    recipes: str = opt("default", "--mode quality: comma-separated recipes of adamw, muon, aligned, schedule, best "
+                       "('default': all of them); adamw is always run")
+    max_steps: int | None = opt(None, "--mode quality: the most steps of a run (and its cosine horizon); a run that "
+                                "has not reached the target by then counts as not reaching it (default: 1500)",
+                                ge=1, le=MAX_STEPS)
     loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails",
                                 gt=0.0, lt=1.0)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
@@ -402,6 +434,9 @@ class BenchConfig:
             if self.batch_size is not None:
                 raise ValueError("give --batch_sizes (the sweep's sizes) or --batch_size (its largest), not both")
             self.sweep()  # refused here, before any work, if malformed
+        if self.mode != "quality" and (self.target_loss is not None or self.max_steps is not None
+                                       or self.recipes != "default"):
+            raise ValueError("--target_loss, --max_steps and --recipes belong to the recipe ladder: add --mode quality")
 
     def sweep(self) -> list[int] | None:
         """--batch_sizes as sorted distinct integers, or None (the doubling sweep)."""

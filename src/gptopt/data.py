@@ -245,10 +245,14 @@ class BatchDataset(torch.utils.data.Dataset):
     from B random windows of T + 1 tokens. The windows are a pure function of (seed, step), so a resumed
     run at step s sees exactly the batches it would have. Under DDP the step's global batch has
     world_size * B windows and rank r takes rows r*B .. (r+1)*B: N ranks at micro-batch B train on
-    exactly what one process at micro-batch N*B would."""
+    exactly what one process at micro-batch N*B would.
+
+    align: each window starts at a document's start, its first token the end-of-text token that ends
+    the document before (or the split's first token), drawn at random among those starts; attention
+    stays causal over the window, which runs on into the next documents."""
 
     def __init__(self, data: TokenData, split: str, batch_size: int, seq_len: int, seed: int,
-                 rank: int = 0, world_size: int = 1) -> None:
+                 rank: int = 0, world_size: int = 1, *, align: bool = False) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
         if seed < 0:
@@ -259,6 +263,28 @@ class BatchDataset(torch.utils.data.Dataset):
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.rank, self.world_size = rank, world_size
         self._check(split)
+        self.align = align
+        self._starts: np.ndarray | None = self.document_starts() if align else None
+
+    def document_starts(self) -> np.ndarray:
+        """The positions where a window of this split may start under align: 0 and every end-of-text
+        token that leaves room for a whole window after it."""
+        eot = self.data.eot_id
+        if eot is None:
+            raise ValueError(f"--align_documents needs documents that end in an end-of-text token; the data in "
+                             f"{self.data.directory} records none (nanoGPT shards): prepare it with `gptopt prepare`")
+        tokens = self.data.tokens(self.split)
+        last = len(tokens) - self.seq_len - 1  # the last start that still has T + 1 tokens
+        ends = np.flatnonzero(np.asarray(tokens[: last + 1]) == eot)
+        starts = np.unique(np.concatenate([[0], ends])).astype(np.int64)
+        if len(starts) < 2:
+            raise ValueError(f"--align_documents: the {self.split} split of {self.data.directory} has no end-of-text "
+                             f"token {self.seq_len + 1} or more tokens before its end, so every window would start at "
+                             "0: drop --align_documents or use a shorter --seq_len")
+        return starts
+
+    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers find the starts again rather than unpickle them
+        return {**self.__dict__, "_starts": None}
 
     def _check(self, split: str) -> int:
         n = self.data.num_tokens(split)
@@ -284,7 +310,12 @@ class BatchDataset(torch.utils.data.Dataset):
         tokens = self.data.tokens(self.split)
         # A fresh generator per item: no state carried from one step to the next, in any worker.
         rng = np.random.default_rng([self.seed, step])
-        starts = rng.integers(0, len(tokens) - self.seq_len, size=self.batch_size * self.world_size)
+        if self.align:
+            if self._starts is None:
+                self._starts = self.document_starts()
+            starts = self._starts[rng.integers(0, len(self._starts), size=self.batch_size * self.world_size)]
+        else:
+            starts = rng.integers(0, len(tokens) - self.seq_len, size=self.batch_size * self.world_size)
         return self._windows(tokens, starts[self.rank * self.batch_size : (self.rank + 1) * self.batch_size])
 
     def eval_batches(self, split: str | int, n: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:

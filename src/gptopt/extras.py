@@ -14,6 +14,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "huggingface_hub"),
     "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx"),
     "plot": ("matplotlib",),
+    "stats": ("scipy",),
     "gpu": ("pynvml",),
     "quant": ("torchao",),
     "data": ("datasets",),

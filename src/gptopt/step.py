@@ -91,7 +91,7 @@ class TrainStep:
 
     def lr(self, step: int) -> float:
         cfg = self.cfg
-        return lr_at(step, cfg.learning_rate, cfg.min_lr, cfg.warmup_steps, cfg.max_steps)
+        return lr_at(step, cfg.learning_rate, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps)
 
     def __call__(self, step: int, next_batch: NextBatch) -> StepResult:
         """Train on one global batch at optimizer step `step` (0-based: it sets that step's learning rate)."""

@@ -185,6 +185,12 @@ class Progress:
     compile_s: float | None = None  # the first step pays compile / warm-up: kept out of the speed figures
     times: list[float] = dataclasses.field(default_factory=list)  # the later steps' wall times
     waits: list[float] = dataclasses.field(default_factory=list)  # the share of each spent waiting for data
+    # Over the whole run, resumed parts included (checkpoints carry them): the steps' wall time (evals and
+    # saves left out), the part of it each process's first step took, and the best val loss so far.
+    train_s: float = 0.0
+    first_steps_s: float = 0.0
+    best_val: float | None = None
+    target: dict[str, Any] | None = None  # --target_loss: the step it was reached at, and what it took
 
 
 class DeviceBatches:
@@ -343,7 +349,8 @@ class Trainer:
         self.train_step = TrainStep(self.prep.model, self.raw, plan, cfg, info)
         progress = self._restore(Progress(last_good=self.resume_dir))
         loader_opts = self._loader_options()
-        ds = data.BatchDataset(self.data, "train", cfg.batch_size, self.seq_len, cfg.seed, info.rank, info.world_size)
+        ds = data.BatchDataset(self.data, "train", cfg.batch_size, self.seq_len, cfg.seed, info.rank, info.world_size,
+                               align=cfg.align_documents)
         start_micro = progress.step * cfg.gradient_accumulation_steps
         self.batches = DeviceBatches(iter(data.make_loader(ds, start_micro, **loader_opts)), plan.device)
         self.peak, peak_source = self._peak()
@@ -373,6 +380,9 @@ class Trainer:
             scaler.load_state_dict(self.state["scaler"])
         set_rng_state(self.state["rng"])
         progress.step, progress.tokens_seen = self.state["step"], self.state["tokens_seen"]
+        progress.train_s = self.state.get("train_s", 0.0)  # absent from checkpoints of older versions
+        progress.first_steps_s = self.state.get("first_steps_s", 0.0)
+        progress.best_val = self.state.get("best_val_loss")
         if self.info.is_main:
             log.info(f"resumed from {self.resume_dir} at step {progress.step} ({progress.tokens_seen:,} tokens)")
         return progress
@@ -455,15 +465,25 @@ class Trainer:
             while not self._reached_the_end(progress):
                 self._train_one(progress, bar)
                 last_step = self._reached_the_end(progress)
-                if cfg.eval_interval and (progress.step % cfg.eval_interval == 0 or last_step):
-                    self._evaluate(progress.step)
+                every = cfg.eval_every
+                evaluated = bool(every) and (progress.step % every == 0 or last_step)
+                if evaluated:
+                    self._record_eval(progress, self._evaluate(progress.step, progress.train_s))
                 stop = self._stop_requested(stop_signal)
-                if stop or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0):
+                if stop and every and not evaluated and not stop_signal:  # the time budget: its model's val loss
+                    self._record_eval(progress, self._evaluate(progress.step, progress.train_s))
+                reached = progress.target is not None
+                if stop or reached or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0):
                     # A checkpoint taken because of Ctrl-C / SIGTERM does not retire an old run that --overwrite
                     # set aside: stopping a mistaken --overwrite must give the old run back (run() does).
                     progress.last_good = self._save(progress, retire_old=not stop_signal)
                 if stop:
                     exit_code = self._stopped_early(progress, stop_signal)
+                    break
+                if reached:
+                    if main:
+                        log.info(f"target val loss {cfg.target_loss} reached at step {progress.step}: saved "
+                                 f"{progress.last_good}")
                     break
         except Exception as e:
             if is_oom(e):
@@ -492,8 +512,10 @@ class Trainer:
                         f"step skipped ({progress.bad_steps}/{cfg.max_bad_steps})")
         progress.step += 1
         progress.tokens_seen += self.tokens_per_step
+        progress.train_s += dt
         if progress.compile_s is None:
             progress.compile_s = dt
+            progress.first_steps_s += dt
         else:
             progress.times.append(dt)
             progress.waits.append(self.batches.wait / dt)
@@ -567,8 +589,34 @@ class Trainer:
 
     # -- eval, save, report --------------------------------------------------------------------
 
+    def _record_eval(self, progress: Progress, val: float) -> None:
+        """The best val loss so far, and --target_loss reached: what it took (step time summed, evals and
+        saves left out; with and without each process's first step, which compiles)."""
+        progress.best_val = val if progress.best_val is None else min(progress.best_val, val)
+        target = self.cfg.target_loss
+        if target is None or val > target or progress.target is not None:
+            return
+        progress.target = {
+            "loss": target, "reached": True, "val_loss": val, "time_to_target_s": progress.train_s,
+            "time_to_target_excl_compile_s": progress.train_s - progress.first_steps_s,
+            "tokens_to_target": progress.tokens_seen, "steps_to_target": progress.step,
+            "best_val_loss": progress.best_val,
+        }
+        if self.metrics is not None:
+            self.metrics.write({"step": progress.step, "target": progress.target})
+
+    def _target_report(self, progress: Progress) -> dict[str, Any] | None:
+        if self.cfg.target_loss is None:
+            return None
+        return progress.target or {
+            "loss": self.cfg.target_loss, "reached": False, "time_to_target_s": None,
+            "time_to_target_excl_compile_s": None, "tokens_to_target": None, "steps_to_target": None,
+            "best_val_loss": progress.best_val}
+
     @torch.no_grad()
-    def _evaluate(self, step: int) -> None:
+    def _evaluate(self, step: int, train_s: float) -> float:
+        """The val loss, logged with train_s: the training steps' wall time so far (bench --mode quality's
+        curves of val loss against training time)."""
         cfg, plan, info = self.cfg, self.plan, self.info
         self.raw.eval()
         ds = data.BatchDataset(self.data, "val", cfg.batch_size, self.seq_len, cfg.seed, info.rank, info.world_size)
@@ -585,7 +633,8 @@ class Trainer:
             assert self.metrics is not None
             ppl = math.exp(min(val, 50.0))
             tqdm.write(f"step {step}: val loss {val:.4f}, perplexity {ppl:.2f}" + (f"\n  sample: {text!r}" if text else ""))
-            self.metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "sample": text})
+            self.metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "sample": text, "train_s": train_s})
+        return val
 
     def _save(self, progress: Progress, *, retire_old: bool = True) -> Path | None:
         optimizer, scaler = self.train_step.optimizer, self.train_step.scaler
@@ -595,7 +644,8 @@ class Trainer:
             train_state = {
                 "step": progress.step, "tokens_seen": progress.tokens_seen, "bad_steps": progress.bad_steps,
                 "optimizer": optim_state, "scaler": scaler.state_dict() if scaler is not None else None,
-                "rng": rng_state(), "world_size": self.info.world_size,
+                "rng": rng_state(), "world_size": self.info.world_size, "train_s": progress.train_s,
+                "first_steps_s": progress.first_steps_s, "best_val_loss": progress.best_val,
             }
             # The tokenizer travels in the checkpoint (generate and serve prefer that copy); the recorded
             # path is absolute, so even an older reader finds it from any working directory.
@@ -623,27 +673,39 @@ class Trainer:
         (self.out / "run.json").write_text(json.dumps(info, indent=2, default=str))
 
     def _summary(self, progress: Progress) -> None:
-        """The closing line, and the same figures as run.json's "summary" for scripts (scripts/gpu_check.py)."""
-        if not progress.times:
+        """The closing lines, and the same figures as run.json's "summary" (and "target") for scripts
+        (scripts/gpu_check.py, bench --mode quality)."""
+        summary: dict[str, Any] = {"step": progress.step, "best_val_loss": progress.best_val}
+        if progress.times:
+            # measured again: the summary's MFU is against the faster of the start and the end
+            peak, peak_source = self._peak(remeasure=True)
+            med = statistics.median(progress.times)
+            tps = self.tokens_per_step / med
+            wait, run_mfu = statistics.mean(progress.waits), mfu(tps, self.fpt, peak)
+            log.info(
+                f"done: step {progress.step}; first step (compile/warm-up) {progress.compile_s:.1f}s; median step "
+                f"{med * 1e3:.1f} ms, {tps:,.0f} tokens/s, MFU {run_mfu:.1%} of {peak_source}; "
+                f"data wait {wait:.1%} of step time"
+            )
+            summary.update({"first_step_s": progress.compile_s, "median_step_s": med, "tokens_per_s": tps,
+                            "mfu": run_mfu, "peak_flops": peak, "peak_source": peak_source, "data_wait": wait,
+                            "peak_memory_bytes": peak_memory_bytes(self.plan)})
+        else:
             log.info(f"stopped at step {progress.step}")
-            return
-        # measured again: the summary's MFU is against the faster of the start and the end
-        peak, peak_source = self._peak(remeasure=True)
-        med = statistics.median(progress.times)
-        tps = self.tokens_per_step / med
-        wait, run_mfu = statistics.mean(progress.waits), mfu(tps, self.fpt, peak)
-        log.info(
-            f"done: step {progress.step}; first step (compile/warm-up) {progress.compile_s:.1f}s; median step "
-            f"{med * 1e3:.1f} ms, {tps:,.0f} tokens/s, MFU {run_mfu:.1%} of {peak_source}; "
-            f"data wait {wait:.1%} of step time"
-        )
+        target = self._target_report(progress)
+        if target is not None:
+            if target["reached"]:
+                log.info(f"target val loss {target['loss']}: reached at step {target['steps_to_target']} "
+                         f"({target['tokens_to_target']:,} tokens) after {target['time_to_target_s']:.1f} s of "
+                         f"training, {target['time_to_target_excl_compile_s']:.1f} s without the first step "
+                         f"(compile); val loss {target['val_loss']:.4f}")
+            else:
+                best = "none measured" if progress.best_val is None else f"{progress.best_val:.4f}"
+                log.info(f"target val loss {target['loss']}: not reached in {progress.step} steps; best val loss {best}")
         if self.run_info is not None:
-            summary = {"step": progress.step, "first_step_s": progress.compile_s, "median_step_s": med,
-                       "tokens_per_s": tps, "mfu": run_mfu, "peak_flops": peak,
-                       "peak_source": peak_source, "data_wait": wait,
-                       "peak_memory_bytes": peak_memory_bytes(self.plan)}
+            extra = {"summary": summary, **({"target": target} if target is not None else {})}
             fsutil.write_text_atomic(self.out / "run.json",
-                                     json.dumps({**self.run_info, "summary": summary}, indent=2, default=str))
+                                     json.dumps({**self.run_info, **extra}, indent=2, default=str))
 
     @staticmethod
     def _install_signals(flag: list[int]) -> dict[int, Any]:

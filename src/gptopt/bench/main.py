@@ -1,7 +1,9 @@
-"""`gptopt bench`: the training ladder (ladder.py) or, with --mode infer, the inference ladder (infer.py).
+"""`gptopt bench`: the training ladder (ladder.py); with --mode infer the inference ladder (infer.py);
+with --mode quality the recipe ladder, minutes to a target val loss (quality.py).
 
     gptopt bench --rungs list
     gptopt bench --mode infer
+    gptopt bench --mode quality --seeds 3
     gptopt bench --overwrite       # again into bench_out: the old report stays until the new one is written
 """
 
@@ -22,6 +24,10 @@ def main(cfg: BenchConfig) -> int:
         from gptopt.bench.infer import main as infer_main
 
         return infer_main(cfg)
+    if cfg.mode == "quality":
+        from gptopt.bench.quality import main as quality_main
+
+        return quality_main(cfg)
     from gptopt.bench.ladder import main as ladder_main
 
     return ladder_main(cfg)

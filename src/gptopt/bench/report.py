@@ -27,13 +27,15 @@ CSV_FIELDS = ["name", "status", "batch_size", "tokens_per_s", "step_time_s", "st
 # replaces only its own, so bench_out holds both ladders' reports side by side.
 TRAIN_FILES = ("results.json", "results.csv", "best.toml", "report.md", "throughput.png", "memory.png", "step_times.png")
 INFER_FILES = ("infer_results.json", "infer_results.csv", "infer_report.md", "infer_batch_sweep.png")
+QUALITY_FILES = ("quality_results.json", "quality_report.md", "quality.png", "quality_best.toml")
 KIND = "bench"  # the fsutil mark of a folder bench wrote into
 
 
 def check_output_dir(out: Path, mode: str, overwrite: bool) -> None:
     """Refused before any work: an --output_dir that is a file or cannot be written, one holding this mode's
     report of an earlier run without --overwrite, and with it one gptopt did not mark as a bench output."""
-    check_output(out, kind=KIND, overwrite=overwrite, ours=INFER_FILES if mode == "infer" else TRAIN_FILES)
+    ours = {"infer": INFER_FILES, "quality": QUALITY_FILES}.get(mode, TRAIN_FILES)
+    check_output(out, kind=KIND, overwrite=overwrite, ours=ours)
 
 
 COLUMNS = [("rung", "name", "str"), ("tokens/s", "tokens_per_s", "int"), ("step ms (p10-p90)", None, "range"),

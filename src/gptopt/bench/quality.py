@@ -1,0 +1,396 @@
+"""The recipe ladder: minutes of training to a target val loss, each recipe from the same weights on the
+same data, over several seeds, with a significance stated.
+
+    gptopt bench --mode quality                                  # tiny on the stdlib corpus, its default target
+    gptopt bench --mode quality --target_loss 4.5 --seeds 5 --recipes adamw,muon,best
+
+Every run is `gptopt train --target_loss L` in a process of its own (what a user runs), with the step
+settings of the training ladder's best.toml when --output_dir holds one, else train's defaults. Seed s
+gives every recipe the same initial weights and the same batches (train draws both from --seed), so a
+recipe's difference is its own. A run's time to target is the wall time of its training steps (evals
+and saves left out) up to the evaluation that found the val loss at or below the target; runs are
+interleaved seed by seed so that a slow spell of the machine falls on every recipe alike.
+
+Recipes, each one change to AdamW (train's default):
+  adamw     train's defaults
+  muon      --optimizer muon (Muon on the blocks' weight matrices, AdamW on the rest)
+  aligned   --align_documents (windows start at document boundaries)
+  schedule  the learning-rate schedule tuned for the target: the cosine decay ends where AdamW's runs
+            reached the target (median steps), with a warmup of 5% of that
+  best      every change above whose mean time beat AdamW's, together (the decay ending where the
+            fastest of them reached the target); AdamW again if none did
+
+The report: minutes and tokens to target per recipe (mean and spread), Welch's t-test of the best
+recipe against AdamW, val loss against training time for every run (quality.png),
+quality_report.md, quality_results.json, and quality_best.toml for `gptopt train --config`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from gptopt.bench.report import KIND, QUALITY_FILES
+from gptopt.config import BenchConfig
+from gptopt.device import cpu_has_fast_bf16, environment, resolve
+from gptopt.extras import has, require
+from gptopt.fsutil import replacing
+from gptopt.tables import text_table, to_json, toml_text
+
+log = logging.getLogger("gptopt")
+
+BASELINE = "adamw"
+DEFAULT_RECIPES = ("adamw", "muon", "aligned", "schedule", "best")
+CHANGES: dict[str, tuple[str, dict[str, Any]]] = {  # the fixed recipes: what each changes, as train options
+    "adamw": ("train's defaults: AdamW, warmup 100 steps, cosine decay over max_steps", {}),
+    "muon": ("--optimizer muon: Muon on the blocks' weight matrices, AdamW on the rest", {"optimizer": "muon"}),
+    "aligned": ("--align_documents: every window starts at a document boundary", {"align_documents": True}),
+}
+DERIVED = {
+    "schedule": "the cosine decay ends at the median step where AdamW reached the target; warmup 5% of that",
+    "best": "every change that beat AdamW's mean time, together",
+}
+# The embedded default (tiny on the stdlib corpus, train's defaults): the val loss the AdamW baseline reaches
+# in about two minutes of training on a 2-core CPU, and the step cap beyond which a run counts as not reaching it.
+DEFAULT_TARGET = {"tiny": 5.0}
+DEFAULT_MAX_STEPS = 1500
+EVAL_INTERVAL = 20  # steps between evaluations: the time to target is known to within that many steps
+EVAL_ITERS = 8  # val batches per evaluation: the same windows every time (train's eval_batches)
+SIGNIFICANCE = 0.05
+
+
+@dataclass
+class Run:
+    recipe: str
+    seed: int
+    flags: dict[str, Any]
+    out: Path
+    reached: bool = False
+    time_s: float | None = None  # training time to target (steps only), first step included
+    time_excl_compile_s: float | None = None
+    tokens: int | None = None
+    steps: int | None = None
+    best_val_loss: float | None = None
+    curve: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, val loss) per evaluation
+    error: str | None = None
+
+
+def recipes(spec: str) -> list[str]:
+    names = list(DEFAULT_RECIPES) if spec.strip() in ("default", "all") else \
+        [p.strip() for p in spec.split(",") if p.strip()]
+    known = [*CHANGES, *DERIVED]
+    bad = [n for n in names if n not in known]
+    if bad:
+        raise ValueError(f"--recipes: unknown {', '.join(bad)}; choose from {', '.join(known)}")
+    if BASELINE not in names:
+        names.insert(0, BASELINE)  # every figure is against it
+    return [n for n in known if n in names]  # derived recipes after what they derive from
+
+
+def train_argv(cfg: BenchConfig, run: Run, target: float, max_steps: int, best_toml: Path | None) -> list[str]:
+    argv = [sys.executable, "-m", "gptopt", "train"]
+    if best_toml is not None:
+        argv += ["--config", str(best_toml)]
+    opts: dict[str, Any] = {
+        "data_dir": cfg.data_dir, "output_dir": str(run.out), "seed": run.seed, "target_loss": target,
+        "max_steps": max_steps, "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS, "sample_tokens": 0,
+        "save_interval": 0, "save_total_limit": 1, "log_interval": EVAL_INTERVAL, "device": cfg.device,
+        **({"preset": cfg.preset} if cfg.preset else {}), **({"seq_len": cfg.seq_len} if cfg.seq_len else {}),
+        **({"batch_size": cfg.batch_size} if cfg.batch_size else {}), **run.flags,
+    }
+    for k, v in opts.items():
+        if isinstance(v, bool):
+            argv.append(f"--{k}" if v else f"--no-{k}")
+        else:
+            argv += [f"--{k}", str(v)]
+    return [*argv, "--overwrite", "--no-tensorboard"]
+
+
+def read_run(run: Run) -> None:
+    """The run's run.json "target" and its metrics.jsonl evaluations."""
+    info = json.loads((run.out / "run.json").read_text())
+    target = info.get("target") or {}
+    run.reached = bool(target.get("reached"))
+    run.time_s, run.time_excl_compile_s = target.get("time_to_target_s"), target.get("time_to_target_excl_compile_s")
+    run.tokens, run.steps, run.best_val_loss = target.get("tokens_to_target"), target.get("steps_to_target"), \
+        target.get("best_val_loss")
+    for line in (run.out / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "val_loss" in rec and "train_s" in rec:
+            run.curve.append((rec["train_s"], rec["val_loss"]))
+
+
+class Ladder:
+    def __init__(self, cfg: BenchConfig) -> None:
+        self.cfg = cfg
+        self.out = Path(cfg.output_dir).expanduser()
+        self.names = recipes(cfg.recipes)
+        self.seeds = [cfg.seed + i for i in range(cfg.seeds)]
+        self.preset = cfg.preset or ("gpt2" if resolve(cfg.device, quiet=True).device.type == "cuda" else "tiny")
+        if cfg.target_loss is None and self.preset not in DEFAULT_TARGET:
+            raise ValueError(f"--mode quality has no default target for {self.preset}: pass --target_loss")
+        self.target = cfg.target_loss if cfg.target_loss is not None else DEFAULT_TARGET[self.preset]
+        self.max_steps = cfg.max_steps or DEFAULT_MAX_STEPS
+        toml = self.out / "best.toml"  # the training ladder's fastest step settings, if it ran here
+        self.best_toml = toml if toml.is_file() else None
+        self.runs: list[Run] = []
+        self.flags: dict[str, dict[str, Any]] = {n: f for n, (_, f) in CHANGES.items()}
+        self.notes: dict[str, str] = {}
+
+    # -- running ------------------------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        fixed = [n for n in self.names if n in CHANGES]
+        derived = [n for n in self.names if n in DERIVED]
+        total = len(self.seeds) * len(self.names)
+        with tqdm(total=total, desc="quality ladder", unit="run", dynamic_ncols=True) as bar:
+            self._phase(fixed, bar)
+            for name in derived:  # each needs what ran before it
+                flags = self._derive(name)
+                if flags is None:
+                    bar.update(len(self.seeds))
+                    continue
+                self.flags[name] = flags
+                self._phase([name], bar)
+        return self.summary()
+
+    def _phase(self, names: list[str], bar: tqdm) -> None:
+        for seed in self.seeds:  # interleaved: seed by seed, every recipe in turn
+            for name in names:
+                run = Run(name, seed, self.flags[name], self.out / "runs" / f"{name}-seed{seed}")
+                bar.set_postfix_str(f"{name}, seed {seed}")
+                self._train(run)
+                self.runs.append(run)
+                bar.update(1)
+
+    def _train(self, run: Run) -> None:
+        argv = train_argv(self.cfg, run, self.target, self.max_steps, self.best_toml)
+        run.out.parent.mkdir(parents=True, exist_ok=True)
+        log_path = run.out.parent / f"{run.out.name}.log"
+        with open(log_path, "wb") as f:
+            f.write((shlex.join(argv) + "\n").encode())
+            f.flush()
+            proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        if proc.returncode != 0:
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+            run.error = f"gptopt train exited with {proc.returncode}: {tail[0]} (log: {log_path})"
+            log.warning(f"{run.recipe}, seed {run.seed}: {run.error}")
+            return
+        read_run(run)
+        log.info(f"{run.recipe}, seed {run.seed}: " + (f"target reached at step {run.steps} in {run.time_s:.1f} s"
+                                                       if run.reached else "target not reached"))
+
+    def _derive(self, name: str) -> dict[str, Any] | None:
+        if name == "schedule":
+            steps = self._median_steps(BASELINE)
+            if steps is None:
+                self.notes[name] = "not run: AdamW did not reach the target in every seed"
+                return None
+            return {"lr_decay_steps": steps, "warmup_steps": max(1, round(0.05 * steps))}
+        # best: the changes that beat AdamW's mean time, together
+        base = self._times(BASELINE)
+        if base is None:
+            self.notes[name] = "not run: AdamW did not reach the target in every seed"
+            return None
+        winners = [n for n in self.names if n not in (BASELINE, "best") and (t := self._times(n)) is not None
+                   and statistics.mean(t) < statistics.mean(base)]
+        if not winners:
+            self.notes[name] = "not run: no change beat AdamW's mean time; the best recipe is AdamW"
+            return None
+        flags: dict[str, Any] = {}
+        for n in winners:
+            flags.update(self.flags[n])
+        if "schedule" in winners:  # the decay ends where the fastest winner reached the target
+            fastest = min(winners, key=lambda n: statistics.mean(self._times(n) or [math.inf]))
+            steps = self._median_steps(fastest)
+            if steps is not None:
+                flags.update(lr_decay_steps=steps, warmup_steps=max(1, round(0.05 * steps)))
+        self.notes[name] = "+".join(winners)
+        return flags
+
+    def _of(self, name: str) -> list[Run]:
+        return [r for r in self.runs if r.recipe == name]
+
+    def _times(self, name: str) -> list[float] | None:
+        """Seconds to target of every seed, or None when a run did not reach it."""
+        runs = self._of(name)
+        if not runs or not all(r.reached and r.time_s is not None for r in runs):
+            return None
+        return [r.time_s for r in runs if r.time_s is not None]
+
+    def _median_steps(self, name: str) -> int | None:
+        runs = self._of(name)
+        if not runs or not all(r.reached and r.steps for r in runs):
+            return None
+        return round(statistics.median(r.steps for r in runs if r.steps))
+
+    # -- report -------------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        rows = []
+        base = self._times(BASELINE)
+        for name in [n for n in self.names if self._of(n)]:
+            runs, times = self._of(name), self._times(name)
+            row: dict[str, Any] = {
+                "recipe": name, "what": CHANGES[name][0] if name in CHANGES else DERIVED[name],
+                "flags": self.flags.get(name, {}), "runs": len(runs), "reached": sum(r.reached for r in runs),
+                "minutes_mean": statistics.mean(times) / 60 if times else None,
+                "minutes_sd": statistics.stdev(times) / 60 if times and len(times) > 1 else None,
+                "tokens_mean": statistics.mean(r.tokens for r in runs if r.tokens) if times else None,
+                "steps_mean": statistics.mean(r.steps for r in runs if r.steps) if times else None,
+                "vs_adamw": statistics.mean(times) / statistics.mean(base) if times and base else None,
+                "note": self.notes.get(name, ""),
+            }
+            rows.append(row)
+        for name, note in self.notes.items():
+            if not self._of(name):
+                rows.append({"recipe": name, "what": DERIVED.get(name, ""), "flags": {}, "runs": 0, "reached": 0,
+                             "minutes_mean": None, "minutes_sd": None, "tokens_mean": None, "steps_mean": None,
+                             "vs_adamw": None, "note": note})
+        ranked = [r for r in rows if r["vs_adamw"] is not None and r["recipe"] != BASELINE]
+        best = min(ranked, key=lambda r: r["vs_adamw"]) if ranked else None
+        test = self._welch(best["recipe"]) if best else None
+        return {
+            "mode": "quality", "preset": self.preset, "data_dir": self.cfg.data_dir, "target_loss": self.target,
+            "max_steps": self.max_steps, "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS,
+            "seeds": self.seeds, "step_settings": str(self.best_toml) if self.best_toml else "train's defaults",
+            "environment": environment(resolve(self.cfg.device, quiet=True)), "native_bf16": cpu_has_fast_bf16(),
+            "recipes": rows, "best": best["recipe"] if best else None, "welch": test,
+            "runs": [{"recipe": r.recipe, "seed": r.seed, "flags": r.flags, "reached": r.reached,
+                      "time_to_target_s": r.time_s, "time_to_target_excl_compile_s": r.time_excl_compile_s,
+                      "tokens_to_target": r.tokens, "steps_to_target": r.steps, "best_val_loss": r.best_val_loss,
+                      "curve": r.curve, "error": r.error, "output_dir": str(r.out)} for r in self.runs],
+        }
+
+    def _welch(self, name: str) -> dict[str, Any] | None:
+        a, b = self._times(name), self._times(BASELINE)
+        if not a or not b or len(a) < 2 or len(b) < 2:
+            return None
+        stats = require("scipy.stats", "stats", "bench --mode quality's significance test")
+        res = stats.ttest_ind(a, b, equal_var=False)
+        p = float(res.pvalue)
+        return {"recipe": name, "against": BASELINE, "t": float(res.statistic), "p_value": p,
+                "significant": bool(p < SIGNIFICANCE and statistics.mean(a) < statistics.mean(b)),
+                "level": SIGNIFICANCE}
+
+
+def best_toml(summary: dict[str, Any]) -> str | None:
+    best = next((r for r in summary["recipes"] if r["recipe"] == summary["best"]), None)
+    if best is None:
+        return None
+    opts = {"target_loss": summary["target_loss"], **best["flags"]}
+    return toml_text(opts, (f"# written by `gptopt bench --mode quality`: recipe '{best['recipe']}', "
+                            f"{best['vs_adamw']:.2f}x AdamW's time to val loss {summary['target_loss']}",
+                            "# gptopt train --config quality_best.toml"))
+
+
+def _fmt(v: Any, kind: str) -> str:
+    if v is None:
+        return "-"
+    return {"min": f"{v:.2f}", "x": f"{v:.2f}x", "int": f"{v:,.0f}", "loss": f"{v:.4f}"}.get(kind, str(v))
+
+
+def table(summary: dict[str, Any]) -> str:
+    head = ["recipe", "reached", "minutes (mean ± sd)", "steps", "tokens", "vs adamw", "note"]
+    body = [[r["recipe"], f"{r['reached']}/{r['runs']}",
+             "-" if r["minutes_mean"] is None else f"{r['minutes_mean']:.2f} ± {_fmt(r['minutes_sd'], 'min')}",
+             _fmt(r["steps_mean"], "int"), _fmt(r["tokens_mean"], "int"), _fmt(r["vs_adamw"], "x"), r["note"]]
+            for r in summary["recipes"]]
+    return text_table(head, body)
+
+
+def markdown(summary: dict[str, Any], plots: list[str], toml: str | None) -> str:
+    env = summary["environment"]
+    w = summary["welch"]
+    md = [f"# gptopt bench --mode quality: {summary['preset']} to val loss {summary['target_loss']}", "",
+          f"- machine: {env.get('device_name', env.get('cpu', '?'))} ({env.get('device', '')}"
+          f"{'' if env.get('device') != 'cpu' else ', native bf16: ' + ('yes' if summary['native_bf16'] else 'no')}); "
+          f"torch {env.get('torch', '?')}",
+          f"- data: {summary['data_dir']}; seeds {', '.join(map(str, summary['seeds']))}; step settings: "
+          f"{summary['step_settings']}",
+          f"- each run: `gptopt train --target_loss {summary['target_loss']} --max_steps {summary['max_steps']} "
+          f"--eval_interval {summary['eval_interval']} --eval_iters {summary['eval_iters']}` plus the recipe's "
+          "options; time to target = the training steps' wall time (evals and saves left out)", "",
+          "```", table(summary), "```", ""]
+    if w:
+        verdict = "significant" if w["significant"] else "not significant"
+        md.append(f"Best recipe: **{w['recipe']}**; Welch's t-test against AdamW over the seeds' times: "
+                  f"t = {w['t']:.2f}, p = {w['p_value']:.3g} ({verdict} at {w['level']}).")
+    elif summary["best"]:
+        md.append(f"Best recipe: **{summary['best']}** (too few seeds reached the target for a t-test).")
+    else:
+        md.append("No recipe reached the target in every seed besides AdamW, or AdamW did not: no comparison.")
+    if toml:
+        md += ["", "Train with it: `gptopt train --config quality_best.toml`", "", "```toml", toml.rstrip(), "```"]
+    md += ["", "## Every run", "", "| recipe | seed | reached | seconds to target | steps | tokens | best val loss |",
+           "|---|---:|---|---:|---:|---:|---:|"]
+    for r in summary["runs"]:
+        md.append(f"| {r['recipe']} | {r['seed']} | {'yes' if r['reached'] else 'no' + (': ' + r['error'] if r['error'] else '')} "
+                  f"| {_fmt(r['time_to_target_s'], 'min') if r['time_to_target_s'] is not None else '-'} "
+                  f"| {_fmt(r['steps_to_target'], 'int')} | {_fmt(r['tokens_to_target'], 'int')} "
+                  f"| {_fmt(r['best_val_loss'], 'loss')} |")
+    if plots:
+        md += ["", "## Val loss against training time", ""] + [f"![{p}]({p})" for p in plots]
+    return "\n".join(md) + "\n"
+
+
+def plot(summary: dict[str, Any], out: Path) -> list[str]:
+    if not has("matplotlib"):
+        log.info("quality.png skipped: pip install 'gptopt[plot]'")
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors: dict[str, Any] = {}
+    for r in summary["runs"]:
+        if not r["curve"]:
+            continue
+        xs, ys = zip(*r["curve"], strict=True)
+        color = colors.setdefault(r["recipe"], f"C{len(colors)}")
+        ax.plot([x / 60 for x in xs], ys, color=color, alpha=0.8, lw=1.2,
+                label=r["recipe"] if r["seed"] == summary["seeds"][0] else None)
+    ax.axhline(summary["target_loss"], color="k", ls="--", lw=0.8, label=f"target {summary['target_loss']}")
+    ax.set_xlabel("training minutes (steps only)")
+    ax.set_ylabel("val loss")
+    ax.set_title(f"{summary['preset']}: val loss against training time, {len(summary['seeds'])} seeds per recipe")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "quality.png", dpi=110)
+    plt.close(fig)
+    return ["quality.png"]
+
+
+def main(cfg: BenchConfig) -> int:
+    ladder = Ladder(cfg)
+    if len(ladder.seeds) > 1:
+        require("scipy.stats", "stats", "bench --mode quality's significance test")  # before minutes of training
+    log.info(f"quality ladder: {ladder.preset} to val loss {ladder.target}, recipes {', '.join(ladder.names)}, "
+             f"seeds {', '.join(map(str, ladder.seeds))}, at most {ladder.max_steps} steps a run")
+    summary = ladder.run()
+    out = ladder.out
+    toml = best_toml(summary)
+    with replacing(out, kind=KIND, ours=QUALITY_FILES, list_files=False):
+        plots = plot(summary, out)
+        (out / "quality_results.json").write_text(to_json(summary) + "\n")
+        if toml:
+            (out / "quality_best.toml").write_text(toml)
+        (out / "quality_report.md").write_text(markdown(summary, plots, toml))
+    print(table(summary))
+    print(f"\nreport: {out / 'quality_report.md'}")
+    if cfg.json:
+        print(to_json(summary))
+    return 0 if any(r.reached for r in ladder.runs if r.recipe == BASELINE) else 1

@@ -1,0 +1,193 @@
+"""Time to quality: train --target_loss, --lr_decay_steps, --align_documents, and bench --mode quality.
+
+    pytest -q tests/test_quality.py
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from gptopt import checkpoint, cli, data, train
+from gptopt.bench import quality
+from gptopt.config import BenchConfig, TrainConfig
+
+FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
+            log_interval=1, warmup_steps=2, learning_rate=3e-3, save_interval=0)
+
+
+def run(data_dir: Path, out: Path, **kw: Any) -> int:
+    return train.main(TrainConfig(data_dir=str(data_dir), output_dir=str(out), **{**FAST, **kw}))
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def evals(out: Path) -> dict[int, float]:
+    return {r["step"]: r["val_loss"] for r in records(out) if "val_loss" in r}
+
+
+@pytest.fixture(scope="module")
+def curve(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
+    """The val losses of the debug run every target test trains (same seed, same steps: same losses)."""
+    out = tmp_path_factory.mktemp("curve") / "run"
+    assert run(train_data, out, max_steps=40, eval_interval=5) == 0
+    return evals(out)
+
+
+def test_training_stops_at_the_first_evaluation_at_or_below_the_target(
+        train_data: Path, tmp_path: Path, curve: dict[int, float]) -> None:
+    target = curve[10] + 1e-6  # first reached at step 10 (the curve falls there)
+    assert curve[5] > target
+    out = tmp_path / "run"
+    assert run(train_data, out, max_steps=40, eval_interval=5, target_loss=target) == 0
+    info = json.loads((out / "run.json").read_text())
+    t = info["target"]
+    assert t["reached"] and t["loss"] == target and t["steps_to_target"] == 10 and t["val_loss"] <= target
+    assert t["tokens_to_target"] == 10 * 4 * 32  # steps x micro-batch x seq_len
+    steps = [r for r in records(out) if "step_time_s" in r]
+    assert [r["step"] for r in steps] == list(range(1, 11))  # it stopped there
+    # the training steps' wall time, evals left out: the logged step times summed; without the first step
+    assert t["time_to_target_s"] == pytest.approx(sum(r["step_time_s"] for r in steps), rel=1e-9)
+    assert t["time_to_target_excl_compile_s"] == pytest.approx(t["time_to_target_s"] - steps[0]["step_time_s"], rel=1e-9)
+    assert any(r.get("target") == t for r in records(out))  # metrics.jsonl says the same
+    assert info["summary"]["step"] == 10 and info["summary"]["best_val_loss"] == t["val_loss"]
+    assert checkpoint.latest_checkpoint(out).name.endswith("10")  # the model that reached it is saved
+
+
+def test_a_target_not_reached_reports_the_best_val_loss_and_evaluations_come_without_an_interval(
+        train_data: Path, tmp_path: Path, curve: dict[int, float]) -> None:
+    out = tmp_path / "run"
+    assert run(train_data, out, max_steps=30, target_loss=0.01) == 0  # no --eval_interval: derived from the run
+    assert sorted(evals(out)) == [10, 20, 30]
+    t = json.loads((out / "run.json").read_text())["target"]
+    assert t == {"loss": 0.01, "reached": False, "time_to_target_s": None, "time_to_target_excl_compile_s": None,
+                 "tokens_to_target": None, "steps_to_target": None, "best_val_loss": min(evals(out).values())}
+
+
+def test_the_time_to_target_spans_a_resume(train_data: Path, tmp_path: Path, curve: dict[int, float]) -> None:
+    out = tmp_path / "run"
+    assert run(train_data, out, max_steps=40, max_tokens=5 * 4 * 32, eval_interval=5) == 0  # the schedule of 40
+    target = curve[10] + 1e-6
+    assert run(train_data, out, max_steps=40, eval_interval=5, target_loss=target, resume="auto") == 0
+    t = json.loads((out / "run.json").read_text())["target"]
+    steps = [r for r in records(out) if "step_time_s" in r]
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    assert t["steps_to_target"] == 10
+    assert t["time_to_target_s"] == pytest.approx(sum(r["step_time_s"] for r in steps), rel=1e-9)
+    # each process's first step (the compile, the warm-up) is left out of the other figure
+    firsts = steps[0]["step_time_s"] + steps[5]["step_time_s"]
+    assert t["time_to_target_excl_compile_s"] == pytest.approx(t["time_to_target_s"] - firsts, rel=1e-9)
+
+
+def test_a_target_without_evaluations_is_refused(train_data: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["train", "--data_dir", str(train_data), "--output_dir", str(tmp_path / "x"), "--target_loss", "3",
+            "--eval_interval", "0"]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    assert "--eval_interval 0" in capsys.readouterr().err and not (tmp_path / "x").exists()
+
+
+def test_lr_decay_steps_ends_the_cosine_early_and_stays_at_min_lr(train_data: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    assert run(train_data, out, max_steps=16, eval_interval=0, lr_decay_steps=8, min_lr=3e-4) == 0
+    lrs = {r["step"]: r["lr"] for r in records(out) if "lr" in r}  # the lr of step s is logged as s + 1
+    assert lrs[5] > lrs[7] > 3e-4
+    assert all(lrs[s] == pytest.approx(3e-4) for s in range(9, 17))
+
+
+def test_aligned_windows_start_at_document_boundaries(train_data: Path) -> None:
+    tokens_data = data.open_data(train_data)
+    eot = tokens_data.eot_id
+    ds = data.BatchDataset(tokens_data, "train", 8, 32, seed=0, align=True)
+    tokens = np.asarray(tokens_data.tokens("train"))
+    starts = ds.document_starts()
+    assert starts[0] == 0 and all(tokens[s] == eot for s in starts[1:]) and len(starts) >= 3
+    for step in range(5):
+        x, y = ds[step]
+        assert all(int(row[0]) == eot or np.array_equal(row.numpy(), tokens[:32]) for row in x)
+        assert np.array_equal(x[:, 1:].numpy(), y[:, :-1].numpy())
+    # the same batches in a DataLoader worker (the dataset is pickled there)
+    assert all((pickle.loads(pickle.dumps(ds))[s][0] == ds[s][0]).all() for s in range(3))
+    plain = data.BatchDataset(tokens_data, "train", 8, 32, seed=0)
+    assert not all(int(row[0]) == eot for step in range(5) for row in plain[step][0])  # anywhere, without align
+
+
+def test_align_documents_needs_end_of_text_tokens(tmp_path: Path) -> None:
+    d = tmp_path / "nanogpt"
+    d.mkdir()
+    for split in ("train", "val"):
+        np.arange(5000, dtype=np.uint16).tofile(d / f"{split}.bin")  # nanoGPT shards: no tokenizer, no eot
+    with pytest.raises(ValueError, match="end-of-text"):
+        data.BatchDataset(data.open_data(d), "train", 4, 32, seed=0, align=True)
+
+
+# -- bench --mode quality ---------------------------------------------------------------------------
+
+
+def _fake(ladder: quality.Ladder, recipe: str, times: list[float], steps: int = 100) -> None:
+    for i, t in enumerate(times):
+        ladder.runs.append(quality.Run(recipe, ladder.seeds[i], ladder.flags.get(recipe, {}), Path("x"), reached=True,
+                                       time_s=t, time_excl_compile_s=t - 1, tokens=steps * 64, steps=steps,
+                                       best_val_loss=4.9))
+
+
+def test_the_ladder_reports_ratios_and_welchs_test_against_adamw(tmp_path: Path) -> None:
+    pytest.importorskip("scipy", reason="the stats extra")
+    cfg = BenchConfig(mode="quality", preset="tiny", output_dir=str(tmp_path), device="cpu", target_loss=5.0)
+    ladder = quality.Ladder(cfg)
+    assert ladder.names == ["adamw", "muon", "aligned", "schedule", "best"] and ladder.seeds == [1337, 1338, 1339]
+    _fake(ladder, "adamw", [20.0, 21.0, 22.0], steps=300)
+    _fake(ladder, "muon", [10.0, 11.0, 12.0])
+    _fake(ladder, "aligned", [30.0, 31.0, 35.0])
+    assert ladder._derive("schedule") == {"lr_decay_steps": 300, "warmup_steps": 15}
+    ladder.flags["schedule"] = ladder._derive("schedule")
+    _fake(ladder, "schedule", [15.0, 16.0, 17.0], steps=200)
+    best = ladder._derive("best")  # muon and schedule beat AdamW; aligned did not
+    assert best == {"optimizer": "muon", "lr_decay_steps": 100, "warmup_steps": 5}  # the decay ends at muon's steps
+    s = ladder.summary()
+    by = {r["recipe"]: r for r in s["recipes"]}
+    assert by["muon"]["vs_adamw"] == pytest.approx(11 / 21) and by["aligned"]["vs_adamw"] == pytest.approx(32 / 21)
+    assert by["adamw"]["minutes_mean"] == pytest.approx(21 / 60) and by["adamw"]["minutes_sd"] == pytest.approx(1 / 60)
+    assert s["best"] == "muon"
+    w = s["welch"]
+    assert w["recipe"] == "muon" and w["t"] == pytest.approx(-10 / (2 / 3) ** 0.5)  # (11 - 21) / sqrt(1/3 + 1/3)
+    assert w["p_value"] < 0.001 and w["significant"]
+    toml = quality.best_toml(s)
+    assert toml is not None and 'optimizer = "muon"' in toml and "target_loss = 5.0" in toml
+
+
+def test_the_ladder_end_to_end_trains_each_recipe_and_seed_and_writes_its_report(
+        train_data: Path, tmp_path: Path, curve: dict[int, float], capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("scipy", reason="the stats extra")
+    out = tmp_path / "bench"
+    target = 5.5  # train's defaults (lr 1e-3, warmup 100) get the debug model there within 40 steps, every seed
+    argv = ["bench", "--mode", "quality", "--preset", "debug", "--seq_len", "32", "--batch_size", "4", "--device", "cpu",
+            "--data_dir", str(train_data), "--output_dir", str(out), "--target_loss", str(target), "--seeds", "2",
+            "--recipes", "adamw,schedule", "--max_steps", "40"]
+    assert cli.main(argv) == 0
+    res = json.loads((out / "quality_results.json").read_text())
+    assert [(r["recipe"], r["seed"]) for r in res["runs"]] == [("adamw", 1337), ("adamw", 1338),
+                                                               ("schedule", 1337), ("schedule", 1338)]
+    assert res["recipes"][1]["flags"] == {"lr_decay_steps": 40, "warmup_steps": 2}  # AdamW's median steps
+    assert all(r["reached"] and r["steps_to_target"] is not None and r["curve"] for r in res["runs"])
+    report = (out / "quality_report.md").read_text()
+    assert "| adamw | 1337 | yes |" in report and "native bf16" in report
+    if res["best"]:  # a recipe beat AdamW: its TOML is what train --config takes
+        toml = out / "quality_best.toml"
+        assert cli.main(["train", "--config", str(toml), "--data_dir", str(train_data), "--output_dir",
+                         str(tmp_path / "t"), "--preset", "debug", "--seq_len", "32", "--batch_size", "4",
+                         "--max_steps", "2", "--device", "cpu", "--no-tensorboard", "--sample_tokens", "0"]) == 0
+    # again without --overwrite: refused before any training
+    capsys.readouterr()
+    before = (out / "quality_results.json").read_text()
+    assert cli.main(argv) == 2 and "--overwrite" in capsys.readouterr().err
+    assert (out / "quality_results.json").read_text() == before
