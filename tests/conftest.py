@@ -150,3 +150,13 @@ def break_forward(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
 def last_json_line(stdout: str) -> Any:
     """What a command's `--json` prints: one JSON document on the last line of stdout (raises if not)."""
     return json.loads(stdout.strip().splitlines()[-1])
+
+
+def split_bytes_per_token(data_dir: Path, split: str = "val") -> float:
+    """UTF-8 bytes per token of a prepared split, the plain way: the whole split decoded in one call
+    (special tokens skipped), for tests that check bits per byte against it."""
+    import numpy as np
+
+    ids = np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16).tolist()
+    text = Tokenizer.from_file(str(data_dir / "tokenizer.json")).decode(ids)
+    return len(text.encode("utf-8")) / len(ids)

@@ -265,6 +265,7 @@ def test_hf_config_json_of_the_wrong_shape(text: str, needle: str, tmp_path: Pat
 WRITERS = {  # verb -> the option naming where it writes
     "prepare": "--output_dir", "train": "--output_dir", "bench": "--output_dir", "profile": "--output_dir",
     "tune": "--output_dir", "export": "--output_dir", "compress": "--output", "generate": "--output",
+    "eval": "--output",
 }
 
 

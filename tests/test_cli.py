@@ -196,6 +196,8 @@ EXPECTED_OPTIONS = {
         "tokenizer",
     },
     "export": {"format", "model", "opset", "output_dir", "overwrite", "tokenizer", "tolerance"},
+    "eval": {"batch_size", "data", "device", "dtype", "json", "limit", "model", "output", "overwrite", "task",
+             "tokenizer"},
     "tune": {
         "axes",
         "data_dir",

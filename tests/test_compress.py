@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import last_json_line
+from conftest import last_json_line, split_bytes_per_token
 
 from gptopt import checkpoint, cli
 from gptopt.compress import mean_kl, memory_bytes, perplexity_and_kl
@@ -104,6 +104,11 @@ def test_int8_dynamic_writes_a_loadable_checkpoint_and_a_full_report(
     assert report["ratios"]["disk"] < 0.5 and report["ratios"]["memory"] < 0.9
     assert 0 < report["compressed"]["kl_divergence"] < 0.05
     assert abs(report["ratios"]["perplexity_increase"]) < 0.05
+    # bits per byte beside perplexity: log2 of it over the val split's UTF-8 bytes per token (decoded here whole)
+    assert "bits per byte (val)" in stdout
+    for side in ("original", "compressed"):
+        assert report[side]["bits_per_byte"] == pytest.approx(
+            math.log2(report[side]["perplexity"]) / split_bytes_per_token(train_data), rel=1e-6)
     # The output is a checkpoint like any other: generate loads it and finds its tokenizer.
     assert cli.main(["generate", "--model", str(out), "--device", "cpu", "--temperature", "0",
                      "--max_new_tokens", "5", "import"]) == 0

@@ -48,7 +48,7 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str], *expected: str)
 
 def no_model_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reaching any model loading, building or measuring fails the test: refusals must come first."""
-    from gptopt import compress, generate, hf, inference, profile, tune
+    from gptopt import compress, evaluate, generate, hf, inference, profile, tune
     from gptopt.bench import ladder
 
     def reached(*args: object, **kwargs: object) -> None:
@@ -58,7 +58,7 @@ def no_model_work(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tune, "Tuner", reached)
     monkeypatch.setattr(profile, "profile_steps", reached)
     monkeypatch.setattr(inference, "load_for_inference", reached)
-    for module in (compress, generate):
+    for module in (compress, evaluate, generate):
         monkeypatch.setattr(module, "load_for_inference", reached)
     monkeypatch.setattr(hf, "load_pretrained", reached)  # export's loader
 
@@ -186,6 +186,13 @@ def test_compress(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
                                                "--quantize", "int8-dynamic", "--device", "cpu"])
 
 
+def test_eval(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+              monkeypatch: pytest.MonkeyPatch) -> None:
+    out = earlier_output(tmp_path / "run" / "eval_out", "eval", {"results.json": "{}"})
+    whole_directory(capsys, monkeypatch, out, ["eval", "--model", str(model_dir), "--data", str(tmp_path / "h.jsonl"),
+                                               "--output", str(out), "--device", "cpu"])
+
+
 def test_export_hf(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                    monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("transformers")
@@ -220,6 +227,7 @@ UNWRITABLE = {
     "export hf": lambda d, m, out: ["export", "--model", str(m), "--format", "hf", "--output_dir", str(out)],
     "generate --output": lambda d, m, out: ["generate", "--model", str(m), "--input", str(d / "tokenizer.json"),
                                             "--output", str(out / "out.jsonl")],
+    "eval": lambda d, m, out: ["eval", "--model", str(m), "--data", str(d / "h.jsonl"), "--output", str(out)],
 }
 
 

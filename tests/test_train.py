@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -17,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import split_bytes_per_token
 
 from gptopt import checkpoint, cli, step, train
 from gptopt import device as dev
@@ -62,6 +64,8 @@ def test_training_learns_and_logs_every_required_field(train_data: Path, tmp_pat
     assert [r["step"] for r in evals] == [20, 40]
     assert evals[1]["val_loss"] < evals[0]["val_loss"]
     assert evals[1]["val_ppl"] == pytest.approx(2.718281828 ** evals[1]["val_loss"], rel=1e-6)
+    # bits per byte: the val loss over the val split's UTF-8 bytes per token (decoded here whole)
+    assert evals[1]["val_bpb"] == pytest.approx(evals[1]["val_loss"] / math.log(2) / split_bytes_per_token(train_data))
     info = json.loads((out / "run.json").read_text())
     assert info["peak_source"].startswith("measured matmul peak")
     assert info["environment"]["torch"] == torch.__version__

@@ -52,6 +52,7 @@ COMMANDS: dict[str, Command] = {
     "compress": Command("gptopt.config:CompressConfig", "gptopt.compress:main", "quantise or prune a model; measure size, speed and quality against it"),
     "export": Command("gptopt.config:ExportConfig", "gptopt.export:main", "write the model as ONNX (for onnxruntime) or a Hugging Face dir, checked"),
     "tune": Command("gptopt.config:TuneConfig", "gptopt.tune:main", "search the settings for the fastest training step; writes tune.toml"),
+    "eval": Command("gptopt.config:EvalConfig", "gptopt.evaluate:main", "score a model on HellaSwag: acc, and acc_norm per byte of each ending (lm-eval's)"),
 }
 
 

@@ -9,9 +9,9 @@ Perplexity and KL are scored on the val split of the data the model was trained 
 records it) unless --data_dir names other shards, which must come from the model's own tokenizer.
 
 The report, a table on stdout and OUTPUT/results.json: size on disk and in memory, prefill latency,
-decode tokens/s at batch 1 and 8, perplexity on the val split and the mean KL divergence of the
-next-token distribution from the original's on the same tokens. Both models are loaded the way
-generate and serve load them (the compressed one from the directory just written), so these are
+decode tokens/s at batch 1 and 8, perplexity and bits per byte (bpb.py) on the val split and the mean
+KL divergence of the next-token distribution from the original's on the same tokens. Both models are
+loaded the way generate and serve load them (the compressed one from the directory just written), so these are
 the figures a user of the output gets. The output directory appears whole, report included, or not at all.
 """
 
@@ -33,6 +33,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from gptopt import checkpoint
+from gptopt.bpb import bits_per_byte, bytes_per_token
 from gptopt.config import CompressConfig, parse_prune
 from gptopt.data import DEFAULT_DATA, BatchDataset, TokenData, open_data
 from gptopt.device import DevicePlan, environment, resolve
@@ -204,14 +205,17 @@ def measure(cfg: CompressConfig, plan: DevicePlan, data: TokenData, source: Path
         speed = _speed(models, plan, _prompts(data, prompt_len, max(DECODE_BATCHES)), new_tokens, cfg, bar)
     sizes = {"original": (_disk_bytes(source, original), memory_bytes(original)),
              "compressed": ((directory / checkpoint.WEIGHTS).stat().st_size, memory_bytes(compressed))}
+    per_token = bytes_per_token(data, "val")  # None for nanoGPT data: no tokenizer to count bytes with
     res: dict[str, Any] = {"prompt_len": prompt_len, "new_tokens": new_tokens,
                            "eval": {"split": "val", "data_dir": str(data.directory.resolve()), "tokens": quality["tokens"],
-                                    "window": seq_len},
+                                    "window": seq_len, "bytes_per_token": per_token},
                            "dtype": str(original.transformer.wte.weight.dtype).removeprefix("torch.")}
     for name in models:
         res[name] = {"disk_bytes": sizes[name][0], "memory_bytes": sizes[name][1], **speed[name]}
     res["original"]["perplexity"] = quality["perplexity_reference"]
     res["compressed"]["perplexity"], res["compressed"]["kl_divergence"] = quality["perplexity"], quality["kl"]
+    for name in models:
+        res[name]["bits_per_byte"] = bits_per_byte(math.log(res[name]["perplexity"]), per_token)
     return res
 
 
@@ -257,6 +261,9 @@ def table(results: dict[str, Any]) -> str:
     rows += [[f"perplexity (val, {results['eval']['tokens']:,} tokens)", f"{o['perplexity']:.3f}",
               f"{c['perplexity']:.3f}", f"{r['perplexity_increase']:+.2%}"],
              ["mean KL from the original (nats)", "0", f"{c['kl_divergence']:.5f}", ""]]
+    if o.get("bits_per_byte") is not None:  # the data's tokenizer counts the bytes; nanoGPT data has none
+        rows.insert(-1, ["bits per byte (val)", f"{o['bits_per_byte']:.4f}", f"{c['bits_per_byte']:.4f}",
+                         f"{c['bits_per_byte'] - o['bits_per_byte']:+.4f}"])
     title = (f"gptopt compress: {results['method']} of {results['model']} on {results['device']} "
              f"({results['dtype']} original, {'compiled' if results['compile'] else 'eager'} decode; "
              f"{results['new_tokens']} new tokens, greedy; medians of {results['repeats']})")

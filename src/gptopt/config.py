@@ -698,3 +698,33 @@ class CompressConfig:
         parse_prune(self.prune)
         if self.quantize == "none" and self.prune is None:
             raise ValueError("nothing to do: give --quantize METHOD and/or --prune FRACTION|2:4")
+
+
+EVAL_TASKS = ("hellaswag",)
+MAX_EXAMPLES = 10**8  # HellaSwag's val set has 10,042; a limit beyond this is a typo
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    model: str = opt("out", "the model to score: a training output dir (its latest checkpoint), a checkpoint, "
+                     "a HF GPT-2 dir, or gpt2")
+    tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the model was trained with")
+    task: str = opt("hellaswag", "hellaswag: pick the right one of 4 endings, completion-style; acc by the summed "
+                    "log-likelihood of each ending, acc_norm by its log-likelihood per byte of the ending's "
+                    "text (lm-eval's length normalisation, not llm.c's per token)", choices=EVAL_TASKS)
+    data: str | None = opt(None, "the task's examples: a .jsonl in HellaSwag's published format (ctx or ctx_a + "
+                           "ctx_b, 4 endings, label); default: HellaSwag's val set, downloaded once into "
+                           "~/.cache/gptopt (online only)")
+    limit: int | None = opt(None, "score only the first N examples", ge=1, le=MAX_EXAMPLES)
+    batch_size: int = opt(4, "examples per forward, each one row per ending (memory grows with rows x length x "
+                          "vocabulary)", ge=1, le=MAX_BATCH)
+    device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
+    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
+                     choices=("auto", "bf16", "fp16", "fp32"))
+    output: str | None = opt(None, "a directory to write results.json to (new, or empty)")
+    overwrite: bool = opt(False, "replace an earlier eval output at --output (only one gptopt wrote, holding "
+                          "nothing else)")
+    json: bool = opt(False, "print the results as JSON, the last line of stdout")
+
+    def __post_init__(self) -> None:
+        check_fields(self)

@@ -31,6 +31,7 @@ import torch
 from tqdm import tqdm
 
 from gptopt import checkpoint, data, distributed, fsutil, hf, memory
+from gptopt.bpb import bits_per_byte, bytes_per_token
 from gptopt.config import GPTConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.distributed import DistInfo
@@ -632,8 +633,11 @@ class Trainer:
         if info.is_main:
             assert self.metrics is not None
             ppl = math.exp(min(val, 50.0))
-            tqdm.write(f"step {step}: val loss {val:.4f}, perplexity {ppl:.2f}" + (f"\n  sample: {text!r}" if text else ""))
-            self.metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "sample": text, "train_s": train_s})
+            bpb = bits_per_byte(val, bytes_per_token(self.data, "val"))  # None for nanoGPT data (no tokenizer)
+            tqdm.write(f"step {step}: val loss {val:.4f}, perplexity {ppl:.2f}"
+                       + (f", {bpb:.4f} bits/byte" if bpb is not None else "") + (f"\n  sample: {text!r}" if text else ""))
+            self.metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "val_bpb": bpb, "sample": text,
+                                "train_s": train_s})
         return val
 
     def _save(self, progress: Progress, *, retire_old: bool = True) -> Path | None:

@@ -1,0 +1,287 @@
+"""gptopt eval: a model's accuracy on a multiple-choice benchmark (HellaSwag), scored completion-style.
+
+    gptopt eval --model out --data hellaswag_val.jsonl --limit 500
+    gptopt eval --model gpt2 --json          # online: HellaSwag's val set is downloaded once
+
+Each example is a context and 4 endings, one of them right (HellaSwag's published jsonl: ctx, or
+ctx_a + ctx_b; endings; label). Each ending is scored by the log-likelihood the model gives its tokens
+after the context's, the ending written after a space (as llm.c renders HellaSwag; the context is
+cut from the left where context and ending outgrow the model's context window):
+
+  acc       the ending with the highest summed log-likelihood is the model's choice
+  acc_norm  the ending with the highest log-likelihood per byte of its text (UTF-8, without the space)
+
+acc is llm.c's (dev/data/hellaswag.py: GPT-2 124M scores 0.2859 on the 10,042 val examples). acc_norm
+is lm-eval's length normalisation (it divides by the ending's characters: the same as its bytes for
+HellaSwag's ASCII text), not llm.c's, which divides by the ending's token count (GPT-2 124M: 0.2955):
+per byte, a tokenizer that cuts text into fewer tokens gains nothing. lm-eval's own 0.3114 for GPT-2
+124M also rewrites the context (the activity label first), which this does not.
+
+The examples are read and checked before the model loads: a bad line is one error naming its number.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import os
+import shutil
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.error import URLError
+from urllib.request import urlopen
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer
+from tqdm import tqdm
+
+from gptopt.config import EvalConfig
+from gptopt.device import DevicePlan, environment, resolve
+from gptopt.fsutil import check_output, staged_dir, staged_file
+from gptopt.inference import load_for_inference, model_source
+from gptopt.model import GPT
+from gptopt.tables import text_table, to_json
+from gptopt.tokenizer import eot_id
+
+__all__ = ["HELLASWAG_URL", "Example", "cache_dir", "encode", "ending_logliks", "evaluate", "hellaswag_file", "main",
+           "read_hellaswag", "score"]
+
+log = logging.getLogger("gptopt")
+
+HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
+DOWNLOAD_TIMEOUT = 60.0  # seconds the server may stay silent before the download counts as failed
+ENDINGS = 4  # HellaSwag's: every example has exactly 4
+KIND = "eval"  # the fsutil mark of an eval output: the only kind its --overwrite replaces
+FORMAT_HINT = 'each line must be one HellaSwag example: {"ctx": "...", "endings": [4 strings], "label": 0-3}'
+
+
+@dataclass(frozen=True)
+class Example:
+    line: int  # in the file, from 1: what an error about it names
+    context: str
+    endings: tuple[str, ...]
+    label: int
+
+
+# ----------------------------------------------------------------------------------------------
+# The examples
+
+
+def cache_dir() -> Path:
+    """Where downloaded benchmark files are kept: $XDG_CACHE_HOME/gptopt, else ~/.cache/gptopt."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "gptopt"
+
+
+def hellaswag_file() -> Path:
+    """HellaSwag's val set: the cached copy, else downloaded from its GitHub repository (online only)."""
+    target = cache_dir() / "hellaswag" / "hellaswag_val.jsonl"
+    if target.is_file():
+        return target
+    fix = ("; offline, pass --data FILE.jsonl: a copy of hellaswag_val.jsonl (from github.com/rowanz/hellaswag) or "
+           "any file in its format")
+    try:
+        response = urlopen(HELLASWAG_URL, timeout=DOWNLOAD_TIMEOUT)
+    except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
+        raise ValueError(f"could not download HellaSwag from {HELLASWAG_URL} ({_reason(e)}){fix}") from None
+    log.info("downloading HellaSwag's val set from %s into %s (once)", HELLASWAG_URL, target)
+    # Written beside and renamed: a download that breaks off leaves no half file to be read as the val set.
+    with response, staged_file(target) as tmp, open(tmp, "wb") as fh:
+        try:
+            shutil.copyfileobj(response, fh)
+        except (URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
+            raise ValueError(f"the download of HellaSwag from {HELLASWAG_URL} broke off ({_reason(e)}){fix}") from None
+    return target
+
+
+def _reason(e: BaseException) -> str:
+    reason = getattr(e, "reason", None) or e
+    return str(reason).splitlines()[0] if str(reason) else type(reason).__name__
+
+
+def read_hellaswag(path: Path, limit: int | None = None, *, name: str = "--data") -> list[Example]:
+    """The first `limit` examples of a HellaSwag jsonl (blank lines skipped), each checked: a line that is
+    not an example is a ValueError naming `name`, the file and the line number."""
+    where = f"{name} {path}"
+    try:
+        fh = open(path, "rb")  # bytes: a line that is not UTF-8 is named by its number, as any other bad line
+    except FileNotFoundError:
+        raise ValueError(f"{where}: no such file; give HellaSwag's hellaswag_val.jsonl or a file in its format "
+                         "(or leave --data out to download it)") from None
+    except IsADirectoryError:
+        raise ValueError(f"{where} is a folder; give the .jsonl file in it") from None
+    examples: list[Example] = []
+    with fh:
+        for n, raw in enumerate(fh, 1):
+            if limit is not None and len(examples) >= limit:
+                break
+            if raw.strip():
+                examples.append(_example(raw, n, where))
+    if not examples:
+        raise ValueError(f"{where} holds no examples; {FORMAT_HINT}")
+    return examples
+
+
+def _example(raw: bytes, n: int, where: str) -> Example:
+    def bad(what: str) -> ValueError:
+        return ValueError(f"{where} line {n}: {what}; {FORMAT_HINT}")
+
+    try:
+        obj = json.loads(raw)
+    except UnicodeDecodeError:
+        raise bad("not UTF-8 text") from None
+    except json.JSONDecodeError as e:
+        raise bad(f"not valid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(obj, dict):
+        raise bad(f"expected a JSON object, got {type(obj).__name__}")
+    context = obj.get("ctx")
+    if context is None and isinstance(obj.get("ctx_a"), str):
+        # HellaSwag's ctx is ctx_a, then a space and ctx_b where ctx_b is not empty
+        b = obj.get("ctx_b") or ""
+        context = obj["ctx_a"] + (" " + b if isinstance(b, str) and b else "")
+    if not isinstance(context, str):
+        raise bad("no context: give ctx (or ctx_a and ctx_b) as a string")
+    endings = obj.get("endings")
+    if not isinstance(endings, list) or not all(isinstance(e, str) for e in endings):
+        raise bad(f"endings must be a list of {ENDINGS} strings, got {json.dumps(endings)[:60]}")
+    if len(endings) != ENDINGS:
+        raise bad(f"{len(endings)} endings; HellaSwag has {ENDINGS} per example")
+    for i, e in enumerate(endings):
+        if not e.strip():
+            raise bad(f"ending {i} is empty")  # it has no bytes to normalise by, and nothing to score
+    for text in (context, *endings):
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate from a \udXXX escape: no text a tokenizer takes
+            raise bad("a lone surrogate (\\udXXX) in the text") from None
+    label = obj.get("label")
+    if isinstance(label, str) and label.strip().isdigit():
+        label = int(label)  # HellaSwag's files write the label as a number, some copies as a string
+    if label is None or label == "":
+        raise bad("no label (HellaSwag's test set has none: use the val set)")
+    if not isinstance(label, int) or isinstance(label, bool) or not 0 <= label < ENDINGS:
+        raise bad(f"label {label!r} is out of range: give the index of the right ending, 0 to {ENDINGS - 1}")
+    return Example(line=n, context=context, endings=tuple(endings), label=label)
+
+
+# ----------------------------------------------------------------------------------------------
+# Scoring
+
+
+def encode(tok: Tokenizer, ex: Example, eot: int | None, block_size: int,
+           where: str) -> list[tuple[list[int], list[int]]]:
+    """(context tokens, ending tokens) per ending: context and " " + ending encoded apart, as llm.c does."""
+    context = tok.encode(ex.context).ids
+    if not context:  # the first ending token needs something to follow: a fresh document (as lm-eval)
+        if eot is None:
+            raise ValueError(f"{where} line {ex.line}: the context is empty and the tokenizer has no end-of-text "
+                             "token to start from; give the example a context")
+        context = [eot]
+    rows = []
+    for i, ending in enumerate(ex.endings):
+        ids = tok.encode(" " + ending).ids
+        if len(ids) > block_size:
+            raise ValueError(f"{where} line {ex.line}: ending {i} is {len(ids)} tokens, longer than the model's "
+                             f"context of {block_size}; score it with a model of a longer context, or drop the line")
+        rows.append((context, ids))
+    return rows
+
+
+@torch.no_grad()
+def ending_logliks(model: GPT, rows: Sequence[tuple[list[int], list[int]]], device: torch.device) -> list[float]:
+    """The summed log-likelihood of each row's ending tokens after its context tokens, all rows in one
+    forward (right-padded: causal attention keeps the padding out of every scored position).
+
+    A row longer than the model's context window keeps its ending whole and loses the start of its context."""
+    window = model.config.block_size + 1  # inputs are a sequence less its last token
+    seqs = [(ctx + end)[-window:] for ctx, end in rows]
+    T = max(map(len, seqs)) - 1
+    x = torch.zeros(len(seqs), T, dtype=torch.long)
+    y = torch.full((len(seqs), T), -100, dtype=torch.long)  # -100: not scored (context, padding)
+    for i, (seq, (_, end)) in enumerate(zip(seqs, rows, strict=True)):
+        x[i, : len(seq) - 1] = torch.tensor(seq[:-1])
+        first = len(seq) - len(end)  # the position of the ending's first token in seq
+        y[i, first - 1 : len(seq) - 1] = torch.tensor(end)  # position t predicts token t + 1
+    logits = model(x.to(device)).float()  # (B, T, V)
+    nll = F.cross_entropy(logits.flatten(0, 1), y.to(device).flatten(), ignore_index=-100, reduction="none")
+    return (-nll.view(len(seqs), T).sum(1)).tolist()
+
+
+def score(logliks: Sequence[float], ending_bytes: Sequence[int]) -> tuple[int, int]:
+    """(the choice by summed log-likelihood, the choice by log-likelihood per byte); ties go to the first."""
+    n = range(len(logliks))
+    return max(n, key=lambda i: logliks[i]), max(n, key=lambda i: logliks[i] / ending_bytes[i])
+
+
+def _batches(items: Sequence[Any], size: int) -> Iterator[Sequence[Any]]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def evaluate(model: GPT, tok: Tokenizer, examples: Sequence[Example], plan: DevicePlan, batch_size: int,
+             where: str) -> dict[str, Any]:
+    """acc and acc_norm of the model on the examples, batch_size examples (ENDINGS rows each) per forward."""
+    eot = eot_id(tok)
+    block = model.config.block_size
+    encoded = [encode(tok, ex, eot, block, where) for ex in examples]  # every line checked before the first forward
+    truncated = sum(len(c) + len(e) > block + 1 for rows in encoded for c, e in rows)
+    correct = correct_norm = 0
+    with tqdm(total=len(examples), desc="eval: hellaswag", unit="example", file=sys.stderr,
+              dynamic_ncols=True) as bar:
+        for batch in _batches(list(zip(examples, encoded, strict=True)), batch_size):
+            lls = ending_logliks(model, [row for _, rows in batch for row in rows], plan.device)
+            for k, (ex, _) in enumerate(batch):
+                pred, pred_norm = score(lls[k * ENDINGS : (k + 1) * ENDINGS],
+                                        [len(e.encode("utf-8")) for e in ex.endings])
+                correct += pred == ex.label
+                correct_norm += pred_norm == ex.label
+            bar.update(len(batch))
+    n = len(examples)
+    return {"examples": n, "acc": correct / n, "acc_norm": correct_norm / n, "correct": correct,
+            "correct_norm": correct_norm, "truncated_rows": truncated}
+
+
+# ----------------------------------------------------------------------------------------------
+# The command
+
+
+def table(results: dict[str, Any]) -> str:
+    n = results["examples"]
+    rows = [["acc", f"{results['acc']:.4f}", f"{results['correct']}/{n}"],
+            ["acc_norm", f"{results['acc_norm']:.4f}", f"{results['correct_norm']}/{n}"]]
+    title = (f"gptopt eval: {results['task']}, {n:,} examples of {results['data']}, {results['model']} on "
+             f"{results['device']} ({results['dtype']})")
+    note = ("  acc: the ending of highest log-likelihood; acc_norm: of highest log-likelihood per byte of the "
+            "ending (lm-eval's normalisation; llm.c divides by tokens)")
+    return "\n".join([title, text_table(["", "score", "correct"], rows), note])
+
+
+def main(cfg: EvalConfig) -> int:
+    out = Path(cfg.output).expanduser() if cfg.output else None
+    if out is not None:  # refused before the download or the model: nothing read or written
+        check_output(out, kind=KIND, overwrite=cfg.overwrite, whole=True, flag="--output")
+    if cfg.data:
+        path, where = Path(cfg.data).expanduser(), "--data"
+    else:
+        path, where = hellaswag_file(), "the downloaded HellaSwag file"
+    examples = read_hellaswag(path, cfg.limit, name=where)
+    plan = resolve(cfg.device, quiet=True)
+    model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype)
+    scores = evaluate(model, tok, examples, plan, cfg.batch_size, f"{where} {path}")
+    results = {"task": cfg.task, "model": str(model_source(cfg.model)), "data": str(path.resolve()),
+               **scores, "acc_norm_by": "log-likelihood per UTF-8 byte of the ending (lm-eval's normalisation)",
+               "device": str(plan.device), "dtype": str(model.transformer.wte.weight.dtype).removeprefix("torch."),
+               "environment": environment(plan)}
+    if out is not None:
+        with staged_dir(out, replace=cfg.overwrite, kind=KIND) as tmp:
+            (tmp / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    print(table(results))
+    if out is not None:
+        print(f"\nreport: {out / 'results.json'}")
+    if cfg.json:
+        print(to_json(results))
+    return 0
