@@ -158,7 +158,10 @@ def test_ddp_runs_muon_unchanged(runs: dict[str, Run]) -> None:
     # the gradients are all-reduced before the step, so every rank orthogonalises the same whole matrices
     one, ddp = runs["one_muon"].ok(), runs["ddp_muon"].ok()
     assert_close(ddp.losses(), one.losses())
-    assert_weights_close(ddp.weights(6), one.weights(6))
+    # Newton-Schulz runs in bf16: where the reductions' fp32 rounding differs, a bf16 rounding of the update
+    # (~3 x lr per element here, 2^-8 of it per flip) can differ too: 7.4e-5 after the 6 steps, measured.
+    # Ranks that updated from their own half-batch gradients would differ by whole updates, ~1e-3 a step.
+    assert_weights_close(ddp.weights(6), one.weights(6), atol=2.5e-4)
     assert set(checkpoint.load_train_state(ddp.ckpt(6))["optimizer"]) == {"muon", "adamw"}
 
 
