@@ -158,10 +158,11 @@ def test_ddp_runs_muon_unchanged(runs: dict[str, Run]) -> None:
     # the gradients are all-reduced before the step, so every rank orthogonalises the same whole matrices
     one, ddp = runs["one_muon"].ok(), runs["ddp_muon"].ok()
     assert_close(ddp.losses(), one.losses())
-    # Newton-Schulz runs in bf16: where the reductions' fp32 rounding differs, a bf16 rounding of the update
-    # (~3 x lr per element here, 2^-8 of it per flip) can differ too: 7.4e-5 after the 6 steps, measured.
-    # Ranks that updated from their own half-batch gradients would differ by whole updates, ~1e-3 a step.
-    assert_weights_close(ddp.weights(6), one.weights(6), atol=2.5e-4)
+    # The losses agree to fp32 rounding; the weights less closely: Newton-Schulz runs in bf16, so where the
+    # reductions' fp32 rounding differs its bf16 roundings can too, and five iterations carry that on. Measured:
+    # 3.4e-4 after the 6 steps at the default muon_lr 3e-3 (7.4e-5 at 1e-3), against ~6e-4 RMS per element of
+    # one step's update (0.2 x muon_lr, match_rms_adamw).
+    assert_weights_close(ddp.weights(6), one.weights(6), atol=1e-3)
     assert set(checkpoint.load_train_state(ddp.ckpt(6))["optimizer"]) == {"muon", "adamw"}
 
 
