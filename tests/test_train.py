@@ -94,10 +94,11 @@ def samples(out: Path) -> dict[int, str]:
     return {r["step"]: r["sample"] for r in records(out) if "sample" in r}
 
 
-def test_resume_is_bitwise_exact(train_data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_resume_is_bitwise_exact(train_data: Path, tmp_path: Path, optimizer: str) -> None:
     # dropout on, so the RNG state must be restored too, not only weights and optimizer; eval samples
     # on, so sampling must leave training's RNG stream alone (the first leg samples at step 5 too)
-    kw = dict(dropout=0.1, save_interval=5, max_steps=10, eval_interval=3, eval_iters=2, sample_tokens=8)
+    kw = dict(optimizer=optimizer, dropout=0.1, save_interval=5, max_steps=10, eval_interval=3, eval_iters=2, sample_tokens=8)
     assert run(train_data, tmp_path / "straight", **kw) == 0
     # the first leg stops after 5 steps of the same 10-step schedule (as a crash or a signal would)
     assert run(train_data, tmp_path / "split", max_tokens=5 * 4 * 32, **kw) == 0

@@ -266,6 +266,13 @@ def check_loader(num_workers: int | None, prefetch_factor: int | None, persisten
                          "or --no-persistent_workers")
 
 
+# --optimizer muon's default peak learning rate, as a multiple of --learning_rate (Muon's update is
+# scaled to AdamW's RMS, optim.MUON_ADJUST_LR, so the two share a scale). Measured on tiny: after 200
+# steps 3x beat 1x, 2x and 6x, and AdamW (docs/benchmarks.md, "Muon"); the GPT-2 sizes take the same
+# multiple, unmeasured.
+MUON_LR_SCALE = 3.0
+
+
 @dataclass(kw_only=True)
 class TrainConfig:
     # what to train
@@ -309,6 +316,11 @@ class TrainConfig:
     beta2: float = opt(0.95, "AdamW beta2", ge=0.0, lt=1.0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 disables)", ge=0.0)
     fused_optimizer: bool = opt(True, "the fused AdamW kernel where torch has it")
+    optimizer: str = opt("adamw", "adamw; or muon: Muon for the blocks' weight matrices, AdamW for embeddings, the tied "
+                         "head, biases and LayerNorm (one process or DDP; not --fsdp)", choices=("adamw", "muon"))
+    muon_lr: float | None = opt(None, "--optimizer muon: Muon's peak learning rate (same warmup + cosine, on AdamW's "
+                                f"scale); default: learning_rate x {MUON_LR_SCALE:g} (measured on tiny)", gt=0.0, le=1.0)
+    muon_momentum: float = opt(0.95, "--optimizer muon: Muon's (Nesterov) momentum", ge=0.0, lt=1.0)
     # speed
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     use_amp: bool = opt(False, "mixed precision autocast (bf16, or fp16 with GradScaler on older GPUs)")
@@ -364,6 +376,20 @@ class TrainConfig:
         check_loader(self.num_workers, self.prefetch_factor, self.persistent_workers)
         if self.cpu_offload and not self.fsdp:
             raise ValueError("--cpu_offload needs --fsdp (it is FSDP2's offload policy)")
+        if self.optimizer == "muon" and self.fsdp:
+            # Newton-Schulz works on whole matrices. torch.optim.Muon does step FSDP2's shards (DTensor), but
+            # only by an all-reduce inside every iteration (11 per matrix per step, torch 2.13), and the
+            # sharded checkpoint path (distributed.full_state_dicts) covers one torch optimizer.
+            raise ValueError("--optimizer muon is not supported with --fsdp (Muon orthogonalises whole weight matrices; "
+                             "FSDP2 shards them): drop --fsdp (DDP), or use --optimizer adamw")
+        if self.optimizer == "muon":
+            import torch  # here, not at the top: building options and help needs no torch
+
+            if not hasattr(torch.optim, "Muon"):
+                raise ValueError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9), this is torch "
+                                 f"{torch.__version__}: upgrade torch, or use --optimizer adamw")
+        if self.muon_lr is not None and self.optimizer != "muon":
+            raise ValueError("--muon_lr is Muon's learning rate: add --optimizer muon, or drop --muon_lr")
         if self.time_budget is not None:
             parse_duration(self.time_budget)
         if self.min_lr is None:
@@ -371,6 +397,8 @@ class TrainConfig:
         if self.target_loss is not None and self.eval_interval == 0:
             raise ValueError("--target_loss needs evaluations to notice the target: drop --eval_interval 0 "
                              "(the default evaluates about 100 times over max_steps)")
+        if self.optimizer == "muon" and self.muon_lr is None:
+            self.muon_lr = self.learning_rate * MUON_LR_SCALE
 
     @property
     def time_budget_s(self) -> float | None:

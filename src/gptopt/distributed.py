@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from gptopt.optim import AnyOptimizer, check_state
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -127,7 +129,7 @@ def no_sync(model: nn.Module, active: bool) -> Iterator[None]:
         yield
 
 
-def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, sharded: bool) -> tuple[dict, dict]:
+def full_state_dicts(model: nn.Module, optimizer: AnyOptimizer, sharded: bool) -> tuple[dict, dict]:
     """Unsharded model and optimizer state (on CPU) for a checkpoint every world size can read.
 
     Every rank must call this under FSDP (it gathers); with DDP or one process it is local.
@@ -139,11 +141,12 @@ def full_state_dicts(model: nn.Module, optimizer: torch.optim.Optimizer, sharded
     return get_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
-def load_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, optim_state: dict, sharded: bool) -> None:
+def load_optimizer_state(model: nn.Module, optimizer: AnyOptimizer, optim_state: dict, sharded: bool) -> None:
     """Load a full (unsharded) optimizer state; under FSDP every rank keeps its own shard of it.
 
     The weights are already in place: they were loaded into the plain model before wrapping.
     """
+    check_state(optimizer, optim_state)  # the other --optimizer's state: refused with the fix, before any is loaded
     if not sharded:
         optimizer.load_state_dict(optim_state)
         return

@@ -6,8 +6,9 @@ is what trains.
 One step = `accumulation` micro-steps of forward and backward (the loss divided by the accumulation
 count, DDP/FSDP gradient sync only on the last), then the optimizer step: unscale (fp16), clip the
 global gradient norm, one host sync to read the loss and the norm, and a finite check that skips the
-update when either is NaN/Inf. The optimizer is AdamW with decay on matrices only (optim.py) and the
-warmup + cosine learning rate of the TrainConfig.
+update when either is NaN/Inf. The optimizer is the TrainConfig's (optim.py: AdamW with decay on
+matrices only, or Muon for the blocks' matrices and AdamW for the rest), each parameter group on the
+warmup + cosine schedule towards its own peak learning rate.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from gptopt import distributed
 from gptopt.config import TrainConfig
 from gptopt.device import DevicePlan
 from gptopt.distributed import DistInfo
-from gptopt.optim import lr_at, make_adamw
+from gptopt.optim import group_lrs, lr_at, make_optimizer
 from gptopt.prepare_model import graph_break_reason
 
 # Names the step's one host sync in traces: `gptopt profile` does not count it as an avoidable sync.
@@ -83,21 +84,26 @@ class TrainStep:
         self.model, self.raw, self.plan, self.cfg = model, raw, plan, cfg
         self.info = info or DistInfo()
         self.accum = cfg.gradient_accumulation_steps
-        self.optimizer, self.fused = make_adamw(
-            raw, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
-            device_type=plan.device.type, fused=cfg.fused_optimizer and not cfg.cpu_offload,
+        self.optimizer, self.fused = make_optimizer(
+            raw, kind=cfg.optimizer, lr=cfg.learning_rate, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2),
+            device_type=plan.device.type, fused=cfg.fused_optimizer and not cfg.cpu_offload, muon_lr=cfg.muon_lr,
+            muon_momentum=cfg.muon_momentum,
         )
+        # (peak, final) learning rate of each param group: Muon's and AdamW's keep their own peaks
+        assert cfg.min_lr is not None  # set by TrainConfig
+        self.group_lrs = group_lrs(self.optimizer, lr=cfg.learning_rate, min_lr=cfg.min_lr, muon_lr=cfg.muon_lr)
         self.scaler = torch.amp.GradScaler(plan.device.type) if plan.use_grad_scaler else None
 
     def lr(self, step: int) -> float:
+        """AdamW's learning rate at step (what metrics.jsonl logs as `lr`)."""
         cfg = self.cfg
         return lr_at(step, cfg.learning_rate, cfg.min_lr, cfg.warmup_steps, cfg.decay_steps)
 
     def __call__(self, step: int, next_batch: NextBatch) -> StepResult:
         """Train on one global batch at optimizer step `step` (0-based: it sets that step's learning rate)."""
-        lr = self.lr(step)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        cfg = self.cfg
+        for group, (peak, final) in zip(self.optimizer.param_groups, self.group_lrs, strict=True):
+            group["lr"] = lr_at(step, peak, final, cfg.warmup_steps, cfg.max_steps)
         # summed in place as each micro-step ends: a CUDA-graph output is overwritten by the next replay
         loss_sum = torch.zeros((), device=self.plan.device)
         sync_ranks = self.info.world_size > 1
