@@ -134,7 +134,9 @@ def test_resuming_with_the_other_optimizer_is_refused_with_the_fix(
         out = tmp_path / first
         assert exit_code(args(train_data, out, "--max_steps", "2", "--optimizer", first)) == 0
         capsys.readouterr()
+        before = {q: q.read_bytes() for q in out.rglob("*") if q.is_file()}
         assert exit_code(args(train_data, out, "--max_steps", "4", "--resume", "auto", "--optimizer", second)) == 2
+        assert {q: q.read_bytes() for q in out.rglob("*") if q.is_file()} == before  # the run is left as it was
         err = capsys.readouterr().err
         assert f"resume with --optimizer {first}" in err and "--init_from" in err and "Traceback" not in err
 
