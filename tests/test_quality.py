@@ -165,6 +165,16 @@ def test_the_ladder_reports_ratios_and_welchs_test_against_adamw(tmp_path: Path)
     assert toml is not None and 'optimizer = "muon"' in toml and "target_loss = 5.0" in toml
 
 
+def test_when_nothing_beats_adamw_adamw_stays_the_recommendation(tmp_path: Path) -> None:
+    cfg = BenchConfig(mode="quality", preset="tiny", output_dir=str(tmp_path), device="cpu", recipes="adamw,muon")
+    ladder = quality.Ladder(cfg)
+    _fake(ladder, "adamw", [20.0, 21.0, 22.0])
+    _fake(ladder, "muon", [21.0, 22.0, 23.0])  # fewer steps, slower steps: later to the target
+    s = ladder.summary()
+    assert s["best"] is None and s["welch"] is None and quality.best_toml(s) is None
+    assert "the best recipe is AdamW" in quality.markdown(s, [], None)
+
+
 def test_the_ladder_end_to_end_trains_each_recipe_and_seed_and_writes_its_report(
         train_data: Path, tmp_path: Path, curve: dict[int, float], capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("scipy", reason="the stats extra")
