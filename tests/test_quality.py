@@ -15,7 +15,7 @@ import pytest
 
 from gptopt import checkpoint, cli, data, train
 from gptopt.bench import quality
-from gptopt.config import BenchConfig, TrainConfig
+from gptopt.config import BenchConfig, TrainConfig, preset
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
             log_interval=1, warmup_steps=2, learning_rate=3e-3, save_interval=0)
@@ -201,3 +201,47 @@ def test_the_ladder_end_to_end_trains_each_recipe_and_seed_and_writes_its_report
     before = (out / "quality_results.json").read_text()
     assert cli.main(argv) == 2 and "--overwrite" in capsys.readouterr().err
     assert (out / "quality_results.json").read_text() == before
+
+
+def test_lr_decay_steps_sets_every_optimizer_groups_rate(tmp_path: Path) -> None:
+    """Not only the logged lr: each parameter group the optimizer steps with (AdamW's and Muon's alike)."""
+    import torch
+
+    from gptopt.device import resolve
+    from gptopt.model import GPT
+    from gptopt.step import TrainStep
+
+    cfg = TrainConfig(preset="debug", max_steps=16, lr_decay_steps=8, warmup_steps=2, learning_rate=3e-3,
+                      min_lr=3e-4, optimizer="muon", device="cpu")
+    model = GPT(preset("debug", vocab_size=64))
+    ts = TrainStep(model, model, resolve("cpu", quiet=True), cfg)
+    x = torch.randint(0, 64, (2, 8))
+    ts(10, lambda micro: (x, x))
+    # past step 8 every group sits at its own final rate (max_steps, 16, would still have it decaying)
+    groups = ts.optimizer.param_groups
+    assert len(groups) >= 2 and all(g["lr"] == pytest.approx(final) for g, (_, final) in zip(groups, ts.group_lrs, strict=True))
+
+
+def test_a_decay_that_ends_inside_the_warmup_is_refused() -> None:
+    with pytest.raises(ValueError, match="--lr_decay_steps"):
+        TrainConfig(warmup_steps=100, lr_decay_steps=50)
+
+
+def test_a_diverged_evaluation_neither_reaches_the_target_nor_becomes_the_best() -> None:
+    fake = type("T", (), {"cfg": TrainConfig(target_loss=3.0, eval_interval=10), "metrics": None})()
+    progress = train.Progress()
+    train.Trainer._record_eval(fake, progress, float("nan"))
+    assert progress.target is None and progress.best_val is None
+    train.Trainer._record_eval(fake, progress, 2.5)
+    assert progress.target is not None and progress.best_val == 2.5
+
+
+def test_resuming_a_run_that_reached_its_target_trains_no_further(
+        train_data: Path, tmp_path: Path, curve: dict[int, float]) -> None:
+    out = tmp_path / "run"
+    target = curve[10] + 1e-6
+    assert run(train_data, out, max_steps=40, eval_interval=5, target_loss=target) == 0
+    first = json.loads((out / "run.json").read_text())["target"]
+    assert run(train_data, out, max_steps=40, eval_interval=5, target_loss=target, resume="auto") == 0
+    assert [r["step"] for r in records(out) if "step_time_s" in r] == list(range(1, 11))
+    assert json.loads((out / "run.json").read_text())["target"] == first

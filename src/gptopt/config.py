@@ -394,6 +394,9 @@ class TrainConfig:
             parse_duration(self.time_budget)
         if self.min_lr is None:
             self.min_lr = self.learning_rate / 10
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup_steps:
+            raise ValueError(f"--lr_decay_steps ({self.lr_decay_steps}) must come after the warmup "
+                             f"(--warmup_steps {self.warmup_steps}): the cosine decay starts where the warmup ends")
         if self.target_loss is not None and self.eval_interval == 0:
             raise ValueError("--target_loss needs evaluations to notice the target: drop --eval_interval 0 "
                              "(the default evaluates about 100 times over max_steps)")

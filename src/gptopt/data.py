@@ -275,16 +275,15 @@ class BatchDataset(torch.utils.data.Dataset):
                              f"{self.data.directory} records none (nanoGPT shards): prepare it with `gptopt prepare`")
         tokens = self.data.tokens(self.split)
         last = len(tokens) - self.seq_len - 1  # the last start that still has T + 1 tokens
-        ends = np.flatnonzero(np.asarray(tokens[: last + 1]) == eot)
-        starts = np.unique(np.concatenate([[0], ends])).astype(np.int64)
+        chunk = 1 << 24  # scanned in slices: a whole split's comparison would be one byte per token at once
+        ends = [np.flatnonzero(np.asarray(tokens[i : min(i + chunk, last + 1)]) == eot) + i
+                for i in range(0, last + 1, chunk)]
+        starts = np.unique(np.concatenate([[0], *ends])).astype(np.int64)
         if len(starts) < 2:
             raise ValueError(f"--align_documents: the {self.split} split of {self.data.directory} has no end-of-text "
                              f"token {self.seq_len + 1} or more tokens before its end, so every window would start at "
                              "0: drop --align_documents or use a shorter --seq_len")
         return starts
-
-    def __getstate__(self) -> dict[str, Any]:  # DataLoader workers find the starts again rather than unpickle them
-        return {**self.__dict__, "_starts": None}
 
     def _check(self, split: str) -> int:
         n = self.data.num_tokens(split)

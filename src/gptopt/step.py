@@ -103,7 +103,7 @@ class TrainStep:
         """Train on one global batch at optimizer step `step` (0-based: it sets that step's learning rate)."""
         cfg = self.cfg
         for group, (peak, final) in zip(self.optimizer.param_groups, self.group_lrs, strict=True):
-            group["lr"] = lr_at(step, peak, final, cfg.warmup_steps, cfg.max_steps)
+            group["lr"] = lr_at(step, peak, final, cfg.warmup_steps, cfg.decay_steps)
         # summed in place as each micro-step ends: a CUDA-graph output is overwritten by the next replay
         loss_sum = torch.zeros((), device=self.plan.device)
         sync_ranks = self.info.world_size > 1

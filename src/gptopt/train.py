@@ -384,6 +384,8 @@ class Trainer:
         progress.train_s = self.state.get("train_s", 0.0)  # absent from checkpoints of older versions
         progress.first_steps_s = self.state.get("first_steps_s", 0.0)
         progress.best_val = self.state.get("best_val_loss")
+        done = self.state.get("target")  # a run resumed after reaching this target does not train on
+        progress.target = done if done and done["loss"] == self.cfg.target_loss else None
         if self.info.is_main:
             log.info(f"resumed from {self.resume_dir} at step {progress.step} ({progress.tokens_seen:,} tokens)")
         return progress
@@ -463,7 +465,10 @@ class Trainer:
                    desc="train")
         exit_code = 0
         try:
-            while not self._reached_the_end(progress):
+            if progress.target is not None and main:
+                log.info(f"the target val loss {progress.target['loss']} was reached at step "
+                         f"{progress.target['steps_to_target']} before this resume: nothing to train")
+            while not self._reached_the_end(progress) and progress.target is None:
                 self._train_one(progress, bar)
                 last_step = self._reached_the_end(progress)
                 every = cfg.eval_every
@@ -471,7 +476,8 @@ class Trainer:
                 if evaluated:
                     self._record_eval(progress, self._evaluate(progress.step, progress.train_s))
                 stop = self._stop_requested(stop_signal)
-                if stop and every and not evaluated and not stop_signal:  # the time budget: its model's val loss
+                # the model a stop saves gets its val loss (every rank agrees on `stop`, so all evaluate)
+                if stop and every and not evaluated:
                     self._record_eval(progress, self._evaluate(progress.step, progress.train_s))
                 reached = progress.target is not None
                 if stop or reached or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0):
@@ -593,9 +599,10 @@ class Trainer:
     def _record_eval(self, progress: Progress, val: float) -> None:
         """The best val loss so far, and --target_loss reached: what it took (step time summed, evals and
         saves left out; with and without each process's first step, which compiles)."""
-        progress.best_val = val if progress.best_val is None else min(progress.best_val, val)
+        if math.isfinite(val):  # a diverged evaluation is neither the best nor a target reached
+            progress.best_val = val if progress.best_val is None else min(progress.best_val, val)
         target = self.cfg.target_loss
-        if target is None or val > target or progress.target is not None:
+        if target is None or not val <= target or progress.target is not None:
             return
         progress.target = {
             "loss": target, "reached": True, "val_loss": val, "time_to_target_s": progress.train_s,
@@ -650,6 +657,7 @@ class Trainer:
                 "optimizer": optim_state, "scaler": scaler.state_dict() if scaler is not None else None,
                 "rng": rng_state(), "world_size": self.info.world_size, "train_s": progress.train_s,
                 "first_steps_s": progress.first_steps_s, "best_val_loss": progress.best_val,
+                "target": progress.target,
             }
             # The tokenizer travels in the checkpoint (generate and serve prefer that copy); the recorded
             # path is absolute, so even an older reader finds it from any working directory.

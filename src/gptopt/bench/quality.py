@@ -275,7 +275,8 @@ class Ladder:
         test = self._welch(best["recipe"]) if best else None
         return {
             "mode": "quality", "preset": self.preset, "data_dir": self.cfg.data_dir, "target_loss": self.target,
-            "max_steps": self.max_steps, "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS,
+            "max_steps": self.max_steps, "sizes": sizes(self.cfg, self.best_toml),
+            "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS,
             "seeds": self.seeds, "step_settings": str(self.best_toml) if self.best_toml else "train's defaults",
             "environment": environment(resolve(self.cfg.device, quiet=True)), "native_bf16": cpu_has_fast_bf16(),
             "recipes": rows, "best": best["recipe"] if best else None, "welch": test,
@@ -301,7 +302,9 @@ def best_toml(summary: dict[str, Any]) -> str | None:
     best = next((r for r in summary["recipes"] if r["recipe"] == summary["best"]), None)
     if best is None:
         return None
-    opts = {"target_loss": summary["target_loss"], **best["flags"]}
+    # the sizes and the cap it was measured at: a schedule's steps mean something at these sizes only
+    opts = {"target_loss": summary["target_loss"], **summary["sizes"], "max_steps": summary["max_steps"],
+            **best["flags"]}
     return toml_text(opts, (f"# written by `gptopt bench --mode quality`: recipe '{best['recipe']}', "
                             f"{best['vs_adamw']:.2f}x AdamW's time to val loss {summary['target_loss']}",
                             "# gptopt train --config quality_best.toml"))
