@@ -46,7 +46,7 @@ from gptopt.config import BenchConfig
 from gptopt.device import cpu_has_fast_bf16, environment, resolve
 from gptopt.extras import has, require
 from gptopt.fsutil import replacing
-from gptopt.tables import text_table, to_json, toml_text
+from gptopt.tables import fmt, text_table, to_json, toml_text
 
 log = logging.getLogger("gptopt")
 
@@ -101,14 +101,8 @@ def recipes(spec: str) -> list[str]:
     return [n for n in known if n in names]  # derived recipes after what they derive from
 
 
-def sizes(cfg: BenchConfig, best_toml: Path | None) -> dict[str, Any]:
-    """The embedded default's micro-batch and length (SIZES), unless best.toml or the flags give them."""
-    if best_toml is not None or cfg.batch_size or cfg.seq_len:
-        return {}
-    return SIZES.get(cfg.preset or "tiny", {}) if resolve(cfg.device, quiet=True).device.type == "cpu" else {}
-
-
-def train_argv(cfg: BenchConfig, run: Run, target: float, max_steps: int, best_toml: Path | None) -> list[str]:
+def train_argv(cfg: BenchConfig, run: Run, target: float, max_steps: int, best_toml: Path | None,
+               sizes: dict[str, Any]) -> list[str]:
     argv = [sys.executable, "-m", "gptopt", "train"]
     if best_toml is not None:
         argv += ["--config", str(best_toml)]
@@ -116,7 +110,7 @@ def train_argv(cfg: BenchConfig, run: Run, target: float, max_steps: int, best_t
         "data_dir": cfg.data_dir, "output_dir": str(run.out), "seed": run.seed, "target_loss": target,
         "max_steps": max_steps, "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS, "sample_tokens": 0,
         "save_interval": 0, "save_total_limit": 1, "log_interval": EVAL_INTERVAL, "device": cfg.device,
-        **({"preset": cfg.preset} if cfg.preset else {}), **sizes(cfg, best_toml),
+        **({"preset": cfg.preset} if cfg.preset else {}), **sizes,
         **({"seq_len": cfg.seq_len} if cfg.seq_len else {}),
         **({"batch_size": cfg.batch_size} if cfg.batch_size else {}), **run.flags,
     }
@@ -148,13 +142,17 @@ class Ladder:
         self.out = Path(cfg.output_dir).expanduser()
         self.names = recipes(cfg.recipes)
         self.seeds = [cfg.seed + i for i in range(cfg.seeds)]
-        self.preset = cfg.preset or ("gpt2" if resolve(cfg.device, quiet=True).device.type == "cuda" else "tiny")
+        self.plan = resolve(cfg.device, quiet=True)
+        self.preset = cfg.preset or ("gpt2" if self.plan.device.type == "cuda" else "tiny")
         if cfg.target_loss is None and self.preset not in DEFAULT_TARGET:
             raise ValueError(f"--mode quality has no default target for {self.preset}: pass --target_loss")
         self.target = cfg.target_loss if cfg.target_loss is not None else DEFAULT_TARGET[self.preset]
         self.max_steps = cfg.max_steps or DEFAULT_MAX_STEPS
         toml = self.out / "best.toml"  # the training ladder's fastest step settings, if it ran here
         self.best_toml = toml if toml.is_file() else None
+        # the embedded default's micro-batch and length (SIZES) on a CPU, unless best.toml or the flags give them
+        given = self.best_toml is not None or cfg.batch_size or cfg.seq_len
+        self.sizes: dict[str, Any] = {} if given or self.plan.device.type != "cpu" else SIZES.get(self.preset, {})
         self.runs: list[Run] = []
         self.flags: dict[str, dict[str, Any]] = {n: f for n, (_, f) in CHANGES.items()}
         self.notes: dict[str, str] = {}
@@ -186,7 +184,7 @@ class Ladder:
                 bar.update(1)
 
     def _train(self, run: Run) -> None:
-        argv = train_argv(self.cfg, run, self.target, self.max_steps, self.best_toml)
+        argv = train_argv(self.cfg, run, self.target, self.max_steps, self.best_toml, self.sizes)
         run.out.parent.mkdir(parents=True, exist_ok=True)
         log_path = run.out.parent / f"{run.out.name}.log"
         with open(log_path, "wb") as f:
@@ -275,10 +273,10 @@ class Ladder:
         test = self._welch(best["recipe"]) if best else None
         return {
             "mode": "quality", "preset": self.preset, "data_dir": self.cfg.data_dir, "target_loss": self.target,
-            "max_steps": self.max_steps, "sizes": sizes(self.cfg, self.best_toml),
+            "max_steps": self.max_steps, "sizes": self.sizes,
             "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS,
             "seeds": self.seeds, "step_settings": str(self.best_toml) if self.best_toml else "train's defaults",
-            "environment": environment(resolve(self.cfg.device, quiet=True)), "native_bf16": cpu_has_fast_bf16(),
+            "environment": environment(self.plan), "native_bf16": cpu_has_fast_bf16(),
             "recipes": rows, "best": best["recipe"] if best else None, "welch": test,
             "runs": [{"recipe": r.recipe, "seed": r.seed, "flags": r.flags, "reached": r.reached,
                       "time_to_target_s": r.time_s, "time_to_target_excl_compile_s": r.time_excl_compile_s,
@@ -310,17 +308,15 @@ def best_toml(summary: dict[str, Any]) -> str | None:
                             "# gptopt train --config quality_best.toml"))
 
 
-def _fmt(v: Any, kind: str) -> str:
-    if v is None:
-        return "-"
-    return {"min": f"{v:.2f}", "x": f"{v:.2f}x", "int": f"{v:,.0f}", "loss": f"{v:.4f}"}.get(kind, str(v))
+def _2dp(v: float | None) -> str:  # minutes in the table, seconds per run
+    return "-" if v is None else f"{v:.2f}"
 
 
 def table(summary: dict[str, Any]) -> str:
     head = ["recipe", "reached", "minutes (mean ± sd)", "steps", "tokens", "vs adamw", "note"]
     body = [[r["recipe"], f"{r['reached']}/{r['runs']}",
-             "-" if r["minutes_mean"] is None else f"{r['minutes_mean']:.2f} ± {_fmt(r['minutes_sd'], 'min')}",
-             _fmt(r["steps_mean"], "int"), _fmt(r["tokens_mean"], "int"), _fmt(r["vs_adamw"], "x"), r["note"]]
+             "-" if r["minutes_mean"] is None else f"{r['minutes_mean']:.2f} ± {_2dp(r['minutes_sd'])}",
+             fmt(r["steps_mean"], "int"), fmt(r["tokens_mean"], "int"), fmt(r["vs_adamw"], "x"), r["note"]]
             for r in summary["recipes"]]
     return text_table(head, body)
 
@@ -355,9 +351,9 @@ def markdown(summary: dict[str, Any], plots: list[str], toml: str | None) -> str
            "|---|---:|---|---:|---:|---:|---:|"]
     for r in summary["runs"]:
         md.append(f"| {r['recipe']} | {r['seed']} | {'yes' if r['reached'] else 'no' + (': ' + r['error'] if r['error'] else '')} "
-                  f"| {_fmt(r['time_to_target_s'], 'min') if r['time_to_target_s'] is not None else '-'} "
-                  f"| {_fmt(r['steps_to_target'], 'int')} | {_fmt(r['tokens_to_target'], 'int')} "
-                  f"| {_fmt(r['best_val_loss'], 'loss')} |")
+                  f"| {_2dp(r['time_to_target_s'])} "
+                  f"| {fmt(r['steps_to_target'], 'int')} | {fmt(r['tokens_to_target'], 'int')} "
+                  f"| {fmt(r['best_val_loss'], 'loss')} |")
     if plots:
         md += ["", "## Val loss against training time", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(md) + "\n"
