@@ -68,16 +68,15 @@ class Sizes:
     eval_tokens: int
     clients: tuple[int, ...]
     serve_tokens: int
-    serve_compile: bool  # the CPU rehearsal serves eager: a compile per bucket would outlast its step
 
 
 SIZES = {
     "gpu": Sizes(model="gpt2", large="gpt2-xl", seq=1024, batch=16, train_steps=40, few_steps=4,
                  bench_warmup=2, infer_batches="1,64", infer_seq=256, new_tokens=128, eval_tokens=16384,
-                 clients=(1, 16, 64), serve_tokens=64, serve_compile=True),
+                 clients=(1, 16, 64), serve_tokens=64),
     "cpu": Sizes(model="debug", large="debug", seq=64, batch=4, train_steps=4, few_steps=2,
                  bench_warmup=1, infer_batches="1,2", infer_seq=64, new_tokens=16, eval_tokens=1024,
-                 clients=(1, 2, 4), serve_tokens=8, serve_compile=False),
+                 clients=(1, 2, 4), serve_tokens=8),
 }
 
 
@@ -161,9 +160,10 @@ def plan(ctx: Ctx) -> list[Step]:
              g("bench", "--preset", s.model, *data, "--batch_size", s.batch, "--seq_len", s.seq, "--steps",
                10, "--warmup", s.bench_warmup, "--output_dir", p("bench"), "--json", "--overwrite"),
              stdout="bench.json"),
-        Step("bench_infer", 75, f"bench --mode infer on {s.model}: hf, kv, compiled (CUDA graphs), int8, int4 at "
-             f"batch {s.infer_batches.replace(',', ' and ')}: decode tokens/s, bandwidth share", g(
-                 "bench", "--preset", s.model, *infer, "--rungs", "hf,kv,compiled,int8,int4", "--batch_sizes",
+        Step("bench_infer", 75, f"bench --mode infer on {s.model}: hf, kv, graphs (eager CUDA graphs), compiled "
+             f"(inductor's CUDA graphs), int8, int4 at batch {s.infer_batches.replace(',', ' and ')}: decode tokens/s, "
+             "bandwidth share", g(
+                 "bench", "--preset", s.model, *infer, "--rungs", "hf,kv,graphs,compiled,int8,int4", "--batch_sizes",
                  s.infer_batches, "--output_dir", p("bench_infer")), stdout="bench_infer.json"),
         Step("decode_large", 50, f"{s.large} batch-1 decode in bf16, compiled: achieved memory bandwidth as a share "
              "of the table's", g("bench", "--preset", s.large, *infer, "--rungs", "compiled", "--batch_sizes", 1,
@@ -180,10 +180,11 @@ def plan(ctx: Ctx) -> list[Step]:
         Step("compress_2_4", 15, "compress --prune 2:4 (semi-structured sparse kernels): size, speed, quality",
              g("compress", *compress, "--prune", "2:4", "--output", p("compress_2_4")), model=True,
              stdout="compress_2_4.json", cpu=False),
-        Step("serve", 55, f"serve --compile on the GPU (a CUDA graph per batch bucket, built before /ready), loadtest "
-             f"at {', '.join(map(str, s.clients))} clients: start to /ready, TTFT, TPOT, output tokens/s, errors, memory",
+        Step("serve", 55, "serve with its defaults (on the GPU the eager decode recorded as a CUDA graph per batch "
+             f"bucket before /ready), loadtest at {', '.join(map(str, s.clients))} clients: start to /ready, TTFT, "
+             "TPOT, output tokens/s, errors, memory",
              g("serve", "--model", "MODEL", "--host", "127.0.0.1", "--port", "PORT", "--max_batch_size",
-               max(s.clients), *(["--compile"] if s.serve_compile else [])), model=True, serve=True),
+               max(s.clients)), model=True, serve=True),
         Step("profile", 25, f"profile --preset {s.model} --use_amp: where the time goes, and the fix",
              g("profile", "--preset", s.model, "--use_amp", *data, "--output_dir", p("profile"), "--json", "--overwrite"),
              stdout="profile.json"),
@@ -376,8 +377,9 @@ def fig_profile(out: Path, _log: str) -> dict[str, Any]:
                                              for f in d.get("findings") or []][:4]}
 
 
-# serve's log line after its warm-up (serve/engine.py): "compiled the decode for batches of 1, 2, 4 in 12.3 s"
-DECODE_GRAPHS = re.compile(r"compiled the decode for batches of ([\d, ]+) in ([\d.]+) s")
+# serve's log line after its warm-up (serve/engine.py): "compiled the decode for batches of 1, 2, 4 in 12.3 s",
+# or without --compile on a GPU "recorded CUDA graphs of the decode for batches of ..."
+DECODE_GRAPHS = re.compile(r"(?:compiled|recorded CUDA graphs of) the decode for batches of ([\d, ]+) in ([\d.]+) s")
 
 FIGURES: dict[str, Callable[[Path, str], dict[str, Any]]] = {
     "doctor": fig_doctor, "prepare": fig_prepare, "cuda_tests": fig_pytest, "bench": fig_bench,

@@ -54,12 +54,13 @@ def bench(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> InferBe
 def test_default_is_every_rung_and_unknown_names_list_the_valid_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert [r.name for r in select_rungs("default")] == ["hf", "kv", "compiled", "bf16", "int8", "int4", "onnxruntime"]
+    assert [r.name for r in select_rungs("default")] == ["hf", "kv", "graphs", "compiled", "bf16", "int8", "int4",
+                                                         "onnxruntime"]
     assert select_rungs("all") == select_rungs("default")
     assert [r.name for r in select_rungs("kv,hf,kv")] == ["kv", "hf"]
     with pytest.raises(ValueError) as e:
         select_rungs("kv,turbo")
-    for name in ("hf", "kv", "compiled", "bf16", "int8", "int4", "onnxruntime"):
+    for name in ("hf", "kv", "graphs", "compiled", "bf16", "int8", "int4", "onnxruntime"):
         assert name in str(e.value)
     assert cli.main(infer_args(tmp_path, tmp_path / "o", "turbo")) == 2
     assert "unknown rung 'turbo'" in capsys.readouterr().err
@@ -230,7 +231,8 @@ def test_the_default_ladder_runs_end_to_end_with_its_compiled_rungs(
     assert cli.main(infer_args(train_data, tmp_path / "b", "default", "--json")) == 0
     results = last_json_line(capsys.readouterr().out)
     rungs = {r["name"]: r for r in results["rungs"]}
-    assert list(rungs) == ["hf", "kv", "compiled", "bf16", "int8", "int4", "onnxruntime"]
+    assert list(rungs) == ["hf", "kv", "graphs", "compiled", "bf16", "int8", "int4", "onnxruntime"]
+    assert rungs["graphs"]["status"] == "skipped" and "NVIDIA GPU" in rungs["graphs"]["note"]
     assert rungs["compiled"]["status"] == "ok", rungs["compiled"]["note"]
     # compiling the decode step over a static cache changes the speed, not the tokens
     assert rungs["compiled"]["tokens_match"] == 1.0

@@ -134,6 +134,7 @@ EXPECTED_OPTIONS = {
     "generate": {
         "batch_size",
         "compile",
+        "cuda_graphs",
         "device",
         "dtype",
         "input",
@@ -156,6 +157,7 @@ EXPECTED_OPTIONS = {
         "blocklist",
         "compile",
         "cors_origin",
+        "cuda_graphs",
         "device",
         "dtype",
         "host",

@@ -1,5 +1,5 @@
 """GPU checks: device policy, table peak, bf16 step, flash attention; fp16 loss scaling, DDP and FSDP2
-over NCCL, activation checkpointing, auto batch size under a real CUDA OOM, CUDA-graph decode,
+over NCCL, activation checkpointing, auto batch size under a real CUDA OOM, CUDA-graph decode (compiled and eager),
 torchao int8 weight-only, NVML monitoring. Small models only, one torch.compile in all.
 
     pytest -q -m cuda tests/test_cuda.py     # skipped without an NVIDIA GPU
@@ -20,7 +20,7 @@ from gptopt.config import TrainConfig, preset
 from gptopt.device import DevicePlan, gpu_spec, measured_matmul_flops, peak_flops, resolve
 from gptopt.distributed import DistInfo, no_sync, wrap_ddp, wrap_fsdp
 from gptopt.generate import Generator, SamplingParams, generate
-from gptopt.inference import prepare
+from gptopt.inference import GraphedDecode, prepare
 from gptopt.model import GPT
 from gptopt.monitor import Monitor
 from gptopt.step import TrainStep
@@ -276,6 +276,30 @@ def test_cuda_graph_decode_gives_the_eager_decodes_greedy_tokens() -> None:
     assert len(set(want[0])) > 3  # varied text, so equal tokens are a real comparison
     assert got == want
     assert counters["inductor"]["cudagraph_skips"] == skips  # no step fell back from CUDA graphs
+
+
+def test_eager_cuda_graphs_give_the_eager_decodes_greedy_tokens_one_graph_per_bucket() -> None:
+    """Generator(cuda_graphs=True), serve's default on a GPU: the eager decode recorded once per bucket
+    (inference.GraphedDecode) and replayed must say what the eager Generator says, at a bucket wider
+    than the rows asked for (3 sequences run the 4-row graph) and at a smaller bucket recorded later
+    from the same memory pool."""
+    plan = resolve()
+    model = make_varied_model(512).to(plan.device)
+    prompts = [[5, 17, 99, 4, 200, 31, 8], [3, 1, 4], [9, 9, 2, 7, 300]]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0, top_k=None)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        want = generate(Generator(model, plan, max_batch_size=4, max_len=40), prompts, greedy)
+        gen = Generator(model, plan, max_batch_size=4, max_len=40, cuda_graphs=True)
+        got = generate(gen, prompts, greedy)
+        got_one = generate(gen, prompts[:1], greedy)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert len(set(want[0])) > 3  # varied text, so equal tokens are a real comparison
+    assert got == want
+    assert got_one == want[:1]
+    assert isinstance(gen._step, GraphedDecode) and sorted(gen._step.graphs) == [1, 4]  # recorded once each
 
 
 def test_int8_weight_only_on_the_fly_keeps_the_bf16_models_logits() -> None:

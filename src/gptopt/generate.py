@@ -33,7 +33,7 @@ from tqdm import tqdm
 from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
 from gptopt.device import DevicePlan, resolve
 from gptopt.fsutil import check_writable, staged_file
-from gptopt.inference import compile_decode, load_for_inference, model_source
+from gptopt.inference import GraphedDecode, compile_decode, load_for_inference, model_source
 from gptopt.model import GPT, KVCacheLayer
 from gptopt.tokenizer import eot_id
 
@@ -198,7 +198,10 @@ class Generator:
     """
 
     def __init__(self, model: GPT, plan: DevicePlan, *, max_batch_size: int = 8, max_len: int | None = None,
-                 compile: bool = False) -> None:
+                 compile: bool = False, cuda_graphs: bool = False) -> None:
+        """compile: the decode step compiled (inference.compile_decode). cuda_graphs: on CUDA without
+        compile, the eager decode step recorded as a CUDA graph per bucket (inference.GraphedDecode);
+        ignored elsewhere, and with compile (whose reduce-overhead mode records its own)."""
         cfg = model.config
         self.max_len = cfg.block_size if max_len is None else max_len
         if not 2 <= self.max_len <= cfg.block_size:
@@ -219,9 +222,16 @@ class Generator:
         if compile:  # the last inference transform (inference.py's step 5): it needs this cache
             self._step = compile_decode(self._decode_rows, self.model, self.cache.k + self.cache.v, self.device,
                                         max_batch_size)
+        elif cuda_graphs and self.device.type == "cuda":
+            self._step = GraphedDecode(self._decode_rows, max_batch_size, self.device)
 
     @property
     def compiled(self) -> bool:
+        return self._step is not None and not isinstance(self._step, GraphedDecode)
+
+    @property
+    def bucketed(self) -> bool:
+        """The decode runs whole buckets (compiled, or recorded as CUDA graphs): each is built on its first step."""
         return self._step is not None
 
     # slots ------------------------------------------------------------------------------------
@@ -827,7 +837,8 @@ def main(cfg: GenerateConfig) -> int:
                                     quantize=cfg.quantize)
     eot = eot_id(tok)
     params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=() if eot is None else (eot,))
-    gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile)
+    gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile,
+                    cuda_graphs=cfg.cuda_graphs)
     if batch:
         encoded = [_encode(tok, text, eot, f"--input {cfg.input}: prompt {i}") for i, text in enumerate(batch, 1)]
     else:

@@ -18,7 +18,8 @@ compress and export. The order, and why it is this one:
      c. weight layout (prepare_model.inference_layout): float weights only, so after int8.
   5. compile_decode, once per Generator (it needs the KV cache, which the Generator owns):
      static cache addresses for CUDA graphs, or on CPUs the gemv Linears (prepare_model.gemv_linears,
-     which undo step c's layout: they read row-major weights), then torch.compile.
+     which undo step c's layout: they read row-major weights), then torch.compile. Or, on CUDA without
+     a compiler, GraphedDecode: the eager decode recorded as one CUDA graph per batch bucket.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -42,7 +44,7 @@ from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inf
 from gptopt.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
 from gptopt.tokenizer import TOKENIZER, load_tokenizer
 
-__all__ = ["compile_decode", "find_tokenizer", "load_for_inference", "model_source", "prepare",
+__all__ = ["GraphedDecode", "compile_decode", "find_tokenizer", "load_for_inference", "model_source", "prepare",
            "weights_dtype"]
 
 log = logging.getLogger("gptopt")
@@ -200,3 +202,57 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     # Sizes dynamo sees change become symbolic: the attention's length (marked so) and, from the second
     # bucket on, the row count, so every bucket of 2 rows and more shares one graph.
     return compile_model(step, inference=True)  # type: ignore[arg-type,return-value]
+
+
+class GraphedDecode:
+    """Step 5 without a compiler, CUDA only: `step` (the Generator's decode of the first B cache rows)
+    recorded as one CUDA graph per row count B on its first call, and replayed after that.
+
+    A GPT-2-class decode step is hundreds of small kernels whose launches, not their arithmetic, set
+    its time on a GPU; a replay launches them all at once. Recording takes well under a second per
+    bucket, where torch.compile's reduce-overhead spent 13 s per bucket on gpt2 (92.7 s for seven
+    buckets on an H200): this is what makes a server ready in seconds. The graphs read their tokens
+    and positions from static buffers, and the KV cache and `keys` (the attended length, the whole
+    cache) must keep their addresses and shapes: the Generator's do. The returned logits are the
+    graph's own buffer, overwritten by the next replay of that bucket: copy what is kept.
+    """
+
+    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
+                 device: torch.device) -> None:
+        if device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+        self.step = step
+        self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.pos = torch.zeros_like(self.tok)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.pool = torch.cuda.graph_pool_handle()  # the buckets' graphs share one memory pool
+        self.record_s = 0.0  # seconds spent recording, every bucket so far
+
+    def __call__(self, tok: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        rows = tok.shape[0]
+        self.tok[:rows].copy_(tok, non_blocking=True)
+        self.pos[:rows].copy_(pos, non_blocking=True)
+        if rows not in self.graphs:
+            self.graphs[rows] = self._record(rows, keys)
+        graph, logits = self.graphs[rows]
+        graph.replay()
+        return logits
+
+    def _record(self, rows: int, keys: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        t0 = time.perf_counter()
+        args = (self.tok[:rows], self.pos[:rows], keys)
+        # One eager run first, on a side stream as recording wants: cuBLAS's handles and workspaces and
+        # every other lazy initialisation happen outside the graph. It writes the same keys and values
+        # at the same positions as the replay that follows, so the cache is no different for it.
+        side = torch.cuda.Stream(device=self.tok.device)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self.step(*args)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: another thread's CUDA calls (the server's /metrics reading device memory) do not
+        # break this thread's recording
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            logits = self.step(*args)
+        self.record_s += time.perf_counter() - t0
+        return graph, logits

@@ -61,8 +61,8 @@ def timed(fn: Callable[[], object], plan: DevicePlan, warmup: int, repeats: int)
 class GptoptRunner:
     """A rung on gptopt's Generator: one Generator per batch size, since a static cache has one shape."""
 
-    def __init__(self, model: GPT, plan: DevicePlan, max_len: int, *, compile: bool) -> None:
-        self.model, self.plan, self.max_len, self.compile = model, plan, max_len, compile
+    def __init__(self, model: GPT, plan: DevicePlan, max_len: int, *, compile: bool, cuda_graphs: bool = False) -> None:
+        self.model, self.plan, self.max_len, self.compile, self.cuda_graphs = model, plan, max_len, compile, cuda_graphs
         self.gen: Generator | None = None
 
     def _for(self, batch: int) -> Generator:
@@ -70,7 +70,7 @@ class GptoptRunner:
             self.gen = None  # the last cache goes before the next is allocated
             free_memory(self.plan)
             self.gen = Generator(self.model, self.plan, max_batch_size=batch, max_len=self.max_len,
-                                 compile=self.compile)
+                                 compile=self.compile, cuda_graphs=self.cuda_graphs)
         return self.gen
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:

@@ -1,4 +1,5 @@
-"""The inference ladder: Hugging Face `generate` against gptopt's Generator, compiled, bf16, int8, int4, onnxruntime.
+"""The inference ladder: Hugging Face `generate` against gptopt's Generator, CUDA graphs, compiled, bf16, int8, int4,
+onnxruntime.
 
     gptopt bench --mode infer                       # tiny on a CPU, gpt2 on a GPU
     gptopt bench --mode infer --rungs hf,kv,compiled --batch_size 8 --json
@@ -49,6 +50,7 @@ class InferRung:
     what: str
     hf: bool = False
     compile: bool = False
+    cuda_graphs: bool = False  # the eager decode recorded as CUDA graphs (inference.GraphedDecode): CUDA only
     bf16: bool = False  # bf16 weights instead of the device's inference dtype
     int8: bool = False
     int4: bool = False  # torchao int4 weight-only (tinygemm), bf16: sm_80+ CUDA only
@@ -59,6 +61,8 @@ RUNGS: list[InferRung] = [
     InferRung("hf", "Hugging Face generate (dynamic KV cache, SDPA) in the device's dtype: the baseline",
               hf=True),
     InferRung("kv", "gptopt Generator: preallocated KV cache, prefill + decode, eager"),
+    InferRung("graphs", "+ the eager decode step recorded as a CUDA graph per batch size (GPUs only)",
+              cuda_graphs=True),
     InferRung("compiled", "+ torch.compile of the decode step over a static cache (CUDA graphs on GPUs)",
               compile=True),
     InferRung("bf16", "compiled, bf16 weights", compile=True, bf16=True),
@@ -198,6 +202,8 @@ class InferBench:
             return "needs the 'onnx' extra: pip install 'gptopt[onnx]'"
         if rung.onnx and self.plan.device.type != "cpu":
             return "onnxruntime runs on the CPU here (the 'onnx' extra is its CPU build): bench it with --device cpu"
+        if rung.cuda_graphs and self.plan.device.type != "cuda":
+            return "CUDA graphs need an NVIDIA GPU (--device cuda); on a CPU see the compiled rung"
         if rung.bf16 and self.base_dtype == torch.bfloat16:
             return "the weights are already bf16 on this device: see the kv and compiled rungs"
         if rung.bf16 and self.plan.amp_dtype != torch.bfloat16:
@@ -237,7 +243,7 @@ class InferBench:
             quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
             model = prepare(self._model(dtype), plan, dtype=dtype, quantize=quantize)
             kv_dtype = model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
-            runner = GptoptRunner(model, plan, self.max_len, compile=rung.compile)
+            runner = GptoptRunner(model, plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs)
         p0 = self.prompts[0]
         res.max_logit_diff = (runner.last_logits(p0).cpu() - self.ref_logits).abs().max().item()
         res.tokens = runner.generate([p0], self.new_tokens)[0][:AGREE_TOKENS]  # also a warm-up (compiles)
@@ -246,7 +252,7 @@ class InferBench:
         if not res.batch_sweep:
             return
         res.decode_tokens_per_s = res.batch_sweep[0]["tokens_per_s"]
-        res.bytes_per_token = self._bytes_per_token(runner.model, kv_dtype, static=rung.compile)
+        res.bytes_per_token = self._bytes_per_token(runner.model, kv_dtype, static=rung.compile or rung.cuda_graphs)
         res.bandwidth_gbs = res.bytes_per_token * res.decode_tokens_per_s / 1e9
         if self.peak_bandwidth:
             res.bandwidth_util = res.bandwidth_gbs * 1e9 / self.peak_bandwidth

@@ -327,7 +327,7 @@ def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> Engine:
     memory.require(memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"), plan.device,
                    f"--max_batch_size {slots} KV-cache slots of {context} tokens",
                    "lower --max_batch_size, or use --dtype bf16")
-    generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile)
+    generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
     engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
                     prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics)
     try:

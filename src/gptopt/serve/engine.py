@@ -221,17 +221,18 @@ class Engine:
         with torch.inference_mode():
             g.prefill(0, [0] * max(1, g.max_len - 1))
             g.free(0)
-            # CUDA graphs: a shape's first calls warm up, a later one records its graph
+            # reduce-overhead's CUDA graphs: a shape's first calls warm up, a later one records its graph
             repeats = 3 if g.compiled and g.device.type == "cuda" else 1
-            for rows in g.buckets if g.compiled else [g.max_batch_size]:
+            for rows in g.buckets if g.bucketed else [g.max_batch_size]:
                 slots = list(range(rows))
                 for _ in range(repeats):
                     g.decode(slots, [0] * rows, [min(g.max_len - 1, 1)] * rows)
                 for s in slots:
                     g.free(s)
         seconds = time.perf_counter() - t0
-        if g.compiled:
-            log.info("compiled the decode for batches of %s in %.1f s", ", ".join(map(str, g.buckets)), seconds)
+        if g.bucketed:
+            log.info("%s the decode for batches of %s in %.1f s",
+                     "compiled" if g.compiled else "recorded CUDA graphs of", ", ".join(map(str, g.buckets)), seconds)
         return seconds
 
     def start(self) -> None:
