@@ -212,8 +212,15 @@ def test_gradient_checkpointing_gives_the_same_gradients_in_less_peak_memory() -
         assert all(g is not None for g in grads.values())
         return grads, torch.cuda.max_memory_allocated(plan.device) - start
 
-    plain, plain_peak = run(False)
-    recomputed, recomputed_peak = run(True)
+    # Without TF32 (which the plan turns on for fp32 matmuls): its rounding, met in another order by the
+    # recomputed forward, moved wte's gradient by 1.07e-4 of its norm on an H200.
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        plain, plain_peak = run(False)
+        recomputed, recomputed_peak = run(True)
+    finally:
+        torch.set_float32_matmul_precision(precision)
     assert plain.keys() == recomputed.keys()
     for name, g in plain.items():
         assert (recomputed[name] - g).norm() <= 1e-4 * g.norm() + 1e-8, name

@@ -266,6 +266,13 @@ def is_python_frame(e: FunctionEvent) -> bool:
     return bool(getattr(e, "is_python_function", False))
 
 
+def activity_type(e: FunctionEvent) -> str | None:
+    """kineto's kind of a device event ("kernel", "gpu_memcpy", "gpu_user_annotation", ...). torch 2.12
+    added it to the events; before it, None, and is_user_annotation and the names of copies say the same
+    (an H200 with torch 2.11 failed on the missing attribute)."""
+    return getattr(e, "activity_type", None)
+
+
 def input_dtypes(e: FunctionEvent) -> tuple[str, ...] | None:
     """The op's input dtypes (record_shapes), or None where they are unknown."""
     dtypes = getattr(e, "input_dtypes", None)
@@ -319,9 +326,10 @@ def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
             continue
         base = dict(name=e.name, step=i, start_us=t0 - steps[i][0], dur_us=t1 - t0)
         if e.device_type == DeviceType.CUDA:
-            if e.is_user_annotation or e.activity_type == "gpu_user_annotation":
+            kind = activity_type(e)
+            if e.is_user_annotation or kind == "gpu_user_annotation":
                 continue
-            copy = e.activity_type in ("gpu_memcpy", "gpu_memset") or e.name.startswith(("Memcpy", "Memset"))
+            copy = kind in ("gpu_memcpy", "gpu_memset") or e.name.startswith(("Memcpy", "Memset"))
             records.append(OpRecord(**base, kernel=not copy, busy=True))
         elif e.device_type == DeviceType.CPU and e.name.startswith("aten::"):
             top = not parents[id(e)]
