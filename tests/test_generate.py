@@ -30,7 +30,7 @@ from gptopt.generate import (
     generate,
     stream,
 )
-from gptopt.inference import load_for_inference
+from gptopt.inference import GraphedDecode, load_for_inference
 from gptopt.model import GPT
 
 CPU = resolve("cpu")
@@ -495,3 +495,40 @@ def test_loaded_for_inference_on_cpu_in_the_fast_layout_with_the_same_tokens(mod
     assert generate(Generator(model, CPU), PROMPTS[:2], GREEDY) == generate(Generator(plain, CPU), PROMPTS[:2], GREEDY)
     kept, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU, layout=False)
     assert kept.lm_head.weight.is_contiguous()
+
+
+def test_a_bucket_whose_cuda_graph_cannot_be_recorded_runs_eagerly_and_says_so(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A kernel that refuses stream capture (a quantised layer's, say) must not stop the server from
+    starting: that bucket runs the eager step, with a warning naming --no-cuda_graphs. Running out of
+    memory while recording is not hidden: it is raised, for the warm-up to report. (GraphedDecode's
+    recording itself needs a GPU: tests/test_cuda.py.)"""
+    calls: list[int] = []
+
+    def step(tok: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        calls.append(tok.shape[0])
+        return (tok + pos).float() * keys.shape[0]
+
+    graphed = object.__new__(GraphedDecode)  # its constructor refuses a CPU
+    graphed.step, graphed.graphs, graphed.record_s = step, {}, 0.0
+    graphed.tok, graphed.pos = torch.zeros(4, 1, dtype=torch.long), torch.zeros(4, 1, dtype=torch.long)
+
+    def refuse(rows: int, keys: torch.Tensor) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphed, "_capture", refuse)
+    tok, pos, keys = torch.tensor([[3], [4]]), torch.tensor([[10], [20]]), torch.empty(7)
+    with caplog.at_level("WARNING", logger="gptopt"):
+        out = graphed(tok, pos, keys)
+        again = graphed(tok, pos, keys)
+    assert out.tolist() == again.tolist() == [[91.0], [168.0]]  # the eager step's own result, every call
+    assert graphed.graphs == {2: None} and calls == [2, 2]  # one attempt to record, then eager
+    assert "could not record the decode of 2 rows" in caplog.text and "--no-cuda_graphs" in caplog.text
+
+    def oom(rows: int, keys: torch.Tensor) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(graphed, "_capture", oom)
+    with pytest.raises(torch.OutOfMemoryError):
+        graphed(torch.tensor([[1]]), torch.tensor([[1]]), keys)

@@ -42,6 +42,7 @@ from gptopt.extras import require
 from gptopt.model import GPT
 from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
 from gptopt.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
+from gptopt.step import is_oom
 from gptopt.tokenizer import TOKENIZER, load_tokenizer
 
 __all__ = ["GraphedDecode", "compile_decode", "find_tokenizer", "load_for_inference", "model_source", "prepare",
@@ -224,7 +225,7 @@ class GraphedDecode:
         self.step = step
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros_like(self.tok)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}  # None: runs eagerly
         self.pool = torch.cuda.graph_pool_handle()  # the buckets' graphs share one memory pool
         self.record_s = 0.0  # seconds spent recording, every bucket so far
 
@@ -234,12 +235,30 @@ class GraphedDecode:
         self.pos[:rows].copy_(pos, non_blocking=True)
         if rows not in self.graphs:
             self.graphs[rows] = self._record(rows, keys)
-        graph, logits = self.graphs[rows]
+        recorded = self.graphs[rows]
+        if recorded is None:
+            return self.step(self.tok[:rows], self.pos[:rows], keys)
+        graph, logits = recorded
         graph.replay()
         return logits
 
-    def _record(self, rows: int, keys: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _record(self, rows: int, keys: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
+        """The bucket's graph and its output buffer; None, with a warning, where a kernel cannot be
+        recorded (a quantised layer's, say): that bucket then runs eagerly, slower but right. Running
+        out of memory is raised: it is the caller's to report."""
         t0 = time.perf_counter()
+        try:
+            return self._capture(rows, keys)
+        except RuntimeError as e:
+            if is_oom(e):
+                raise
+            log.warning("could not record the decode of %d rows as a CUDA graph (%s: %s); it runs eagerly. "
+                        "--no-cuda_graphs runs every batch eagerly", rows, type(e).__name__, (str(e).splitlines() or [""])[0])
+            return None
+        finally:
+            self.record_s += time.perf_counter() - t0
+
+    def _capture(self, rows: int, keys: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         args = (self.tok[:rows], self.pos[:rows], keys)
         # One eager run first, on a side stream as recording wants: cuBLAS's handles and workspaces and
         # every other lazy initialisation happen outside the graph. It writes the same keys and values
@@ -254,5 +273,4 @@ class GraphedDecode:
         # break this thread's recording
         with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             logits = self.step(*args)
-        self.record_s += time.perf_counter() - t0
         return graph, logits
