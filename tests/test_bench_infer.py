@@ -246,20 +246,99 @@ def test_the_default_ladder_runs_end_to_end_with_its_compiled_rungs(
 
 
 def test_ctrl_c_keeps_the_rungs_measured_so_far(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Stopped by Ctrl-C (or a time limit's SIGINT) mid-ladder: the report still holds the rungs done."""
-    real = InferBench.run_rung
+    """Stopped by Ctrl-C (or a time limit's SIGINT) mid-sweep: the report still holds the batch sizes done."""
+    pytest.importorskip("transformers")
+    real = GptoptRunner.generate
+
+    def stop_at_batch_2(self: GptoptRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+        if len(prompts) == 2:
+            raise KeyboardInterrupt
+        return real(self, prompts, n)
+
+    monkeypatch.setattr(GptoptRunner, "generate", stop_at_batch_2)
+    out = tmp_path / "b"
+    assert cli.main(infer_args(train_data, out, "hf,kv")) == 130
+    rungs = {r["name"]: r for r in json.loads((out / "infer_results.json").read_text())["rungs"]}
+    for r in rungs.values():
+        assert r["status"] == "ok" and r["decode_tokens_per_s"] > 0 and r["tokens_match"] == 1.0
+        assert [p["batch_size"] for p in r["batch_sweep"]] == [1]
+        assert r["note"] == "swept up to batch 1: bench was stopped (Ctrl-C)"
+
+
+def test_ctrl_c_while_the_rungs_are_set_up_marks_every_rung_not_measured(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The sweep times the rungs side by side once all are set up: a rung set up before the stop has no figures
+    real = InferBench._set_up
 
     def stop_at_compiled(self: InferBench, rung: InferRung) -> object:
         if rung.name == "compiled":
             raise KeyboardInterrupt
         return real(self, rung)
 
-    monkeypatch.setattr(InferBench, "run_rung", stop_at_compiled)
+    monkeypatch.setattr(InferBench, "_set_up", stop_at_compiled)
     out = tmp_path / "b"
     assert cli.main(infer_args(train_data, out, "kv,compiled,int8")) == 130
-    rungs = {r["name"]: r for r in json.loads((out / "infer_results.json").read_text())["rungs"]}
-    assert rungs["kv"]["status"] == "ok" and rungs["kv"]["decode_tokens_per_s"] > 0
-    assert all(rungs[n]["status"] == "skipped" and rungs[n]["note"] == STOPPED for n in ("compiled", "int8"))
+    rungs = json.loads((out / "infer_results.json").read_text())["rungs"]
+    assert [r["name"] for r in rungs] == ["kv", "compiled", "int8"]
+    assert all(r["status"] == "skipped" and r["note"] == STOPPED and r["batch_sweep"] == [] for r in rungs)
+
+
+def two_eager_rungs(monkeypatch: pytest.MonkeyPatch) -> tuple[list[InferRung], list[GptoptRunner]]:
+    """kv twice, as two rungs; the runners in the order they were built (the rungs')."""
+    built: list[GptoptRunner] = []
+    real = GptoptRunner.__init__
+
+    def init(self: GptoptRunner, *args: object, **kwargs: object) -> None:
+        real(self, *args, **kwargs)  # type: ignore[arg-type]
+        built.append(self)
+
+    monkeypatch.setattr(GptoptRunner, "__init__", init)
+    return [RUNG["kv"], dataclasses.replace(RUNG["kv"], name="kv2")], built
+
+
+def test_the_rungs_are_timed_side_by_side_batch_size_by_batch_size(
+    bench: InferBench, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A slow minute of a shared machine must fall on every rung alike: within one batch size the rungs'
+    generations take turns, round by round, instead of one rung's whole sweep after another's."""
+    rungs, built = two_eager_rungs(monkeypatch)
+    calls: list[tuple[int, int]] = []  # (rung, batch size) of every generation, in order
+    real = GptoptRunner.generate
+
+    def generate(self: GptoptRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+        calls.append((built.index(self), len(prompts)))
+        return real(self, prompts, n)
+
+    monkeypatch.setattr(GptoptRunner, "generate", generate)
+    monkeypatch.setattr(bench, "results", [])
+    summary = bench.run(rungs)
+    assert all(r["status"] == "ok" and len(r["batch_sweep"]) == 2 for r in summary["rungs"]), summary["rungs"]
+    at_2 = [rung for rung, b in calls if b == 2]
+    first_2 = calls.index((at_2[0], 2))
+    assert all(b == 2 for _, b in calls[first_2:])  # batch 1 done by every rung before batch 2 begins
+    switches = sum(a != b for a, b in zip(at_2, at_2[1:], strict=False))
+    assert switches >= bench.repeats  # one rung after the other would switch once
+    assert at_2.count(0) == at_2.count(1) == 2 * (1 + bench.repeats)  # T(1) and T(N): a warm-up, then each round
+    assert "side by side" in report.infer_markdown(summary, None)
+
+
+def test_an_oom_in_one_rung_leaves_the_others_batch_sizes(bench: InferBench, monkeypatch: pytest.MonkeyPatch) -> None:
+    rungs, built = two_eager_rungs(monkeypatch)
+    real = GptoptRunner.generate
+
+    def generate(self: GptoptRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+        if len(prompts) == 2 and self is built[1]:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real(self, prompts, n)
+
+    monkeypatch.setattr(GptoptRunner, "generate", generate)
+    monkeypatch.setattr(bench, "results", [])
+    kv, kv2 = bench.run(rungs)["rungs"]
+    assert kv["status"] == "ok" and kv["note"] == "" and [p["batch_size"] for p in kv["batch_sweep"]] == [1, 2]
+    assert kv2["status"] == "ok" and kv2["note"] == "out of memory at batch 2"
+    assert [p["batch_size"] for p in kv2["batch_sweep"]] == [1] and kv2["decode_tokens_per_s"] > 0
+    assert built[1].gen is None  # its caches went at once, for the rungs still going
 
 
 def test_batch_sizes_choose_the_sweep_and_batch_1_is_always_in_it(train_data: Path, tmp_path: Path,

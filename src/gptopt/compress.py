@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import statistics
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -39,7 +38,7 @@ from gptopt.data import DEFAULT_DATA, BatchDataset, TokenData, open_data
 from gptopt.device import DevicePlan, environment, resolve
 from gptopt.fsutil import check_output, staged_dir
 from gptopt.inference import RECOMPILE_LIMIT, load_for_inference, model_source
-from gptopt.measure import GptoptRunner, tensor_bytes, timed
+from gptopt.measure import GptoptRunner, interleaved, tensor_bytes
 from gptopt.quantize import check_supported, compress_model, describe, pack_state
 from gptopt.tables import text_table, to_json
 from gptopt.tokenizer import TOKENIZER
@@ -95,16 +94,6 @@ def perplexity_and_kl(reference: nn.Module, candidate: nn.Module, batches: Itera
     return {"perplexity_reference": math.exp(ce_ref / n), "perplexity": math.exp(ce / n), "kl": kl / n, "tokens": n}
 
 
-def _interleaved(fns: dict[str, Callable[[], object]], plan: DevicePlan, repeats: int) -> dict[str, float]:
-    """Median seconds of each fn (bench's timed, one run at a time), the fns taking turns run by run and
-    in alternating order: a slow spell of a shared machine hits every one alike, not one alone."""
-    times: dict[str, list[float]] = {k: [] for k in fns}
-    for i in range(repeats):
-        for k in (list(fns) if i % 2 == 0 else list(fns)[::-1]):
-            times[k].append(timed(fns[k], plan, 1 if i == 0 else 0, 1))  # one warm-up run first
-    return {k: statistics.median(v) for k, v in times.items()}
-
-
 def _speed(models: dict[str, nn.Module], plan: DevicePlan, prompts: list[list[int]], new_tokens: int,
            cfg: CompressConfig, bar: tqdm) -> dict[str, dict[str, Any]]:
     """Prefill seconds (batch 1) and decode tokens/s per batch: B * (N - 1) tokens over T(N) - T(1), as bench."""
@@ -121,7 +110,7 @@ def _speed(models: dict[str, nn.Module], plan: DevicePlan, prompts: list[list[in
             fns[f"{k} all"] = lambda r=r, p=batch: r.generate(p, new_tokens)
             if b == 1:
                 fns[f"{k} prefill"] = lambda r=r: r.last_logits(prompts[0])
-        t = _interleaved(fns, plan, cfg.repeats)
+        t = interleaved(fns, plan, 1, cfg.repeats)
         for k in models:
             decode = t[f"{k} all"] - t[f"{k} 1"]
             decode = decode if decode > 0 else t[f"{k} all"]  # noise guard: never a negative time

@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import torch
 import torch.nn as nn
@@ -58,6 +58,42 @@ def timed(fn: Callable[[], object], plan: DevicePlan, warmup: int, repeats: int)
     return statistics.median(times)
 
 
+def interleaved(fns: dict[str, Callable[[], object]], plan: DevicePlan, warmup: int, rounds: int, *,
+                drop: Callable[[str, Exception], Collection[str]] | None = None) -> dict[str, float]:
+    """Median seconds of each fn, timed side by side: `warmup` untimed calls of each first, then `rounds`
+    rounds of one timed call each (timed, device-synchronised), the order reversed every other round.
+    On a shared machine a slow minute then falls on every fn alike, not on whichever ran in it alone,
+    and no fn always goes first or last.
+
+    drop: when a fn raises, it gets the name and the error and returns the names that leave the
+    remaining rounds and the result (an out-of-memory fn and those that share its state); without
+    it, or when it returns none, the error propagates.
+    """
+    live = list(fns)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+
+    def run(name: str, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except Exception as e:
+            gone = drop(name, e) if drop else ()
+            if not gone:
+                raise
+            live[:] = [k for k in live if k not in gone]
+            for k in gone:
+                times.pop(k, None)
+
+    for _ in range(warmup):
+        for k in list(live):
+            if k in live:
+                run(k, fns[k])
+    for r in range(rounds):
+        for k in live[::-1] if r % 2 else list(live):
+            if k in live:  # a fn dropped earlier in this round
+                run(k, lambda k=k: times[k].append(timed(fns[k], plan, 0, 1)))
+    return {k: statistics.median(v) for k, v in times.items() if v}
+
+
 class GptoptRunner:
     """A rung on gptopt's Generator: one Generator per batch size, since a static cache has one shape."""
 
@@ -67,11 +103,15 @@ class GptoptRunner:
 
     def _for(self, batch: int) -> Generator:
         if self.gen is None or self.gen.max_batch_size != batch:
-            self.gen = None  # the last cache goes before the next is allocated
-            free_memory(self.plan)
+            self.release()  # the last cache goes before the next is allocated
             self.gen = Generator(self.model, self.plan, max_batch_size=batch, max_len=self.max_len,
                                  compile=self.compile, cuda_graphs=self.cuda_graphs)
         return self.gen
+
+    def release(self) -> None:
+        """Drop this batch size's Generator (its caches, its compiled or recorded step), before another is built."""
+        self.gen = None
+        free_memory(self.plan)
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
         return generate(self._for(len(prompts)), prompts, SamplingParams(max_new_tokens=n, **GREEDY))

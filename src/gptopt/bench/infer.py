@@ -7,8 +7,15 @@ onnxruntime.
 Every rung decodes the same real prompts (windows of the val split) with the same weights, greedily,
 so its tokens can be compared with the baseline's. --seq_len bounds prompt + completion: the prompt
 is min(seq_len // 2, 128) tokens, then up to 64 (CPU) / 256 (GPU) new ones. --batch_size is the
-largest batch of the sweep (default 16 on a CPU, 64 on a GPU); --steps times each prefill and first
-token, max(3, steps // 3) each whole generation; --warmup runs come first.
+largest batch of the sweep (default 16 on a CPU, 64 on a GPU); --warmup runs come first.
+
+Each rung is set up in turn: its runner built, its logits and greedy tokens checked, its prefill and
+first token timed at batch 1 (--steps times each). The batch sweep then times the rungs side by side,
+their runners alive together: at each batch size every rung's generations take turns in
+max(3, steps // 3) rounds, the order reversed every other round, and each rung's figure is its median
+(measure.interleaved). On a shared machine a slow minute then falls on every rung alike, not on the
+one that ran in it, so the verdict between two rungs holds from one run to the next. A rung that runs
+out of memory at a batch size stops there; the others go on.
 
 A rung this device cannot run is `skipped` with the reason in its note (int4 off sm_80+ CUDA, a
 missing extra): the default ladder is every rung, so a report shows what was left out and why.
@@ -19,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +41,7 @@ from gptopt.device import DevicePlan, environment, memory_bandwidth
 from gptopt.export import OnnxRunner
 from gptopt.extras import EXTRAS, has, require
 from gptopt.inference import RECOMPILE_LIMIT, prepare, weights_dtype
-from gptopt.measure import STOPPED, GptoptRunner, free_memory, timed, weight_bytes
+from gptopt.measure import STOPPED, GptoptRunner, free_memory, interleaved, timed, weight_bytes
 from gptopt.model import GPT
 from gptopt.quantize import int4_unsupported
 from gptopt.step import is_oom
@@ -134,6 +142,26 @@ class HFRunner:
         return self.model(input_ids=ids, use_cache=True, **self.forward_kw).logits[0, -1].float()
 
 
+Runner = GptoptRunner | HFRunner | OnnxRunner  # each: generate(prompts, n), last_logits(prompt), model
+
+
+@dataclass
+class _Live:
+    """A rung set up and checked, its runner kept for the side-by-side sweep."""
+
+    rung: InferRung
+    res: InferResult
+    runner: Runner
+    kv_dtype: torch.dtype
+
+
+def _release(runner: Runner, plan: DevicePlan) -> None:
+    if isinstance(runner, GptoptRunner):
+        runner.release()  # one Generator per rung at most: built again for the next batch size
+    else:
+        free_memory(plan)
+
+
 class InferBench:
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
@@ -210,76 +238,124 @@ class InferBench:
             return f"no native bf16 here, it would be emulated and slower ({self.plan.reason})"
         return None
 
-    # -- one rung --------------------------------------------------------------------------
+    # -- one rung set up, then every rung side by side -----------------------------------------
 
-    def run_rung(self, rung: InferRung) -> InferResult:
+    def _set_up(self, rung: InferRung) -> tuple[InferResult, _Live | None]:
+        """The rung's runner, built and checked (logits against fp32, greedy tokens), its prefill and TTFT
+        timed at batch 1. The runner is returned alive for the sweep; none where it is skipped or failed."""
         dtype = torch.bfloat16 if rung.bf16 or rung.int4 else self.base_dtype
         label = "int8" if rung.int8 else "int4" if rung.int4 else str(dtype).removeprefix("torch.")
         res = InferResult(name=rung.name, what=rung.what, dtype=label)
         skip = self._skip(rung)
         if skip:
             res.status, res.note = "skipped", skip
-            return res
+            return res, None
         try:
-            self._measure(rung, dtype, res)  # its model and caches are gone when it returns
+            return res, self._checked(rung, dtype, res)
         except Exception as e:
-            res.status = "oom" if is_oom(e) else "failed"
-            res.note = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            log.warning(f"rung {rung.name} {res.status}: {res.note}")
-        finally:
-            free_memory(self.plan)
-            torch._dynamo.reset()  # each rung compiles afresh; caches must not leak between rungs
-        return res
+            self._fail(res, e)
+        free_memory(self.plan)  # after the except: its traceback held what the rung built
+        return res, None
 
-    def _measure(self, rung: InferRung, dtype: torch.dtype, res: InferResult) -> None:
-        plan, cfg = self.plan, self.cfg
-        runner: GptoptRunner | HFRunner | OnnxRunner
-        if rung.hf:
-            runner, kv_dtype = HFRunner(self._model(torch.float32), plan, dtype), dtype
-        elif rung.onnx:
-            runner, kv_dtype = OnnxRunner(self._model(torch.float32)), torch.float32
-        else:
-            # The transforms generate and serve apply, in their order (dtype, int8 or int4, layout).
-            quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
-            model = prepare(self._model(dtype), plan, dtype=dtype, quantize=quantize)
-            kv_dtype = model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
-            runner = GptoptRunner(model, plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs)
-        p0 = self.prompts[0]
+    def _checked(self, rung: InferRung, dtype: torch.dtype, res: InferResult) -> _Live:
+        plan, cfg, p0 = self.plan, self.cfg, self.prompts[0]
+        runner, kv_dtype = self._runner(rung, dtype)
         res.max_logit_diff = (runner.last_logits(p0).cpu() - self.ref_logits).abs().max().item()
         res.tokens = runner.generate([p0], self.new_tokens)[0][:AGREE_TOKENS]  # also a warm-up (compiles)
         res.prefill_s = timed(lambda: runner.last_logits(p0), plan, cfg.warmup, cfg.steps)
-        res.batch_sweep, res.ttft_s = self._sweep(runner, res)
-        if not res.batch_sweep:
+        res.ttft_s = timed(lambda: runner.generate([p0], 1), plan, cfg.warmup, cfg.steps)
+        return _Live(rung, res, runner, kv_dtype)
+
+    def _runner(self, rung: InferRung, dtype: torch.dtype) -> tuple[Runner, torch.dtype]:
+        """The rung's runner and the dtype of its KV cache."""
+        if rung.hf:
+            return HFRunner(self._model(torch.float32), self.plan, dtype), dtype
+        if rung.onnx:
+            return OnnxRunner(self._model(torch.float32)), torch.float32
+        # The transforms generate and serve apply, in their order (dtype, int8 or int4, layout).
+        quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
+        model = prepare(self._model(dtype), self.plan, dtype=dtype, quantize=quantize)
+        runner = GptoptRunner(model, self.plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs)
+        return runner, model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
+
+    def _fail(self, res: InferResult, e: Exception) -> None:
+        res.status = "oom" if is_oom(e) else "failed"
+        res.note = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        res.batch_sweep = []  # a failed rung has no figures (an out-of-memory batch only ends the sweep)
+        log.warning(f"rung {res.name} {res.status}: {res.note}")
+
+    def _sweep(self, live: list[_Live]) -> None:
+        """Decode tokens/s per batch size: B * (N - 1) new tokens over T(N tokens) - T(1 token), so prefill
+        and the first token are left out. Batch size by batch size, every rung's two generations are timed
+        side by side (measure.interleaved: rounds in alternating order, medians per rung), so a slow spell
+        of a shared machine falls on all of them. A rung stops at its first batch that does not fit (or
+        that fails); the others go on."""
+        n, going = self.new_tokens, list(live)
+        try:
+            for b in self.batch_sizes:
+                prompts = self.prompts[:b]
+                fns: dict[str, Callable[[], object]] = {}
+                owner: dict[str, _Live] = {}
+                for lv in going:
+                    first, every = f"{lv.rung.name} 1", f"{lv.rung.name} {n}"
+                    fns[first] = lambda r=lv.runner, p=prompts: r.generate(p, 1)
+                    fns[every] = lambda lv=lv, p=prompts: self._generate(lv, p)
+                    owner[first] = owner[every] = lv
+                ended: dict[str, Exception] = {}
+
+                def drop(key: str, e: Exception, owner: dict[str, _Live] = owner,
+                         ended: dict[str, Exception] = ended) -> set[str]:
+                    lv = owner[key]
+                    ended[lv.rung.name] = e
+                    _release(lv.runner, self.plan)  # its memory is for the rungs still going
+                    return {k for k, o in owner.items() if o is lv}
+
+                warmup = self.cfg.warmup if b == 1 else 1  # batch 1 warmed clocks and caches; a new batch compiles
+                t = interleaved(fns, self.plan, warmup, self.repeats, drop=drop)
+                for lv in going:
+                    name, res = lv.rung.name, lv.res
+                    if name in ended:
+                        self._end(res, b, ended[name])
+                        continue
+                    t_first, t_all = t[f"{name} 1"], t[f"{name} {n}"]
+                    decode = t_all - t_first if t_all > t_first else t_all  # noise guard: never a negative time
+                    res.batch_sweep.append({"batch_size": b, "tokens_per_s": b * (n - 1) / decode})
+                going = [lv for lv in going if lv.rung.name not in ended]
+                for lv in going:
+                    _release(lv.runner, self.plan)  # this batch's caches go before the next batch's are built
+        except KeyboardInterrupt:
+            for lv in going:
+                sweep = lv.res.batch_sweep
+                if sweep and sweep[-1]["batch_size"] != self.batch_sizes[-1]:
+                    lv.res.note = f"swept up to batch {sweep[-1]['batch_size']}: bench was stopped (Ctrl-C)"
+            raise
+
+    def _generate(self, lv: _Live, prompts: list[list[int]]) -> None:
+        tokens = lv.runner.generate(prompts, self.new_tokens)
+        if len(prompts) == 1:
+            # The tokens compared with the baseline's are those of the timed decode, with the other rungs'
+            # models, caches and compiled graphs alive beside it: the speed and the check are of one run.
+            lv.res.tokens = tokens[0][:AGREE_TOKENS]
+
+    def _end(self, res: InferResult, b: int, e: Exception) -> None:
+        if not is_oom(e):
+            self._fail(res, e)
+            return
+        res.status = "oom" if not res.batch_sweep else res.status
+        res.note = f"out of memory at batch {b}" + ("" if res.batch_sweep else "; nothing fits")
+        log.warning(f"rung {res.name}: {res.note}")
+
+    def _rates(self, lv: _Live) -> None:
+        """Batch 1's decode rate as the rung's own, and the memory bandwidth it achieves."""
+        res, rung = lv.res, lv.rung
+        if res.status != "ok" or not res.batch_sweep:
             return
         res.decode_tokens_per_s = res.batch_sweep[0]["tokens_per_s"]
-        res.bytes_per_token = self._bytes_per_token(runner.model, kv_dtype, static=rung.compile or rung.cuda_graphs)
+        res.bytes_per_token = self._bytes_per_token(lv.runner.model, lv.kv_dtype,
+                                                    static=rung.compile or rung.cuda_graphs)
         res.bandwidth_gbs = res.bytes_per_token * res.decode_tokens_per_s / 1e9
         if self.peak_bandwidth:
             res.bandwidth_util = res.bandwidth_gbs * 1e9 / self.peak_bandwidth
-
-    def _sweep(self, runner: GptoptRunner | HFRunner | OnnxRunner, res: InferResult) -> tuple[list[dict[str, Any]], float]:
-        """Decode tokens/s per batch size: B * (N - 1) new tokens over T(N tokens) - T(1 token), so
-        prefill and the first token are left out; and the TTFT, T(1 token) at batch 1. Stops at the
-        first batch that does not fit."""
-        plan, cfg, n = self.plan, self.cfg, self.new_tokens
-        out: list[dict[str, Any]] = []
-        ttft = 0.0
-        for b in self.batch_sizes:
-            prompts = self.prompts[:b]
-            warmup = cfg.warmup if b == 1 else 1  # batch 1 warmed clocks and caches; a new batch compiles
-            try:
-                t_first = timed(lambda p=prompts: runner.generate(p, 1), plan, warmup, cfg.steps)
-                t_all = timed(lambda p=prompts: runner.generate(p, n), plan, warmup, self.repeats)
-            except Exception as e:
-                if not is_oom(e):
-                    raise
-                res.status = "oom" if not out else res.status
-                res.note = f"out of memory at batch {b}" + ("" if out else "; nothing fits")
-                break
-            decode = t_all - t_first if t_all > t_first else t_all  # noise guard: never a negative time
-            out.append({"batch_size": b, "tokens_per_s": b * (n - 1) / decode})
-            ttft = ttft or t_first
-        return out, ttft
 
     def _bytes_per_token(self, model: nn.Module, kv_dtype: torch.dtype, *, static: bool) -> int:
         # A static (compiled) cache attends over all max_len positions every step; a dynamic one over
@@ -294,18 +370,51 @@ class InferBench:
     # -- the ladder ------------------------------------------------------------------------
 
     def run(self, rungs: list[InferRung]) -> dict[str, Any]:
-        with torch._dynamo.config.patch(**{RECOMPILE_LIMIT: 32}):  # one compile per batch size stays compiled
-            try:
-                for rung in rungs:
-                    log.info(f"bench --mode infer: rung {rung.name}")
-                    self.results.append(self.run_rung(rung))
-            except KeyboardInterrupt:  # what was measured is reported; the rest say why they have no figures
-                self.stopped = True
-                done = {r.name for r in self.results}
-                self.results += [InferResult(name=r.name, what=r.what, status="skipped", note=STOPPED)
-                                 for r in rungs if r.name not in done]
+        try:
+            self._ladder(rungs, self.results)
+        except KeyboardInterrupt:  # what was measured is reported; the rest say why they have no figures
+            self.stopped = True
+            done = {r.name for r in self.results}
+            self.results += [InferResult(name=r.name, what=r.what, status="skipped", note=STOPPED)
+                             for r in rungs if r.name not in done]
         self._compare()
         return self.summary()
+
+    def run_rung(self, rung: InferRung) -> InferResult:
+        """One rung alone: set up, checked and swept (a ladder of one), not compared with a baseline."""
+        results: list[InferResult] = []
+        self._ladder([rung], results)
+        return results[0]
+
+    def _ladder(self, rungs: list[InferRung], results: list[InferResult]) -> None:
+        """Every rung set up in turn (its result appended to `results`), then the batch sweep with the rungs
+        side by side: their runners (models, Generators, compiled graphs) live together until it returns."""
+        live: list[_Live] = []
+        # Nothing is reset between live rungs: the compiled ones' graphs (several per Generator: one per
+        # batch size, a first static then a symbolic attention length on CPUs) share the decode's code.
+        limit = max(64, 4 * len(self.batch_sizes) * sum(r.compile for r in rungs))
+        try:
+            with torch._dynamo.config.patch(**{RECOMPILE_LIMIT: limit}):
+                for rung in rungs:
+                    log.info(f"bench --mode infer: rung {rung.name}")
+                    res, lv = self._set_up(rung)
+                    results.append(res)
+                    live += [lv] if lv else []
+                log.info(f"bench --mode infer: {len(live)} rungs side by side, {self.repeats} rounds per batch size")
+                try:
+                    self._sweep(live)
+                finally:  # Ctrl-C included: the batch sizes measured are figures
+                    for lv in live:
+                        self._rates(lv)
+        except KeyboardInterrupt:
+            for lv in live:
+                if lv.res.status == "ok" and not lv.res.batch_sweep:
+                    lv.res.status, lv.res.note = "skipped", STOPPED
+            raise
+        finally:
+            live.clear()  # the runners go, and with them their device memory
+            free_memory(self.plan)
+            torch._dynamo.reset()  # a later ladder compiles afresh
 
     def _compare(self) -> None:
         ok = [r for r in self.results if r.status == "ok"]

@@ -211,7 +211,8 @@ def infer_table(summary: dict[str, Any]) -> str:
     notes = [f"  {r['name']}: {r['note']}" for r in summary["rungs"] if r["note"]]
     sweep = text_table(*_sweep_rows(summary))
     return "\n".join([title, text_table([c[0] for c in INFER_COLUMNS], _infer_rows(summary)), *notes,
-                      "", "decode tokens/s by batch size", sweep])
+                      "", f"decode tokens/s by batch size (the rungs side by side, {summary['repeats']} rounds)",
+                      sweep])
 
 
 def infer_markdown(summary: dict[str, Any], plot_file: str | None) -> str:
@@ -224,6 +225,8 @@ def infer_markdown(summary: dict[str, Any], plot_file: str | None) -> str:
           f"- {s['prompt_len']}-token prompts from the val split, {s['max_new_tokens']} new tokens, greedy; "
           f"{s['warmup']} untimed warm-up run(s), then medians of {s['steps']} (prefill, TTFT) and "
           f"{s['repeats']} (generations), device-synchronised",
+          f"- the batch sweep's rungs timed side by side: at each batch size, {s['repeats']} rounds of every "
+          "rung's generations in turn (the order reversed every other round), so a slow spell falls on all",
           "- decode tokens/s leave prefill out; bytes per token = weights + KV cache read at batch 1; "
           + _bandwidth_bound(s),
           f"- tokens match: the first {s['agree_tokens']} greedy tokens against the baseline "
