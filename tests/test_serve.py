@@ -59,7 +59,7 @@ def running(tokenizer: Any, decode_delay: float = 0.0, **overrides: Any) -> Iter
 
 @pytest.fixture(scope="module")
 def server(debug_tokenizer: Any) -> Iterator[tuple[str, Any]]:
-    with running(debug_tokenizer, max_batch_size=4) as s:
+    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:  # plain: the README's chat curl
         yield s
 
 
