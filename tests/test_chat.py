@@ -218,7 +218,7 @@ def test_streaming_sends_the_role_then_content_then_usage_and_done(url: str) -> 
 @pytest.mark.parametrize("body, param, problem", [
     ({"messages": [{"role": "wizard", "content": "x"}]}, "messages", "must be one of"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages", "only text parts"),
-    ({"messages": [{"role": "assistant"}]}, "messages", "missing"),
+    ({"messages": [{"role": "assistant"}]}, "messages.0.content", "Field required"),
     ({"messages": []}, "messages", ""),
     ({"messages": "hi"}, "messages", ""),
     ({"messages": [{"role": "user", "content": "boom"}]}, "messages", "the template refuses boom"),
@@ -261,6 +261,19 @@ def test_a_bad_template_fails_at_start_up(debug_tokenizer: Tokenizer, tmp_path: 
     with pytest.raises(ValueError, match="not valid Jinja"):
         create_app(ServeConfig(model="debug", device="cpu", max_batch_size=1, chat_template=str(path)),
                    model=make_varied_model(debug_tokenizer.get_vocab_size()), tokenizer=debug_tokenizer)
+
+
+def test_serve_refuses_a_bad_chat_template_before_loading_the_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from gptopt import cli
+
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{{ unclosed", encoding="utf-8")
+    for template, problem in ((str(tmp_path / "missing.jinja"), "no such file"), (str(broken), "not valid Jinja")):
+        capsys.readouterr()
+        assert cli.main(["serve", "--model", "/nonexistent/model", "--chat_template", template, "--port", "0"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and problem in err and err.startswith("gptopt serve: error: ")
 
 
 # -- gptopt generate --chat ---------------------------------------------------------------------------

@@ -151,14 +151,16 @@ class CompletionRequest(BaseModel):
 
 class ChatContentPart(BaseModel):
     model_config = _STRICT
-    type: Text = Field(description="text (the only kind of part served)")
-    text: Text | None = None
+    type: Text = Field(description="text (the only kind of part served)", json_schema_extra={"enum": ["text"]})
+    text: Text | None = None  # optional here, so that an image part is told "only text parts", not "text missing"
 
 
 class ChatMessage(BaseModel):
     model_config = _STRICT
-    role: Text = Field(description="system, user, assistant, or developer (as system)")
-    content: Text | list[ChatContentPart] | None = Field(None, description="a string, or a list of text parts")
+    # The enum documents the roles; any other string gets chat.check_messages' 400, which says why.
+    role: Text = Field(description="system, user, assistant, or developer (as system)",
+                       json_schema_extra={"enum": [*chat.ROLES, *chat.ROLE_ALIASES]})
+    content: Text | list[ChatContentPart] = Field(description="a string, or a list of text parts")
 
 
 class ChatRequest(BaseModel):
@@ -843,6 +845,7 @@ def bind(host: str, port: int) -> socket.socket:
 def main(cfg: ServeConfig) -> int:
     """`gptopt serve`: load the model once, warm up, serve until SIGTERM/SIGINT, drain, exit 0."""
     api_key(cfg)  # before any work
+    chat.load_template(cfg.chat_template, chat.template_folders(cfg.model, cfg.tokenizer))  # a bad one: before loading
     sock = bind(cfg.host, cfg.port)  # before the model loads, and before "serving on" is said
     try:
         app = create_app(cfg)
