@@ -905,19 +905,19 @@ def main(cfg: GenerateConfig) -> int:
     params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=() if eot is None else (eot,))
     gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile,
                     cuda_graphs=cfg.cuda_graphs)
-    t0, times = time.perf_counter(), []
-    if cfg.chat:
+    if cfg.chat:  # no tokens/s: the time is mostly the person typing
         n = _chat(gen, tok, _chat_template(cfg, tok), params, cfg.prompt)
+        print(f"gptopt generate: {n} tokens generated in the conversation", file=sys.stderr)
+        return 0
+    if batch:
+        encoded = [_encode(tok, text, eot, f"--input {cfg.input}: prompt {i}") for i, text in enumerate(batch, 1)]
     else:
-        if batch:
-            encoded = [_encode(tok, text, eot, f"--input {cfg.input}: prompt {i}") for i, text in enumerate(batch, 1)]
-        else:
-            encoded = [_encode(tok, _prompt_text(cfg.prompt), eot)]
-        for ids in encoded:
-            gen.check_prompt(ids)  # a bad line fails before the batch runs, not after
-        t0 = time.perf_counter()
-        n = _stream_text(gen, tok, encoded[0], params, times)[0] if batch is None else _batch_jsonl(
-            gen, tok, batch, encoded, params, cfg.output)
+        encoded = [_encode(tok, _prompt_text(cfg.prompt), eot)]
+    for ids in encoded:
+        gen.check_prompt(ids)  # a bad line fails before the batch runs, not after
+    t0, times = time.perf_counter(), []
+    n = _stream_text(gen, tok, encoded[0], params, times)[0] if batch is None else _batch_jsonl(
+        gen, tok, batch, encoded, params, cfg.output)
     dt = time.perf_counter() - t0
     line = (f"gptopt generate: {n} tokens in {dt:.2f} s: {n / max(dt, 1e-9):.1f} tokens/s "
             f"(prefill + decode, batch {gen.max_batch_size}, {plan.device})")
