@@ -133,6 +133,8 @@ EXPECTED_OPTIONS = {
     },
     "generate": {
         "batch_size",
+        "chat",
+        "chat_template",
         "compile",
         "cuda_graphs",
         "device",
@@ -155,6 +157,7 @@ EXPECTED_OPTIONS = {
     "serve": {
         "api_key",
         "blocklist",
+        "chat_template",
         "compile",
         "cors_origin",
         "cuda_graphs",

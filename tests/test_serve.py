@@ -59,7 +59,7 @@ def running(tokenizer: Any, decode_delay: float = 0.0, **overrides: Any) -> Iter
 
 @pytest.fixture(scope="module")
 def server(debug_tokenizer: Any) -> Iterator[tuple[str, Any]]:
-    with running(debug_tokenizer, max_batch_size=4) as s:
+    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:  # plain: the README's chat curl
         yield s
 
 
@@ -403,7 +403,7 @@ def test_openapi_documents_what_the_server_sends(debug_tokenizer: Any) -> None:
         doc = httpx.get(f"{url}/openapi.json", headers={"Authorization": "Bearer k"}).json()
     paths, schemas = doc["paths"], doc["components"]["schemas"]
     assert "422" not in json.dumps(paths) and "HTTPValidationError" not in schemas
-    for path in ("/v1/completions", "/generate"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/generate"):
         responses = paths[path]["post"]["responses"]
         for status in ("400", "401", "413", "429", "503"):
             assert responses[status]["content"]["application/json"]["schema"] == {
@@ -786,7 +786,7 @@ def test_openai_client_round_trip(url: str) -> None:
 def hostile_server(debug_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tmp_path_factory.mktemp("blocklist") / "hostile.txt"
     path.write_text(HOSTILE_BLOCKLIST, encoding="utf-8")
-    with running(debug_tokenizer, max_batch_size=4, max_queue=4, blocklist=str(path)) as (url, _):
+    with running(debug_tokenizer, max_batch_size=4, max_queue=4, blocklist=str(path), chat_template="plain") as (url, _):
         yield url
 
 

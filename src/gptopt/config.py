@@ -597,11 +597,19 @@ class GenerateConfig(SamplingConfig):
     quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
                         "int4-weight, torchao int4 weight-only (NVIDIA GPUs, compute capability 8.0+, bf16)",
                         choices=INFER_QUANTIZE)
+    chat: bool = opt(False, "an interactive chat: turns are read from stdin (/reset clears, /exit or end of "
+                     "input ends), the prompt, if given, is the system message")
+    chat_template: str | None = opt(None, "with --chat: a Jinja chat template file, or plain (System/User/"
+                                    "Assistant: lines); default: the model's own (tokenizer_config.json)")
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.output and not self.input:
             raise ValueError("--output needs --input (batch mode)")
+        if self.chat and self.input:
+            raise ValueError("--chat is interactive (turns from stdin) and --input is batch mode; drop one of them")
+        if self.chat_template is not None and not self.chat:
+            raise ValueError("--chat_template needs --chat")
 
 
 @dataclass(kw_only=True)
@@ -634,6 +642,9 @@ class ServeConfig:
     cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
     blocklist: str | None = opt(None, "file of rules, one a line, refused in prompts and cut from output: a plain term "
                                 "(matched as text, ignoring case), or re:REGEX (a regular expression, time-limited)")
+    chat_template: str | None = opt(None, "/v1/chat/completions' template: a Jinja file, or plain (System/User/"
+                                    "Assistant: lines); default: the model's own (tokenizer_config.json), else "
+                                    "the chat route answers 400")
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -12,7 +12,8 @@ from types import ModuleType
 # extra -> the modules it provides (import names), mirrored from pyproject.toml
 EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "huggingface_hub"),
-    "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "httpx", "jinja2"),
+    "chat": ("jinja2",),
     "plot": ("matplotlib",),
     "stats": ("scipy",),
     "gpu": ("pynvml",),

@@ -9,6 +9,7 @@ ends. Shaped after gpt-fast's generate.py. Loading a model for it: inference.py.
     gptopt generate --model out/ "def fib(n):"
     echo "import os" | gptopt generate --model gpt2 --temperature 0 --max_new_tokens 32
     gptopt generate --model out/ --input prompts.txt --output completions.jsonl --batch_size 16
+    gptopt generate --model chat_model/ --chat "You are terse."     # a conversation, turns from stdin
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from gptopt import chat
 from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
 from gptopt.device import DevicePlan, resolve
 from gptopt.fsutil import check_writable, staged_file
@@ -713,8 +715,9 @@ WARM_TOKENS = 3  # prefill, then the decode steps that compile and (on CUDA) war
 
 
 def _stream_text(gen: Generator, tok: Tokenizer, ids: list[int], params: SamplingParams,
-                 times: list[float] | None = None) -> int:
-    """Print the completion as it comes; the number of tokens generated. `times` gets each token's time."""
+                 times: list[float] | None = None) -> tuple[int, str]:
+    """Print the completion as it comes; the number of tokens generated and the text. `times` gets each
+    token's time."""
     checker, n = StopChecker(tok, params.stop), 0
     for token in stream(gen, ids, params):
         n += 1
@@ -725,7 +728,68 @@ def _stream_text(gen: Generator, tok: Tokenizer, ids: list[int], params: Samplin
         if checker.stopped:
             break
     sys.stdout.write(checker.finish() + "\n")
-    return n
+    return n, checker.text
+
+
+def _chat_template(cfg: GenerateConfig, tok: Tokenizer | None) -> chat.ChatTemplate:
+    model_source(cfg.model)  # a --model that names nothing is told so first
+    folders = chat.template_folders(cfg.model, cfg.tokenizer)
+    template = chat.load_template(cfg.chat_template, folders, tok)
+    if template is None:
+        raise ValueError(chat.no_template(folders))
+    return template
+
+
+def _read_turn() -> str | None:
+    """The next line of stdin without its newline, or None at the end of input."""
+    sys.stderr.write("you> ")
+    sys.stderr.flush()
+    try:
+        line = sys.stdin.readline()
+    except UnicodeDecodeError as e:
+        raise ValueError(f"stdin is not UTF-8 text (byte 0x{e.object[e.start]:02x}); convert it, e.g. "
+                         "iconv -f latin1 -t utf-8") from None
+    if not line:
+        sys.stderr.write("\n")
+        return None
+    return line.rstrip("\r\n")
+
+
+def _chat(gen: Generator, tok: Tokenizer, template: chat.ChatTemplate, params: SamplingParams,
+          system: str | None) -> int:
+    """generate --chat: each line of stdin is a user turn; the reply streams to stdout. /reset clears the
+    conversation, /exit or the end of input ends it. The number of tokens generated in all."""
+    params = dataclasses.replace(params, stop=params.stop + template.stop, stop_token_ids=template.stop_token_ids(tok))
+    # the rendered conversation leaves room for a reply: at most half the context, so turns are not all dropped
+    limit = gen.max_len - min(params.max_new_tokens, gen.max_len // 2)
+    start = [{"role": "system", "content": system}] if system else []
+    history, total = list(start), 0
+
+    def count(messages: list[dict[str, str]]) -> int:
+        return len(tok.encode(template.render(messages)).ids)
+
+    while (line := _read_turn()) is not None:
+        if line.strip() == "/exit":
+            break
+        if line.strip() == "/reset":
+            history = list(start)
+            print("gptopt generate: the conversation is cleared", file=sys.stderr)
+            continue
+        if not line.strip():
+            continue
+        try:
+            history, dropped = chat.fit_conversation([*history, {"role": "user", "content": line}], count, limit)
+            ids = tok.encode(template.render(history)).ids
+        except ValueError as e:  # this turn cannot be sent: say why, and the conversation goes on without it
+            print(f"gptopt generate: {e}", file=sys.stderr)
+            continue
+        if dropped:
+            print(f"gptopt generate: dropped the {dropped} oldest messages to fit the model's context of "
+                  f"{gen.max_len} tokens", file=sys.stderr)
+        n, reply = _stream_text(gen, tok, ids, params)
+        total += n
+        history.append({"role": "assistant", "content": reply.strip()})
+    return total
 
 
 def _batch_jsonl(gen: Generator, tok: Tokenizer, prompts: list[str], encoded: list[list[int]],
@@ -832,6 +896,8 @@ def main(cfg: GenerateConfig) -> int:
     batch = _read_prompts(cfg.input) if cfg.input else None
     if batch is None and cfg.prompt is not None:
         _check_utf8(cfg.prompt, "the prompt")  # before the model loads
+    if cfg.chat:
+        _chat_template(cfg, None)  # a missing template or a bad --chat_template fails before the model loads
     plan = resolve(cfg.device, quiet=True)
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
                                     quantize=cfg.quantize)
@@ -839,6 +905,10 @@ def main(cfg: GenerateConfig) -> int:
     params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=() if eot is None else (eot,))
     gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile,
                     cuda_graphs=cfg.cuda_graphs)
+    if cfg.chat:  # no tokens/s: the time is mostly the person typing
+        n = _chat(gen, tok, _chat_template(cfg, tok), params, cfg.prompt)
+        print(f"gptopt generate: {n} tokens generated in the conversation", file=sys.stderr)
+        return 0
     if batch:
         encoded = [_encode(tok, text, eot, f"--input {cfg.input}: prompt {i}") for i, text in enumerate(batch, 1)]
     else:
@@ -846,7 +916,7 @@ def main(cfg: GenerateConfig) -> int:
     for ids in encoded:
         gen.check_prompt(ids)  # a bad line fails before the batch runs, not after
     t0, times = time.perf_counter(), []
-    n = _stream_text(gen, tok, encoded[0], params, times) if batch is None else _batch_jsonl(
+    n = _stream_text(gen, tok, encoded[0], params, times)[0] if batch is None else _batch_jsonl(
         gen, tok, batch, encoded, params, cfg.output)
     dt = time.perf_counter() - t0
     line = (f"gptopt generate: {n} tokens in {dt:.2f} s: {n / max(dt, 1e-9):.1f} tokens/s "

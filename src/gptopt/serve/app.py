@@ -1,4 +1,5 @@
-"""The HTTP API: the playbook's POST /generate, OpenAI-compatible /v1/completions, health and metrics.
+"""The HTTP API: the playbook's POST /generate, OpenAI-compatible /v1/completions and /v1/chat/completions
+(chat_api.py), health and metrics.
 
     gptopt serve --model out/ --port 8000
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
@@ -27,11 +28,11 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
-from gptopt import memory
+from gptopt import chat, memory
 from gptopt.config import ServeConfig
 from gptopt.device import resolve
 from gptopt.extras import require
@@ -52,6 +53,7 @@ from pydantic_core import PydanticCustomError  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
 from gptopt.serve.blocklist import CheckTimeout, load_blocklist  # noqa: E402
+from gptopt.serve.chat_api import DeltaChoices, message_choice  # noqa: E402
 from gptopt.serve.engine import COMPLETED, Draining, Engine, Event, QueueFull, asyncio_sink  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
 
@@ -64,9 +66,10 @@ MAX_PROMPTS = 16  # prompts in one request's list
 MAX_CHOICES = 32  # prompts x n: sequences one request may put into the engine
 MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARS = 256
-ROUTES = ("/generate", "/v1/completions", "/v1/models", "/v1/models/{id}", "/health", "/ready", "/metrics")  # metric labels
+MAX_TOP_LOGPROBS = 20  # OpenAI's limit
+ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/health", "/ready", "/metrics")  # metric labels
 OPEN_ROUTES = ("/health", "/ready")  # probes: answered without the API key
-JSON_ROUTES = ("/generate", "/v1/completions")  # the routes that take a body: a JSON object
+JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")  # the routes that take a body: a JSON object
 # Prompt checks at once, in their own pool so they never hold up tokenizing. Each ends within its
 # time limit; enough threads that a burst of slow prompts does not queue the ordinary ones behind it.
 BLOCKLIST_THREADS = 16
@@ -142,6 +145,41 @@ class CompletionRequest(BaseModel):
     stream_options: StreamOptions | None = None
     echo: bool = False
     logprobs: None = Field(None, description="not supported: null or absent")
+    top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
+
+
+class ChatContentPart(BaseModel):
+    model_config = _STRICT
+    type: Text = Field(description="text (the only kind of part served)", json_schema_extra={"enum": ["text"]})
+    text: Text | None = None  # optional here, so that an image part is told "only text parts", not "text missing"
+
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    # The enum documents the roles; any other string gets chat.check_messages' 400, which says why.
+    role: Text = Field(description="system, user, assistant, or developer (as system)",
+                       json_schema_extra={"enum": [*chat.ROLES, *chat.ROLE_ALIASES]})
+    content: Text | list[ChatContentPart] = Field(description="a string, or a list of text parts")
+
+
+class ChatRequest(BaseModel):
+    """OpenAI's chat completion request; the messages are rendered with the model's chat template."""
+
+    model_config = _STRICT
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    model: Text | None = None
+    max_tokens: int | None = Field(None, ge=1, description="tokens to generate; null: up to the context end")
+    max_completion_tokens: int | None = Field(None, ge=1, description="the same, OpenAI's newer name; wins if both")
+    temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    logprobs: bool = Field(False, description="not supported yet: false or absent")
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
     repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
 
@@ -298,7 +336,8 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
         api.checks.shutdown(wait=False)
 
     app = FastAPI(title="gptopt", version="1", lifespan=lifespan,
-                  description="GPT-2-class text generation: the playbook's /generate and OpenAI /v1/completions")
+                  description="GPT-2-class text generation: the playbook's /generate and OpenAI /v1/completions "
+                  "and /v1/chat/completions")
     app.state.engine, app.state.metrics, app.state.model_name = engine, engine.metrics, api.model_name
     # The last added is the outermost: CORS answers browsers' preflights (which carry no key) itself.
     app.add_middleware(_Guard, metrics=engine.metrics, api_key=api.api_key)
@@ -410,9 +449,10 @@ def _openapi(app: FastAPI, *, guarded: bool, max_tokens_limit: int) -> dict[str,
                     op["responses"]["401"] = unauthorized
         if guarded:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        limit = next(a for a in schemas["CompletionRequest"]["properties"]["max_tokens"]["anyOf"]
-                     if a.get("type") == "integer")
-        limit["maximum"] = max_tokens_limit
+        for request, field in (("CompletionRequest", "max_tokens"), ("ChatRequest", "max_tokens"),
+                               ("ChatRequest", "max_completion_tokens")):
+            limit = next(a for a in schemas[request]["properties"][field]["anyOf"] if a.get("type") == "integer")
+            limit["maximum"] = max_tokens_limit
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -450,12 +490,19 @@ class _API:
         self.api_key = api_key(cfg)
         self.started = int(time.time())
         self.checks = concurrent.futures.ThreadPoolExecutor(BLOCKLIST_THREADS, thread_name_prefix="gptopt-blocklist")
+        # the chat template, resolved once: a bad --chat_template fails at start-up, not per request
+        folders = chat.template_folders(cfg.model, cfg.tokenizer)
+        self.chat = chat.load_template(cfg.chat_template, folders, self.tokenizer)
+        self.no_chat = chat.no_template(folders)
 
     def add_routes(self, app: FastAPI) -> None:
         generation = _responses(400, 413, 429, 503, 504)
         app.post("/v1/completions", responses={**generation, 404: _error_doc(404), 200: {"content": {
             "text/event-stream": {"schema": {"type": "string", "description": "with stream: true"}}}}})(
                 self.completions)
+        app.post("/v1/chat/completions", responses={**generation, 404: _error_doc(404), 200: {"content": {
+            "text/event-stream": {"schema": {"type": "string", "description": "with stream: true"}}}}})(
+                self.chat_completions)
         app.post("/generate", response_model=GenerateResponse, responses=generation)(self.generate)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}", responses=_responses(404))(self.model)
@@ -501,6 +548,19 @@ class _API:
         return [e.ids for e in await asyncio.to_thread(self.tokenizer.encode_batch, texts)]
 
     # -- into the engine and back -----------------------------------------------------------------
+
+    def sampling(self, body: CompletionRequest | ChatRequest, ids: list[list[int]], budgets: list[int],
+                 stop: tuple[str, ...], stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[SamplingParams]]:
+        """n sequences per prompt and their sampling, as the request asks."""
+        seqs, params = [], []
+        for i, (x, budget) in enumerate(zip(ids, budgets, strict=True)):
+            for j in range(body.n):
+                seqs.append(x)
+                params.append(SamplingParams(
+                    max_new_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
+                    repetition_penalty=body.repetition_penalty, stop=stop, stop_token_ids=stop_ids,
+                    seed=None if body.seed is None else body.seed + i * body.n + j))  # choices differ
+        return seqs, params
 
     def submit(self, prompts: list[list[int]], params: list[Any]) -> tuple[asyncio.Queue[Event], list[Any]]:
         """Every sequence into the engine, or none of them: 429 when it is busy, 503 when it is draining,
@@ -554,14 +614,7 @@ class _API:
         await self.check_prompts(prompts)
         ids = await self.encode(prompts)
         budgets = [self.fit(x, body.max_tokens, "max_tokens") for x in ids]
-        seqs, params = [], []
-        for i, (x, budget) in enumerate(zip(ids, budgets, strict=True)):
-            for j in range(body.n):
-                seqs.append(x)
-                params.append(SamplingParams(
-                    max_new_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                    repetition_penalty=body.repetition_penalty, stop=tuple(stop), stop_token_ids=self.stop_ids,
-                    seed=None if body.seed is None else body.seed + i * body.n + j))  # choices differ
+        seqs, params = self.sampling(body, ids, budgets, tuple(stop), self.stop_ids)
         queue, reqs = self.submit(seqs, params)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": body.model or self.model_name}  # the name the client used, as OpenAI's API echoes it
@@ -569,15 +622,52 @@ class _API:
         prompt_tokens = sum(len(x) for x in ids)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(
-                _sse(request, queue, reqs, head, echo, prompt_tokens, usage, self.cfg.request_timeout),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _stream(_sse(request, queue, reqs, head, echo, prompt_tokens, usage, self.cfg.request_timeout))
         results = await self.collect(request, queue, reqs)
-        completion_tokens = sum(r.completion_tokens for r in results)
         return {**head, "choices": [{"index": r.index, "text": echo[r.index] + r.text, "logprobs": None,
                                      "finish_reason": r.finish_reason} for r in results],
-                "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-                          "total_tokens": prompt_tokens + completion_tokens}}
+                "usage": _usage(prompt_tokens, results)}
+
+    async def chat_completions(self, body: ChatRequest, request: Request) -> Any:
+        """OpenAI's chat completions: the messages rendered with the chat template into one prompt, then
+        what /v1/completions does with a prompt."""
+        # max_completion_tokens is OpenAI's newer name for max_tokens: it wins where both are sent
+        param = "max_tokens" if body.max_completion_tokens is None else "max_completion_tokens"
+        max_tokens = body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
+        if body.model is not None and body.model not in self.model_names:
+            raise _no_such_model(body.model, self.model_names)
+        if max_tokens is not None and max_tokens > self.cfg.max_tokens_limit:
+            raise APIError(400, f"{param} may be at most {self.cfg.max_tokens_limit}", param=param)
+        if body.logprobs:
+            raise APIError(400, "logprobs are not supported yet; send logprobs: false", param="logprobs")
+        if self.chat is None:
+            raise APIError(400, self.no_chat, param="messages", code="no_chat_template")
+        try:
+            messages = chat.check_messages([m.model_dump(exclude_none=True) for m in body.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages") from None
+        await self.check_prompts([m["content"] for m in messages])
+        try:  # a template is code: off the event loop
+            prompt = await asyncio.to_thread(self.chat.render, messages)
+        except ValueError as e:
+            raise APIError(400, str(e), param="messages", code="chat_template_error") from None
+        (ids,) = await self.encode([prompt])
+        if not ids:
+            raise APIError(400, f"the chat template ({self.chat.source}) rendered these messages as no text",
+                           param="messages", code="chat_template_error")
+        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
+                                     self.chat.stop_token_ids(self.tokenizer))
+        queue, reqs = self.submit(seqs, params)
+        head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.model or self.model_name}
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return _stream(_sse(request, queue, reqs, {**head, "object": "chat.completion.chunk"}, [""] * len(seqs),
+                                len(ids), usage, self.cfg.request_timeout, choice=DeltaChoices()))
+        results = await self.collect(request, queue, reqs)
+        return {**head, "choices": [message_choice(r.index, r.text, r.finish_reason) for r in results],
+                "usage": _usage(len(ids), results)}
 
     async def generate(self, body: GenerateRequest, request: Request) -> GenerateResponse:
         t0 = time.perf_counter()
@@ -596,7 +686,7 @@ class _API:
 
     def model_card(self, name: str) -> dict[str, Any]:
         return {"id": name, "object": "model", "created": self.started, "owned_by": "gptopt",
-                "max_model_len": self.context}
+                "max_model_len": self.context, "chat": self.chat is not None}  # chat: whether the chat route works
 
     async def models(self) -> dict[str, Any]:
         """Every name of the one served model, its default id first."""
@@ -620,17 +710,33 @@ class _API:
         return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def _usage(prompt_tokens: int, results: list[Event]) -> dict[str, int]:
+    completion_tokens = sum(r.completion_tokens for r in results)
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def _stream(frames: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(frames, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _text_choice(index: int, text: str, reason: str | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+
+
 async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], head: dict[str, Any],
-               echo: list[str], prompt_tokens: int, usage: bool, timeout: float) -> AsyncIterator[bytes]:
-    """OpenAI's completion stream: one chunk per text delta, per-choice finish, usage, then [DONE]."""
+               echo: list[str], prompt_tokens: int, usage: bool, timeout: float,
+               choice: Callable[[int, str, str | None], dict[str, Any]] = _text_choice) -> AsyncIterator[bytes]:
+    """OpenAI's completion stream: one chunk per text delta, per-choice finish, usage, then [DONE].
+    choice(index, text, finish_reason) shapes a chunk's choice: a completion's text, a chat's delta."""
 
     def frame(obj: Any) -> bytes:  # ensure_ascii=False: deltas are whole characters, sent as UTF-8
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
     def chunk(index: int, text: str, reason: str | None) -> bytes:
         extra = {"usage": None} if usage else {}
-        return frame({**head, "choices": [{"index": index, "text": text, "logprobs": None,
-                                           "finish_reason": reason}], **extra})
+        return frame({**head, "choices": [choice(index, text, reason)], **extra})
 
     watcher = asyncio.create_task(_watch_disconnect(request, reqs))
     try:
@@ -739,6 +845,7 @@ def bind(host: str, port: int) -> socket.socket:
 def main(cfg: ServeConfig) -> int:
     """`gptopt serve`: load the model once, warm up, serve until SIGTERM/SIGINT, drain, exit 0."""
     api_key(cfg)  # before any work
+    chat.load_template(cfg.chat_template, chat.template_folders(cfg.model, cfg.tokenizer))  # a bad one: before loading
     sock = bind(cfg.host, cfg.port)  # before the model loads, and before "serving on" is said
     try:
         app = create_app(cfg)

@@ -1,0 +1,253 @@
+"""Chat templates: which one a model uses, checking messages, and rendering them into one prompt.
+
+    python -c "from gptopt.chat import load_template; print(load_template('plain', []).render([{'role': 'user', 'content': 'hi'}]))"
+
+The one place for chat templates: `gptopt serve`'s /v1/chat/completions and `gptopt generate --chat`
+both resolve the template here, in this order:
+
+1. `--chat_template FILE`: a Jinja file, rendered as Hugging Face's apply_chat_template renders it;
+2. `--chat_template plain`: the built-in plain template (PLAIN_FORMAT), chosen explicitly;
+3. the model's own: `chat_template.jinja` (newer transformers) or the `chat_template` of
+   `tokenizer_config.json`, in the model's folder, the training output above it, or beside the
+   tokenizer (a string, or a list of {name, template} whose "default" is used, as transformers does).
+
+No template is never guessed (base GPT-2 has none, and servers that guess teach users that a base
+model chats): without one, the caller refuses with NO_TEMPLATE, which names --chat_template.
+Templates run in Jinja's immutable sandbox, as in transformers: a model folder's template is code
+from whoever published the folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from gptopt import checkpoint
+from gptopt.extras import require
+from gptopt.tokenizer import EOT, eot_id
+
+PLAIN = "plain"  # --chat_template plain
+ROLES = ("system", "user", "assistant")
+ROLE_ALIASES = {"developer": "system"}  # OpenAI's newer name for the system message
+# The plain template: one "Role: text" line per message, then "Assistant:" for the reply to follow.
+PLAIN_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
+PLAIN_FORMAT = "System: ...\\nUser: ...\\nAssistant: ...\\nUser: ...\\nAssistant:"
+# A plain-template reply ends where the model starts the next turn itself: a base model does.
+PLAIN_STOP = ("\nUser:", "\nSystem:")
+TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.43 saves the template here
+TOKENIZER_CONFIG = "tokenizer_config.json"
+NO_TEMPLATE = ("this model has no chat template ({where}); give one with --chat_template FILE (a Jinja "
+               "template), or --chat_template plain for the built-in 'System/User/Assistant:' lines")
+
+
+class ChatTemplate:
+    """A resolved template: `render(messages)` is the prompt, ending where the assistant's reply begins.
+
+    source names it in messages; stop: extra stop strings its replies end at; eos_token: the text of the
+    token that ends a turn (its id, where the tokenizer has it, ends generation too)."""
+
+    def __init__(self, source: str, text: str | None, *, bos_token: str = "", eos_token: str = "") -> None:
+        self.source, self.text, self.bos_token, self.eos_token = source, text, bos_token, eos_token
+        self.stop = PLAIN_STOP if text is None else ()
+        self._compiled = None if text is None else _compile(text, source)
+
+    def render(self, messages: list[dict[str, str]]) -> str:
+        """The prompt for checked messages (check_messages). ValueError names the template and the
+        problem when the template fails (its own raise_exception included)."""
+        if self._compiled is None:
+            return "".join(f"{PLAIN_NAMES[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:"
+        jinja2 = require("jinja2", "chat", "a Jinja chat template")
+        try:
+            return self._compiled.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
+                                         eos_token=self.eos_token)
+        except jinja2.TemplateError as e:
+            raise ValueError(f"the chat template ({self.source}) failed on these messages: {e}") from None
+        except Exception as e:  # a template is code: a TypeError or ZeroDivisionError in it is its own fault
+            raise ValueError(f"the chat template ({self.source}) failed on these messages: "
+                             f"{type(e).__name__}: {e}") from None
+
+    def stop_token_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
+        """Token ids that end a reply: the end-of-text token, and the template's eos_token where the
+        tokenizer has it as one token (ChatML's <|im_end|>, for example)."""
+        ids = [eot_id(tokenizer), tokenizer.token_to_id(self.eos_token) if self.eos_token else None]
+        return tuple(dict.fromkeys(i for i in ids if i is not None))
+
+
+def _compile(text: str, source: str) -> Any:
+    """The template compiled as transformers compiles it (utils/chat_template_utils.py): the immutable
+    sandbox, trim_blocks and lstrip_blocks, loop controls, raise_exception, and a tojson that keeps
+    non-ASCII text as it is. A syntax error is found now, at start-up, with its line."""
+    jinja2 = require("jinja2", "chat", "a Jinja chat template")
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template ({source}) is not valid Jinja: {e.message} (line {e.lineno}); "
+                         "fix it, or give another with --chat_template FILE") from None
+
+
+def template_folders(model: str, tokenizer: str | None = None) -> list[Path]:
+    """Where a model's own template may be: the checkpoint --model resolves to, the --model folder, the
+    folder of --tokenizer (or of the tokenizer the checkpoint records). Only folders that exist; a hub
+    name has none (its template is not fetched: serve a local copy of the folder)."""
+    folders: list[Path] = []
+    p = Path(model).expanduser()
+    if p.is_dir():
+        latest = checkpoint.latest_checkpoint(p)
+        folders += [latest, p] if latest is not None else [p]
+        if tokenizer is None and checkpoint.is_gptopt_dir(folders[0]):
+            tokenizer = checkpoint.read_meta(folders[0]).get("tokenizer")
+    if tokenizer:
+        t = Path(tokenizer).expanduser()
+        folders.append(t if t.is_dir() else t.parent)
+    return [d for d in dict.fromkeys(f.resolve() for f in folders) if d.is_dir()]
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it as JSON ({e}); fix the file, or give --chat_template") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object; fix the file, or give --chat_template")
+    return data
+
+
+def _config_template(path: Path, data: dict[str, Any]) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of {name, template} (its "default")."""
+    value = data.get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str)
+                                       and isinstance(t.get("template"), str) for t in value):
+        named = {t["name"]: t["template"] for t in value}
+        if "default" in named:
+            return named["default"]
+        raise ValueError(f"{path}: its chat templates ({', '.join(sorted(named))}) include no 'default'; "
+                         "choose one with --chat_template FILE")
+    raise ValueError(f"{path}: chat_template must be a string or a list of {{name, template}}; fix the file, "
+                     "or give --chat_template")
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token in tokenizer_config.json: "<s>", or {"content": "<s>", ...} (AddedToken's form)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def load_template(option: str | None, folders: Sequence[Path], tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
+    """The chat template --chat_template names, else the model's own in `folders` (template_folders),
+    else None. bos_token / eos_token: the tokenizer_config.json's, else the tokenizer's end-of-text."""
+    configs = [(d / TOKENIZER_CONFIG, _read_config(d / TOKENIZER_CONFIG)) for d in folders
+               if (d / TOKENIZER_CONFIG).is_file()]
+    eot = EOT if tokenizer is not None and tokenizer.token_to_id(EOT) is not None else ""
+    tokens = {"bos_token": eot, "eos_token": eot}  # GPT-2's <|endoftext|> is both
+    for _, data in reversed(configs):  # the first folder's value wins
+        tokens.update({k: t for k in tokens if (t := _token_text(data.get(k))) is not None})
+    if option == PLAIN:
+        return ChatTemplate("--chat_template plain", None, **tokens)
+    if option is not None:
+        path = Path(option).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--chat_template {option}: no such file; give a Jinja template file, or 'plain' for "
+                             "the built-in plain template")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat_template {option}: cannot read it ({e}); give a readable UTF-8 file") from None
+        return ChatTemplate(f"--chat_template {option}", text, **tokens)
+    for d in folders:  # transformers: the separate file takes priority over the config's entry
+        if (d / TEMPLATE_FILE).is_file():
+            return ChatTemplate(str(d / TEMPLATE_FILE), (d / TEMPLATE_FILE).read_text(encoding="utf-8"), **tokens)
+        config = next((data for path, data in configs if path.parent == d), None)
+        if config is not None and (text := _config_template(d / TOKENIZER_CONFIG, config)) is not None:
+            return ChatTemplate(str(d / TOKENIZER_CONFIG), text, **tokens)
+    return None
+
+
+def no_template(folders: Sequence[Path]) -> str:
+    """NO_TEMPLATE, saying where it was looked for."""
+    where = (f"no {TEMPLATE_FILE}, and no chat_template in {TOKENIZER_CONFIG}, in "
+             + ", ".join(os.fspath(d) for d in folders)) if folders else "none was given, and it has no model folder"
+    return NO_TEMPLATE.format(where=where)
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI's messages -> [{role, content}] with content as one string, or ValueError naming the message.
+
+    A message is {role, content}: role system, user, assistant (developer counts as system); content a
+    string or a list of {"type": "text", "text": ...} parts (joined with newlines, as vLLM does). Other
+    fields (name) are ignored; tool calls and images are refused, as this server has neither."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list of {role, content} objects")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where} must be an object with role and content")
+        role = m.get("role")
+        role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
+        if role not in ROLES:
+            raise ValueError(f"{where}.role must be one of system, user, assistant, developer; got {m.get('role')!r}"
+                             + (" (tools are not supported)" if role == "tool" else ""))
+        out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
+    return out
+
+
+def _content(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if content is None:
+        raise ValueError(f"{where} is missing: send the message's text (tool calls are not supported)")
+    if not isinstance(content, list):
+        raise ValueError(f"{where} must be a string or a list of {{type: text, text}} parts")
+    texts = []
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            what = f"a part of type {kind!r}" if isinstance(kind, str) else "not a {type, text} object"
+            raise ValueError(f"{where}[{j}] is {what}; only text parts are supported")
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}[{j}].text must be a string")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def fit_conversation(messages: list[dict[str, str]], tokens: Callable[[list[dict[str, str]]], int],
+                     limit: int) -> tuple[list[dict[str, str]], int]:
+    """The latest turns whose rendered prompt takes at most `limit` tokens (tokens(messages) counts
+    them), and how many messages were dropped. System messages stay; the oldest others go first, a
+    whole exchange (up to the next user message) at a time. ValueError if even the last message alone
+    does not fit."""
+    kept, dropped = list(messages), 0
+    while tokens(kept) > limit:
+        others = [i for i, m in enumerate(kept) if m["role"] != "system"]
+        if len(others) <= 1:
+            raise ValueError(f"the message does not fit the model's context ({limit} tokens with room for the "
+                             "reply); send a shorter one, or lower --max_new_tokens")
+        drop = {others[0]}
+        for i in others[1:-1]:  # the replies to it, up to the next user message
+            if kept[i]["role"] == "user":
+                break
+            drop.add(i)
+        kept = [m for i, m in enumerate(kept) if i not in drop]
+        dropped += len(drop)
+    return kept, dropped
