@@ -10,8 +10,8 @@ schema admits gets a 2xx, or a 4xx with OpenAI's error body {"error": {"message"
 "code"}}, checked before any model work; generation itself runs on the engine thread (engine.py).
 Nothing a request sends runs unbounded on the event loop: tokenizing and the blocklist check run in
 threads, the blocklist under a time limit. The body is read as JSON whatever its declared content
-type (curl -d sends form-encoded). With --api_key every route but the probes /health and /ready,
-the docs and /metrics included, needs the key.
+type (curl -d sends form-encoded). With --api_key every route but the probes /health and /ready and the
+playground's page (GET /, static/), the docs and /metrics included, needs the key.
 """
 
 from __future__ import annotations
@@ -67,8 +67,12 @@ MAX_CHOICES = 32  # prompts x n: sequences one request may put into the engine
 MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARS = 256
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit
-ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/health", "/ready", "/metrics")  # metric labels
-OPEN_ROUTES = ("/health", "/ready")  # probes: answered without the API key
+# The playground (static/): a page and its two files, served without the key so that a browser can open
+# it and ask for the key; every request the page makes is an API request, which needs it.
+PAGE = {"/": "index.html", "/static/playground.css": "playground.css", "/static/playground.js": "playground.js"}
+ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{id}", "/health", "/ready",
+          "/metrics", *PAGE)  # metric labels
+OPEN_ROUTES = ("/health", "/ready", *PAGE)  # probes and the playground: answered without the API key
 JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")  # the routes that take a body: a JSON object
 # Prompt checks at once, in their own pool so they never hold up tokenizing. Each ends within its
 # time limit; enough threads that a burst of slow prompts does not queue the ordinary ones behind it.
@@ -512,6 +516,8 @@ class _API:
             app.head(probe, include_in_schema=False)(handler)
         app.get("/metrics", response_class=PlainTextResponse,
                 responses={200: {"description": "Prometheus text format"}})(self.prometheus_metrics)
+        for path, name in PAGE.items():
+            app.get(path, include_in_schema=False)(_static(name))
 
     # -- checks ---------------------------------------------------------------------------------
 
@@ -771,6 +777,21 @@ async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], h
         watcher.cancel()
         for r in reqs:
             r.cancel()
+
+
+def _static(name: str) -> Any:
+    """The handler of one playground file, read now: an install that lacks it fails at start-up. The
+    policy lets the page load and fetch from this server only; no-cache: an upgrade shows at once."""
+    content = (Path(__file__).with_name("static") / name).read_bytes()
+    media = {"html": "text/html", "css": "text/css", "js": "text/javascript"}[name.rsplit(".", 1)[1]]
+    headers = {"Cache-Control": "no-cache", "X-Content-Type-Options": "nosniff",
+               "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; base-uri 'none'; "
+                                          "form-action 'none'; frame-ancestors 'none'"}
+
+    async def page() -> Response:
+        return Response(content, media_type=f"{media}; charset=utf-8", headers=headers)
+
+    return page
 
 
 class DrainingServer(uvicorn.Server):
