@@ -271,3 +271,38 @@ def test_the_page_requests_nothing_but_this_server(driver: Any, server: str) -> 
             if m["method"] == "Network.requestWillBeSent"]
     assert f"{server}/static/playground.js" in urls and f"{server}/v1/completions" in urls
     assert all(u.startswith(f"{server}/") or u.startswith("data:") for u in urls), urls
+
+
+@pytest.fixture(scope="module")
+def chat_server(debug_tokenizer: Any) -> Iterator[str]:
+    """A server without a key whose model has a chat template (the built-in plain one)."""
+    model = make_varied_model(debug_tokenizer.get_vocab_size())
+    cfg = ServeConfig(model="debug", device="cpu", chat_template="plain", max_batch_size=2)
+    with serve_in_thread(create_app(cfg, model=model, tokenizer=debug_tokenizer)) as s:
+        yield f"http://127.0.0.1:{s.port}"
+
+
+@pytest.mark.browser
+def test_chat_mode_holds_the_conversation_and_each_reply_is_the_routes_greedy_reply(
+    driver: Any, chat_server: str
+) -> None:
+    """A model with a template: the page offers chat, posts the whole conversation each turn, and shows
+    what /v1/chat/completions answers for it."""
+    from selenium.webdriver.common.by import By
+
+    open_page(driver, chat_server, key=None)
+    assert driver.find_element(By.ID, "mode").is_displayed() and not driver.find_element(By.ID, "chat-note").is_displayed()
+    assert driver.find_element(By.ID, "prompt-label").text == "Message"
+    messages: list[dict[str, str]] = []
+    for turn in ("Hi", "Again"):  # short: the debug model reads 64 tokens, the plain template about a byte each
+        answer = send(driver, turn, temperature=0, max_tokens=6)
+        assert finished(answer) == "done", text_of(driver, answer, "error")
+        messages.append({"role": "user", "content": turn})
+        r = httpx.post(f"{chat_server}/v1/chat/completions", timeout=60,
+                       json={"messages": messages, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        reply = r.json()["choices"][0]["message"]["content"]
+        assert text_of(driver, answer, "text") == reply  # the second turn's reply depends on the first's
+        messages.append({"role": "assistant", "content": reply})
+    assert driver.execute_script("return document.querySelectorAll('.answer').length") == 2
+    assert console_errors(driver) == []
