@@ -8,7 +8,6 @@ echo, limits and token-id prompts in OpenAI's shape, through a live in-thread se
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,10 +106,12 @@ def test_chat_content_entries_name_each_token_with_its_bytes(debug_tokenizer: An
     entries = [TokenLogprob(token=t, logprob=-0.5, top=((t, -0.5), (ids[0], -1.25))) for t in ids]
     content = chat_content(vocab, entries)
     assert b"".join(bytes(c["bytes"]) for c in content).decode("utf-8") == "naïve 🙂 ok"
-    for c, t in zip(content, ids, strict=True):
+    for c in content:
         assert set(c) == {"token", "logprob", "bytes", "top_logprobs"} and c["logprob"] == -0.5
-        assert c["token"] == bytes(c["bytes"]).decode("utf-8", errors="strict") if not c["token"].startswith(
-            "bytes:") else c["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in c["bytes"])
+        try:  # whole characters: the token is their text; else OpenAI's bytes: form
+            assert c["token"] == bytes(c["bytes"]).decode("utf-8")
+        except UnicodeDecodeError:
+            assert c["token"] == "bytes:" + "".join(f"\\x{b:02x}" for b in c["bytes"])
         assert [a["logprob"] for a in c["top_logprobs"]] == [-0.5, -1.25]
         assert c["top_logprobs"][0]["bytes"] == c["bytes"]
     assert any(c["token"].startswith("bytes:") for c in content)  # the emoji spans tokens
@@ -276,6 +277,7 @@ def test_lm_eval_local_completions_scores_a_task_through_the_server(debug_tokeni
     # The served tokenizer as a Hugging Face folder: lm-eval tokenizes the requests with it.
     hf = tmp_path / "tokenizer"
     PreTrainedTokenizerFast(tokenizer_file=str(train_data / "tokenizer.json"), eos_token="<|endoftext|>").save_pretrained(hf)
+    # target_delimiter '': the choices carry their own leading space, so the scored continuation is exactly it
     tasks = tmp_path / "tasks"
     tasks.mkdir()
     rows = [{"q": "def add(a, b):\n    return", "choices": [" a + b", " a - b"], "gold": 0},
@@ -285,14 +287,27 @@ def test_lm_eval_local_completions_scores_a_task_through_the_server(debug_tokeni
     (tasks / "tiny.yaml").write_text(
         "task: gptopt_tiny\ndataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {tasks / 'tiny.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
+        "test_split: test\noutput_type: multiple_choice\ntarget_delimiter: ''\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
         "doc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n")
-    with running(debug_tokenizer, max_batch_size=4) as (url, _):
+    with running(debug_tokenizer, max_batch_size=4) as (url, app):
         results = lm_eval.simple_evaluate(
             model="local-completions",
             model_args=f"model=debug,base_url={url}/v1/completions,tokenizer={hf},tokenizer_backend=huggingface,"
                        "tokenized_requests=True,num_concurrent=1,max_retries=1",
-            tasks=["gptopt_tiny"], task_manager=TaskManager(include_path=str(tasks)))
-    acc = results["results"]["gptopt_tiny"]["acc,none"]
-    assert 0.0 <= acc <= 1.0 and not math.isnan(acc)
-    assert len(results["samples"]["gptopt_tiny"]) == len(rows) if "samples" in results else True
+            tasks=["gptopt_tiny"], task_manager=TaskManager(include_path=str(tasks)), log_samples=True)
+        model = app.state.engine.generator.model
+    # Each choice's log-likelihood as lm-eval read it from our logprobs, against a direct forward, and
+    # the accuracy it computed from them.
+    right = 0
+    for sample in sorted(results["samples"]["gptopt_tiny"], key=lambda s: s["doc_id"]):
+        row = rows[sample["doc_id"]]
+        scores = []
+        for choice, resp in zip(row["choices"], sample["resps"], strict=True):
+            context = debug_tokenizer.encode(row["q"]).ids
+            whole = debug_tokenizer.encode(row["q"] + choice).ids
+            direct = direct_logprobs(model, whole)
+            expected = sum(direct[i - 1, whole[i]].item() for i in range(len(context), len(whole)))
+            assert resp[0][0] == pytest.approx(expected, abs=TOL)
+            scores.append(expected)
+        right += max(range(len(scores)), key=scores.__getitem__) == row["gold"]
+    assert results["results"]["gptopt_tiny"]["acc,none"] == pytest.approx(right / len(rows))

@@ -333,10 +333,12 @@ class Generator:
             width = w
         chunks = [s.ids[s.cached : s.cached + width] for s in rows]
         scored = [i for i, s in enumerate(rows) if s.params.prompt_logprobs is not None]
-        logits = self.extend([s.slot for s in rows], chunks, [s.cached for s in rows], every=bool(scored))
-        if scored:  # every position's logits: (B, T, V), each row's chunk at its end (left-padded)
-            self._score_prompts([rows[i] for i in scored], [chunks[i] for i in scored], logits[scored])
-            logits = logits[:, -1].float()
+        if not scored:
+            logits = self.extend([s.slot for s in rows], chunks, [s.cached for s in rows])
+        else:  # every position's logits: (B, T, V), each row's chunk at its end (left-padded)
+            every = self.extend([s.slot for s in rows], chunks, [s.cached for s in rows], every=True)
+            self._score_prompts([rows[i] for i in scored], [chunks[i] for i in scored], every[scored])
+            logits = every[:, -1].float()
         for s, c in zip(rows, chunks, strict=True):
             s.cached += len(c)
         done = [i for i, s in enumerate(rows) if s.prefilled]
