@@ -239,6 +239,17 @@ def test_without_logprobs_the_answer_is_unchanged(server: tuple[str, Any]) -> No
     assert plain["logprobs"] is None and plain["text"] == scored["text"]
 
 
+def test_the_openai_client_reads_logprobs_and_token_id_prompts(server: tuple[str, Any], debug_tokenizer: Any) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server[0]}/v1", api_key="x")
+    ids = debug_tokenizer.encode(PROMPT).ids
+    c = client.completions.create(model="debug", prompt=ids, max_tokens=4, temperature=0, logprobs=2, echo=True)
+    lp = c.choices[0].logprobs
+    assert lp.token_logprobs[0] is None and len(lp.tokens) == len(ids) + c.usage.completion_tokens
+    assert lp.text_offset[len(ids)] == len(PROMPT) and c.choices[0].text.startswith(PROMPT)
+    assert all(len(top) >= 2 for top in lp.top_logprobs[1:])
+
+
 def imitate_lm_eval_loglikelihood(url: str, context: list[int], continuation: list[int]) -> tuple[float, bool]:
     """What lm-evaluation-harness's local-completions model sends for one loglikelihood request
     (tokenized_requests=True) and how its parse_logprobs reads the answer (lm_eval 0.4.13)."""
