@@ -189,6 +189,31 @@ def test_greedy_chat_equals_greedy_completion_of_the_rendered_prompt(
     assert body["usage"] == plain["usage"]
 
 
+def test_chat_logprobs_are_the_completions_logprobs_of_the_rendered_prompt(
+        url: str, jinja_file: Path, debug_tokenizer: Tokenizer) -> None:
+    """logprobs / top_logprobs on the chat route: OpenAI chat's logprobs.content, the same numbers
+    /v1/completions gives for the rendered prompt, streamed or not."""
+    messages = [{"role": "user", "content": "def fib(n):"}]
+    prompt = chat.load_template(str(jinja_file), [], debug_tokenizer).render(messages)
+    plain = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "prompt": prompt, "max_tokens": 6, "temperature": 0, "logprobs": 3}).json()["choices"][0]["logprobs"]
+    r = chat_post(url, messages=messages, max_tokens=6, temperature=0, logprobs=True, top_logprobs=3)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    assert [c["token"] for c in content] == plain["tokens"]
+    assert [c["logprob"] for c in content] == plain["token_logprobs"]
+    for c, top in zip(content, plain["top_logprobs"], strict=True):
+        assert len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["logprob"] == c["logprob"]  # greedy: the top one
+        assert {t["token"]: t["logprob"] for t in c["top_logprobs"]}.items() <= top.items()
+        assert bytes(c["bytes"]).decode("utf-8", "replace") == c["token"] or c["token"].startswith("bytes:")
+    frames = [json.loads(f[6:]) for f in chat_post(url, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                                   top_logprobs=3, stream=True).content.decode().split("\n\n")
+              if f.startswith("data: {")]
+    streamed = [c for f in frames for ch in f["choices"] if ch["logprobs"] for c in ch["logprobs"]["content"]]
+    assert streamed == content
+    assert chat_post(url, messages=messages, max_tokens=6, temperature=0).json()["choices"][0]["logprobs"] is None
+
+
 def test_max_completion_tokens_wins_over_max_tokens(url: str) -> None:
     ten = chat_post(url, max_tokens=10, temperature=0).json()
     assert ten["usage"]["completion_tokens"] == 10  # so the limit below is what ends it
@@ -222,8 +247,8 @@ def test_streaming_sends_the_role_then_content_then_usage_and_done(url: str) -> 
     ({"messages": []}, "messages", ""),
     ({"messages": "hi"}, "messages", ""),
     ({"messages": [{"role": "user", "content": "boom"}]}, "messages", "the template refuses boom"),
-    ({"logprobs": True}, "logprobs", "not supported yet"),
-    ({"top_logprobs": 21}, "top_logprobs", ""),
+    ({"top_logprobs": 2}, "top_logprobs", "needs logprobs: true"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "at most 20"),
     ({"model": "gpt-4"}, "model", "does not exist"),
 ])
 def test_bad_chat_requests_get_400_with_openais_body(url: str, body: dict[str, Any], param: str,

@@ -165,6 +165,7 @@ EXPECTED_OPTIONS = {
         "dtype",
         "host",
         "max_batch_size",
+        "max_logprobs",
         "max_queue",
         "max_tokens_limit",
         "model",

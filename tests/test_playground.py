@@ -291,6 +291,7 @@ def test_chat_mode_holds_the_conversation_and_each_reply_is_the_routes_greedy_re
     from selenium.webdriver.common.by import By
 
     open_page(driver, chat_server, key=None)
+    console_errors(driver)  # only what follows counts
     assert driver.find_element(By.ID, "mode").is_displayed() and not driver.find_element(By.ID, "chat-note").is_displayed()
     assert driver.find_element(By.ID, "prompt-label").text == "Message"
     messages: list[dict[str, str]] = []

@@ -282,7 +282,8 @@ def test_device_memory_gauges_are_read_at_scrape_time_on_cuda_only(monkeypatch: 
     ({"prompt": "hello", "temperature": True}, 400, None),
     ({"prompt": "hello", "stop": ["a", "b", "c", "d", "e"]}, 400, None),
     ({"prompt": "hello", "stop": [""]}, 400, None),
-    ({"prompt": "hello", "logprobs": 2}, 400, None),
+    ({"prompt": "hello", "logprobs": 21}, 400, None),
+    ({"prompt": [1, 10**6]}, 400, "invalid_token_id"),
     ({"prompt": "hello", "model": "gpt-4"}, 404, "model_not_found"),
     ({"prompt": ["a"] * 17}, 400, None),
     ({}, 400, None),
@@ -321,6 +322,8 @@ def test_lone_surrogates_get_400(url: str, path: str, raw: bytes) -> None:
     {"repetition_penalty": 1e-300}, {"repetition_penalty": 10}, {"seed": -1}, {"seed": 2**64}, {"seed": 2**63 - 1},
     {"stop": [["a"]]}, {"stop": {"a": 1}}, {"stop": ["x" * 300]}, {"stop": []}, {"stop": None}, {"stop": "\n"},
     {"prompt": [["nested"]]}, {"prompt": [1, 2]}, {"prompt": {"text": "x"}}, {"prompt": None},
+    {"prompt": [10**30]}, {"prompt": [[1], []]}, {"prompt": [1, "a"]}, {"prompt": [0] * 64}, {"logprobs": 10**30},
+    {"max_tokens": 0, "echo": True, "logprobs": 0, "stream": True}, {"logprobs": 20, "echo": True, "n": 8},
     {"prompt": "<|endoftext|>"}, {"prompt": "\x00\x01"}, {"prompt": "é" * 40}, {"prompt": "x", "echo": True, "n": 8},
     {"stream_options": {"include_usage": "yes"}}, {"stream_options": []}, {"stream": True, "n": 2, "echo": True},
     {"model": 5}, {"model": None}, {"suffix": "x", "user": "u", "presence_penalty": 2, "logit_bias": {"1": 5}},
@@ -414,10 +417,12 @@ def test_openapi_documents_what_the_server_sends(debug_tokenizer: Any) -> None:
     assert "security" not in paths["/health"]["get"] and "security" not in paths["/ready"]["get"]
     assert doc["components"]["securitySchemes"]["bearer"]["scheme"] == "bearer"
     request = schemas["CompletionRequest"]["properties"]
-    text, listed = request["prompt"]["anyOf"]
+    text, listed, ids, id_lists = request["prompt"]["anyOf"]
     assert text["minLength"] == 1 and listed["minItems"] == 1 and listed["items"]["minLength"] == 1
+    assert ids["items"] == {"type": "integer", "minimum": 0} and id_lists["items"]["minItems"] == 1
     assert next(a for a in request["max_tokens"]["anyOf"] if a["type"] == "integer")["maximum"] == 100
-    assert request["logprobs"]["type"] == "null"
+    assert next(a for a in request["logprobs"]["anyOf"] if a["type"] == "integer") == {
+        "type": "integer", "minimum": 0, "maximum": 20}
     assert schemas["GenerateRequest"]["properties"]["prompt"]["minLength"] == 1
 
 

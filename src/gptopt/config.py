@@ -627,6 +627,9 @@ class ServeConfig:
     # a queue of a million waiting requests is a client bug, not a workload
     max_queue: int = opt(64, "requests waiting beyond the running ones; more get 429 with Retry-After", ge=0, le=1 << 20)
     max_tokens_limit: int = opt(1024, "the largest max_tokens a request may ask for", ge=1, le=MAX_NEW_TOKENS)
+    # vLLM's default too: lm-evaluation-harness asks for 1, OpenAI's legacy API allowed 5
+    max_logprobs: int = opt(20, "the most alternatives per token a request's logprobs may ask for", ge=0,
+                            le=MAX_VOCAB)
     request_timeout: float = opt(120.0, "seconds a request may take before it is ended", gt=0.0, le=MAX_SECONDS)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",

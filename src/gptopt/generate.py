@@ -39,8 +39,8 @@ from gptopt.inference import GraphedDecode, compile_decode, load_for_inference, 
 from gptopt.model import GPT, KVCacheLayer
 from gptopt.tokenizer import eot_id
 
-__all__ = ["Decoding", "Generator", "KVCache", "SamplingParams", "StopChecker", "complete", "generate", "main",
-           "stream"]
+__all__ = ["Decoding", "Generator", "KVCache", "SamplingParams", "StopChecker", "TokenLogprob", "complete", "generate",
+           "main", "stream"]
 
 log = logging.getLogger("gptopt")
 
@@ -62,11 +62,19 @@ class SamplingParams:
     seed: int | None = None  # the same seed and prompt give the same sample, alone or in a batch
     stop: tuple[str, ...] = ()  # texts that end the sequence (StopChecker); not part of the output
     stop_token_ids: tuple[int, ...] = ()  # ids that end it (e.g. <|endoftext|>); not part of the output
+    # Log-probabilities, only computed when asked (None): each new token's, with this many most likely
+    # alternatives (Decoding.logprobs); and each prompt token's after the first (Decoding.prompt_logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
         for ok, rule, value in [
-            (self.max_new_tokens >= 1, "max_new_tokens must be >= 1", self.max_new_tokens),
+            # 0: the prompt only, no new token (scoring a text by its prompt_logprobs)
+            (self.max_new_tokens >= 0, "max_new_tokens must be >= 0", self.max_new_tokens),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0 (or None)", self.logprobs),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs must be >= 0 (or None)",
+             self.prompt_logprobs),
             (self.temperature >= 0, "temperature must be >= 0", self.temperature),
             (self.top_k is None or self.top_k >= 1, "top_k must be >= 1 (or None: all tokens)", self.top_k),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p),
@@ -86,6 +94,17 @@ class SamplingParams:
 Finish = Literal["stop", "length"]
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model's own distribution (log_softmax of the raw logits:
+    before the repetition penalty, temperature, top-k and top-p, as vLLM reports by default), and the
+    `k` most likely tokens at that position, most likely first (the token itself may be among them)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
 @dataclass(eq=False)
 class Decoding:
     """One sequence in one cache slot, from its prefill to its end; `add` is the one end-of-sequence rule.
@@ -102,6 +121,11 @@ class Decoding:
     ids: list[int]  # the prompt, then the new tokens (the repetition penalty's history)
     finish: Finish | None = None
     cached: int = 0  # prompt tokens in the cache so far: prefill_step runs the rest, a chunk at a time
+    # With params.logprobs: one entry per kept new token. With params.prompt_logprobs: one per prompt
+    # token after the first (the first has no context to be predicted from), filled as prefill_step runs.
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    pending: TokenLogprob | None = None  # sample_next's entry for the token `add` takes next
 
     @property
     def prefilled(self) -> bool:
@@ -120,10 +144,13 @@ class Decoding:
         """Take the next sampled token; why the sequence ends with it, or None while it goes on.
         A stop token id ends it ("stop") and is not kept; the budget's last token ends it ("length")."""
         assert self.finish is None, "a finished sequence takes no more tokens"
+        entry, self.pending = self.pending, None
         if token in self.params.stop_token_ids:
             self.finish = "stop"
         else:
             self.ids.append(token)
+            if entry is not None:
+                self.logprobs.append(entry)
             if self.n_new >= self.budget:
                 self.finish = "length"
         return self.finish
@@ -307,19 +334,49 @@ class Generator:
             rows.append(s)
             width = w
         chunks = [s.ids[s.cached : s.cached + width] for s in rows]
-        logits = self.extend([s.slot for s in rows], chunks, [s.cached for s in rows])
+        scored = [i for i, s in enumerate(rows) if s.params.prompt_logprobs is not None]
+        if not scored:
+            logits = self.extend([s.slot for s in rows], chunks, [s.cached for s in rows])
+        else:  # every position's logits: (B, T, V), each row's chunk at its end (left-padded)
+            every = self.extend([s.slot for s in rows], chunks, [s.cached for s in rows], every=True)
+            self._score_prompts([rows[i] for i in scored], [chunks[i] for i in scored], every[scored])
+            logits = every[:, -1].float()
         for s, c in zip(rows, chunks, strict=True):
             s.cached += len(c)
         done = [i for i, s in enumerate(rows) if s.prefilled]
         return [rows[i] for i in done], logits[done]
+
+    def _score_prompts(self, seqs: list[Decoding], chunks: list[list[int]], logits: torch.Tensor) -> None:
+        """Each prompt token's TokenLogprob from the logits of the position before it, for the chunk being
+        prefilled (not yet counted in `cached`); one host sync for all of them."""
+        T, picked, targets = logits.shape[1], [], []
+        for r, (s, c) in enumerate(zip(seqs, chunks, strict=True)):
+            nxt = s.ids[s.cached + 1 : min(s.cached + len(c) + 1, s.prompt_len)]  # the tokens these positions predict
+            picked.append(logits[r, T - len(c) : T - len(c) + len(nxt)])
+            targets += nxt
+        if not targets:  # a one-token prompt: nothing to predict
+            return
+        k = max(s.params.prompt_logprobs or 0 for s in seqs)
+        entries = _unpack(_logprob_table(torch.cat(picked), self._tensor(targets), k).tolist(), k)
+        for s, c in zip(seqs, chunks, strict=True):
+            n = min(s.cached + len(c) + 1, s.prompt_len) - (s.cached + 1)
+            s.prompt_logprobs += [_top(e, s.params.prompt_logprobs or 0) for e in entries[:n]]
+            entries = entries[n:]
 
     def decode_next(self, seqs: Sequence[Decoding]) -> torch.Tensor:
         """Feed each sequence's last token back at its position, in one forward: logits (B, V)."""
         return self.decode([s.slot for s in seqs], [s.ids[-1] for s in seqs], [len(s.ids) - 1 for s in seqs])
 
     def sample_next(self, logits: torch.Tensor, seqs: Sequence[Decoding]) -> list[int]:
-        """`sample` with each sequence's own parameters, history and random generator."""
-        return self.sample(logits, [s.params for s in seqs], [s.ids for s in seqs], [s.rng for s in seqs])
+        """`sample` with each sequence's own parameters, history and random generator. A sequence whose
+        params ask for logprobs gets its token's TokenLogprob as `pending`, which its `add` keeps."""
+        params = [s.params for s in seqs]
+        if all(p.logprobs is None for p in params):
+            return self.sample(logits, params, [s.ids for s in seqs], [s.rng for s in seqs])
+        tokens, entries = self.sample_logprobs(logits, params, [s.ids for s in seqs], [s.rng for s in seqs])
+        for s, e in zip(seqs, entries, strict=True):
+            s.pending = e
+        return tokens
 
     def end(self, seq: Decoding) -> None:
         """Free the sequence's slot, however it ended."""
@@ -352,8 +409,9 @@ class Generator:
 
     # forward ----------------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, slot: int, tokens: list[int]) -> torch.Tensor:
-        """Run the prompt in one forward into the slot's cache (positions 0..L-1); logits (V,) of its last token."""
+    def prefill(self, slot: int, tokens: list[int], *, every: bool = False) -> torch.Tensor:
+        """Run the prompt in one forward into the slot's cache (positions 0..L-1); logits (V,) of its last
+        token, or with `every` (L, V) of every position, in the weights' dtype."""
         self._check_slot(slot)
         self.check_prompt(tokens)
         L = len(tokens)
@@ -361,15 +419,17 @@ class Generator:
         pos = torch.arange(L, device=self.device).view(1, L)
         kv = self.cache.layers(slice(slot, slot + 1), pos, length=L)
         # No mask: with S == T the model takes SDPA's causal path (flash kernels where available).
-        logits = self.model(idx, pos=pos, kv_cache=kv, last_only=True)
+        logits = self.model(idx, pos=pos, kv_cache=kv, last_only=not every)
         self._used.add(slot)
         self.lengths[slot] = L
-        return logits[0, -1].float()
+        return logits[0] if every else logits[0, -1].float()
 
     @torch.no_grad()
-    def extend(self, slots: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+    def extend(self, slots: list[int], chunks: list[list[int]], starts: list[int], *,
+               every: bool = False) -> torch.Tensor:
         """Each slot's next tokens at positions start.. (a prompt, or its next chunk over the cached part),
-        every slot in one forward; logits (B, V) of each slot's last token.
+        every slot in one forward; logits (B, V) of each slot's last token, or with `every` (B, T, V) of
+        every position (the weights' dtype; a shorter chunk's logits at the end of its row).
 
         Shorter chunks are padded on the left, so every row's last position is a real token. The
         padding writes at the cache's last position, which holds no prompt token (a prompt leaves room
@@ -378,7 +438,7 @@ class Generator:
         if not B == len(chunks) == len(starts) > 0 or len(set(slots)) != B or not all(chunks):
             raise ValueError(f"extend needs distinct slots, each with tokens and a start: {slots}, {starts}")
         if B == 1 and starts[0] == 0:
-            return self.prefill(slots[0], chunks[0])[None]  # SDPA's causal path: no mask to build
+            return self.prefill(slots[0], chunks[0], every=every)[None]  # SDPA's causal path: no mask to build
         for s, c, p in zip(slots, chunks, starts, strict=True):
             self._check_slot(s)
             self._check_ids(c)
@@ -390,7 +450,7 @@ class Generator:
         positions = [[pad] * (T - len(c)) + list(range(p, p + len(c))) for c, p in zip(chunks, starts, strict=True)]
         length = max(p + len(c) for c, p in zip(chunks, starts, strict=True))
         logits = self._forward(self._tensor(tokens).view(B, T), self._tensor(positions).view(B, T), self._rows(slots),
-                               length)
+                               length, last_only=not every)
         for s, c, p in zip(slots, chunks, starts, strict=True):
             self._used.add(s)
             self.lengths[s] = p + len(c)
@@ -422,10 +482,12 @@ class Generator:
         B = len(slots)
         return slice(slots[0], slots[0] + B) if slots == list(range(slots[0], slots[0] + B)) else self._tensor(slots)
 
-    def _forward(self, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | slice, length: int) -> torch.Tensor:
+    def _forward(self, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | slice, length: int,
+                 last_only: bool = True) -> torch.Tensor:
         kv = self.cache.layers(rows, pos, length)
         mask = self.cache.mask(pos, length)
-        return self.model(tok, pos=pos, kv_cache=kv, attn_mask=mask, last_only=True)[:, -1].float()
+        logits = self.model(tok, pos=pos, kv_cache=kv, attn_mask=mask, last_only=last_only)
+        return logits[:, -1].float() if last_only else logits
 
     def _decode_rows(self, tok: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         # The first B cache rows (B = tok's rows: a bucket) over the first len(keys) positions. `keys` only
@@ -469,6 +531,30 @@ class Generator:
         histories: each row's prompt + generated ids (for the penalty). generators: Generator.rng(seed)
         per row, or None for the global RNG.
         """
+        return self._pick(logits, params, histories, generators).tolist()
+
+    @torch.no_grad()
+    def sample_logprobs(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                        generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprob | None]]:
+        """`sample`, and for each row whose params ask (logprobs not None) its token's TokenLogprob with
+        params.logprobs alternatives, from the raw `logits` (None for the other rows). Still one host sync:
+        the tokens travel in the same float32 tensor as the log-probabilities."""
+        tokens = self._pick(logits, params, histories, generators)
+        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        k = max(params[i].logprobs or 0 for i in rows)
+        index = self._tensor(rows)
+        table = _logprob_table(logits[index], tokens[index], k)  # (R, 2 + 2k)
+        flat = torch.cat([tokens.float(), table.flatten()]).tolist()
+        B = len(params)
+        entries: list[TokenLogprob | None] = [None] * B
+        for i, e in zip(rows, _unpack([flat[B + r * table.shape[1] : B + (r + 1) * table.shape[1]]
+                                       for r in range(len(rows))], k), strict=True):
+            entries[i] = _top(e, params[i].logprobs or 0)
+        return [int(t) for t in flat[:B]], entries
+
+    def _pick(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+              generators: list[torch.Generator | None]) -> torch.Tensor:
+        """sample's tokens (B,), on the device: no host sync."""
         B, V = logits.shape
         logits = logits.float()
         if any(p.repetition_penalty != 1.0 for p in params):
@@ -480,7 +566,7 @@ class Generator:
             logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
-            return greedy.tolist()
+            return greedy
         # Work in the k_max best logits, sorted; k_max = V (a full sort) when some row has no top-k.
         k_max = min(V, max(p.top_k or V for p in params))
         vals, idx = logits.topk(k_max, dim=-1)  # (B, k_max)
@@ -502,7 +588,31 @@ class Generator:
                 noise[i].exponential_(generator=g)
         sampled = idx.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
         is_greedy = self._tensor([p.temperature == 0 for p in params], torch.bool)
-        return torch.where(is_greedy, greedy, sampled).tolist()
+        return torch.where(is_greedy, greedy, sampled)
+
+
+def _logprob_table(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """(R, 2 + 2k) float32: each row's target token, its log-probability, the k most likely token ids and
+    their log-probabilities, most likely first. One log_softmax gives both, so a greedy token's logprob
+    equals the top one exactly. Token ids are exact in float32 below 2**24 (config.MAX_VOCAB)."""
+    lp = logits.float().log_softmax(dim=-1)  # (R, V)
+    top, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    return torch.cat([targets[:, None].float(), lp.gather(-1, targets[:, None]), ids.float(), top], dim=-1)
+
+
+def _unpack(rows: list[list[float]], k: int) -> list[TokenLogprob]:
+    """_logprob_table's rows, on the host, as TokenLogprobs."""
+    out = []
+    for row in rows:
+        n = (len(row) - 2) // 2
+        out.append(TokenLogprob(token=int(row[0]), logprob=row[1],
+                                top=tuple((int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + n :], strict=True))))
+    return out
+
+
+def _top(entry: TokenLogprob, k: int) -> TokenLogprob:
+    """The entry with its k most likely alternatives only (a batch computes its rows' largest k)."""
+    return entry if len(entry.top) <= k else dataclasses.replace(entry, top=entry.top[:k])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -520,7 +630,11 @@ def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
         gen.check_prompt(p)
     seqs, logits = gen.begin_many(prompts, params)  # one forward for all the prompts
     try:
-        active = list(range(len(prompts)))
+        active = [i for i, s in enumerate(seqs) if s.budget > 0]
+        for i in sorted(set(range(len(seqs))) - set(active)):  # max_new_tokens 0: the prompt only
+            seqs[i].finish = "length"
+            yield i, None, "length"
+        logits = logits[active]
         while active:
             tokens = gen.sample_next(logits, [seqs[i] for i in active])
             going = []

@@ -28,7 +28,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -55,6 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa
 from gptopt.serve.blocklist import CheckTimeout, load_blocklist  # noqa: E402
 from gptopt.serve.chat_api import DeltaChoices, message_choice  # noqa: E402
 from gptopt.serve.engine import COMPLETED, Draining, Engine, Event, QueueFull, asyncio_sink  # noqa: E402
+from gptopt.serve.logprobs import CompletionLogprobs, Vocab, chat_content  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,6 @@ MAX_PROMPTS = 16  # prompts in one request's list
 MAX_CHOICES = 32  # prompts x n: sequences one request may put into the engine
 MAX_STOP = 4  # stop strings, as OpenAI allows
 MAX_STOP_CHARS = 256
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 # The playground (static/): a page and its two files, served without the key so that a browser can open
 # it and ask for the key; every request the page makes is an API request, which needs it.
 PAGE = {"/": "index.html", "/static/playground.css": "playground.css", "/static/playground.js": "playground.js"}
@@ -114,6 +114,7 @@ def _unicode(text: Any) -> Any:
 Text = Annotated[str, BeforeValidator(_unicode)]
 Prompt = Annotated[str, Field(min_length=1), BeforeValidator(_unicode)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), BeforeValidator(_unicode)]
+TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]  # a prompt already tokenized
 
 
 class ErrorDetail(BaseModel):
@@ -137,9 +138,12 @@ class StreamOptions(BaseModel):
 class CompletionRequest(BaseModel):
     model_config = _STRICT
     model: Text | None = None
-    prompt: Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)] = Field(
-        description=f"a string, or a list of 1 to {MAX_PROMPTS} strings (one completion each)")
-    max_tokens: int | None = Field(16, ge=1, description="tokens to generate; null: up to the context end")
+    prompt: (Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
+        description=f"a string, or a list of 1 to {MAX_PROMPTS} strings (one completion each); or token ids, "
+        f"or a list of 1 to {MAX_PROMPTS} lists of token ids")
+    max_tokens: int | None = Field(16, ge=0, description="tokens to generate; null: up to the context end; 0 (with "
+                                   "echo and logprobs): score the prompt only")
     temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
@@ -148,7 +152,9 @@ class CompletionRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     echo: bool = False
-    logprobs: None = Field(None, description="not supported: null or absent")
+    logprobs: int | None = Field(None, ge=0, description="per token its log-probability and this many most likely "
+                                 "alternatives (log_softmax of the model's raw logits, before temperature and "
+                                 "top_p); with echo the prompt's tokens too")
     top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
     repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
 
@@ -182,8 +188,9 @@ class ChatRequest(BaseModel):
     seed: int | None = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool = Field(False, description="not supported yet: false or absent")
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    logprobs: bool = Field(False, description="each reply token's log-probability (choices[].logprobs.content)")
+    top_logprobs: int | None = Field(None, ge=0, description="with logprobs: this many most likely tokens per "
+                                     "position, at most the server's --max_logprobs")
     top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
     repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
 
@@ -351,7 +358,7 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
     _add_error_handlers(app)
     api.add_routes(app)
     app.openapi = lambda: _openapi(app, guarded=api.api_key is not None,  # type: ignore[method-assign]
-                                   max_tokens_limit=cfg.max_tokens_limit)
+                                   max_tokens_limit=cfg.max_tokens_limit, max_logprobs=cfg.max_logprobs)
     return app
 
 
@@ -434,9 +441,9 @@ def _responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
     return {s: _error_doc(s) for s in statuses}
 
 
-def _openapi(app: FastAPI, *, guarded: bool, max_tokens_limit: int) -> dict[str, Any]:
+def _openapi(app: FastAPI, *, guarded: bool, max_tokens_limit: int, max_logprobs: int) -> dict[str, Any]:
     """The schema of what the server does: 400 (never FastAPI's 422) with OpenAI's body, 401 and the
-    bearer scheme where a key is needed, this server's max_tokens limit."""
+    bearer scheme where a key is needed, this server's max_tokens and logprobs limits."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
         components = schema.setdefault("components", {})
@@ -453,10 +460,13 @@ def _openapi(app: FastAPI, *, guarded: bool, max_tokens_limit: int) -> dict[str,
                     op["responses"]["401"] = unauthorized
         if guarded:
             components["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
-        for request, field in (("CompletionRequest", "max_tokens"), ("ChatRequest", "max_tokens"),
-                               ("ChatRequest", "max_completion_tokens")):
+        for request, field, maximum in (("CompletionRequest", "max_tokens", max_tokens_limit),
+                                        ("ChatRequest", "max_tokens", max_tokens_limit),
+                                        ("ChatRequest", "max_completion_tokens", max_tokens_limit),
+                                        ("CompletionRequest", "logprobs", max_logprobs),
+                                        ("ChatRequest", "top_logprobs", max_logprobs)):
             limit = next(a for a in schemas[request]["properties"][field]["anyOf"] if a.get("type") == "integer")
-            limit["maximum"] = max_tokens_limit
+            limit["maximum"] = maximum
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -467,8 +477,15 @@ def _no_such_model(name: str, names: tuple[str, ...]) -> APIError:
                     param="model", code="model_not_found")
 
 
-def _check_completion(body: CompletionRequest, prompts: list[str], names: tuple[str, ...],
-                      max_tokens_limit: int) -> None:
+def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
+    """The request's prompts: each a text or a list of token ids."""
+    if isinstance(prompt, str) or isinstance(prompt[0], int):
+        return [prompt]  # type: ignore[list-item]
+    return list(prompt)
+
+
+def _check_completion(body: CompletionRequest, prompts: list[str | list[int]], names: tuple[str, ...],
+                      max_tokens_limit: int, max_logprobs: int) -> None:
     """The request limits of /v1/completions that need no tokenizer (the schema checked the rest)."""
     if body.model is not None and body.model not in names:
         raise _no_such_model(body.model, names)
@@ -476,6 +493,12 @@ def _check_completion(body: CompletionRequest, prompts: list[str], names: tuple[
         raise APIError(400, f"len(prompt) x n may be at most {MAX_CHOICES}", param="n")
     if body.max_tokens is not None and body.max_tokens > max_tokens_limit:
         raise APIError(400, f"max_tokens may be at most {max_tokens_limit}", param="max_tokens")
+    if body.logprobs is not None and body.logprobs > max_logprobs:
+        raise APIError(400, f"logprobs may be at most {max_logprobs} (this server's --max_logprobs); ask for fewer",
+                       param="logprobs")
+    if body.max_tokens == 0 and not (body.echo and body.logprobs is not None):
+        raise APIError(400, "max_tokens 0 scores the prompt only, which needs echo: true and logprobs (0 or more); "
+                       "otherwise ask for at least 1 token", param="max_tokens")
 
 
 class _API:
@@ -498,6 +521,7 @@ class _API:
         folders = chat.template_folders(cfg.model, cfg.tokenizer)
         self.chat = chat.load_template(cfg.chat_template, folders, self.tokenizer)
         self.no_chat = chat.no_template(folders)
+        self.vocab = Vocab(self.tokenizer)  # token texts and bytes for logprobs
 
     def add_routes(self, app: FastAPI) -> None:
         generation = _responses(400, 413, 429, 503, 504)
@@ -553,11 +577,31 @@ class _API:
     async def encode(self, texts: list[str]) -> list[list[int]]:
         return [e.ids for e in await asyncio.to_thread(self.tokenizer.encode_batch, texts)]
 
+    async def read_prompts(self, prompts: list[str | list[int]]) -> tuple[list[list[int]], list[str]]:
+        """Each prompt's token ids and text (a prompt of ids: its decoded text, special tokens included),
+        checked against the blocklist: 400 for an id outside the model's vocabulary."""
+        given = [p for p in prompts if not isinstance(p, str)]
+        vocab = self.engine.generator.vocab_size
+        for ids in given:
+            if max(ids) >= vocab:
+                raise APIError(400, f"prompt: token id {max(ids)} is outside this model's vocabulary (0..{vocab - 1}); "
+                               "send ids of the served model's tokenizer", param="prompt", code="invalid_token_id")
+        decoded = iter(await asyncio.to_thread(self.tokenizer.decode_batch, given, skip_special_tokens=False)
+                       if given else [])
+        texts = [p if isinstance(p, str) else next(decoded) for p in prompts]
+        await self.check_prompts(texts)
+        encoded = iter(await self.encode([p for p in prompts if isinstance(p, str)]) if len(given) < len(prompts)
+                       else [])
+        return [next(encoded) if isinstance(p, str) else list(p) for p in prompts], texts
+
     # -- into the engine and back -----------------------------------------------------------------
 
     def sampling(self, body: CompletionRequest | ChatRequest, ids: list[list[int]], budgets: list[int],
-                 stop: tuple[str, ...], stop_ids: tuple[int, ...]) -> tuple[list[list[int]], list[SamplingParams]]:
-        """n sequences per prompt and their sampling, as the request asks."""
+                 stop: tuple[str, ...], stop_ids: tuple[int, ...], *, logprobs: int | None = None,
+                 prompt_logprobs: int | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
+        """n sequences per prompt and their sampling, as the request asks. logprobs: the top-k alternatives
+        each new token's log-probability comes with (None: none computed); prompt_logprobs: the same for
+        the prompt's tokens (echo)."""
         seqs, params = [], []
         for i, (x, budget) in enumerate(zip(ids, budgets, strict=True)):
             for j in range(body.n):
@@ -565,7 +609,8 @@ class _API:
                 params.append(SamplingParams(
                     max_new_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                     repetition_penalty=body.repetition_penalty, stop=stop, stop_token_ids=stop_ids,
-                    seed=None if body.seed is None else body.seed + i * body.n + j))  # choices differ
+                    seed=None if body.seed is None else body.seed + i * body.n + j,  # choices differ
+                    logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         return seqs, params
 
     def submit(self, prompts: list[list[int]], params: list[Any]) -> tuple[asyncio.Queue[Event], list[Any]]:
@@ -591,14 +636,25 @@ class _API:
         return queue, reqs
 
     async def collect(self, request: Request, queue: asyncio.Queue[Event], reqs: list[Any]) -> list[Event]:
-        """Wait for every sequence; the accumulated text and the last event's reason, per sequence."""
+        """Wait for every sequence; the accumulated text (and log-probabilities, if asked) and the last
+        event's reason, per sequence."""
         texts, results = [""] * len(reqs), [Event(i, "") for i in range(len(reqs))]
+        logprobs: list[list[Any] | None] = [None] * len(reqs)
+        prompt_logprobs: list[list[Any] | None] = [None] * len(reqs)
         watcher = asyncio.create_task(_watch_disconnect(request, reqs))
         try:
             for _ in range(len(reqs)):  # one last event per sequence
-                while (ev := await queue.get()).finish_reason is None:
+                while True:
+                    ev = await queue.get()
+                    if ev.logprobs is not None:
+                        logprobs[ev.index] = (logprobs[ev.index] or []) + ev.logprobs
+                    if ev.prompt_logprobs is not None:
+                        prompt_logprobs[ev.index] = ev.prompt_logprobs
+                    if ev.finish_reason is not None:
+                        break
                     texts[ev.index] += ev.text
                 ev.text, results[ev.index] = texts[ev.index] + ev.text, ev
+                ev.logprobs, ev.prompt_logprobs = logprobs[ev.index], prompt_logprobs[ev.index]
                 if ev.finish_reason not in COMPLETED:
                     for r in reqs:
                         r.cancel()
@@ -614,24 +670,26 @@ class _API:
     # -- handlers -------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        prompts = [body.prompt] if isinstance(body.prompt, str) else body.prompt
+        prompts = _prompt_list(body.prompt)
         stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
-        _check_completion(body, prompts, self.model_names, self.cfg.max_tokens_limit)
-        await self.check_prompts(prompts)
-        ids = await self.encode(prompts)
+        _check_completion(body, prompts, self.model_names, self.cfg.max_tokens_limit, self.cfg.max_logprobs)
+        ids, texts = await self.read_prompts(prompts)
         budgets = [self.fit(x, body.max_tokens, "max_tokens") for x in ids]
-        seqs, params = self.sampling(body, ids, budgets, tuple(stop), self.stop_ids)
+        seqs, params = self.sampling(body, ids, budgets, tuple(stop), self.stop_ids, logprobs=body.logprobs,
+                                     prompt_logprobs=body.logprobs if body.echo else None)
         queue, reqs = self.submit(seqs, params)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": body.model or self.model_name}  # the name the client used, as OpenAI's API echoes it
-        echo = [prompts[k // body.n] if body.echo else "" for k in range(len(seqs))]
+        echo = [texts[k // body.n] if body.echo else "" for k in range(len(seqs))]
+        choices = [_Choice(self.vocab, x, texts[k // body.n] if body.echo else None, body.logprobs is not None)
+                   for k, x in enumerate(seqs)]
         prompt_tokens = sum(len(x) for x in ids)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _stream(_sse(request, queue, reqs, head, echo, prompt_tokens, usage, self.cfg.request_timeout))
+            return _stream(_sse(request, queue, reqs, head, choices, prompt_tokens, usage, self.cfg.request_timeout))
         results = await self.collect(request, queue, reqs)
-        return {**head, "choices": [{"index": r.index, "text": echo[r.index] + r.text, "logprobs": None,
-                                     "finish_reason": r.finish_reason} for r in results],
+        return {**head, "choices": [_text_choice(r.index, echo[r.index] + r.text, r.finish_reason,
+                                                 choices[r.index].chunk(r)[1]) for r in results],
                 "usage": _usage(prompt_tokens, results)}
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Any:
@@ -644,8 +702,11 @@ class _API:
             raise _no_such_model(body.model, self.model_names)
         if max_tokens is not None and max_tokens > self.cfg.max_tokens_limit:
             raise APIError(400, f"{param} may be at most {self.cfg.max_tokens_limit}", param=param)
-        if body.logprobs:
-            raise APIError(400, "logprobs are not supported yet; send logprobs: false", param="logprobs")
+        if body.top_logprobs is not None and body.top_logprobs > self.cfg.max_logprobs:
+            raise APIError(400, f"top_logprobs may be at most {self.cfg.max_logprobs} (the server's --max_logprobs)",
+                           param="top_logprobs")
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         if self.chat is None:
             raise APIError(400, self.no_chat, param="messages", code="no_chat_template")
         try:
@@ -663,16 +724,19 @@ class _API:
                            param="messages", code="chat_template_error")
         stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
         seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
-                                     self.chat.stop_token_ids(self.tokenizer))
+                                     self.chat.stop_token_ids(self.tokenizer),
+                                     logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+        choices = [_ChatChoice(self.vocab, body.logprobs) for _ in seqs]
         queue, reqs = self.submit(seqs, params)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.model or self.model_name}
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return _stream(_sse(request, queue, reqs, {**head, "object": "chat.completion.chunk"}, [""] * len(seqs),
-                                len(ids), usage, self.cfg.request_timeout, choice=DeltaChoices()))
+            return _stream(_sse(request, queue, reqs, {**head, "object": "chat.completion.chunk"}, choices,
+                                len(ids), usage, self.cfg.request_timeout, shape=DeltaChoices()))
         results = await self.collect(request, queue, reqs)
-        return {**head, "choices": [message_choice(r.index, r.text, r.finish_reason) for r in results],
+        return {**head, "choices": [message_choice(r.index, r.text, r.finish_reason, choices[r.index].chunk(r)[1])
+                                    for r in results],
                 "usage": _usage(len(ids), results)}
 
     async def generate(self, body: GenerateRequest, request: Request) -> GenerateResponse:
@@ -727,29 +791,71 @@ def _stream(frames: AsyncIterator[bytes]) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _text_choice(index: int, text: str, reason: str | None) -> dict[str, Any]:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": reason}
+def _text_choice(index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+class _Choice:
+    """One completion choice's echo and `logprobs` object, event by event (a stream's chunks, or the one
+    event collect() gathers). With logprobs the echoed prompt goes out with the first event, which
+    carries the prompt's log-probabilities; without, a stream sends it at once."""
+
+    def __init__(self, vocab: Vocab, prompt: list[int], echo: str | None, logprobs: bool) -> None:
+        self.prompt, self.echo = prompt, echo
+        self.logprobs = CompletionLogprobs(vocab) if logprobs else None
+        self.shown = 0  # characters of the choice's text so far
+
+    def chunk(self, ev: Event) -> tuple[str, dict[str, list[Any]] | None]:
+        """The text this event adds (the echo before the first) and its tokens' logprobs object."""
+        fmt = self.logprobs
+        if fmt is None:
+            return ev.text, None
+        text, part = ev.text, {f: [] for f in CompletionLogprobs.FIELDS}
+        if self.echo is not None:  # the first event: the prompt's tokens first, its first without a logprob
+            text, self.shown = self.echo + text, len(self.echo)
+            entries: list[Any] = [None, *(ev.prompt_logprobs or [])]
+            part = fmt.add(self.prompt, entries + [None] * (len(self.prompt) - len(entries)), shown=self.shown,
+                           skip_special=False)
+            fmt.start_at(self.shown)
+            self.echo = None
+        self.shown += len(ev.text)
+        new = fmt.add([e.token for e in ev.logprobs or []], ev.logprobs or [], shown=self.shown)
+        return text, {f: part[f] + new[f] for f in CompletionLogprobs.FIELDS}
+
+
+class _ChatChoice:
+    """A chat choice's `logprobs` object ({"content": [...]}), event by event, or None when not asked."""
+
+    echo = None  # a chat echoes nothing
+
+    def __init__(self, vocab: Vocab, logprobs: bool) -> None:
+        self.vocab, self.logprobs = vocab, logprobs
+
+    def chunk(self, ev: Event) -> tuple[str, dict[str, list[Any]] | None]:
+        return ev.text, {"content": chat_content(self.vocab, ev.logprobs or [])} if self.logprobs else None
 
 
 async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], head: dict[str, Any],
-               echo: list[str], prompt_tokens: int, usage: bool, timeout: float,
-               choice: Callable[[int, str, str | None], dict[str, Any]] = _text_choice) -> AsyncIterator[bytes]:
+               choices: Sequence[_Choice | _ChatChoice], prompt_tokens: int, usage: bool, timeout: float,
+               shape: Callable[[int, str, str | None, Any], dict[str, Any]] = _text_choice) -> AsyncIterator[bytes]:
     """OpenAI's completion stream: one chunk per text delta, per-choice finish, usage, then [DONE].
-    choice(index, text, finish_reason) shapes a chunk's choice: a completion's text, a chat's delta."""
+    choices[i].chunk(event) gives an event's text and logprobs object; shape(index, text, finish_reason,
+    logprobs) makes the chunk's choice of them: a completion's text, a chat's delta."""
 
     def frame(obj: Any) -> bytes:  # ensure_ascii=False: deltas are whole characters, sent as UTF-8
         return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
 
-    def chunk(index: int, text: str, reason: str | None) -> bytes:
+    def chunk(ev: Event, reason: str | None) -> bytes:
         extra = {"usage": None} if usage else {}
-        return frame({**head, "choices": [choice(index, text, reason)], **extra})
+        text, logprobs = choices[ev.index].chunk(ev)
+        return frame({**head, "choices": [shape(ev.index, text, reason, logprobs)], **extra})
 
     watcher = asyncio.create_task(_watch_disconnect(request, reqs))
     try:
         completion_tokens, open_ = 0, len(reqs)
-        for i, prefix in enumerate(echo):
-            if prefix:
-                yield chunk(i, prefix, None)
+        for i, c in enumerate(choices):
+            if c.echo and c.logprobs is None:
+                yield chunk(Event(i, c.echo), None)
         failed = False
         while open_ and not failed:
             # What has arrived goes out in one write: the engine delivers an iteration's events together.
@@ -758,7 +864,7 @@ async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], h
                 events.append(queue.get_nowait())
             for ev in events:
                 if ev.finish_reason is None:
-                    out.append(chunk(ev.index, ev.text, None))
+                    out.append(chunk(ev, None))
                     continue
                 open_ -= 1
                 completion_tokens += ev.completion_tokens
@@ -766,7 +872,7 @@ async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], h
                     out.append(frame(_finish_error(ev, timeout).body()))
                     failed = True
                     break
-                out.append(chunk(ev.index, ev.text, ev.finish_reason))
+                out.append(chunk(ev, ev.finish_reason))
             yield b"".join(out)
         if usage and not failed:
             yield frame({**head, "choices": [], "usage": {

@@ -13,9 +13,9 @@ from typing import Any
 CHAT_EXAMPLE_BODY = '{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 32}'
 
 
-def message_choice(index: int, text: str, reason: str | None) -> dict[str, Any]:
-    """One choice of a chat.completion."""
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def message_choice(index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One choice of a chat.completion; logprobs: {"content": [...]} when the request asked."""
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": reason}
 
 
@@ -27,11 +27,11 @@ class DeltaChoices:
     def __init__(self) -> None:
         self.started: set[int] = set()
 
-    def __call__(self, index: int, text: str, reason: str | None) -> dict[str, Any]:
+    def __call__(self, index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if index not in self.started:
             self.started.add(index)
             delta = {"role": "assistant", "content": text}
         elif text:
             delta = {"content": text}
-        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+        return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}

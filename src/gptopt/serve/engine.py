@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import torch
 
-from gptopt.generate import Decoding, Generator, SamplingParams, StopChecker
+from gptopt.generate import Decoding, Generator, SamplingParams, StopChecker, TokenLogprob
 from gptopt.serve.blocklist import Blocklist, TextFilter
 
 log = logging.getLogger(__name__)
@@ -69,6 +69,11 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    # Only for requests whose params ask for them: the new tokens' entries since the previous event (a
+    # token whose text is held back goes with the next event), and, on the sequence's first event, the
+    # prompt's (one per prompt token after the first).
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 Sink = Callable[[Event], None]
@@ -129,6 +134,8 @@ class Request:
     text: StopChecker | None = None  # incremental detokenizer: whole characters, stop strings
     filter: TextFilter | None = None
     engine: Engine | None = None
+    logprobs_sent: int = 0  # seq.logprobs handed out in events so far
+    prompt_logprobs_sent: bool = False
 
     def cancel(self) -> None:
         """Ask the engine to drop this request; its slot is free after the engine's next iteration."""
@@ -339,12 +346,17 @@ class Engine:
         try:
             done, logits = self.generator.prefill_step([r.seq for r in self._prefilling if r.seq is not None],
                                                        self.prefill_chunk)
-            tokens = self.generator.sample_next(logits, done) if done else []
+            scored = [s for s in done if s.budget == 0]  # max_new_tokens 0: the prompt's logprobs only
+            keep = [i for i, s in enumerate(done) if s.budget > 0]
+            done = [done[i] for i in keep]
+            tokens = self.generator.sample_next(logits[keep] if scored else logits, done) if done else []
         except Exception as e:  # e.g. out of memory: these requests fail, the server goes on
             log.exception("prefill failed")
             for r in list(self._prefilling):
                 self._finish(r, "error", error=f"{type(e).__name__}: {e}")
             return
+        for seq in scored:
+            self._finish(by_seq[id(seq)], "length")
         for seq, token in zip(done, tokens, strict=True):
             req = by_seq[id(seq)]
             self._prefilling.remove(req)
@@ -394,7 +406,19 @@ class Engine:
         if reason is not None:
             return self._finish(req, reason, text=text)
         if text:
-            self._outbox.append((req.sink, Event(req.index, text, completion_tokens=req.completion_tokens)))
+            self._outbox.append((req.sink, self._logprobs(req, Event(req.index, text,
+                                                                     completion_tokens=req.completion_tokens))))
+
+    @staticmethod
+    def _logprobs(req: Request, ev: Event) -> Event:
+        """The event with the log-probabilities not yet sent, for a request that asks for them."""
+        seq = req.seq
+        if seq is None or (seq.params.logprobs is None and seq.params.prompt_logprobs is None):
+            return ev
+        ev.logprobs, req.logprobs_sent = seq.logprobs[req.logprobs_sent :], len(seq.logprobs)
+        if not req.prompt_logprobs_sent and seq.params.prompt_logprobs is not None:
+            ev.prompt_logprobs, req.prompt_logprobs_sent = list(seq.prompt_logprobs), True
+        return ev
 
     def _finish(self, req: Request, reason: FinishReason, *, text: str = "", error: str | None = None) -> None:
         """Free the request's slot (if it has one) and send its last event."""
@@ -413,4 +437,5 @@ class Engine:
                 self.metrics.e2e.observe(latency)
         if reason in COMPLETED:
             self._mean_latency = 0.9 * self._mean_latency + 0.1 * latency
-        self._outbox.append((req.sink, Event(req.index, text, reason, len(req.prompt), req.completion_tokens, error)))
+        self._outbox.append((req.sink, self._logprobs(req, Event(req.index, text, reason, len(req.prompt),
+                                                                 req.completion_tokens, error))))
