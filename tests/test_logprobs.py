@@ -280,7 +280,7 @@ def test_the_fields_lm_eval_reads_score_a_continuation(server: tuple[str, Any], 
 @pytest.mark.slow
 def test_lm_eval_local_completions_scores_a_task_through_the_server(debug_tokenizer: Any, train_data: Path,
                                                                     tmp_path: Path) -> None:
-    lm_eval = pytest.importorskip("lm_eval")
+    lm_eval = pytest.importorskip("lm_eval", reason="needs the lmeval extra: pip install -e '.[lmeval]'")
     pytest.importorskip("transformers")
     from lm_eval.tasks import TaskManager
     from transformers import PreTrainedTokenizerFast
