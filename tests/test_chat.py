@@ -137,6 +137,7 @@ httpx = pytest.importorskip("httpx")
 
 from gptopt.config import ServeConfig  # noqa: E402
 from gptopt.serve.app import create_app, serve_in_thread  # noqa: E402
+from gptopt.serve.chat_api import CHAT_EXAMPLE_BODY  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -366,3 +367,8 @@ def test_generate_chat_refusals_are_one_line(model_dir: Path, tmp_path: Path, ar
     rc, out, err, prompts = run_chat(["--model", str(model_dir), *argv], "hi\n", monkeypatch, capsys)
     assert rc == 2 and not prompts and not out
     assert len(err.strip().splitlines()) == 1 and problem in err and err.startswith("gptopt generate: error: ")
+
+
+def test_bad_json_on_the_chat_route_names_a_chat_body(url: str) -> None:
+    r = httpx.post(f"{url}/v1/chat/completions", content=b"{", timeout=10)
+    assert r.status_code == 400 and CHAT_EXAMPLE_BODY in r.json()["error"]["message"], r.text

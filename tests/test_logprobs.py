@@ -18,12 +18,13 @@ import torch
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import PROMPT, assert_openai_error, completion, running, sse  # noqa: E402
+from test_serve import PROMPT, assert_openai_error, completion, end_of_text_after, running, sse  # noqa: E402
 
 from gptopt.device import resolve  # noqa: E402
 from gptopt.generate import Generator, SamplingParams, TokenLogprob  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
 from gptopt.serve.logprobs import Vocab, chat_content  # noqa: E402
+from gptopt.tokenizer import eot_id  # noqa: E402
 
 TOL = 1e-4  # the cached, batched forward against one plain forward: fp32 rounding only
 
@@ -322,3 +323,27 @@ def test_lm_eval_local_completions_scores_a_task_through_the_server(debug_tokeni
             scores.append(expected)
         right += max(range(len(scores)), key=scores.__getitem__) == row["gold"]
     assert results["results"]["gptopt_tiny"]["acc,none"] == pytest.approx(right / len(rows))
+
+
+def test_end_of_text_keeps_its_logprob_so_lm_evals_slice_stays_aligned(debug_tokenizer: Any,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """lm-eval's local-completions sends echo, logprobs 1, max_tokens 1 and reads token_logprobs[ctxlen:-1]:
+    it assumes the one generated token is in the list. Were end-of-text left out, the slice would drop
+    the continuation's last token from the score, silently. The chat route leaves it out of the content."""
+    eot = eot_id(debug_tokenizer)
+    assert eot is not None
+    ids = debug_tokenizer.encode("def f(x):\n    return x").ids
+    with running(debug_tokenizer, max_batch_size=2, chat_template="plain") as (url, app):
+        end_of_text_after(app.state.engine.generator, monkeypatch, len(ids), 1, eot)
+        body = {"prompt": [ids], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
+        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        lp = choice["logprobs"]
+        assert choice["finish_reason"] == "stop" and len(lp["token_logprobs"]) == len(ids) + 1
+        assert lp["text_offset"][-1] == len(choice["text"])  # after the text: end-of-text shows none
+        monkeypatch.undo()
+        chat_ids = debug_tokenizer.encode("User: hi\nAssistant:").ids
+        end_of_text_after(app.state.engine.generator, monkeypatch, len(chat_ids), 3, eot)
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+            "logprobs": True}).json()["choices"][0]
+        assert reply["finish_reason"] == "stop" and len(reply["logprobs"]["content"]) == 2

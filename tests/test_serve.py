@@ -30,6 +30,7 @@ from gptopt.generate import Generator, SamplingParams, complete  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
 from gptopt.serve.app import EXAMPLE_BODY, MAX_BODY_BYTES, create_app, serve_in_thread  # noqa: E402
 from gptopt.serve.blocklist import Blocklist, CheckTimeout, TextFilter, load_blocklist  # noqa: E402
+from gptopt.tokenizer import eot_id  # noqa: E402
 
 PROMPT = "def parse_args(self, args=None):"
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -914,3 +915,35 @@ def test_head_probes_and_one_model_by_id(url: str) -> None:
     assert model["id"] == "debug" and model["object"] == "model"
     err = assert_openai_error(httpx.get(f"{url}/v1/models/gpt-4"), 404, "model_not_found")
     assert "'gpt-4' does not exist" in err["message"] and err["param"] == "model"
+
+
+def end_of_text_after(gen: Generator, monkeypatch: pytest.MonkeyPatch, prompt_len: int, n: int, eot: int) -> None:
+    """The engine's sampler picks end-of-text as the n-th new token (as a model that ends there would)."""
+    real = Generator._pick
+
+    def pick(logits: torch.Tensor, params: Any, histories: list[list[int]], generators: Any) -> torch.Tensor:
+        t = real(gen, logits, params, histories, generators)
+        at_end = torch.tensor([len(h) - prompt_len >= n - 1 for h in histories])
+        return torch.where(at_end, torch.full_like(t, eot), t)
+
+    monkeypatch.setattr(gen, "_pick", pick)
+
+
+def test_a_reply_ended_by_end_of_text_loses_no_text_to_the_blocklist_holdback(
+        debug_tokenizer: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The output filter holds back the last characters a rule could still match; a reply that the
+    model ends (end-of-text, as nearly every chat reply does) must still get them."""
+    eot = eot_id(debug_tokenizer)
+    assert eot is not None
+    plen = len(debug_tokenizer.encode(PROMPT).ids)
+    blocklist = tmp_path / "blocklist.txt"
+    blocklist.write_text("qqqqqqqqqqqqqqqqqqqq\n")  # 20 characters: 19 held back
+    texts = []
+    for bl in (None, str(blocklist)):
+        with running(debug_tokenizer, blocklist=bl) as (url, app):
+            end_of_text_after(app.state.engine.generator, monkeypatch, plen, 8, eot)
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 20, "temperature": 0},
+                           timeout=60).json()["choices"][0]
+            assert r["finish_reason"] == "stop"
+            texts.append(r["text"])
+    assert texts[0] and texts[1] == texts[0]

@@ -121,7 +121,8 @@ class Decoding:
     ids: list[int]  # the prompt, then the new tokens (the repetition penalty's history)
     finish: Finish | None = None
     cached: int = 0  # prompt tokens in the cache so far: prefill_step runs the rest, a chunk at a time
-    # With params.logprobs: one entry per kept new token. With params.prompt_logprobs: one per prompt
+    # With params.logprobs: one entry per new token, the stop token that ends it included (OpenAI's
+    # legacy completions list it, and lm-eval reads it). With params.prompt_logprobs: one per prompt
     # token after the first (the first has no context to be predicted from), filled as prefill_step runs.
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
@@ -147,6 +148,8 @@ class Decoding:
         entry, self.pending = self.pending, None
         if token in self.params.stop_token_ids:
             self.finish = "stop"
+            if entry is not None:  # listed, as OpenAI and vLLM list it: lm-eval counts on the token being there
+                self.logprobs.append(entry)
         else:
             self.ids.append(token)
             if entry is not None:

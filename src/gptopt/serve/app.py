@@ -53,7 +53,7 @@ from pydantic_core import PydanticCustomError  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
 from gptopt.serve.blocklist import CheckTimeout, load_blocklist  # noqa: E402
-from gptopt.serve.chat_api import DeltaChoices, message_choice  # noqa: E402
+from gptopt.serve.chat_api import CHAT_EXAMPLE_BODY, DeltaChoices, message_choice  # noqa: E402
 from gptopt.serve.engine import COMPLETED, Draining, Engine, Event, QueueFull, asyncio_sink  # noqa: E402
 from gptopt.serve.logprobs import CompletionLogprobs, Vocab, chat_content  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
@@ -135,7 +135,22 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class CompletionRequest(BaseModel):
+class Sampling(BaseModel):
+    """The fields /v1/completions and /v1/chat/completions share: sampling, choices, stop, streaming."""
+
+    model_config = _STRICT
+    temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
+    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
+
+
+class CompletionRequest(Sampling):
     model_config = _STRICT
     model: Text | None = None
     prompt: (Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
@@ -144,19 +159,10 @@ class CompletionRequest(BaseModel):
         f"or a list of 1 to {MAX_PROMPTS} lists of token ids")
     max_tokens: int | None = Field(16, ge=0, description="tokens to generate; null: up to the context end; 0 (with "
                                    "echo and logprobs): score the prompt only")
-    temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, description="per token its log-probability and this many most likely "
                                  "alternatives (log_softmax of the model's raw logits, before temperature and "
                                  "top_p); with echo the prompt's tokens too")
-    top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
-    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
 
 
 class ChatContentPart(BaseModel):
@@ -173,7 +179,7 @@ class ChatMessage(BaseModel):
     content: Text | list[ChatContentPart] = Field(description="a string, or a list of text parts")
 
 
-class ChatRequest(BaseModel):
+class ChatRequest(Sampling):
     """OpenAI's chat completion request; the messages are rendered with the model's chat template."""
 
     model_config = _STRICT
@@ -181,18 +187,9 @@ class ChatRequest(BaseModel):
     model: Text | None = None
     max_tokens: int | None = Field(None, ge=1, description="tokens to generate; null: up to the context end")
     max_completion_tokens: int | None = Field(None, ge=1, description="the same, OpenAI's newer name; wins if both")
-    temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
-    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
     logprobs: bool = Field(False, description="each reply token's log-probability (choices[].logprobs.content)")
     top_logprobs: int | None = Field(None, ge=0, description="with logprobs: this many most likely tokens per "
                                      "position, at most the server's --max_logprobs")
-    top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
-    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
 
 
 class GenerateRequest(BaseModel):
@@ -267,7 +264,8 @@ class _Guard:
                     err = APIError(413, f"request body exceeds {MAX_BODY_BYTES} bytes", code="request_too_large")
                     return await JSONResponse(err.body(), 413)(scope, receive, counted_send)
                 if route in JSON_ROUTES:
-                    if problem := _json_problem(bytes(body)):
+                    example = CHAT_EXAMPLE_BODY if route == "/v1/chat/completions" else EXAMPLE_BODY
+                    if problem := _json_problem(bytes(body), example):
                         err = APIError(400, problem, code="invalid_json")
                         return await JSONResponse(err.body(), 400)(scope, receive, counted_send)
                     scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
@@ -278,10 +276,10 @@ class _Guard:
             self.metrics.requests.labels(route, str(status["code"])).inc()
 
 
-def _json_problem(body: bytes) -> str | None:
+def _json_problem(body: bytes, example: str = EXAMPLE_BODY) -> str | None:
     """Why `body` is not a JSON object, in words, or None. (FastAPI's own parse says only "There was
     an error parsing the body" for most of these.) At most MAX_BODY_BYTES: a few milliseconds."""
-    fix = f"send a JSON object, e.g. {EXAMPLE_BODY}"
+    fix = f"send a JSON object, e.g. {example}"
     if not body.strip():
         return f"the request body is empty; {fix}"
     try:
@@ -596,7 +594,7 @@ class _API:
 
     # -- into the engine and back -----------------------------------------------------------------
 
-    def sampling(self, body: CompletionRequest | ChatRequest, ids: list[list[int]], budgets: list[int],
+    def sampling(self, body: Sampling, ids: list[list[int]], budgets: list[int],
                  stop: tuple[str, ...], stop_ids: tuple[int, ...], *, logprobs: int | None = None,
                  prompt_logprobs: int | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
         """n sequences per prompt and their sampling, as the request asks. logprobs: the top-k alternatives
@@ -726,7 +724,7 @@ class _API:
         seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
                                      self.chat.stop_token_ids(self.tokenizer),
                                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        choices = [_ChatChoice(self.vocab, body.logprobs) for _ in seqs]
+        choices = [_ChatChoice(self.vocab, body.logprobs, p.stop_token_ids) for p in params]
         queue, reqs = self.submit(seqs, params)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.model or self.model_name}
@@ -828,11 +826,15 @@ class _ChatChoice:
 
     echo = None  # a chat echoes nothing
 
-    def __init__(self, vocab: Vocab, logprobs: bool) -> None:
-        self.vocab, self.logprobs = vocab, logprobs
+    def __init__(self, vocab: Vocab, logprobs: bool, stop_ids: tuple[int, ...]) -> None:
+        self.vocab, self.logprobs, self.stop_ids = vocab, logprobs, stop_ids
 
     def chunk(self, ev: Event) -> tuple[str, dict[str, list[Any]] | None]:
-        return ev.text, {"content": chat_content(self.vocab, ev.logprobs or [])} if self.logprobs else None
+        if not self.logprobs:
+            return ev.text, None
+        # The stop token that ends a reply (end-of-text, the template's eos) is no part of its content.
+        entries = [e for e in ev.logprobs or [] if e.token not in self.stop_ids]
+        return ev.text, {"content": chat_content(self.vocab, entries)}
 
 
 async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], head: dict[str, Any],

@@ -391,9 +391,9 @@ class Engine:
                 self.metrics.ttft.observe(now - req.submitted)
         req.last_token = now
         reason: FinishReason | None = seq.add(token)
-        if reason == "stop":  # a stop token id (end-of-text): no text and no completion token
-            return self._finish(req, "stop")
-        text = checker.add(token)
+        # A stop token id (end-of-text) has no text of its own, but what the checker holds back (a
+        # possible stop string's start, a split character) and the filter's holdback end the reply.
+        text = "" if reason == "stop" else checker.add(token)
         if checker.stopped:
             seq.stop()
             reason = "stop"
