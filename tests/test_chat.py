@@ -372,3 +372,30 @@ def test_generate_chat_refusals_are_one_line(model_dir: Path, tmp_path: Path, ar
 def test_bad_json_on_the_chat_route_names_a_chat_body(url: str) -> None:
     r = httpx.post(f"{url}/v1/chat/completions", content=b"{", timeout=10)
     assert r.status_code == 400 and CHAT_EXAMPLE_BODY in r.json()["error"]["message"], r.text
+
+
+def test_a_broken_template_of_the_models_own_leaves_the_server_up_and_the_chat_route_says_why(
+        debug_tokenizer: Tokenizer, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A template nobody asked for (the model folder's own) must not stop a server whose completions
+    need none: it starts, warns, and the chat route answers 400 with the reason and the fix."""
+    model = write_config(tmp_path / "model", chat_template="{% for m in messages %}{{ m.content }")
+    with caplog.at_level("WARNING"):
+        app = create_app(ServeConfig(model=str(model), device="cpu", max_batch_size=1),
+                         model=make_varied_model(debug_tokenizer.get_vocab_size()), tokenizer=debug_tokenizer)
+    assert "chat template cannot be used" in caplog.text
+    with serve_in_thread(app) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        err = openai_error(chat_post(url), 400)
+        assert "not valid Jinja" in err["message"] and "--chat_template" in err["message"]
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
+        assert r.status_code == 200, r.text
+
+
+def test_transformers_generation_blocks_render_their_text(tmp_path: Path) -> None:
+    """`{% generation %}` (transformers' marker of the assistant's tokens, in many models' templates)
+    renders what it encloses."""
+    model = write_config(tmp_path / "model", chat_template=(
+        "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A: {{ m.content }}{% endgeneration %}"
+        "{% else %}U: {{ m.content }}{% endif %}\n{% endfor %}"))
+    messages = [*HI, {"role": "assistant", "content": "hello"}]
+    assert chat.load_template(None, [model]).render(messages) == "U: hiA: hello"  # trim_blocks drops the newline after a tag

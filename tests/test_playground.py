@@ -249,11 +249,13 @@ def test_stop_ends_the_stream(driver: Any, server: str, monkeypatch: pytest.Monk
     answer = send(driver, "x", max_tokens=40, temperature=0)
     wait(driver, "return Number(arguments[0].dataset.chunks) >= 2 || "
          "!['waiting', 'streaming'].includes(arguments[0].dataset.state)", answer)
+    assert not driver.find_element(By.ID, "clear").is_enabled()  # no clearing the conversation mid-reply
     driver.find_element(By.ID, "stop").click()
     assert finished(answer) == "stopped"
     assert int(answer.get_attribute("data-chunks")) < 40
     assert text_of(driver, answer, "stats").endswith(" · stopped")
     assert driver.find_element(By.ID, "send").is_enabled() and not driver.find_element(By.ID, "stop").is_enabled()
+    assert driver.find_element(By.ID, "clear").is_enabled()
 
 
 @pytest.mark.browser

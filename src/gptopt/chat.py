@@ -83,7 +83,7 @@ def _compile(text: str, source: str) -> Any:
     sandbox, trim_blocks and lstrip_blocks, loop controls, raise_exception, and a tojson that keeps
     non-ASCII text as it is. A syntax error is found now, at start-up, with its line."""
     jinja2 = require("jinja2", "chat", "a Jinja chat template")
-    from jinja2.ext import loopcontrols
+    from jinja2.ext import Extension, loopcontrols
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
@@ -93,7 +93,17 @@ def _compile(text: str, source: str) -> Any:
                sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    class Generation(Extension):
+        """`{% generation %}...{% endgeneration %}`: transformers marks the assistant's tokens with it (for
+        training masks); rendering keeps the block's text, as transformers does."""
+
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            next(parser.stream)
+            return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols, Generation])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     try:

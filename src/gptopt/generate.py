@@ -1038,11 +1038,12 @@ def main(cfg: GenerateConfig) -> int:
     dt = time.perf_counter() - t0
     line = (f"gptopt generate: {n} tokens in {dt:.2f} s: {n / max(dt, 1e-9):.1f} tokens/s "
             f"(prefill + decode, batch {gen.max_batch_size}, {plan.device})")
-    if cfg.compile and len(times) > WARM_TOKENS + 1:
+    if gen.bucketed and len(times) > WARM_TOKENS + 1:
         # The compile (and CUDA graphs' warm-up and recording) happens in the first decode steps:
         # the whole-run rate above mostly measures it, so the decode rate after it is shown too.
         warm = times[WARM_TOKENS - 1] - t0
         rate = (len(times) - WARM_TOKENS) / max(times[-1] - times[WARM_TOKENS - 1], 1e-9)
-        line += f"; compiled decode after the first {WARM_TOKENS} tokens ({warm:.2f} s): {rate:.1f} tokens/s"
+        what = "compiled decode" if gen.compiled else "decode on CUDA graphs"
+        line += f"; {what} after the first {WARM_TOKENS} tokens ({warm:.2f} s): {rate:.1f} tokens/s"
     print(line, file=sys.stderr)
     return 0

@@ -215,7 +215,8 @@ class GraphedDecode:
     buckets on an H200): this is what makes a server ready in seconds. The graphs read their tokens
     and positions from static buffers, and the KV cache and `keys` (the attended length, the whole
     cache) must keep their addresses and shapes: the Generator's do. The returned logits are the
-    graph's own buffer, overwritten by the next replay of that bucket: copy what is kept.
+    graph's own buffer in the memory pool the buckets share, so the next replay of any bucket may
+    overwrite them: copy what is kept before the next call (Generator._decode_static does).
     """
 
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], rows: int,

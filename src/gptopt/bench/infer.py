@@ -315,7 +315,7 @@ class InferBench:
                 for lv in going:
                     name, res = lv.rung.name, lv.res
                     if name in ended:
-                        self._end(res, b, ended[name])
+                        self._end(res, b, ended[name], beside=len(going) - 1)
                         continue
                     t_first, t_all = t[f"{name} 1"], t[f"{name} {n}"]
                     decode = t_all - t_first if t_all > t_first else t_all  # noise guard: never a negative time
@@ -337,12 +337,17 @@ class InferBench:
             # models, caches and compiled graphs alive beside it: the speed and the check are of one run.
             lv.res.tokens = tokens[0][:AGREE_TOKENS]
 
-    def _end(self, res: InferResult, b: int, e: Exception) -> None:
+    def _end(self, res: InferResult, b: int, e: Exception, beside: int = 0) -> None:
+        """beside: the other rungs whose models and caches were held at the same time (side-by-side
+        timing): the memory ran out for them all, so the limit is this rung's only when it ran alone."""
         if not is_oom(e):
             self._fail(res, e)
             return
         res.status = "oom" if not res.batch_sweep else res.status
         res.note = f"out of memory at batch {b}" + ("" if res.batch_sweep else "; nothing fits")
+        if beside:
+            res.note += (f", with {beside} other rung{'s' * (beside > 1)} held beside it: bench it alone "
+                         f"(--rungs {res.name}) for its own limit")
         log.warning(f"rung {res.name}: {res.note}")
 
     def _rates(self, lv: _Live) -> None:

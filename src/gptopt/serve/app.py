@@ -517,8 +517,16 @@ class _API:
         self.checks = concurrent.futures.ThreadPoolExecutor(BLOCKLIST_THREADS, thread_name_prefix="gptopt-blocklist")
         # the chat template, resolved once: a bad --chat_template fails at start-up, not per request
         folders = chat.template_folders(cfg.model, cfg.tokenizer)
-        self.chat = chat.load_template(cfg.chat_template, folders, self.tokenizer)
         self.no_chat = chat.no_template(folders)
+        try:
+            self.chat = chat.load_template(cfg.chat_template, folders, self.tokenizer)
+        except ValueError as e:
+            if cfg.chat_template is not None:  # asked for: a bad one stops the start
+                raise
+            # The model's own, unasked: completions need no template, so the server starts and only the
+            # chat route refuses, saying why.
+            log.warning("the model's own chat template cannot be used, so /v1/chat/completions answers 400: %s", e)
+            self.chat, self.no_chat = None, f"{e} (the model's own template: pass --chat_template FILE or plain)"
         self.vocab = Vocab(self.tokenizer)  # token texts and bytes for logprobs
 
     def add_routes(self, app: FastAPI) -> None:
@@ -686,8 +694,13 @@ class _API:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return _stream(_sse(request, queue, reqs, head, choices, prompt_tokens, usage, self.cfg.request_timeout))
         results = await self.collect(request, queue, reqs)
-        return {**head, "choices": [_text_choice(r.index, echo[r.index] + r.text, r.finish_reason,
-                                                 choices[r.index].chunk(r)[1]) for r in results],
+
+        def shaped() -> list[dict[str, Any]]:
+            return [_text_choice(r.index, echo[r.index] + r.text, r.finish_reason, choices[r.index].chunk(r)[1])
+                    for r in results]
+
+        # Log-probabilities decode every token's text (a long echo, n choices): off the event loop.
+        return {**head, "choices": shaped() if body.logprobs is None else await asyncio.to_thread(shaped),
                 "usage": _usage(prompt_tokens, results)}
 
     async def chat_completions(self, body: ChatRequest, request: Request) -> Any:
@@ -733,8 +746,11 @@ class _API:
             return _stream(_sse(request, queue, reqs, {**head, "object": "chat.completion.chunk"}, choices,
                                 len(ids), usage, self.cfg.request_timeout, shape=DeltaChoices()))
         results = await self.collect(request, queue, reqs)
-        return {**head, "choices": [message_choice(r.index, r.text, r.finish_reason, choices[r.index].chunk(r)[1])
-                                    for r in results],
+
+        def shaped() -> list[dict[str, Any]]:
+            return [message_choice(r.index, r.text, r.finish_reason, choices[r.index].chunk(r)[1]) for r in results]
+
+        return {**head, "choices": await asyncio.to_thread(shaped) if body.logprobs else shaped(),
                 "usage": _usage(len(ids), results)}
 
     async def generate(self, body: GenerateRequest, request: Request) -> GenerateResponse:
@@ -974,7 +990,8 @@ def bind(host: str, port: int) -> socket.socket:
 def main(cfg: ServeConfig) -> int:
     """`gptopt serve`: load the model once, warm up, serve until SIGTERM/SIGINT, drain, exit 0."""
     api_key(cfg)  # before any work
-    chat.load_template(cfg.chat_template, chat.template_folders(cfg.model, cfg.tokenizer))  # a bad one: before loading
+    if cfg.chat_template is not None:  # a bad one: before loading (the model's own may fail later, as a warning)
+        chat.load_template(cfg.chat_template, chat.template_folders(cfg.model, cfg.tokenizer))
     sock = bind(cfg.host, cfg.port)  # before the model loads, and before "serving on" is said
     try:
         app = create_app(cfg)

@@ -183,6 +183,7 @@ async function send() {
   if (state.model) params.model = state.model;
   $("send").disabled = true;
   $("stop").disabled = false;
+  $("clear").disabled = true; // a reply still streaming belongs to the conversation it was asked in
   try {
     if (chatMode()) {
       state.messages.push({ role: "user", content: prompt });
@@ -199,6 +200,7 @@ async function send() {
   } finally {
     $("send").disabled = false;
     $("stop").disabled = true;
+    $("clear").disabled = false;
   }
 }
 
