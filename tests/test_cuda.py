@@ -309,6 +309,35 @@ def test_eager_cuda_graphs_give_the_eager_decodes_greedy_tokens_one_graph_per_bu
     assert isinstance(gen._step, GraphedDecode) and sorted(gen._step.graphs) == [1, 4]  # recorded once each
 
 
+def test_logprobs_on_cuda_graphs_equal_a_direct_forward() -> None:
+    """Log-probabilities (sampled tokens' and an echoed prompt's, chunked) from the decode that serve runs
+    on a GPU, recorded as CUDA graphs: the numbers a plain forward gives, each at its own position."""
+    plan = resolve()
+    model = make_varied_model(512).to(plan.device)
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        gen = Generator(model, plan, max_batch_size=4, max_len=40, cuda_graphs=True)
+        prompt = [5, 17, 42, 99, 3, 250, 7]
+        params = SamplingParams(max_new_tokens=6, temperature=1.0, seed=3, top_k=None, logprobs=4, prompt_logprobs=2)
+        (seq,), logits = gen.begin_many([prompt], params, chunk=3)
+        while seq.finish is None:
+            (token,) = gen.sample_next(logits, [seq])
+            seq.add(token)
+            if seq.finish is None:
+                logits = gen.decode_next([seq])
+        with torch.no_grad():
+            lp = model(torch.tensor([seq.ids], device=plan.device))[0, :-1].float().log_softmax(-1).cpu()
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert isinstance(gen._step, GraphedDecode) and gen._step.graphs  # the decode replayed a graph
+    assert len(seq.prompt_logprobs) == len(prompt) - 1 and len(seq.logprobs) == 6
+    for pos, e in enumerate(seq.prompt_logprobs + seq.logprobs):  # entry pos predicts ids[pos + 1]
+        assert e.token == seq.ids[pos + 1]
+        assert e.logprob == pytest.approx(lp[pos, e.token].item(), abs=1e-4)
+        assert [t for t, _ in e.top] == lp[pos].topk(len(e.top)).indices.tolist()
+
+
 def test_int8_weight_only_on_the_fly_keeps_the_bf16_models_logits() -> None:
     """generate / serve --quantize int8-weight on a GPU (inference.prepare -> torchao int8 weight-only):
     every Linear holds torchao int8 weights, and the logits stay those of the bf16 model."""
