@@ -247,3 +247,19 @@ def test_resuming_a_run_that_reached_its_target_trains_no_further(
     assert run(train_data, out, max_steps=40, eval_interval=5, target_loss=target, resume="auto") == 0
     assert [r["step"] for r in records(out) if "step_time_s" in r] == list(range(1, 11))
     assert json.loads((out / "run.json").read_text())["target"] == first
+
+
+@pytest.mark.parametrize("argv, problem", [
+    (["--seeds", "5"], "add --mode quality"),
+    (["--recipes", "muon"], "add --mode quality"),
+    (["--target_loss", "4.0"], "add --mode quality"),
+    (["--mode", "infer", "--seeds", "2"], "add --mode quality"),
+    (["--mode", "quality", "--rungs", "kv"], "--mode quality takes --recipes"),
+])
+def test_a_ladders_options_given_to_another_ladder_are_refused_naming_the_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], problem: str) -> None:
+    """An option another mode would ignore is refused before any work, not silently dropped."""
+    with pytest.raises(SystemExit) as e:  # argparse's exit: the config is checked as the flags are read
+        cli.main(["bench", "--output_dir", str(tmp_path / "b"), *argv])
+    assert e.value.code == 2 and problem in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()

@@ -466,8 +466,12 @@ class BenchConfig:
                 raise ValueError("give --batch_sizes (the sweep's sizes) or --batch_size (its largest), not both")
             self.sweep()  # refused here, before any work, if malformed
         if self.mode != "quality" and (self.target_loss is not None or self.max_steps is not None
-                                       or self.recipes != "default"):
-            raise ValueError("--target_loss, --max_steps and --recipes belong to the recipe ladder: add --mode quality")
+                                       or self.recipes != "default" or self.seeds != 3):
+            raise ValueError("--target_loss, --max_steps, --recipes and --seeds belong to the recipe ladder: "
+                             "add --mode quality")
+        if self.mode == "quality" and self.rungs != "default":
+            raise ValueError("--rungs chooses the rungs of the train and infer ladders; --mode quality takes "
+                             "--recipes (adamw, muon, aligned, schedule, best)")
 
     def sweep(self) -> list[int] | None:
         """--batch_sizes as sorted distinct integers, or None (the doubling sweep)."""
