@@ -146,14 +146,12 @@ class Decoding:
         A stop token id ends it ("stop") and is not kept; the budget's last token ends it ("length")."""
         assert self.finish is None, "a finished sequence takes no more tokens"
         entry, self.pending = self.pending, None
+        if entry is not None:  # a stop token's too, as OpenAI and vLLM list it: lm-eval counts on it being there
+            self.logprobs.append(entry)
         if token in self.params.stop_token_ids:
             self.finish = "stop"
-            if entry is not None:  # listed, as OpenAI and vLLM list it: lm-eval counts on the token being there
-                self.logprobs.append(entry)
         else:
             self.ids.append(token)
-            if entry is not None:
-                self.logprobs.append(entry)
             if self.n_new >= self.budget:
                 self.finish = "length"
         return self.finish
@@ -360,7 +358,7 @@ class Generator:
         if not targets:  # a one-token prompt: nothing to predict
             return
         k = max(s.params.prompt_logprobs or 0 for s in seqs)
-        entries = _unpack(_logprob_table(torch.cat(picked), self._tensor(targets), k).tolist(), k)
+        entries = _unpack(_logprob_table(torch.cat(picked), self._tensor(targets), k).tolist())
         for s, c in zip(seqs, chunks, strict=True):
             n = min(s.cached + len(c) + 1, s.prompt_len) - (s.cached + 1)
             s.prompt_logprobs += [_top(e, s.params.prompt_logprobs or 0) for e in entries[:n]]
@@ -551,7 +549,7 @@ class Generator:
         B = len(params)
         entries: list[TokenLogprob | None] = [None] * B
         for i, e in zip(rows, _unpack([flat[B + r * table.shape[1] : B + (r + 1) * table.shape[1]]
-                                       for r in range(len(rows))], k), strict=True):
+                                       for r in range(len(rows))]), strict=True):
             entries[i] = _top(e, params[i].logprobs or 0)
         return [int(t) for t in flat[:B]], entries
 
@@ -603,7 +601,7 @@ def _logprob_table(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch
     return torch.cat([targets[:, None].float(), lp.gather(-1, targets[:, None]), ids.float(), top], dim=-1)
 
 
-def _unpack(rows: list[list[float]], k: int) -> list[TokenLogprob]:
+def _unpack(rows: list[list[float]]) -> list[TokenLogprob]:
     """_logprob_table's rows, on the host, as TokenLogprobs."""
     out = []
     for row in rows:
