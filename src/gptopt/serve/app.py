@@ -55,7 +55,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa
 from gptopt.serve.blocklist import CheckTimeout, load_blocklist  # noqa: E402
 from gptopt.serve.chat_api import CHAT_EXAMPLE_BODY, DeltaChoices, message_choice  # noqa: E402
 from gptopt.serve.engine import COMPLETED, Draining, Engine, Event, QueueFull, asyncio_sink  # noqa: E402
-from gptopt.serve.logprobs import CompletionLogprobs, Vocab, chat_content  # noqa: E402
+from gptopt.serve.logprobs import ChatChoice, CompletionChoice, Vocab  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
 
 log = logging.getLogger(__name__)
@@ -687,7 +687,8 @@ class _API:
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": body.model or self.model_name}  # the name the client used, as OpenAI's API echoes it
         echo = [texts[k // body.n] if body.echo else "" for k in range(len(seqs))]
-        choices = [_Choice(self.vocab, x, texts[k // body.n] if body.echo else None, body.logprobs is not None)
+        choices = [CompletionChoice(self.vocab, x, texts[k // body.n] if body.echo else None,
+                                    body.logprobs is not None)
                    for k, x in enumerate(seqs)]
         prompt_tokens = sum(len(x) for x in ids)
         if body.stream:
@@ -737,7 +738,7 @@ class _API:
         seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
                                      self.chat.stop_token_ids(self.tokenizer),
                                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-        choices = [_ChatChoice(self.vocab, body.logprobs, p.stop_token_ids) for p in params]
+        choices = [ChatChoice(self.vocab, body.logprobs, p.stop_token_ids) for p in params]
         queue, reqs = self.submit(seqs, params)
         head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                 "model": body.model or self.model_name}
@@ -809,52 +810,8 @@ def _text_choice(index: int, text: str, reason: str | None, logprobs: dict[str, 
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
-class _Choice:
-    """One completion choice's echo and `logprobs` object, event by event (a stream's chunks, or the one
-    event collect() gathers). With logprobs the echoed prompt goes out with the first event, which
-    carries the prompt's log-probabilities; without, a stream sends it at once."""
-
-    def __init__(self, vocab: Vocab, prompt: list[int], echo: str | None, logprobs: bool) -> None:
-        self.prompt, self.echo = prompt, echo
-        self.logprobs = CompletionLogprobs(vocab) if logprobs else None
-        self.shown = 0  # characters of the choice's text so far
-
-    def chunk(self, ev: Event) -> tuple[str, dict[str, list[Any]] | None]:
-        """The text this event adds (the echo before the first) and its tokens' logprobs object."""
-        fmt = self.logprobs
-        if fmt is None:
-            return ev.text, None
-        text, part = ev.text, {f: [] for f in CompletionLogprobs.FIELDS}
-        if self.echo is not None:  # the first event: the prompt's tokens first, its first without a logprob
-            text, self.shown = self.echo + text, len(self.echo)
-            entries: list[Any] = [None, *(ev.prompt_logprobs or [])]
-            part = fmt.add(self.prompt, entries + [None] * (len(self.prompt) - len(entries)), shown=self.shown,
-                           skip_special=False)
-            fmt.start_at(self.shown)
-            self.echo = None
-        self.shown += len(ev.text)
-        new = fmt.add([e.token for e in ev.logprobs or []], ev.logprobs or [], shown=self.shown)
-        return text, {f: part[f] + new[f] for f in CompletionLogprobs.FIELDS}
-
-
-class _ChatChoice:
-    """A chat choice's `logprobs` object ({"content": [...]}), event by event, or None when not asked."""
-
-    echo = None  # a chat echoes nothing
-
-    def __init__(self, vocab: Vocab, logprobs: bool, stop_ids: tuple[int, ...]) -> None:
-        self.vocab, self.logprobs, self.stop_ids = vocab, logprobs, stop_ids
-
-    def chunk(self, ev: Event) -> tuple[str, dict[str, list[Any]] | None]:
-        if not self.logprobs:
-            return ev.text, None
-        # The stop token that ends a reply (end-of-text, the template's eos) is no part of its content.
-        entries = [e for e in ev.logprobs or [] if e.token not in self.stop_ids]
-        return ev.text, {"content": chat_content(self.vocab, entries)}
-
-
 async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], head: dict[str, Any],
-               choices: Sequence[_Choice | _ChatChoice], prompt_tokens: int, usage: bool, timeout: float,
+               choices: Sequence[CompletionChoice | ChatChoice], prompt_tokens: int, usage: bool, timeout: float,
                shape: Callable[[int, str, str | None, Any], dict[str, Any]] = _text_choice) -> AsyncIterator[bytes]:
     """OpenAI's completion stream: one chunk per text delta, per-choice finish, usage, then [DONE].
     choices[i].chunk(event) gives an event's text and logprobs object; shape(index, text, finish_reason,

@@ -6,7 +6,7 @@ The numbers come from the Generator (generate.TokenLogprob: log_softmax of the m
 before penalty, temperature, top-k and top-p). This module only names the tokens and places them in
 the text: `Vocab` gives a token's text and bytes, `CompletionLogprobs` builds one choice's `tokens`,
 `token_logprobs`, `top_logprobs` and `text_offset` as its tokens arrive, `chat_content` the entries
-of a chat choice.
+of a chat choice; CompletionChoice and ChatChoice give each engine event's text and logprobs object.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ from typing import Any
 from tokenizers import Tokenizer, decoders
 
 from gptopt.generate import TokenLogprob
+from gptopt.serve.engine import Event
 
-__all__ = ["CompletionLogprobs", "Vocab", "chat_content"]
+__all__ = ["ChatChoice", "CompletionChoice", "CompletionLogprobs", "Vocab", "chat_content"]
 
 
 def _byte_level_chars() -> dict[str, int]:
@@ -130,3 +131,47 @@ def chat_content(vocab: Vocab, entries: Sequence[TokenLogprob]) -> list[dict[str
         return {"token": vocab.text(token), "logprob": logprob, "bytes": list(vocab.bytes_of(token))}
 
     return [{**one(e.token, e.logprob), "top_logprobs": [one(t, v) for t, v in e.top]} for e in entries]
+
+
+class CompletionChoice:
+    """One completion choice's echo and `logprobs` object, event by event (a stream's chunks, or the one
+    event the server's collect() gathers). With logprobs the echoed prompt goes out with the first event, which
+    carries the prompt's log-probabilities; without, a stream sends it at once."""
+
+    def __init__(self, vocab: Vocab, prompt: list[int], echo: str | None, logprobs: bool) -> None:
+        self.prompt, self.echo = prompt, echo
+        self.logprobs = CompletionLogprobs(vocab) if logprobs else None
+        self.shown = 0  # characters of the choice's text so far
+
+    def chunk(self, ev: Event) -> tuple[str, dict[str, list[Any]] | None]:
+        """The text this event adds (the echo before the first) and its tokens' logprobs object."""
+        fmt = self.logprobs
+        if fmt is None:
+            return ev.text, None
+        text, part = ev.text, {f: [] for f in CompletionLogprobs.FIELDS}
+        if self.echo is not None:  # the first event: the prompt's tokens first, its first without a logprob
+            text, self.shown = self.echo + text, len(self.echo)
+            entries: list[Any] = [None, *(ev.prompt_logprobs or [])]
+            part = fmt.add(self.prompt, entries + [None] * (len(self.prompt) - len(entries)), shown=self.shown,
+                           skip_special=False)
+            fmt.start_at(self.shown)
+            self.echo = None
+        self.shown += len(ev.text)
+        new = fmt.add([e.token for e in ev.logprobs or []], ev.logprobs or [], shown=self.shown)
+        return text, {f: part[f] + new[f] for f in CompletionLogprobs.FIELDS}
+
+
+class ChatChoice:
+    """A chat choice's `logprobs` object ({"content": [...]}), event by event, or None when not asked."""
+
+    echo = None  # a chat echoes nothing
+
+    def __init__(self, vocab: Vocab, logprobs: bool, stop_ids: tuple[int, ...]) -> None:
+        self.vocab, self.logprobs, self.stop_ids = vocab, logprobs, stop_ids
+
+    def chunk(self, ev: Event) -> tuple[str, dict[str, list[Any]] | None]:
+        if not self.logprobs:
+            return ev.text, None
+        # The stop token that ends a reply (end-of-text, the template's eos) is no part of its content.
+        entries = [e for e in ev.logprobs or [] if e.token not in self.stop_ids]
+        return ev.text, {"content": chat_content(self.vocab, entries)}
