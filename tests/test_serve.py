@@ -480,21 +480,26 @@ def test_continuous_batching_shares_decode_steps(debug_tokenizer: Any) -> None:
 
 
 def engine_run(model: GPT, tokenizer: Any, prompts: list[list[int]], *, slots: int, chunk: int,
-               max_tokens: int = 12, before: list[list[int]] = ()) -> tuple[list[list[int]], list[str]]:
+               max_tokens: int = 12, before: list[list[int]] = (), solo_threads: int | None = None,
+               threads: list[tuple[str, int]] | None = None) -> tuple[list[list[int]], list[str]]:
     """Greedy tokens of each prompt through an Engine, and the forwards it ran in order ("prefill N"
-    rows or "decode N" rows). `before` prompts are already decoding when `prompts` arrive."""
+    rows or "decode N" rows). `before` prompts are already decoding when `prompts` arrive. `threads`
+    gets each forward (as in the list of forwards) with torch's thread count as it ran."""
     from gptopt.serve.engine import Engine
 
     gen = Generator(model, resolve("cpu"), max_batch_size=slots)
-    engine, calls = Engine(gen, tokenizer, prefill_chunk=chunk), []
+    engine, calls = Engine(gen, tokenizer, prefill_chunk=chunk, solo_threads=solo_threads), []
     extend, decode = gen.extend, gen.decode
+    seen = [] if threads is None else threads
 
     def spy_extend(slots: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
         calls.append(f"prefill {len(slots)}")
+        seen.append((calls[-1], torch.get_num_threads()))
         return extend(slots, chunks, starts)
 
     def spy_decode(slots: list[int], *args: Any) -> torch.Tensor:
         calls.append(f"decode {len(slots)}")
+        seen.append((calls[-1], torch.get_num_threads()))
         return decode(slots, *args)
 
     gen.extend, gen.decode = spy_extend, spy_decode
@@ -535,6 +540,28 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_with_the_tokens_of_one_a
     tokens, calls = engine_run(varied_model, debug_tokenizer, prompts, slots=16, chunk=512)
     assert calls[:2] == ["prefill 16", "decode 16"]
     assert tokens == alone
+
+
+def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_every_core(
+        varied_model: GPT, debug_tokenizer: Any) -> None:
+    """serve --solo_threads: a decode step of one request alone computes with that many torch threads; a
+    prefill and a decode step of two requests with all the process had (2 here); after shutdown the process
+    has its count back for whatever else it runs. The greedy tokens are the one-at-a-time path's."""
+    first, second = [5, 17, 99], [8, 4, 200, 31]
+    had = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [second],
+                         SamplingParams(temperature=0, max_new_tokens=12))[0][0]
+        threads: list[tuple[str, int]] = []
+        tokens, _ = engine_run(varied_model, debug_tokenizer, [second], slots=2, chunk=512, before=[first],
+                               solo_threads=1, threads=threads)
+        counts = {kind: {n for k, n in threads if k == kind} for kind, _ in threads}
+        assert counts == {"prefill 1": {2}, "decode 1": {1}, "decode 2": {2}}, threads
+        assert torch.get_num_threads() == 2
+        assert tokens == [alone]
+    finally:
+        torch.set_num_threads(had)
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(

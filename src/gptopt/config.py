@@ -31,6 +31,7 @@ MAX_PAD_MULTIPLE = 4096  # tensor cores want 64 or 128
 MAX_STEPS = 10**9  # optimizer or timed steps: GPT-2 trained for ~0.8M
 MAX_TOKENS = 10**15  # training tokens: 1000x GPT-3's 300B
 MAX_NEW_TOKENS = 1 << 20  # generated tokens per request or prompt: as long as the longest context
+MAX_THREADS = 4096  # torch threads of one process: past the cores of the largest servers sold
 MAX_SLOTS = 4096  # KV-cache slots of a server: far past where one GPU's decode step stops gaining throughput
 # Worker processes or threads: beyond 4 per core they only contend for the cores and each costs memory.
 MAX_WORKERS = max(8, 4 * (os.cpu_count() or 1))
@@ -645,6 +646,9 @@ class ServeConfig:
     quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
                         "int4-weight, torchao int4 weight-only (NVIDIA GPUs, compute capability 8.0+, bf16)",
                         choices=INFER_QUANTIZE)
+    solo_threads: int | None = opt(None, "CPUs: torch threads of a decode step that runs one request alone; "
+                                   "default: every core but one, left to the HTTP server and tokenizer (prefill "
+                                   "and batches of requests use every core)", ge=1, le=MAX_THREADS)
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)", verbatim=True)
     cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
     blocklist: str | None = opt(None, "file of rules, one a line, refused in prompts and cut from output: a plain term "

@@ -54,7 +54,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa
 
 from gptopt.serve.blocklist import CheckTimeout, load_blocklist  # noqa: E402
 from gptopt.serve.chat_api import CHAT_EXAMPLE_BODY, DeltaChoices, message_choice  # noqa: E402
-from gptopt.serve.engine import COMPLETED, Draining, Engine, Event, QueueFull, asyncio_sink  # noqa: E402
+from gptopt.serve.engine import (  # noqa: E402
+    COMPLETED,
+    Draining,
+    Engine,
+    Event,
+    QueueFull,
+    asyncio_sink,
+    default_solo_threads,
+)
 from gptopt.serve.logprobs import ChatChoice, CompletionChoice, Vocab  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
 
@@ -377,7 +385,8 @@ def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> Engine:
                    "lower --max_batch_size, or use --dtype bf16")
     generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
     engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
-                    prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics)
+                    prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics,
+                    solo_threads=cfg.solo_threads or default_solo_threads())
     try:
         engine.warmup()
     except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel

@@ -12,6 +12,14 @@ token granularity: a short request never waits for a long one to finish, and N r
 each forward pass. The events of a prefill and of a decode step go out together after it: one
 wake-up of each client event loop per forward, not one per token.
 
+On a CPU a decode step of one request alone computes with `solo_threads` torch threads, by default
+every core but one: its arithmetic is so small that the HTTP event loop, the detokenizing and local
+clients are as busy as the model, and the spare core keeps them from preempting the decode's
+threads (on 2 cores, one client's tokens/s 1.27x those of every core; docs/benchmarks.md). A decode
+step of several requests, and every prefill, take every core: at 16 clients one thread cost the
+first token 15 ms. The compiled CPU decode's 1-row graph and its graph of the other batch sizes keep
+the thread counts they were compiled under, which the warm-up sets the same way.
+
 Only this thread touches the model; other threads (the HTTP event loop) only submit, cancel and
 read stats, under one lock. Text goes back through a `sink`: for asyncio clients,
 `asyncio_sink(queue)` puts each event into the queue on its event loop (`deliver`).
@@ -45,6 +53,12 @@ COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter")
 # Prompt tokens one prefill forward takes (Engine's prefill_chunk): 16 clients' 32-token prompts in
 # one forward, and a prompt of the whole 1,024-token context in two.
 PREFILL_CHUNK = 512
+
+
+def default_solo_threads() -> int:
+    """A one-request decode step's torch threads on a CPU when not given: every core but one (see the module
+    docstring)."""
+    return max(1, torch.get_num_threads() - 1)
 
 
 class QueueFull(Exception):
@@ -153,10 +167,16 @@ class Engine:
 
     def __init__(self, generator: Generator, tokenizer: Any, *, max_queue: int = 64,
                  request_timeout: float = 120.0, prefill_chunk: int = PREFILL_CHUNK,
-                 blocklist: Blocklist | None = None, metrics: Any = None) -> None:
+                 blocklist: Blocklist | None = None, metrics: Any = None,
+                 solo_threads: int | None = None) -> None:
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
+        if solo_threads is not None and solo_threads < 1:
+            raise ValueError(f"solo_threads must be >= 1, got {solo_threads}")
         self.generator = generator
+        # (every core, a one-request decode's) torch threads on a CPU; None leaves torch's count alone
+        self._threads = (torch.get_num_threads(), solo_threads) \
+            if solo_threads is not None and generator.device.type == "cpu" else None
         self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
         self.max_queue = max_queue
@@ -226,12 +246,14 @@ class Engine:
         and a configuration whose activations do not fit fails at start-up, not on a user. Seconds taken."""
         g, t0 = self.generator, time.perf_counter()
         with torch.inference_mode():
+            self._use_threads(rows=0)
             g.prefill(0, [0] * max(1, g.max_len - 1))
             g.free(0)
             # reduce-overhead's CUDA graphs: a shape's first calls warm up, a later one records its graph
             repeats = 3 if g.compiled and g.device.type == "cuda" else 1
             for rows in g.buckets if g.bucketed else [g.max_batch_size]:
                 slots = list(range(rows))
+                self._use_threads(rows=rows)
                 for _ in range(repeats):
                     g.decode(slots, [0] * rows, [min(g.max_len - 1, 1)] * rows)
                 for s in slots:
@@ -241,6 +263,15 @@ class Engine:
             log.info("%s the decode for batches of %s in %.1f s",
                      "compiled" if g.compiled else "recorded CUDA graphs of", ", ".join(map(str, g.buckets)), seconds)
         return seconds
+
+    def _use_threads(self, *, rows: int) -> None:
+        """torch's thread count for the next forward on a CPU: solo_threads for a decode step of one row,
+        every core for more rows or a prefill (rows=0). Set only on a change: a switch costs tens of
+        microseconds."""
+        if self._threads is not None:
+            n = self._threads[1 if rows == 1 else 0]
+            if torch.get_num_threads() != n:
+                torch.set_num_threads(n)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="gptopt-engine", daemon=True)
@@ -268,6 +299,8 @@ class Engine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
+        if self._threads is not None:  # the process's count as it was: other work in it is not held to the decode's
+            torch.set_num_threads(self._threads[0])
 
     # -- engine thread ----------------------------------------------------------------------
 
@@ -343,6 +376,7 @@ class Engine:
         """One prefill forward: the next chunk of the admitted prompts, oldest first (Generator.prefill_step).
         Those whose prompt is complete take their first token and decode from now on."""
         by_seq = {id(r.seq): r for r in self._prefilling}
+        self._use_threads(rows=0)
         try:
             done, logits = self.generator.prefill_step([r.seq for r in self._prefilling if r.seq is not None],
                                                        self.prefill_chunk)
@@ -366,6 +400,7 @@ class Engine:
     def _decode(self) -> None:
         reqs = list(self._running)
         seqs = [r.seq for r in reqs if r.seq is not None]
+        self._use_threads(rows=len(seqs))
         try:
             logits = self.generator.decode_next(seqs)
             tokens = self.generator.sample_next(logits, seqs)
