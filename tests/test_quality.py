@@ -152,8 +152,11 @@ def test_the_ladder_reports_ratios_and_welchs_test_against_adamw(tmp_path: Path)
     ladder.flags["schedule"] = ladder._derive("schedule")
     _fake(ladder, "schedule", [15.0, 16.0, 17.0], steps=200)
     best = ladder._derive("best")  # muon and schedule beat AdamW; aligned did not
-    # the decay ends at muon's steps; a warmup of train's 100 would not fit before it: half of it
-    assert best == {"optimizer": "muon", "lr_decay_steps": 100, "warmup_steps": 50}
+    # muon's rates, and the decay ending at muon's steps after muon's own short warmup
+    assert best == {**quality.CHANGES["muon"][1], "lr_decay_steps": 100}
+    assert best["warmup_steps"] == 10
+    ladder.flags["muon"] = {"optimizer": "muon"}  # with train's warmup of 100, that does not fit before it: half
+    assert ladder._derive("best") == {"optimizer": "muon", "lr_decay_steps": 100, "warmup_steps": 50}
     s = ladder.summary()
     by = {r["recipe"]: r for r in s["recipes"]}
     assert by["muon"]["vs_adamw"] == pytest.approx(11 / 21) and by["aligned"]["vs_adamw"] == pytest.approx(32 / 21)
