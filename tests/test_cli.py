@@ -174,6 +174,7 @@ EXPECTED_OPTIONS = {
         "prefill_chunk",
         "quantize",
         "request_timeout",
+        "solo_threads",
         "tokenizer",
     },
     "loadtest": {

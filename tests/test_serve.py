@@ -542,15 +542,29 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_with_the_tokens_of_one_a
     assert tokens == alone
 
 
+def _count_in_a_new_thread() -> int:
+    """torch's thread count as a thread started now gets it (the process's default, not this thread's)."""
+    got: list[int] = []
+    t = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+    t.start()
+    t.join()
+    return got[0]
+
+
 def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_every_core(
         varied_model: GPT, debug_tokenizer: Any) -> None:
     """serve --solo_threads: a decode step of one request alone computes with that many torch threads; a
-    prefill and a decode step of two requests with all the process had (2 here); after shutdown the process
-    has its count back for whatever else it runs. The greedy tokens are the one-at-a-time path's."""
+    prefill and a decode step of two requests with all the process had (2 here); after the warm-up and
+    after shutdown the process has its count back for whatever else it runs. The greedy tokens are the
+    one-at-a-time path's."""
+    from gptopt.serve.engine import Engine
+
     first, second = [5, 17, 99], [8, 4, 200, 31]
     had = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+        Engine(Generator(varied_model, resolve("cpu"), max_batch_size=1), debug_tokenizer, solo_threads=1).warmup()
+        assert torch.get_num_threads() == 2  # the warm-up's last step was one row's
         alone = complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [second],
                          SamplingParams(temperature=0, max_new_tokens=12))[0][0]
         threads: list[tuple[str, int]] = []
@@ -558,10 +572,49 @@ def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_ev
                                solo_threads=1, threads=threads)
         counts = {kind: {n for k, n in threads if k == kind} for kind, _ in threads}
         assert counts == {"prefill 1": {2}, "decode 1": {1}, "decode 2": {2}}, threads
-        assert torch.get_num_threads() == 2
+        assert threads[-1] == ("decode 1", 1)  # the engine thread ended on one; the process's default is back
+        assert _count_in_a_new_thread() == 2
         assert tokens == [alone]
     finally:
         torch.set_num_threads(had)
+
+
+def test_a_compiled_cpu_engine_never_recompiles_for_its_solo_threads(varied_model: GPT,
+                                                                      debug_tokenizer: Any) -> None:
+    """A request left alone in slot 1 (slot 0's finished first) runs the compiled 2-row graph: under every
+    core, as compiled, not solo_threads (dynamo guards on the count: that would recompile mid-serving).
+    Greedy tokens equal the eager one-at-a-time path's."""
+    from gptopt.serve.engine import Engine
+
+    short, long = [5, 17, 99], [8, 4, 200, 31]
+    params = SamplingParams(temperature=0, max_new_tokens=12)
+    alone = [complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [p], params)[0][0]
+             for p in (short, long)]
+    had = torch.get_num_threads()
+    torch.set_num_threads(2)
+    torch._dynamo.reset()
+    try:
+        gen = Generator(varied_model, resolve("cpu"), max_batch_size=2, compile=True)
+        engine = Engine(gen, debug_tokenizer, solo_threads=1)
+        engine.warmup()
+        done = threading.Event()
+        reqs: list[Any] = []
+
+        def sink(ev: Any) -> None:
+            if ev.finish_reason is not None and len(reqs) == 2 and all(r.seq.finish for r in reqs):
+                done.set()
+
+        reqs.append(engine.submit(short, dataclasses.replace(params, max_new_tokens=3), sink))
+        reqs.append(engine.submit(long, params, sink))
+        graphs = dict(torch._dynamo.utils.counters["stats"])  # what the warm-up compiled
+        engine.start()
+        assert done.wait(120)
+        engine.shutdown(timeout=5)
+        assert dict(torch._dynamo.utils.counters["stats"]) == graphs  # nothing compiled while serving
+        assert reqs[0].seq.tokens == alone[0][:3] and reqs[1].seq.tokens == alone[1]
+    finally:
+        torch.set_num_threads(had)
+        torch._dynamo.reset()
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(

@@ -18,7 +18,8 @@ clients are as busy as the model, and the spare core keeps them from preempting 
 threads (on 2 cores, one client's tokens/s 1.27x those of every core; docs/benchmarks.md). A decode
 step of several requests, and every prefill, take every core: at 16 clients one thread cost the
 first token 15 ms. The compiled CPU decode's 1-row graph and its graph of the other batch sizes keep
-the thread counts they were compiled under, which the warm-up sets the same way.
+the thread count they were compiled under (dynamo guards on it: a step under another count would
+recompile), so the warm-up compiles each under the count its steps run with.
 
 Only this thread touches the model; other threads (the HTTP event loop) only submit, cancel and
 read stats, under one lock. Text goes back through a `sink`: for asyncio clients,
@@ -173,6 +174,10 @@ class Engine:
             raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if solo_threads is not None and solo_threads < 1:
             raise ValueError(f"solo_threads must be >= 1, got {solo_threads}")
+        if solo_threads is not None and solo_threads > torch.get_num_threads():
+            log.warning("--solo_threads %d is more than torch's %d threads (the cores, or OMP_NUM_THREADS): "
+                        "a one-request step on more threads than cores only contends with itself",
+                        solo_threads, torch.get_num_threads())
         self.generator = generator
         # (every core, a one-request decode's) torch threads on a CPU; None leaves torch's count alone
         self._threads = (torch.get_num_threads(), solo_threads) \
@@ -251,13 +256,16 @@ class Engine:
             g.free(0)
             # reduce-overhead's CUDA graphs: a shape's first calls warm up, a later one records its graph
             repeats = 3 if g.compiled and g.device.type == "cuda" else 1
-            for rows in g.buckets if g.bucketed else [g.max_batch_size]:
-                slots = list(range(rows))
-                self._use_threads(rows=rows)
-                for _ in range(repeats):
-                    g.decode(slots, [0] * rows, [min(g.max_len - 1, 1)] * rows)
-                for s in slots:
-                    g.free(s)
+            try:
+                for rows in g.buckets if g.bucketed else [g.max_batch_size]:
+                    slots = list(range(rows))
+                    self._use_threads(rows=rows)
+                    for _ in range(repeats):
+                        g.decode(slots, [0] * rows, [min(g.max_len - 1, 1)] * rows)
+                    for s in slots:
+                        g.free(s)
+            finally:  # this thread (the caller's) gets every core back; the engine thread sets its own
+                self._use_threads(rows=0)
         seconds = time.perf_counter() - t0
         if g.bucketed:
             log.info("%s the decode for batches of %s in %.1f s",
@@ -400,7 +408,10 @@ class Engine:
     def _decode(self) -> None:
         reqs = list(self._running)
         seqs = [r.seq for r in reqs if r.seq is not None]
-        self._use_threads(rows=len(seqs))
+        g = self.generator
+        # the rows the step runs: a compiled decode runs a whole bucket, whose graph's count must not change
+        # (dynamo guards on torch's thread count: another count would recompile it mid-serving)
+        self._use_threads(rows=g.bucket([s.slot for s in seqs]) if g.bucketed and seqs else len(seqs))
         try:
             logits = self.generator.decode_next(seqs)
             tokens = self.generator.sample_next(logits, seqs)
