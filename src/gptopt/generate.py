@@ -495,6 +495,11 @@ class Generator:
         # carries that length as a size a compiled graph keeps symbolic (a Python int would be a constant).
         return self._forward(tok, pos, slice(0, tok.shape[0]), keys.shape[0])
 
+    def step_rows(self, slots: Sequence[int]) -> int:
+        """The rows a decode step of these slots computes: their whole bucket when it runs compiled or
+        as a CUDA graph, else the slots alone."""
+        return self.bucket(slots) if self.bucketed else len(slots)
+
     def bucket(self, slots: Sequence[int]) -> int:
         """The rows a compiled decode of these slots runs: the smallest bucket that holds the highest slot
         (alloc hands out the lowest free slot, so the busy slots stay packed at the front)."""

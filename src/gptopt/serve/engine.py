@@ -174,14 +174,15 @@ class Engine:
             raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if solo_threads is not None and solo_threads < 1:
             raise ValueError(f"solo_threads must be >= 1, got {solo_threads}")
-        if solo_threads is not None and solo_threads > torch.get_num_threads():
+        self.generator = generator
+        # torch's threads on a CPU: every core (the process's count), and a one-request decode step's;
+        # None leaves torch's count alone (GPUs, or not asked)
+        self._all_threads = torch.get_num_threads()
+        self._solo_threads = solo_threads if generator.device.type == "cpu" else None
+        if self._solo_threads is not None and self._solo_threads > self._all_threads:
             log.warning("--solo_threads %d is more than torch's %d threads (the cores, or OMP_NUM_THREADS): "
                         "a one-request step on more threads than cores only contends with itself",
-                        solo_threads, torch.get_num_threads())
-        self.generator = generator
-        # (every core, a one-request decode's) torch threads on a CPU; None leaves torch's count alone
-        self._threads = (torch.get_num_threads(), solo_threads) \
-            if solo_threads is not None and generator.device.type == "cpu" else None
+                        self._solo_threads, self._all_threads)
         self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
         self.max_queue = max_queue
@@ -276,8 +277,8 @@ class Engine:
         """torch's thread count for the next forward on a CPU: solo_threads for a decode step of one row,
         every core for more rows or a prefill (rows=0). Set only on a change: a switch costs tens of
         microseconds."""
-        if self._threads is not None:
-            n = self._threads[1 if rows == 1 else 0]
+        if self._solo_threads is not None:
+            n = self._solo_threads if rows == 1 else self._all_threads
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
 
@@ -307,8 +308,8 @@ class Engine:
             self._cv.notify()
         if self._thread is not None:
             self._thread.join(timeout=10)
-        if self._threads is not None:  # the process's count as it was: other work in it is not held to the decode's
-            torch.set_num_threads(self._threads[0])
+        if self._solo_threads is not None:  # the process's count as it was: other work is not held to the decode's
+            torch.set_num_threads(self._all_threads)
 
     # -- engine thread ----------------------------------------------------------------------
 
@@ -408,10 +409,9 @@ class Engine:
     def _decode(self) -> None:
         reqs = list(self._running)
         seqs = [r.seq for r in reqs if r.seq is not None]
-        g = self.generator
-        # the rows the step runs: a compiled decode runs a whole bucket, whose graph's count must not change
-        # (dynamo guards on torch's thread count: another count would recompile it mid-serving)
-        self._use_threads(rows=g.bucket([s.slot for s in seqs]) if g.bucketed and seqs else len(seqs))
+        # by the rows the step computes: a compiled step runs a whole bucket, whose graph's thread count must
+        # not change (dynamo guards on it: another count would recompile the graph mid-serving)
+        self._use_threads(rows=self.generator.step_rows([s.slot for s in seqs]) if seqs else 0)
         try:
             logits = self.generator.decode_next(seqs)
             tokens = self.generator.sample_next(logits, seqs)
