@@ -197,6 +197,27 @@ def test_when_nothing_beats_adamw_adamw_stays_the_recommendation(tmp_path: Path)
     assert "the best recipe is AdamW" in quality.markdown(s, [], None)
 
 
+def test_a_recipe_gives_up_at_1_5x_adamws_steps_on_the_same_schedule(tmp_path: Path) -> None:
+    """A recipe that never reaches the target (aligned windows on the stdlib corpus) stops at 1.5x AdamW's
+    steps on its seed instead of running the whole cap; its learning rate still decays over the cap, as
+    AdamW's did, so up to there it trains as it would have."""
+    cfg = BenchConfig(mode="quality", preset="tiny", output_dir=str(tmp_path), device="cpu", seeds=2)
+    ladder = quality.Ladder(cfg)
+    _fake(ladder, "adamw", [20.0], steps=115)  # seed 1337 only: AdamW has not run seed 1338 yet
+
+    def argv(recipe: str, seed: int) -> dict[str, str]:
+        run = quality.Run(recipe, seed, ladder.flags.get(recipe, {}), tmp_path / "r", ladder._cap(recipe, seed))
+        args = quality.train_argv(cfg, run, 4.2, ladder.max_steps, None, ladder.sizes)[4:]  # after "-m gptopt train"
+        return {a: b for a, b in zip(args, [*args[1:], ""], strict=True) if a.startswith("--")}
+
+    aligned = argv("aligned", 1337)
+    assert aligned["--max_steps"] == "173" and aligned["--lr_decay_steps"] == "600"
+    assert argv("aligned", 1338)["--max_steps"] == "600"  # no AdamW figure for that seed: the cap stands
+    assert argv("adamw", 1337)["--max_steps"] == "600" and "--lr_decay_steps" not in argv("adamw", 1337)
+    ladder.flags["schedule"] = {"lr_decay_steps": 115, "warmup_steps": 57}  # a recipe's own decay is kept
+    assert argv("schedule", 1337)["--lr_decay_steps"] == "115"
+
+
 def test_the_ladder_end_to_end_trains_each_recipe_and_seed_and_writes_its_report(
         train_data: Path, tmp_path: Path, curve: dict[int, float], capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("scipy", reason="the stats extra")
@@ -209,8 +230,10 @@ def test_the_ladder_end_to_end_trains_each_recipe_and_seed_and_writes_its_report
     res = json.loads((out / "quality_results.json").read_text())
     assert [(r["recipe"], r["seed"]) for r in res["runs"]] == [("adamw", 1337), ("adamw", 1338),
                                                                ("schedule", 1337), ("schedule", 1338)]
-    # AdamW's median steps; train's warmup of 100 cut to half of them
-    assert res["recipes"][1]["flags"] == {"lr_decay_steps": 40, "warmup_steps": 20}
+    # the decay ends at AdamW's median steps; train's warmup of 100 cut to half of them
+    adamw_steps = sorted(r["steps_to_target"] for r in res["runs"] if r["recipe"] == "adamw")
+    median = round(sum(adamw_steps) / 2)
+    assert res["recipes"][1]["flags"] == {"lr_decay_steps": median, "warmup_steps": median // 2}
     assert all(r["reached"] and r["steps_to_target"] is not None and r["curve"] for r in res["runs"])
     report = (out / "quality_report.md").read_text()
     assert "| adamw | 1337 | yes |" in report and "native bf16" in report

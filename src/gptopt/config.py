@@ -440,7 +440,7 @@ class BenchConfig:
                                   "the decode, TTFT and bandwidth figures are its); default: 1, 2, 4, ... up to "
                                   "--batch_size")
     target_loss: float | None = opt(None, "--mode quality: the val loss every run trains to; default: the "
-                                    "preset's embedded target (tiny: 4.2, at micro-batch 8 x 128 on a CPU)", gt=0.0)
+                                    "preset's embedded target (tiny: 4.2, at train's 16 x 256 tokens a step)", gt=0.0)
     seeds: int = opt(3, "--mode quality: runs of each recipe, seeds --seed, --seed + 1, ...", ge=1, le=100)
     recipes: str = opt("default", "--mode quality: comma-separated recipes of adamw, muon, aligned, schedule, best "
                        "('default': all of them); adamw is always run")

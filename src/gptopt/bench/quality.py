@@ -5,11 +5,14 @@ same data, over several seeds, with a significance stated.
     gptopt bench --mode quality --target_loss 4.5 --seeds 5 --recipes adamw,muon,best
 
 Every run is `gptopt train --target_loss L` in a process of its own (what a user runs), with the step
-settings of the training ladder's best.toml when --output_dir holds one, else train's defaults. Seed s
+settings of the training ladder's best.toml when --output_dir holds one, else train's defaults (on tiny: 16
+sequences of 256 tokens a step; --batch_size and --seq_len change them). Seed s
 gives every recipe the same initial weights and the same batches (train draws both from --seed), so a
 recipe's difference is its own. A run's time to target is the wall time of its training steps (evals
 and saves left out) up to the evaluation that found the val loss at or below the target; runs are
-interleaved seed by seed so that a slow spell of the machine falls on every recipe alike.
+interleaved seed by seed so that a slow spell of the machine falls on every recipe alike. A recipe
+other than AdamW stops at 1.5x AdamW's steps on its seed (GIVE_UP), on the same learning-rate schedule:
+no recipe's step is cheaper than AdamW's, so by then it is at least 1.5x slower, out of the race.
 
 Recipes, each one change to AdamW (train's default):
   adamw     train's defaults
@@ -57,25 +60,25 @@ BASELINE = "adamw"
 DEFAULT_RECIPES = ("adamw", "muon", "aligned", "schedule", "best")
 CHANGES: dict[str, tuple[str, dict[str, Any]]] = {  # the fixed recipes: what each changes, as train options
     "adamw": ("train's defaults: AdamW, warmup 100 steps, cosine decay over max_steps", {}),
-    # Muon's rates and warmup, measured for it: steps to tiny's 4.2 (seed 1337), docs/benchmarks.md "Muon's rates"
-    "muon": ("--optimizer muon at the rates measured for it on tiny: Muon 3e-3 on the blocks' weight matrices, AdamW 2e-3 "
+    # Muon's rates and warmup, measured for it: steps to tiny's 4.2 at 16 x 256 tokens (seed 1337),
+    # docs/benchmarks.md "Muon's rates"
+    "muon": ("--optimizer muon at the rates measured for it on tiny: Muon 3e-3 on the blocks' weight matrices, AdamW 4e-3 "
              "on the rest (embeddings, tied head, biases, LayerNorm), warmup 10 steps",
-             {"optimizer": "muon", "muon_lr": 3e-3, "learning_rate": 2e-3, "warmup_steps": 10}),
+             {"optimizer": "muon", "muon_lr": 3e-3, "learning_rate": 4e-3, "warmup_steps": 10}),
     "aligned": ("--align_documents: every window starts at a document boundary", {"align_documents": True}),
 }
 DERIVED = {
     "schedule": "the cosine decay ends at the median step where AdamW reached the target; train's warmup kept",
     "best": "every change that beat AdamW's time significantly (Welch, p < 0.05), together",
 }
-# The embedded default: tiny on the stdlib corpus at micro-batch 8 x 128 tokens (SIZES, when neither best.toml
-# nor --batch_size / --seq_len say otherwise), to the val loss AdamW reaches after about 215 steps, some 75 s of
-# training on a 2-core AMD EPYC (4.25 at step 200, 4.03 at 250), so that 3 seeds of 5 recipes take about 20
-# minutes; and the step cap (and cosine horizon) beyond which a run counts as not reaching it.
+# The embedded default: tiny on the stdlib corpus at train's step settings (16 x 256 tokens), to the val loss
+# AdamW reaches after about 115 steps, some 110 s of training on a 2-core AMD EPYC (4.32 at step 105, 4.14 at
+# 115); and the cosine horizon (and step cap) of every run.
 DEFAULT_TARGET = {"tiny": 4.2}
-SIZES = {"tiny": {"batch_size": 8, "seq_len": 128}}
 DEFAULT_MAX_STEPS = 600
-EVAL_INTERVAL = 20  # steps between evaluations: the time to target is known to within that many steps
-EVAL_ITERS = 8  # val batches per evaluation: the same windows every time (train's eval_batches)
+GIVE_UP = 1.5  # a recipe's step cap: this many times AdamW's steps to the target on the same seed
+EVAL_INTERVAL = 5  # steps between evaluations: the time to target is known to within that many steps
+EVAL_ITERS = 4  # val batches per evaluation (half of tiny's stdlib val split), the same windows every time
 SIGNIFICANCE = 0.05
 
 
@@ -94,6 +97,7 @@ class Run:
     seed: int
     flags: dict[str, Any]
     out: Path
+    cap: int | None = None  # GIVE_UP times AdamW's steps on this seed, when AdamW reached the target
     reached: bool = False
     time_s: float | None = None  # training time to target (steps only), first step included
     time_excl_compile_s: float | None = None
@@ -125,10 +129,11 @@ def train_argv(cfg: BenchConfig, run: Run, target: float, max_steps: int, best_t
         "data_dir": cfg.data_dir, "output_dir": str(run.out), "seed": run.seed, "target_loss": target,
         "max_steps": max_steps, "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS, "sample_tokens": 0,
         "save_interval": 0, "save_total_limit": 1, "log_interval": EVAL_INTERVAL, "device": cfg.device,
-        **({"preset": cfg.preset} if cfg.preset else {}), **sizes,
-        **({"seq_len": cfg.seq_len} if cfg.seq_len else {}),
-        **({"batch_size": cfg.batch_size} if cfg.batch_size else {}), **run.flags,
+        **({"preset": cfg.preset} if cfg.preset else {}), **sizes, **run.flags,
     }
+    if run.cap is not None and run.cap < max_steps:  # stops sooner, on the schedule of the others
+        opts.setdefault("lr_decay_steps", max_steps)
+        opts["max_steps"] = run.cap
     for k, v in opts.items():
         if isinstance(v, bool):
             argv.append(f"--{k}" if v else f"--no-{k}")
@@ -165,9 +170,8 @@ class Ladder:
         self.max_steps = cfg.max_steps or DEFAULT_MAX_STEPS
         toml = self.out / "best.toml"  # the training ladder's fastest step settings, if it ran here
         self.best_toml = toml if toml.is_file() else None
-        # the embedded default's micro-batch and length (SIZES) on a CPU, unless best.toml or the flags give them
-        given = self.best_toml is not None or cfg.batch_size or cfg.seq_len
-        self.sizes: dict[str, Any] = {} if given or self.plan.device.type != "cpu" else SIZES.get(self.preset, {})
+        # the flags' micro-batch and length: every run takes them, and quality_best.toml keeps them with the recipe
+        self.sizes = {k: v for k, v in (("batch_size", cfg.batch_size), ("seq_len", cfg.seq_len)) if v}
         self.runs: list[Run] = []
         self.flags: dict[str, dict[str, Any]] = {n: f for n, (_, f) in CHANGES.items()}
         self.notes: dict[str, str] = {}
@@ -192,11 +196,15 @@ class Ladder:
     def _phase(self, names: list[str], bar: tqdm) -> None:
         for seed in self.seeds:  # interleaved: seed by seed, every recipe in turn
             for name in names:
-                run = Run(name, seed, self.flags[name], self.out / "runs" / f"{name}-seed{seed}")
+                run = Run(name, seed, self.flags[name], self.out / "runs" / f"{name}-seed{seed}", self._cap(name, seed))
                 bar.set_postfix_str(f"{name}, seed {seed}")
                 self._train(run)
                 self.runs.append(run)
                 bar.update(1)
+
+    def _cap(self, name: str, seed: int) -> int | None:
+        base = next((r.steps for r in self.runs if r.recipe == BASELINE and r.seed == seed and r.reached), None)
+        return None if name == BASELINE or not base else math.ceil(GIVE_UP * base)
 
     def _train(self, run: Run) -> None:
         argv = train_argv(self.cfg, run, self.target, self.max_steps, self.best_toml, self.sizes)
@@ -213,7 +221,8 @@ class Ladder:
             return
         read_run(run)
         log.info(f"{run.recipe}, seed {run.seed}: " + (f"target reached at step {run.steps} in {run.time_s:.1f} s"
-                                                       if run.reached else "target not reached"))
+                                                       if run.reached else "target not reached"
+                                                       + (f" in {run.cap} steps ({GIVE_UP}x AdamW's)" if run.cap else "")))
 
     def _derive(self, name: str) -> dict[str, Any] | None:
         if name == "schedule":
@@ -299,10 +308,11 @@ class Ladder:
             "mode": "quality", "preset": self.preset, "data_dir": self.cfg.data_dir, "target_loss": self.target,
             "max_steps": self.max_steps, "sizes": self.sizes,
             "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS,
-            "seeds": self.seeds, "step_settings": str(self.best_toml) if self.best_toml else "train's defaults",
+            "seeds": self.seeds, "step_settings": str(self.best_toml) if self.best_toml else "train's defaults"
+            + "".join(f", --{k} {v}" for k, v in self.sizes.items()),
             "environment": environment(self.plan), "native_bf16": cpu_has_fast_bf16(),
             "recipes": rows, "best": best["recipe"] if best else None, "welch": test,
-            "runs": [{"recipe": r.recipe, "seed": r.seed, "flags": r.flags, "reached": r.reached,
+            "runs": [{"recipe": r.recipe, "seed": r.seed, "flags": r.flags, "step_cap": r.cap, "reached": r.reached,
                       "time_to_target_s": r.time_s, "time_to_target_excl_compile_s": r.time_excl_compile_s,
                       "tokens_to_target": r.tokens, "steps_to_target": r.steps, "best_val_loss": r.best_val_loss,
                       "curve": r.curve, "error": r.error, "output_dir": str(r.out)} for r in self.runs],
@@ -356,7 +366,8 @@ def markdown(summary: dict[str, Any], plots: list[str], toml: str | None) -> str
           f"{summary['step_settings']}",
           f"- each run: `gptopt train --target_loss {summary['target_loss']} --max_steps {summary['max_steps']} "
           f"--eval_interval {summary['eval_interval']} --eval_iters {summary['eval_iters']}` plus the recipe's "
-          "options; time to target = the training steps' wall time (evals and saves left out)", "",
+          f"options, every other recipe stopping at {GIVE_UP}x AdamW's steps on its seed; time to target = the "
+          "training steps' wall time (evals and saves left out)", "",
           "```", table(summary), "```", ""]
     if w:
         verdict = "significant" if w["significant"] else "not significant"
@@ -374,7 +385,9 @@ def markdown(summary: dict[str, Any], plots: list[str], toml: str | None) -> str
     md += ["", "## Every run", "", "| recipe | seed | reached | seconds to target | steps | tokens | best val loss |",
            "|---|---:|---|---:|---:|---:|---:|"]
     for r in summary["runs"]:
-        md.append(f"| {r['recipe']} | {r['seed']} | {'yes' if r['reached'] else 'no' + (': ' + r['error'] if r['error'] else '')} "
+        no = "no" + (f": {r['error']}" if r["error"] else f" in {r['step_cap']} steps ({GIVE_UP}x AdamW's)"
+                     if r.get("step_cap") else "")
+        md.append(f"| {r['recipe']} | {r['seed']} | {'yes' if r['reached'] else no} "
                   f"| {_2dp(r['time_to_target_s'])} "
                   f"| {fmt(r['steps_to_target'], 'int')} | {fmt(r['tokens_to_target'], 'int')} "
                   f"| {fmt(r['best_val_loss'], 'loss')} |")
