@@ -216,6 +216,22 @@ def test_a_recipe_gives_up_at_1_5x_adamws_steps_on_the_same_schedule(tmp_path: P
     assert argv("adamw", 1337)["--max_steps"] == "600" and "--lr_decay_steps" not in argv("adamw", 1337)
     ladder.flags["schedule"] = {"lr_decay_steps": 115, "warmup_steps": 57}  # a recipe's own decay is kept
     assert argv("schedule", 1337)["--lr_decay_steps"] == "115"
+    ladder.runs[0].reached = False  # AdamW missed the target on that seed: nothing to measure a cap by
+    assert argv("aligned", 1337)["--max_steps"] == "600"
+
+
+def test_a_cap_at_or_beyond_max_steps_is_no_cap_and_a_warmup_only_schedule_stays_so(tmp_path: Path) -> None:
+    cfg = BenchConfig(mode="quality", preset="tiny", output_dir=str(tmp_path), device="cpu", max_steps=80)
+    ladder = quality.Ladder(cfg)
+    _fake(ladder, "adamw", [20.0], steps=60)  # 1.5 x 60 = 90 > 80: the run's own max_steps stops it first
+    assert ladder._cap("aligned", 1337) is None
+    ladder.runs[0].steps = 40
+    run = quality.Run("aligned", 1337, ladder.flags["aligned"], tmp_path / "r", ladder._cap("aligned", 1337))
+    args = quality.train_argv(cfg, run, 4.2, ladder.max_steps, None, ladder.sizes)
+    # train's warmup (100) outlasts the 80 steps: no decay to keep, and no --lr_decay_steps that train refuses
+    assert args[args.index("--max_steps") + 1] == "60" and "--lr_decay_steps" not in args
+    train_cfg = cli.parse_config("train", TrainConfig, args[4:], cli.build_parser("train", TrainConfig))
+    assert train_cfg.max_steps == 60 and train_cfg.align_documents  # what the child process would run
 
 
 def test_the_ladder_end_to_end_trains_each_recipe_and_seed_and_writes_its_report(

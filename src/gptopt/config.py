@@ -445,7 +445,8 @@ class BenchConfig:
     recipes: str = opt("default", "--mode quality: comma-separated recipes of adamw, muon, aligned, schedule, best "
                        "('default': all of them); adamw is always run")
     max_steps: int | None = opt(None, "--mode quality: the most steps of a run (and its cosine horizon); a run that "
-                                "has not reached the target by then counts as not reaching it (default: 600)",
+                                "has not reached the target by then counts as not reaching it, and a recipe other "
+                                "than AdamW stops sooner, at 1.5x AdamW's steps on its seed (default: 600)",
                                 ge=1, le=MAX_STEPS)
     loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails",
                                 gt=0.0, lt=1.0)

@@ -11,13 +11,14 @@ gives every recipe the same initial weights and the same batches (train draws bo
 recipe's difference is its own. A run's time to target is the wall time of its training steps (evals
 and saves left out) up to the evaluation that found the val loss at or below the target; runs are
 interleaved seed by seed so that a slow spell of the machine falls on every recipe alike. A recipe
-other than AdamW stops at 1.5x AdamW's steps on its seed (GIVE_UP), on the same learning-rate schedule:
+other than AdamW stops at 1.5x AdamW's steps on its seed (GIVE_UP; when AdamW reached the target on that
+seed), on the same learning-rate schedule:
 no recipe's step is cheaper than AdamW's, so by then it is at least 1.5x slower, out of the race.
 
 Recipes, each one change to AdamW (train's default):
   adamw     train's defaults
   muon      --optimizer muon (Muon on the blocks' weight matrices, AdamW on the rest) at the rates
-            measured for it on tiny (docs/benchmarks.md, Muon's rates)
+            measured for it on tiny (docs/benchmarks.md, "The ladder at train's step settings")
   aligned   --align_documents (windows start at document boundaries)
   schedule  the learning-rate schedule tuned for the target: the cosine decay ends where AdamW's runs
             reached the target (median steps), train's warmup kept (half the decay at most). A warmup
@@ -61,7 +62,7 @@ DEFAULT_RECIPES = ("adamw", "muon", "aligned", "schedule", "best")
 CHANGES: dict[str, tuple[str, dict[str, Any]]] = {  # the fixed recipes: what each changes, as train options
     "adamw": ("train's defaults: AdamW, warmup 100 steps, cosine decay over max_steps", {}),
     # Muon's rates and warmup, measured for it: steps to tiny's 4.2 at 16 x 256 tokens (seed 1337),
-    # docs/benchmarks.md "Muon's rates"
+    # docs/benchmarks.md "The ladder at train's step settings"
     "muon": ("--optimizer muon at the rates measured for it on tiny: Muon 3e-3 on the blocks' weight matrices, AdamW 4e-3 "
              "on the rest (embeddings, tied head, biases, LayerNorm), warmup 10 steps",
              {"optimizer": "muon", "muon_lr": 3e-3, "learning_rate": 4e-3, "warmup_steps": 10}),
@@ -131,8 +132,9 @@ def train_argv(cfg: BenchConfig, run: Run, target: float, max_steps: int, best_t
         "save_interval": 0, "save_total_limit": 1, "log_interval": EVAL_INTERVAL, "device": cfg.device,
         **({"preset": cfg.preset} if cfg.preset else {}), **sizes, **run.flags,
     }
-    if run.cap is not None and run.cap < max_steps:  # stops sooner, on the schedule of the others
-        opts.setdefault("lr_decay_steps", max_steps)
+    if run.cap is not None:  # stops sooner, on the schedule of the others (a warmup-only one stays so)
+        if max_steps > opts.get("warmup_steps", TRAIN_WARMUP):
+            opts.setdefault("lr_decay_steps", max_steps)
         opts["max_steps"] = run.cap
     for k, v in opts.items():
         if isinstance(v, bool):
@@ -203,8 +205,10 @@ class Ladder:
                 bar.update(1)
 
     def _cap(self, name: str, seed: int) -> int | None:
+        """The run's step cap below max_steps: GIVE_UP times AdamW's steps on this seed, if AdamW reached the target."""
         base = next((r.steps for r in self.runs if r.recipe == BASELINE and r.seed == seed and r.reached), None)
-        return None if name == BASELINE or not base else math.ceil(GIVE_UP * base)
+        cap = math.ceil(GIVE_UP * base) if base and name != BASELINE else None
+        return cap if cap is not None and cap < self.max_steps else None
 
     def _train(self, run: Run) -> None:
         argv = train_argv(self.cfg, run, self.target, self.max_steps, self.best_toml, self.sizes)
@@ -308,7 +312,7 @@ class Ladder:
             "mode": "quality", "preset": self.preset, "data_dir": self.cfg.data_dir, "target_loss": self.target,
             "max_steps": self.max_steps, "sizes": self.sizes,
             "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS,
-            "seeds": self.seeds, "step_settings": str(self.best_toml) if self.best_toml else "train's defaults"
+            "seeds": self.seeds, "step_settings": (str(self.best_toml) if self.best_toml else "train's defaults")
             + "".join(f", --{k} {v}" for k, v in self.sizes.items()),
             "environment": environment(self.plan), "native_bf16": cpu_has_fast_bf16(),
             "recipes": rows, "best": best["recipe"] if best else None, "welch": test,
