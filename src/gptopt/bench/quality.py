@@ -98,7 +98,7 @@ class Run:
     seed: int
     flags: dict[str, Any]
     out: Path
-    cap: int | None = None  # GIVE_UP times AdamW's steps on this seed, when AdamW reached the target
+    cap: int | None = None  # the step cap below max_steps (Ladder._cap), or None
     reached: bool = False
     time_s: float | None = None  # training time to target (steps only), first step included
     time_excl_compile_s: float | None = None
