@@ -24,8 +24,9 @@ PHASES: list[tuple[str, tuple[str, ...]]] = [
     ("blocklist", ("TextFilter",)),
     ("metrics", ("prometheus_client",)),
     ("event delivery", ("deliver (", "_deliver", "asyncio_sink", "call_soon_threadsafe", "_put_all")),
-    ("prefill forward", ("Generator.extend", "Generator.prefill (", "Generator.begin")),
-    ("decode forward", ("Generator.decode", "Generator._forward", "_decode_static")),
+    # Generator._forward is in neither: the prefill and the eager decode share it, so the caller decides
+    ("prefill forward", ("Generator.extend", "Generator.prefill (", "Generator.prefill_step", "Generator.begin")),
+    ("decode forward", ("Generator.decode", "_decode_static")),
     ("other engine work", ("Engine._",)),
     ("HTTP and streaming", ("_sse", "starlette", "fastapi", "uvicorn", "h11", "httptools")),
 ]

@@ -22,6 +22,11 @@ STACKS = [
     f"{ENGINE};Engine._decode (e.py:2);Generator.decode_next (g.py:3);Generator.decode (g.py:4);"
     "Linear.forward (linear.py:134) 30",
     f"{ENGINE};Engine._decode (e.py:2);Generator.sample_next (g.py:5);Generator.sample (g.py:6) 5",
+    # the prefill's forward runs through the same Generator._forward as the eager decode's
+    f"{ENGINE};Engine._prefill (e.py:12);Generator.prefill_step (g.py:13);Generator.extend (g.py:14);"
+    "Generator._forward (g.py:15);Linear.forward (linear.py:134) 20",
+    f"{ENGINE};Engine._decode (e.py:2);Generator.decode_next (g.py:3);Generator.decode (g.py:4);"
+    "Generator._forward (g.py:15);Linear.forward (linear.py:134) 10",
     f"{ENGINE};Engine._decode (e.py:2);Engine._accept (e.py:7);StopChecker.add (g.py:8);"
     "StopChecker._advance (g.py:9) 10",
     f"{ENGINE};Engine._iterate (e.py:1);Engine._deliver (e.py:10);deliver (e.py:11) 5",
@@ -32,12 +37,13 @@ STACKS = [
 
 def test_each_sample_goes_to_its_innermost_phase_and_idle_is_left_out_of_busy_time() -> None:
     counts = phases.shares(STACKS)
-    assert counts["gptopt-engine"] == {"idle": 50, "decode forward": 30, "sampling": 5,
+    assert counts["gptopt-engine"] == {"idle": 50, "decode forward": 40, "prefill forward": 20, "sampling": 5,
                                        "detokenize and stop strings": 10, "event delivery": 5}
     assert counts["MainThread"] == {"HTTP and streaming": 4}
     text = phases.table(counts)
-    assert "gptopt-engine: 100 samples, busy 50.0%" in text
-    assert "decode forward                60.0% of its busy time" in text
+    assert "gptopt-engine: 130 samples, busy 61.5%" in text
+    assert "decode forward                50.0% of its busy time" in text
+    assert "prefill forward               25.0% of its busy time" in text
 
 
 def test_a_missing_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
