@@ -163,6 +163,7 @@ EXPECTED_OPTIONS = {
         "cuda_graphs",
         "device",
         "dtype",
+        "engine_process",
         "host",
         "max_batch_size",
         "max_logprobs",

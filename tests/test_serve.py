@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import shlex
 import shutil
 import signal
@@ -946,8 +947,18 @@ def test_a_port_in_use_or_a_foreign_host_is_refused_before_serving(capsys: pytes
     assert "--host 192.0.2.1 is not an address of this machine" in err
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            if int(stat.read_text().split(")")[-1].split()[1]) == pid:
+                out.append(int(stat.parent.name))
+    return out
+
+
 def test_serve_announces_and_serves_the_port_it_bound(model_dir: Path) -> None:
-    import os
+    """...and Ctrl-C stops it with its engine process: nothing is left running."""
     import re
     import sys
 
@@ -964,9 +975,12 @@ def test_serve_announces_and_serves_the_port_it_bound(model_dir: Path) -> None:
         assert port, "no 'serving on' line"
         wait_for(lambda: _answers(f"http://127.0.0.1:{port}/ready"), timeout=60)
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"] == model_dir.name
+        children = _children(proc.pid)
+        assert children  # the engine's process
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(timeout=60)
+    wait_for(lambda: not any(_alive(c) for c in children), timeout=10)
 
 
 def _answers(url: str) -> bool:
@@ -1027,3 +1041,107 @@ def test_a_reply_ended_by_end_of_text_loses_no_text_to_the_blocklist_holdback(
             assert r["finish_reason"] == "stop"
             texts.append(r["text"])
     assert texts[0] and texts[1] == texts[0]
+
+
+# -- the engine in a process of its own (gptopt serve's default) -----------------------------------
+
+
+def slow_decode(engine: Any) -> None:
+    """EngineProcess setup: 20 ms a decode step in the child, so requests stay open while a test acts."""
+    decode = engine.generator.decode
+
+    def slow(*args: Any) -> torch.Tensor:
+        time.sleep(0.02)
+        return decode(*args)
+
+    engine.generator.decode = slow
+
+
+@contextlib.contextmanager
+def running_apart(model_dir: Path, setup: Any = None, **overrides: Any) -> Iterator[tuple[str, Any]]:
+    """(base URL, app) of a live server of model_dir whose engine runs in a child process."""
+    from gptopt.serve import app as app_module
+    from gptopt.serve.engine_process import EngineProcess
+
+    cfg = ServeConfig(**{"model": str(model_dir), "device": "cpu", "max_batch_size": 2, **overrides})
+    if setup is None:
+        app = create_app(cfg)
+    else:  # the same app, its engine process given the test's setup
+        real = app_module.EngineProcess
+        app_module.EngineProcess = lambda c: EngineProcess(c, setup=setup)  # type: ignore[assignment]
+        try:
+            app = create_app(cfg)
+        finally:
+            app_module.EngineProcess = real  # type: ignore[assignment]
+    assert isinstance(app.state.engine, EngineProcess)
+    with serve_in_thread(app) as server:
+        app.state.server = server
+        yield f"http://127.0.0.1:{server.port}", app
+
+
+def _alive(pid: int | None) -> bool:
+    try:
+        assert pid is not None
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def test_an_engine_process_serves_what_an_engine_in_the_server_does(model_dir: Path) -> None:
+    """Greedy text, streamed or not, usage and /metrics: the same as the in-process engine's; the child
+    ends with the server."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    body = {"prompt": [PROMPT, "import os"], "max_tokens": 12, "temperature": 0}
+    app = create_app(ServeConfig(model=str(model_dir), device="cpu", max_batch_size=2, engine_process=False))
+    with serve_in_thread(app) as server:
+        expected = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body, timeout=60).json()
+    with running_apart(model_dir) as (url, app):
+        pid = app.state.engine.pid
+        assert _alive(pid)
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert [c["text"] for c in got["choices"]] == [c["text"] for c in expected["choices"]]
+        assert got["usage"] == expected["usage"]
+        streamed = sse(httpx.post(f"{url}/v1/completions", json={**body, "prompt": PROMPT, "stream": True}, timeout=60))
+        assert "".join(f["choices"][0]["text"] for f in streamed[:-1]) == expected["choices"][0]["text"]
+        assert httpx.get(f"{url}/ready").json() == {"status": "ready", "running": 0, "waiting": 0}
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+        ok = [s for s in families["gptopt_requests"].samples if s.labels.get("status") == "200"]
+        assert ok and ok[0].value >= 2  # the HTTP side's counter
+        assert families["gptopt_generation_tokens"].samples[0].value == got["usage"]["completion_tokens"] + 12
+        assert families["process_resident_memory_bytes"].samples[0].value > 0  # the engine's process
+    assert not _alive(pid)
+
+
+def test_an_engine_process_refuses_beyond_capacity_and_frees_a_departed_clients_slot(model_dir: Path) -> None:
+    with running_apart(model_dir, slow_decode, max_batch_size=1, max_queue=0) as (url, app):
+        engine = app.state.engine
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", f"{url}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()  # held: a closed line iterator closes the stream, and the client is gone
+            next(line for line in lines if line.startswith("data: "))
+            refused = completion(url, max_tokens=2)
+            assert_openai_error(refused, 429, "rate_limit_exceeded")
+            assert int(refused.headers["retry-after"]) >= 1
+        wait_for(lambda: engine.stats()["running"] == 0, timeout=5)  # the child dropped the departed stream
+        assert completion(url, max_tokens=2).status_code == 200
+
+
+def test_an_engine_process_that_dies_ends_its_requests_with_an_error(model_dir: Path) -> None:
+    with running_apart(model_dir, slow_decode) as (url, app):
+        result: dict[str, Any] = {}
+        t = threading.Thread(target=lambda: result.update(r=completion(url, max_tokens=40)))
+        t.start()
+        wait_for(lambda: app.state.engine.stats()["running"] == 1)
+        os.kill(app.state.engine.pid, signal.SIGKILL)  # as the kernel's out-of-memory killer would
+        t.join(timeout=30)
+        assert "engine process exited" in assert_openai_error(result["r"], 500)["message"]
+        assert httpx.get(f"{url}/ready").status_code == 503
+        assert "engine process exited" in assert_openai_error(completion(url, max_tokens=2), 503)["message"]
+
+
+def test_an_engine_process_that_cannot_start_says_why(model_dir: Path) -> None:
+    with pytest.raises(ValueError, match="int4-weight needs an NVIDIA GPU"):  # the child's error, raised here
+        create_app(ServeConfig(model=str(model_dir), device="cpu", quantize="int4-weight"))

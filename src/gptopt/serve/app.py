@@ -32,12 +32,10 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
-from gptopt import chat, memory
+from gptopt import chat
 from gptopt.config import ServeConfig
-from gptopt.device import resolve
 from gptopt.extras import require
-from gptopt.generate import Generator, SamplingParams
-from gptopt.inference import load_for_inference
+from gptopt.generate import SamplingParams
 from gptopt.tokenizer import eot_id
 
 for _module in ("fastapi", "uvicorn"):
@@ -52,17 +50,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field  # noqa: E402
 from pydantic_core import PydanticCustomError  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
-from gptopt.serve.blocklist import CheckTimeout, load_blocklist  # noqa: E402
+from gptopt.serve.blocklist import CheckTimeout  # noqa: E402
 from gptopt.serve.chat_api import CHAT_EXAMPLE_BODY, DeltaChoices, message_choice  # noqa: E402
-from gptopt.serve.engine import (  # noqa: E402
-    COMPLETED,
-    Draining,
-    Engine,
-    Event,
-    QueueFull,
-    asyncio_sink,
-    default_solo_threads,
-)
+from gptopt.serve.engine import COMPLETED, Draining, Engine, Event, QueueFull, asyncio_sink  # noqa: E402
+from gptopt.serve.engine_process import EngineProcess, build_engine  # noqa: E402
 from gptopt.serve.logprobs import ChatChoice, CompletionChoice, Vocab  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
 
@@ -368,33 +359,12 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
     return app
 
 
-def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> Engine:
-    """The model (loaded now unless given) in a Generator, in a warmed-up engine that is not started yet."""
-    plan = resolve(cfg.device, quiet=True)
-    if model is None:
-        model, tokenizer = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
-                                              quantize=cfg.quantize)
-    if tokenizer is None:
-        raise ValueError("create_app: a model was given without its tokenizer")
-    metrics = ServeMetrics()
-    dtype, context = model.transformer.wte.weight.dtype, model.config.block_size
-    slots = cfg.max_batch_size or memory.auto_slots(model.config, context, plan.device, dtype=dtype)
-    # the KV cache and the warm-up's forwards, checked before the cache is allocated (the weights are loaded)
-    memory.require(memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"), plan.device,
-                   f"--max_batch_size {slots} KV-cache slots of {context} tokens",
-                   "lower --max_batch_size, or use --dtype bf16")
-    generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
-    engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
-                    prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics,
-                    solo_threads=cfg.solo_threads or default_solo_threads())
-    try:
-        engine.warmup()
-    except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel
-        raise ValueError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
-                         "lower --max_batch_size, or use --dtype bf16 or --quantize int8-weight") from None
-    metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
-    metrics.bind_device_memory(plan.device)  # CUDA only
-    return engine
+def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> Engine | EngineProcess:
+    """The engine, warmed up and not started yet: in a process of its own (engine_process.py) when the
+    model is loaded from cfg.model and cfg.engine_process asks for it, else in this process."""
+    if model is None and cfg.engine_process:
+        return EngineProcess(cfg)
+    return build_engine(cfg, model, tokenizer)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -512,11 +482,11 @@ class _API:
     """The routes over one engine: request checks that need the model or tokenizer, the way into the
     engine and back (submit, collect), and the handlers."""
 
-    def __init__(self, cfg: ServeConfig, engine: Engine) -> None:
+    def __init__(self, cfg: ServeConfig, engine: Engine | EngineProcess) -> None:
         self.cfg, self.engine, self.tokenizer = cfg, engine, engine.tokenizer
         eot = eot_id(self.tokenizer)  # read only: the tokenizer served is the one the model was trained with
         self.stop_ids = () if eot is None else (eot,)
-        self.context = engine.generator.max_len
+        self.context = engine.max_len
         self.model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name or cfg.model
         # Also the --model argument exactly as given: vLLM's convention, so clients that send the path
         # the server was launched with work unchanged. The first is the id responses carry by default.
@@ -596,7 +566,7 @@ class _API:
         """Each prompt's token ids and text (a prompt of ids: its decoded text, special tokens included),
         checked against the blocklist: 400 for an id outside the model's vocabulary."""
         given = [p for p in prompts if not isinstance(p, str)]
-        vocab = self.engine.generator.vocab_size
+        vocab = self.engine.vocab_size
         for ids in given:
             if max(ids) >= vocab:
                 raise APIError(400, f"prompt: token id {max(ids)} is outside this model's vocabulary (0..{vocab - 1}); "
@@ -634,7 +604,7 @@ class _API:
         if len(prompts) > self.engine.capacity:
             raise APIError(400, f"this request needs {len(prompts)} sequences at once (prompts x n), more than this "
                            f"server ever holds: {self.engine.capacity} (--max_batch_size "
-                           f"{self.engine.generator.max_batch_size} + --max_queue {self.engine.max_queue}); send "
+                           f"{self.engine.max_batch_size} + --max_queue {self.engine.max_queue}); send "
                            "fewer prompts or a smaller n", param="n", code="request_too_large")
         queue: asyncio.Queue[Event] = asyncio.Queue()
         sink, reqs = asyncio_sink(queue), []
@@ -801,7 +771,8 @@ class _API:
         return JSONResponse({"status": "ready", **self.engine.stats()})
 
     async def prometheus_metrics(self) -> Response:
-        return Response(self.engine.metrics.render(), media_type=CONTENT_TYPE)
+        # off the event loop: an engine in its own process is asked for its figures
+        return Response(await asyncio.to_thread(self.engine.render_metrics), media_type=CONTENT_TYPE)
 
 
 def _usage(prompt_tokens: int, results: list[Event]) -> dict[str, int]:
@@ -964,10 +935,10 @@ def main(cfg: ServeConfig) -> int:
     except BaseException:
         sock.close()
         raise
-    engine: Engine = app.state.engine
+    engine: Engine | EngineProcess = app.state.engine
     port = sock.getsockname()[1]  # --port 0: the one picked
     log.info("serving %s on http://%s:%d (batch %d, queue %d); OpenAI base_url http://%s:%d/v1",
-             app.state.model_name, cfg.host, port, engine.generator.max_batch_size, cfg.max_queue, cfg.host, port)
+             app.state.model_name, cfg.host, port, engine.max_batch_size, cfg.max_queue, cfg.host, port)
     server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=port, log_level="info",
                                            timeout_graceful_shutdown=int(cfg.request_timeout) + 1))
     server.run(sockets=[sock])

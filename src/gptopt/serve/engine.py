@@ -110,6 +110,24 @@ def asyncio_sink(queue: asyncio.Queue[Event], loop: asyncio.AbstractEventLoop | 
     return AsyncioSink(queue, loop)
 
 
+class Channel:
+    """Where a ChannelSink's events go: send() takes an iteration's events for this channel in one call,
+    as (key, event) pairs (engine_process.py's pipe to the HTTP process)."""
+
+    def send(self, items: list[tuple[int, Event]]) -> None:
+        raise NotImplementedError
+
+
+class ChannelSink:
+    """Delivers events into `channel` under `key` (which request they belong to), grouped per channel."""
+
+    def __init__(self, channel: Channel, key: int) -> None:
+        self.channel, self.key = channel, key
+
+    def __call__(self, event: Event) -> None:
+        deliver([(self, event)])
+
+
 def _put_all(items: list[tuple[AsyncioSink, Event]]) -> None:
     for sink, event in items:
         sink.queue.put_nowait(event)
@@ -117,13 +135,19 @@ def _put_all(items: list[tuple[AsyncioSink, Event]]) -> None:
 
 def deliver(outbox: list[tuple[Sink, Event]]) -> None:
     """Hand each event to its sink, in order: asyncio sinks grouped by event loop, one call_soon_threadsafe
-    per loop (each is a write to the loop's wake-up pipe and a pass of the loop), other sinks called."""
+    per loop (each is a write to the loop's wake-up pipe and a pass of the loop), channel sinks grouped
+    by channel, one send each; other sinks called."""
     loops: dict[asyncio.AbstractEventLoop, list[tuple[AsyncioSink, Event]]] = {}
+    channels: dict[Channel, list[tuple[int, Event]]] = {}
     for sink, event in outbox:
         if isinstance(sink, AsyncioSink):
             loops.setdefault(sink.loop, []).append((sink, event))
+        elif isinstance(sink, ChannelSink):
+            channels.setdefault(sink.channel, []).append((sink.key, event))
         else:
             sink(event)
+    for channel, keyed in channels.items():
+        channel.send(keyed)
     for loop, items in loops.items():
         try:
             loop.call_soon_threadsafe(_put_all, items)
@@ -231,6 +255,23 @@ class Engine:
     def stats(self) -> dict[str, int]:
         with self._cv:
             return {"running": self._n_running, "waiting": len(self._waiting)}
+
+    @property
+    def max_batch_size(self) -> int:
+        return self.generator.max_batch_size
+
+    @property
+    def max_len(self) -> int:
+        """The longest sequence, prompt and completion together: the model's context."""
+        return self.generator.max_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.generator.vocab_size
+
+    def render_metrics(self) -> bytes:
+        """/metrics' text: the Prometheus metrics (None: no metrics kept, nothing to show)."""
+        return b"" if self.metrics is None else self.metrics.render()
 
     @property
     def draining(self) -> bool:

@@ -28,11 +28,19 @@ CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 class ServeMetrics:
     """The server's metrics, in a private registry. Thread-safe: the engine thread observes them too."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, http: bool = True, engine: bool = True) -> None:
+        """http: the requests counter the HTTP side keeps; engine: everything the engine observes, and the
+        process's memory. A server whose engine runs in a process of its own (engine_process.py) keeps one
+        part in each process; /metrics shows both."""
         self.registry = CollectorRegistry()
         r = self.registry
+        if http:
+            self.requests = Counter("gptopt_requests", "HTTP requests by route and status code",
+                                    ["route", "status"], registry=r)
+        if not engine:
+            return
         # process_resident_memory_bytes and friends (Linux): what `gptopt loadtest` samples to show
-        # whether the server's memory grows over a run
+        # whether the server's memory grows over a run; the engine's process is the one that holds the model
         ProcessCollector(registry=r)
         self.ttft = Histogram("gptopt_time_to_first_token_seconds", "submit to first generated token (queue + prefill)",
                               buckets=WAIT_BUCKETS, registry=r)
@@ -46,8 +54,6 @@ class ServeMetrics:
         self.waiting = Gauge("gptopt_requests_waiting", "requests queued for a slot", registry=r)
         self.prompt_tokens = Counter("gptopt_prompt_tokens", "prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("gptopt_generation_tokens", "tokens generated", registry=r)
-        self.requests = Counter("gptopt_requests", "HTTP requests by route and status code",
-                                ["route", "status"], registry=r)
         self.finished = Counter("gptopt_finished_sequences", "generated sequences by finish reason",
                                 ["reason"], registry=r)
 

@@ -1,0 +1,404 @@
+"""The engine in a process of its own: the HTTP side and the model stop sharing one GIL.
+
+    pytest -q tests/test_serve.py -k engine_process
+
+`gptopt serve` builds its engine (engine.py: the model, the KV cache, the continuous-batching thread)
+with `build_engine`. By default it runs it in a child process (`EngineProcess`), as vLLM's API
+server does, and talks to it over two pipes: requests and cancels go in, each engine iteration's
+events come back in one message. The HTTP process keeps the tokenizer, the request checks and the
+streams; the child keeps the model.
+
+Why: the engine thread calls its kernels from Python and takes the GIL back after each one, so in one
+process it waits whenever the event loop runs Python, and the event loop waits for it. Apart, on a
+2-core CPU (docs/benchmarks.md), one streaming client got 1.17x the tokens/s and 16 clients 1.05x.
+`--no-engine_process` keeps everything in one process (and `create_app` with a model object always
+does: tests and notebooks hand over a model in memory).
+
+The child is started with "spawn": a forked child would inherit the parent's OpenMP and CUDA state,
+which neither survives a fork. It ignores SIGINT (Ctrl-C reaches the whole process group) and drains
+when the parent tells it to, or on a SIGTERM of its own; it exits when the parent's end of the pipe
+closes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import math
+import multiprocessing
+import signal
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+from gptopt import memory
+from gptopt.config import ServeConfig
+from gptopt.device import resolve
+from gptopt.generate import Generator, SamplingParams
+from gptopt.inference import load_for_inference
+from gptopt.serve.blocklist import Blocklist, load_blocklist
+from gptopt.serve.engine import (
+    Channel,
+    ChannelSink,
+    Draining,
+    Engine,
+    Event,
+    QueueFull,
+    Sink,
+    default_solo_threads,
+    deliver,
+)
+from gptopt.serve.metrics import ServeMetrics
+from gptopt.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT = 3600.0  # seconds for the child to load and warm up (a cold compile of gpt2-xl's buckets is minutes)
+METRICS_TIMEOUT = 5.0  # seconds /metrics waits for the child's figures
+
+
+def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
+                 metrics: ServeMetrics | None = None) -> Engine:
+    """The model (loaded now unless given) in a Generator, in a warmed-up engine that is not started yet."""
+    plan = resolve(cfg.device, quiet=True)
+    if model is None:
+        model, tokenizer = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
+                                              quantize=cfg.quantize)
+    if tokenizer is None:
+        raise ValueError("create_app: a model was given without its tokenizer")
+    metrics = metrics or ServeMetrics()
+    dtype, context = model.transformer.wte.weight.dtype, model.config.block_size
+    slots = cfg.max_batch_size or memory.auto_slots(model.config, context, plan.device, dtype=dtype)
+    # the KV cache and the warm-up's forwards, checked before the cache is allocated (the weights are loaded)
+    memory.require(memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"), plan.device,
+                   f"--max_batch_size {slots} KV-cache slots of {context} tokens",
+                   "lower --max_batch_size, or use --dtype bf16")
+    generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
+    engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
+                    prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics,
+                    solo_threads=cfg.solo_threads or default_solo_threads())
+    try:
+        engine.warmup()
+    except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel
+        raise ValueError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
+                         "lower --max_batch_size, or use --dtype bf16 or --quantize int8-weight") from None
+    metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
+    metrics.bind_device_memory(plan.device)  # CUDA only
+    return engine
+
+
+# -- the child --------------------------------------------------------------------------------------
+
+
+class _Pipe(Channel):
+    """The child's way back: each iteration's events, with the engine's load, in one message. Two threads
+    send (the engine's and the one reading commands), so a lock keeps their messages whole."""
+
+    def __init__(self, conn: Connection, engine: Engine | None = None) -> None:
+        self.conn, self.engine, self.lock = conn, engine, threading.Lock()
+        # key -> engine.Request, for cancels, until its last event; under its own lock, so a request that
+        # ends at once cannot be recorded after its end
+        self.requests: dict[int, Any] = {}
+        self.requests_lock = threading.Lock()
+
+    def submit(self, key: int, prompt: list[int], params: SamplingParams, index: int) -> None:
+        assert self.engine is not None
+        with self.requests_lock:
+            try:
+                self.requests[key] = self.engine.submit(prompt, params, ChannelSink(self, key), index=index)
+            except (QueueFull, Draining) as e:  # the parent counts first, so only a race ends here
+                self.send([(key, Event(index, "", "error", error=f"{type(e).__name__}: {e}"))])
+
+    def cancel(self, key: int) -> None:
+        with self.requests_lock:
+            req = self.requests.get(key)
+        if req is not None:
+            req.cancel()
+
+    def send(self, items: list[tuple[int, Event]]) -> None:
+        with self.requests_lock:
+            for key, event in items:
+                if event.finish_reason is not None:
+                    self.requests.pop(key, None)
+        stats = self.engine.stats() if self.engine is not None else {"running": 0, "waiting": 0}
+        self.message(("events", items, stats))
+
+    def message(self, msg: tuple[Any, ...]) -> None:
+        with self.lock:
+            with contextlib.suppress(OSError):  # the parent is gone: nobody to tell
+                self.conn.send(msg)
+
+
+def _child(cfg: ServeConfig, commands: Connection, events: Connection,
+           setup: Callable[[Engine], None] | None) -> None:
+    """The engine process: build and warm up the engine, say ready, then carry out the parent's commands
+    until it says shutdown (or its end of the pipe closes)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A SIGTERM of its own (systemd stops a unit's every process) drains as the parent's does; the parent's
+    # drain ends it. No SIGKILL-proofing: when the parent dies, the closed pipe ends the child.
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
+    _log_like_the_cli()
+    pipe = _Pipe(events)
+    try:
+        engine = build_engine(cfg, metrics=ServeMetrics(http=False))  # the HTTP side counts requests
+        if setup is not None:
+            setup(engine)
+    except BaseException as e:  # noqa: BLE001 - whatever it was, the parent reports it
+        pipe.message(("failed", _portable(e)))
+        return
+    pipe.engine = engine
+    pipe.message(("ready", {"max_batch_size": engine.max_batch_size, "max_len": engine.max_len,
+                            "vocab_size": engine.vocab_size, "tokenizer": engine.tokenizer.to_str()}))
+    engine.start()
+    stopping: threading.Thread | None = None
+    while stopping is None or stopping.is_alive():
+        if terminated.is_set() and stopping is None:
+            stopping = threading.Thread(target=_shut, args=(engine, cfg.request_timeout, pipe),
+                                        name="gptopt-engine-shutdown")
+            stopping.start()
+        try:
+            if not commands.poll(0.1):
+                continue
+            msg = commands.recv()
+        except (EOFError, OSError):  # the parent is gone: end without waiting for anyone
+            engine.shutdown(0)
+            return
+        kind = msg[0]
+        if kind == "submit":
+            pipe.submit(*msg[1:])
+        elif kind == "cancel":
+            pipe.cancel(msg[1])
+        elif kind == "drain":
+            engine.begin_drain()
+        elif kind == "metrics":
+            pipe.message(("metrics", msg[1], engine.render_metrics()))
+        elif kind == "shutdown" and stopping is None:
+            stopping = threading.Thread(target=_shut, args=(engine, msg[1], pipe), name="gptopt-engine-shutdown")
+            stopping.start()
+
+
+def _shut(engine: Engine, timeout: float, pipe: _Pipe) -> None:
+    engine.shutdown(timeout)
+    pipe.message(("closed",))
+
+
+def _log_like_the_cli() -> None:
+    """The child's log lines look like the parent's: a spawned process starts with logging unset."""
+    logger = logging.getLogger("gptopt")
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("gptopt: %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(logging.INFO)
+
+
+def _portable(e: BaseException) -> BaseException:
+    """`e` if it crosses a pipe intact, else a RuntimeError with its text."""
+    import pickle
+
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:  # noqa: BLE001 - any pickling failure
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+# -- the parent -------------------------------------------------------------------------------------
+
+
+class RemoteRequest:
+    """What EngineProcess.submit returns: the handle a client cancels with, as engine.Request."""
+
+    def __init__(self, engine: EngineProcess, key: int) -> None:
+        self.engine, self.key = engine, key
+
+    def cancel(self) -> None:
+        self.engine.cancel(self.key)
+
+
+class EngineProcess:
+    """engine.Engine's interface to the HTTP side, for an engine running in a child process.
+
+    The parent counts the sequences it has submitted and not yet seen finish, so 429 (QueueFull) and 503
+    (Draining) are decided here at once, with the engine's rules; the child's count is never higher."""
+
+    def __init__(self, cfg: ServeConfig, *, start_timeout: float = START_TIMEOUT,
+                 setup: Callable[[Engine], None] | None = None) -> None:
+        """Start the child and wait until its engine is warmed up (or raise what stopped it). setup: called
+        with the engine in the child before it starts (a module-level function: it crosses by name)."""
+        self.max_queue, self.request_timeout = cfg.max_queue, cfg.request_timeout
+        self.blocklist: Blocklist = load_blocklist(cfg.blocklist)  # prompts are checked here, output there
+        self.metrics = ServeMetrics(engine=False)  # the HTTP side's; the engine's are the child's
+        ctx = multiprocessing.get_context("spawn")
+        commands, self._commands = ctx.Pipe(duplex=False)
+        self._events, events = ctx.Pipe(duplex=False)
+        self._process = ctx.Process(target=_child, args=(cfg, commands, events, setup), name="gptopt-engine", daemon=True)
+        self._process.start()
+        commands.close()  # the child's ends: the parent keeps only its own, so EOF means the other side left
+        events.close()
+        self._send_lock, self._lock = threading.Lock(), threading.Lock()
+        self._sinks: dict[int, tuple[Sink, float, int]] = {}  # key -> (sink, submitted, index), until its last event
+        self._keys = itertools.count()
+        self._stats = {"running": 0, "waiting": 0}
+        self._metrics_replies: dict[int, tuple[threading.Event, list[bytes]]] = {}
+        self._draining = self._closed = False
+        self._mean_latency = 1.0
+        info = self._first_message(start_timeout)
+        self.max_batch_size, self.max_len, self.vocab_size = info["max_batch_size"], info["max_len"], info["vocab_size"]
+        self.tokenizer = Tokenizer.from_str(info["tokenizer"])  # the one the child loaded, whatever its source
+        self._reader = threading.Thread(target=self._read, name="gptopt-engine-events", daemon=True)
+
+    def _first_message(self, timeout: float) -> dict[str, Any]:
+        """The child's "ready" and what it tells of the model; its exception if it failed to start."""
+        try:
+            msg = self._events.recv() if self._events.poll(timeout) else None
+        except (EOFError, OSError):
+            msg = None
+        if msg is None:
+            ended = not self._process.is_alive()
+            self._process.kill()
+            self._process.join(5)
+            raise RuntimeError(f"the engine process ended before it was ready (exit code {self._process.exitcode}); "
+                               "the lines above say why" if ended else
+                               f"the engine process was not ready within {timeout:.0f} s")
+        if msg[0] == "failed":
+            self._process.join(10)
+            raise msg[1]
+        return msg[1]
+
+    # -- engine.Engine's interface --------------------------------------------------------------------
+
+    def warmup(self) -> float:
+        return 0.0  # the child warmed up before it said ready
+
+    def start(self) -> None:
+        self._reader.start()
+
+    @property
+    def capacity(self) -> int:
+        return self.max_batch_size + self.max_queue
+
+    @property
+    def pid(self) -> int | None:
+        """The engine process's id."""
+        return self._process.pid
+
+    def retry_after(self) -> int:
+        depth = (self._stats["waiting"] + 1) / self.max_batch_size
+        return int(min(60, max(1, math.ceil(depth * self._mean_latency))))
+
+    def stats(self) -> dict[str, int]:
+        return dict(self._stats)
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed and self._reader.is_alive() and self._process.is_alive()
+
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> RemoteRequest:
+        with self._lock:
+            if self._draining:
+                raise Draining("the server is shutting down")
+            if self._closed or not self._process.is_alive():
+                raise Draining(f"the engine process exited (code {self._process.exitcode}); the server must be "
+                               "restarted")
+            if len(self._sinks) >= self.capacity:
+                raise QueueFull(self.retry_after())
+            key = next(self._keys)
+            self._sinks[key] = (sink, time.perf_counter(), index)
+        self._send(("submit", key, list(prompt), params, index))
+        return RemoteRequest(self, key)
+
+    def cancel(self, key: int) -> None:
+        if key in self._sinks:  # a finished one is not the child's concern any more
+            self._send(("cancel", key))
+
+    def begin_drain(self) -> None:
+        self._draining = True
+        self._send(("drain",))
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Drain (in-flight requests finish, up to `timeout` s), then stop the child."""
+        self.begin_drain()
+        timeout = self.request_timeout if timeout is None else timeout
+        self._send(("shutdown", timeout))
+        if self._reader.is_alive():
+            self._reader.join(timeout + 30)
+        self._process.join(10)
+        if self._process.is_alive():
+            log.warning("the engine process did not stop within %.0f s of its drain; killing it", timeout + 40)
+            self._process.kill()
+            self._process.join(5)
+        self._close()
+
+    def render_metrics(self) -> bytes:
+        """This process's metrics, then the engine's, asked of the child (blocks up to METRICS_TIMEOUT s)."""
+        own = self.metrics.render()
+        key, done, reply = next(self._keys), threading.Event(), []
+        self._metrics_replies[key] = (done, reply)
+        try:
+            self._send(("metrics", key))
+            done.wait(METRICS_TIMEOUT)
+        finally:
+            self._metrics_replies.pop(key, None)
+        return own + (reply[0] if reply else b"")
+
+    # -- the pipes -----------------------------------------------------------------------------------
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            with contextlib.suppress(OSError):  # the child is gone: _read ends its requests
+                self._commands.send(msg)
+
+    def _read(self) -> None:
+        """The events thread: each message of the child's to the sinks it is for, until the child closes."""
+        while True:
+            try:
+                msg = self._events.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "events":
+                _, items, self._stats = msg
+                outbox: list[tuple[Sink, Event]] = []
+                with self._lock:
+                    now = time.perf_counter()
+                    for key, event in items:
+                        if event.finish_reason is None:
+                            entry = self._sinks.get(key)
+                        else:
+                            entry = self._sinks.pop(key, None)
+                            if entry is not None and event.finish_reason in ("stop", "length", "content_filter"):
+                                self._mean_latency = 0.9 * self._mean_latency + 0.1 * (now - entry[1])
+                        if entry is not None:
+                            outbox.append((entry[0], event))
+                deliver(outbox)
+            elif msg[0] == "metrics":
+                waiter = self._metrics_replies.get(msg[1])
+                if waiter is not None:
+                    waiter[1].append(msg[2])
+                    waiter[0].set()
+            elif msg[0] == "closed":
+                break
+        self._close()
+
+    def _close(self) -> None:
+        """No more events will come: every request still open ends now ('cancelled' when draining, else an
+        error: the engine process died)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            left, self._sinks = self._sinks, {}
+        if not self._draining:
+            log.error("the engine process exited (code %s); ending its %d open requests",
+                      self._process.exitcode, len(left))
+        reason, error = ("cancelled", None) if self._draining else ("error", "the engine process exited")
+        deliver([(sink, Event(index, "", reason, error=error)) for sink, _, index in left.values()])
