@@ -1,7 +1,10 @@
 """Where `gptopt serve`'s threads spend their time under load, from py-spy's raw (collapsed) stacks.
 
-    py-spy record -p SERVER_PID -r 200 -f raw --threads --idle -d 12 -o stacks.txt   # while a loadtest runs
+    py-spy record -p ENGINE_PID -r 200 -f raw --threads --idle -d 12 -o stacks.txt   # while a loadtest runs
     python scripts/engine_phases.py stacks.txt
+
+ENGINE_PID: the server's engine process, `pgrep -P SERVER_PID -f spawn_main` (the HTTP threads are
+the server's own PID); with `gptopt serve --no-engine_process` both are the server's PID.
 
 Each sample is charged to the first phase found walking its stack from the innermost frame out
 (PHASES, in order); a thread's idle share is its samples waiting on a lock or the event loop's

@@ -963,6 +963,7 @@ def test_serve_announces_and_serves_the_port_it_bound(model_dir: Path) -> None:
     import sys
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
+    children: list[int] = []
     proc = subprocess.Popen([sys.executable, "-m", "gptopt", "serve", "--model", str(model_dir), "--device", "cpu",
                              "--port", "0", "--max_batch_size", "1"], stderr=subprocess.PIPE, text=True, env=env)
     try:
@@ -1111,6 +1112,7 @@ def test_an_engine_process_serves_what_an_engine_in_the_server_does(model_dir: P
         assert ok and ok[0].value >= 2  # the HTTP side's counter
         assert families["gptopt_generation_tokens"].samples[0].value == got["usage"]["completion_tokens"] + 12
         assert families["process_resident_memory_bytes"].samples[0].value > 0  # the engine's process
+        assert families["gptopt_http_process_resident_memory_bytes"].samples[0].value > 0  # the HTTP side's
     assert not _alive(pid)
 
 
@@ -1138,8 +1140,50 @@ def test_an_engine_process_that_dies_ends_its_requests_with_an_error(model_dir: 
         os.kill(app.state.engine.pid, signal.SIGKILL)  # as the kernel's out-of-memory killer would
         t.join(timeout=30)
         assert "engine process exited" in assert_openai_error(result["r"], 500)["message"]
-        assert httpx.get(f"{url}/ready").status_code == 503
+        for probe in ("health", "ready"):  # an orchestrator's liveness probe restarts it
+            r = httpx.get(f"{url}/{probe}")
+            assert (r.status_code, r.json()["status"]) == (503, "failed")
         assert "engine process exited" in assert_openai_error(completion(url, max_tokens=2), 503)["message"]
+
+
+def test_sigterm_lets_the_open_stream_finish_through_the_engine_process(model_dir: Path) -> None:
+    with running_apart(model_dir, slow_decode, max_batch_size=1) as (url, app):
+        engine = app.state.engine
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", f"{url}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            app.state.server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
+            assert_openai_error(completion(url, max_tokens=2), 503, "draining")
+            rest = [line for line in lines if line.startswith("data: ")]
+        frames = [json.loads(f[6:]) for f in [first, *rest[:-1]]]
+        # "length": all 30 tokens came, none lost to the drain
+        assert rest[-1] == "data: [DONE]" and frames[-1]["choices"][0]["finish_reason"] == "length"
+        app.state.server.thread.join(timeout=30)
+        assert not app.state.server.thread.is_alive()
+        wait_for(lambda: not _alive(engine.pid), timeout=10)
+
+
+def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(debug_tokenizer: Any) -> None:
+    """A SIGTERM of the engine's process alone (systemd stops every process of a unit) drains it; a
+    request already on its way gets an error event back, and the child goes on serving the others."""
+    import multiprocessing
+
+    from gptopt.serve.engine import Engine
+    from gptopt.serve.engine_process import _Pipe
+
+    model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size())).eval()
+    engine = Engine(Generator(model, resolve("cpu"), max_batch_size=1), debug_tokenizer)
+    engine.begin_drain()
+    inbox, outbox = multiprocessing.Pipe(duplex=False)
+    pipe = _Pipe(outbox, engine)
+    pipe.submit(7, [1, 2, 3], SamplingParams(max_new_tokens=4), 0)
+    assert inbox.poll(10)
+    kind, items, stats = inbox.recv()
+    (key, event), = items
+    assert (kind, key, event.finish_reason) == ("events", 7, "error") and "Draining" in (event.error or "")
+    assert stats == {"running": 0, "waiting": 0} and not pipe.requests
 
 
 def test_an_engine_process_that_cannot_start_says_why(model_dir: Path) -> None:

@@ -203,7 +203,8 @@ class _StderrHandler(logging.Handler):
             self.handleError(record)
 
 
-def _setup_logging() -> None:
+def setup_logging() -> None:
+    """gptopt's log lines on stderr as 'gptopt: MESSAGE', INFO and up (serve's engine process calls it too)."""
     # Our logger only: configuring the root logger would print every library's INFO chatter too.
     logger = logging.getLogger("gptopt")
     if not logger.handlers:
@@ -216,7 +217,7 @@ def _setup_logging() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    _setup_logging()
+    setup_logging()
     if not argv or argv[0].startswith("-"):
         top = top_parser()
         top.parse_args(argv)

@@ -7,7 +7,8 @@
 
 The `openai` Python client works unchanged against base_url=http://HOST:PORT/v1. Every request the
 schema admits gets a 2xx, or a 4xx with OpenAI's error body {"error": {"message", "type", "param",
-"code"}}, checked before any model work; generation itself runs on the engine thread (engine.py).
+"code"}}, checked before any model work; generation itself runs on the engine thread (engine.py), by
+default in a process of its own (engine_process.py).
 Nothing a request sends runs unbounded on the event loop: tokenizing and the blocklist check run in
 threads, the blocklist under a time limit. The body is read as JSON whatever its declared content
 type (curl -d sends form-encoded). With --api_key every route but the probes /health and /ready and the
@@ -519,8 +520,8 @@ class _API:
         app.post("/generate", response_model=GenerateResponse, responses=generation)(self.generate)
         app.get("/v1/models")(self.models)
         app.get("/v1/models/{model_id:path}", responses=_responses(404))(self.model)
-        app.get("/health")(self.health)
-        app.get("/ready", responses={503: {"description": "starting or draining"}})(self.ready)
+        app.get("/health", responses={503: {"description": "the engine has failed: restart the server"}})(self.health)
+        app.get("/ready", responses={503: {"description": "starting, draining, or the engine has failed"}})(self.ready)
         for probe, handler in (("/health", self.health), ("/ready", self.ready)):  # load balancers and curl -I
             app.head(probe, include_in_schema=False)(handler)
         app.get("/metrics", response_class=PlainTextResponse,
@@ -762,12 +763,16 @@ class _API:
             raise _no_such_model(model_id, self.model_names)
         return self.model_card(model_id)
 
-    async def health(self) -> dict[str, str]:
-        return {"status": "ok"}  # liveness: the process answers
+    async def health(self) -> JSONResponse:
+        # liveness: the process answers, and its engine has not died (an orchestrator restarts it then)
+        if self.engine.failed:
+            return JSONResponse({"status": "failed"}, 503)
+        return JSONResponse({"status": "ok"})
 
     async def ready(self) -> JSONResponse:
         if self.engine.draining or not self.engine.alive:
-            return JSONResponse({"status": "draining" if self.engine.draining else "starting"}, 503)
+            status = "draining" if self.engine.draining else "failed" if self.engine.failed else "starting"
+            return JSONResponse({"status": status}, 503)
         return JSONResponse({"status": "ready", **self.engine.stats()})
 
     async def prometheus_metrics(self) -> Response:

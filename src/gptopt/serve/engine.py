@@ -62,6 +62,21 @@ def default_solo_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
+class RetryAfter:
+    """Retry-After for a 429: the waiting requests per slot times a moving average of request latency."""
+
+    def __init__(self) -> None:
+        self.mean_latency = 1.0
+
+    def observe(self, latency: float) -> None:
+        """A completed request's latency, submit to last token."""
+        self.mean_latency = 0.9 * self.mean_latency + 0.1 * latency
+
+    def seconds(self, waiting: int, slots: int) -> int:
+        """Whole seconds until a slot is likely free for one more request, 1 to 60."""
+        return int(min(60, max(1, math.ceil((waiting + 1) / slots * self.mean_latency))))
+
+
 class QueueFull(Exception):
     """The waiting queue is at max_queue; retry after `retry_after` seconds (HTTP 429)."""
 
@@ -224,7 +239,7 @@ class Engine:
         self._draining = False
         self._stop = False
         self._thread: threading.Thread | None = None
-        self._mean_latency = 1.0  # moving average of request latency, for Retry-After
+        self._retry = RetryAfter()
         self.steps = 0  # decode steps run, for tests and logs
 
     # -- client side (any thread) -----------------------------------------------------------
@@ -249,8 +264,7 @@ class Engine:
 
     def retry_after(self) -> int:
         """Seconds until a slot is likely free: queue depth times the mean latency per slot."""
-        depth = (len(self._waiting) + 1) / self.generator.max_batch_size
-        return int(min(60, max(1, math.ceil(depth * self._mean_latency))))
+        return self._retry.seconds(len(self._waiting), self.generator.max_batch_size)
 
     def stats(self) -> dict[str, int]:
         with self._cv:
@@ -280,6 +294,11 @@ class Engine:
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
+
+    @property
+    def failed(self) -> bool:
+        """The engine ended without being asked to: it serves nothing more, and the server needs a restart."""
+        return self._thread is not None and not self._thread.is_alive() and not self._stop
 
     def wake(self) -> None:
         with self._cv:
@@ -523,6 +542,6 @@ class Engine:
             if reason in COMPLETED:
                 self.metrics.e2e.observe(latency)
         if reason in COMPLETED:
-            self._mean_latency = 0.9 * self._mean_latency + 0.1 * latency
+            self._retry.observe(latency)
         self._outbox.append((req.sink, self._logprobs(req, Event(req.index, text, reason, len(req.prompt),
                                                                  req.completion_tokens, error))))

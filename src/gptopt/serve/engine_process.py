@@ -22,11 +22,12 @@ closes.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import itertools
 import logging
-import math
 import multiprocessing
+import pickle
 import signal
 import threading
 import time
@@ -35,18 +36,21 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from gptopt import memory
+from gptopt.cli import setup_logging
 from gptopt.config import ServeConfig
 from gptopt.device import resolve
 from gptopt.generate import Generator, SamplingParams
 from gptopt.inference import load_for_inference
 from gptopt.serve.blocklist import Blocklist, load_blocklist
 from gptopt.serve.engine import (
+    COMPLETED,
     Channel,
     ChannelSink,
     Draining,
     Engine,
     Event,
     QueueFull,
+    RetryAfter,
     Sink,
     default_solo_threads,
     deliver,
@@ -106,11 +110,14 @@ class _Pipe(Channel):
 
     def submit(self, key: int, prompt: list[int], params: SamplingParams, index: int) -> None:
         assert self.engine is not None
+        refused: Exception | None = None
         with self.requests_lock:
             try:
                 self.requests[key] = self.engine.submit(prompt, params, ChannelSink(self, key), index=index)
-            except (QueueFull, Draining) as e:  # the parent counts first, so only a race ends here
-                self.send([(key, Event(index, "", "error", error=f"{type(e).__name__}: {e}"))])
+            except (QueueFull, Draining) as e:  # the parent counts first: only a drain of the child's own
+                refused = e
+        if refused is not None:  # send() takes requests_lock: after it is released
+            self.send([(key, Event(index, "", "error", error=f"{type(refused).__name__}: {refused}"))])
 
     def cancel(self, key: int) -> None:
         with self.requests_lock:
@@ -137,11 +144,7 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
     """The engine process: build and warm up the engine, say ready, then carry out the parent's commands
     until it says shutdown (or its end of the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # A SIGTERM of its own (systemd stops a unit's every process) drains as the parent's does; the parent's
-    # drain ends it. No SIGKILL-proofing: when the parent dies, the closed pipe ends the child.
-    terminated = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
-    _log_like_the_cli()
+    setup_logging()  # a spawned process starts with logging unset; its lines look like the parent's
     pipe = _Pipe(events)
     try:
         engine = build_engine(cfg, metrics=ServeMetrics(http=False))  # the HTTP side counts requests
@@ -150,16 +153,26 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
     except BaseException as e:  # noqa: BLE001 - whatever it was, the parent reports it
         pipe.message(("failed", _portable(e)))
         return
+    # Once serving, a SIGTERM of its own (systemd stops every process of a unit) drains it as the
+    # parent's drain would, and tells the parent, which then refuses new requests. Before that, SIGTERM
+    # ends it at once: there is nothing to drain.
+    terminated = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
     pipe.engine = engine
     pipe.message(("ready", {"max_batch_size": engine.max_batch_size, "max_len": engine.max_len,
                             "vocab_size": engine.vocab_size, "tokenizer": engine.tokenizer.to_str()}))
     engine.start()
     stopping: threading.Thread | None = None
+
+    def stop(timeout: float) -> threading.Thread:
+        pipe.message(("draining",))
+        thread = threading.Thread(target=_shut, args=(engine, timeout, pipe), name="gptopt-engine-shutdown")
+        thread.start()
+        return thread
+
     while stopping is None or stopping.is_alive():
         if terminated.is_set() and stopping is None:
-            stopping = threading.Thread(target=_shut, args=(engine, cfg.request_timeout, pipe),
-                                        name="gptopt-engine-shutdown")
-            stopping.start()
+            stopping = stop(cfg.request_timeout)
         try:
             if not commands.poll(0.1):
                 continue
@@ -167,18 +180,18 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
         except (EOFError, OSError):  # the parent is gone: end without waiting for anyone
             engine.shutdown(0)
             return
-        kind = msg[0]
-        if kind == "submit":
-            pipe.submit(*msg[1:])
-        elif kind == "cancel":
-            pipe.cancel(msg[1])
-        elif kind == "drain":
-            engine.begin_drain()
-        elif kind == "metrics":
-            pipe.message(("metrics", msg[1], engine.render_metrics()))
-        elif kind == "shutdown" and stopping is None:
-            stopping = threading.Thread(target=_shut, args=(engine, msg[1], pipe), name="gptopt-engine-shutdown")
-            stopping.start()
+        try:
+            kind = msg[0]
+            if kind == "submit":
+                pipe.submit(*msg[1:])
+            elif kind == "cancel":
+                pipe.cancel(msg[1])
+            elif kind == "metrics":
+                pipe.message(("metrics", msg[1], engine.render_metrics()))
+            elif kind == "shutdown" and stopping is None:
+                stopping = stop(msg[1])
+        except Exception:  # one bad command must not take the engine down
+            log.exception("the engine process could not carry out %r", msg[0])
 
 
 def _shut(engine: Engine, timeout: float, pipe: _Pipe) -> None:
@@ -186,21 +199,8 @@ def _shut(engine: Engine, timeout: float, pipe: _Pipe) -> None:
     pipe.message(("closed",))
 
 
-def _log_like_the_cli() -> None:
-    """The child's log lines look like the parent's: a spawned process starts with logging unset."""
-    logger = logging.getLogger("gptopt")
-    if not logger.handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("gptopt: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(logging.INFO)
-
-
 def _portable(e: BaseException) -> BaseException:
     """`e` if it crosses a pipe intact, else a RuntimeError with its text."""
-    import pickle
-
     try:
         pickle.loads(pickle.dumps(e))
         return e
@@ -237,8 +237,12 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")
         commands, self._commands = ctx.Pipe(duplex=False)
         self._events, events = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_child, args=(cfg, commands, events, setup), name="gptopt-engine", daemon=True)
+        self._process = ctx.Process(target=_child, args=(cfg, commands, events, setup), name="gptopt-engine",
+                                    daemon=True)
         self._process.start()
+        # Whatever ends this process, the child goes first: registered after multiprocessing's own exit
+        # hook (which would wait for a child that is still loading), so it runs before it.
+        atexit.register(self._kill)
         commands.close()  # the child's ends: the parent keeps only its own, so EOF means the other side left
         events.close()
         self._send_lock, self._lock = threading.Lock(), threading.Lock()
@@ -247,8 +251,12 @@ class EngineProcess:
         self._stats = {"running": 0, "waiting": 0}
         self._metrics_replies: dict[int, tuple[threading.Event, list[bytes]]] = {}
         self._draining = self._closed = False
-        self._mean_latency = 1.0
-        info = self._first_message(start_timeout)
+        self._retry = RetryAfter()
+        try:
+            info = self._first_message(start_timeout)
+        except BaseException:  # a start-up error, or Ctrl-C while the child loads: it must not linger
+            self._kill()
+            raise
         self.max_batch_size, self.max_len, self.vocab_size = info["max_batch_size"], info["max_len"], info["vocab_size"]
         self.tokenizer = Tokenizer.from_str(info["tokenizer"])  # the one the child loaded, whatever its source
         self._reader = threading.Thread(target=self._read, name="gptopt-engine-events", daemon=True)
@@ -256,20 +264,26 @@ class EngineProcess:
     def _first_message(self, timeout: float) -> dict[str, Any]:
         """The child's "ready" and what it tells of the model; its exception if it failed to start."""
         try:
-            msg = self._events.recv() if self._events.poll(timeout) else None
+            msg = self._events.recv() if self._events.poll(timeout) else "timeout"
         except (EOFError, OSError):
-            msg = None
-        if msg is None:
-            ended = not self._process.is_alive()
-            self._process.kill()
+            msg = "exited"
+        if msg == "timeout":
+            raise ValueError(f"the engine process was not ready within {timeout:.0f} s")
+        if msg == "exited":
             self._process.join(5)
-            raise RuntimeError(f"the engine process ended before it was ready (exit code {self._process.exitcode}); "
-                               "the lines above say why" if ended else
-                               f"the engine process was not ready within {timeout:.0f} s")
+            code = self._process.exitcode
+            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+            raise ValueError(f"the engine process {how} before it was ready (out of memory, if the kernel killed "
+                             "it; its own lines above say more)")
         if msg[0] == "failed":
             self._process.join(10)
             raise msg[1]
         return msg[1]
+
+    def _kill(self) -> None:
+        if self._process.is_alive():
+            self._process.kill()
+            self._process.join(5)
 
     # -- engine.Engine's interface --------------------------------------------------------------------
 
@@ -289,8 +303,7 @@ class EngineProcess:
         return self._process.pid
 
     def retry_after(self) -> int:
-        depth = (self._stats["waiting"] + 1) / self.max_batch_size
-        return int(min(60, max(1, math.ceil(depth * self._mean_latency))))
+        return self._retry.seconds(self._stats["waiting"], self.max_batch_size)
 
     def stats(self) -> dict[str, int]:
         return dict(self._stats)
@@ -303,6 +316,11 @@ class EngineProcess:
     def alive(self) -> bool:
         return not self._closed and self._reader.is_alive() and self._process.is_alive()
 
+    @property
+    def failed(self) -> bool:
+        """The engine process ended without being asked to: the server needs a restart."""
+        return self._closed and not self._draining
+
     def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> RemoteRequest:
         with self._lock:
             if self._draining:
@@ -314,7 +332,12 @@ class EngineProcess:
                 raise QueueFull(self.retry_after())
             key = next(self._keys)
             self._sinks[key] = (sink, time.perf_counter(), index)
-        self._send(("submit", key, list(prompt), params, index))
+        try:
+            self._send(("submit", key, list(prompt), params, index))
+        except BaseException:  # not sent: it must not hold a place
+            with self._lock:
+                self._sinks.pop(key, None)
+            raise
         return RemoteRequest(self, key)
 
     def cancel(self, key: int) -> None:
@@ -322,8 +345,9 @@ class EngineProcess:
             self._send(("cancel", key))
 
     def begin_drain(self) -> None:
+        """Refuse new requests (503) from now on. Only a flag: uvicorn calls this from its signal handler,
+        which may interrupt a send on the pipe; shutdown() drains the child."""
         self._draining = True
-        self._send(("drain",))
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Drain (in-flight requests finish, up to `timeout` s), then stop the child."""
@@ -335,18 +359,23 @@ class EngineProcess:
         self._process.join(10)
         if self._process.is_alive():
             log.warning("the engine process did not stop within %.0f s of its drain; killing it", timeout + 40)
-            self._process.kill()
-            self._process.join(5)
+            self._kill()
         self._close()
+        self._commands.close()
+        if not self._reader.is_alive():
+            self._events.close()
 
     def render_metrics(self) -> bytes:
         """This process's metrics, then the engine's, asked of the child (blocks up to METRICS_TIMEOUT s)."""
         own = self.metrics.render()
+        if self._closed:
+            return own
         key, done, reply = next(self._keys), threading.Event(), []
         self._metrics_replies[key] = (done, reply)
         try:
             self._send(("metrics", key))
-            done.wait(METRICS_TIMEOUT)
+            if not done.wait(METRICS_TIMEOUT):
+                log.warning("the engine process did not send its metrics within %.0f s", METRICS_TIMEOUT)
         finally:
             self._metrics_replies.pop(key, None)
         return own + (reply[0] if reply else b"")
@@ -360,34 +389,39 @@ class EngineProcess:
 
     def _read(self) -> None:
         """The events thread: each message of the child's to the sinks it is for, until the child closes."""
-        while True:
-            try:
-                msg = self._events.recv()
-            except (EOFError, OSError):
-                break
-            if msg[0] == "events":
-                _, items, self._stats = msg
-                outbox: list[tuple[Sink, Event]] = []
-                with self._lock:
-                    now = time.perf_counter()
-                    for key, event in items:
-                        if event.finish_reason is None:
-                            entry = self._sinks.get(key)
-                        else:
-                            entry = self._sinks.pop(key, None)
-                            if entry is not None and event.finish_reason in ("stop", "length", "content_filter"):
-                                self._mean_latency = 0.9 * self._mean_latency + 0.1 * (now - entry[1])
-                        if entry is not None:
-                            outbox.append((entry[0], event))
-                deliver(outbox)
-            elif msg[0] == "metrics":
-                waiter = self._metrics_replies.get(msg[1])
-                if waiter is not None:
-                    waiter[1].append(msg[2])
-                    waiter[0].set()
-            elif msg[0] == "closed":
-                break
-        self._close()
+        try:
+            while True:
+                try:
+                    msg = self._events.recv()
+                except (EOFError, OSError):
+                    break
+                if msg[0] == "events":
+                    self._dispatch(msg[1], msg[2])
+                elif msg[0] == "metrics":
+                    waiter = self._metrics_replies.get(msg[1])
+                    if waiter is not None:
+                        waiter[1].append(msg[2])
+                        waiter[0].set()
+                elif msg[0] == "draining":  # the child was told to stop (its own SIGTERM, or shutdown)
+                    self._draining = True
+                elif msg[0] == "closed":
+                    break
+        finally:  # however it ended, no request may wait for events that will never come
+            self._close()
+
+    def _dispatch(self, items: list[tuple[int, Event]], stats: dict[str, int]) -> None:
+        outbox: list[tuple[Sink, Event]] = []
+        with self._lock:
+            now = time.perf_counter()
+            for key, event in items:
+                entry = self._sinks.get(key) if event.finish_reason is None else self._sinks.pop(key, None)
+                if entry is None:
+                    continue
+                if event.finish_reason in COMPLETED:
+                    self._retry.observe(now - entry[1])
+                outbox.append((entry[0], event))
+            self._stats = stats  # with the count: a finish seen here is a slot free there
+        deliver(outbox)
 
     def _close(self) -> None:
         """No more events will come: every request still open ends now ('cancelled' when draining, else an
@@ -398,7 +432,7 @@ class EngineProcess:
             self._closed = True
             left, self._sinks = self._sinks, {}
         if not self._draining:
-            log.error("the engine process exited (code %s); ending its %d open requests",
+            log.error("the engine process exited (code %s); ending its %d open requests; restart the server",
                       self._process.exitcode, len(left))
         reason, error = ("cancelled", None) if self._draining else ("error", "the engine process exited")
         deliver([(sink, Event(index, "", reason, error=error)) for sink, _, index in left.values()])

@@ -37,7 +37,8 @@ class ServeMetrics:
         if http:
             self.requests = Counter("gptopt_requests", "HTTP requests by route and status code",
                                     ["route", "status"], registry=r)
-        if not engine:
+        if not engine:  # the HTTP process of a server whose engine runs apart: its own memory, named apart
+            ProcessCollector(namespace="gptopt_http", registry=r)
             return
         # process_resident_memory_bytes and friends (Linux): what `gptopt loadtest` samples to show
         # whether the server's memory grows over a run; the engine's process is the one that holds the model
