@@ -687,21 +687,28 @@ def test_drain_finishes_in_flight_requests_and_refuses_new_ones(debug_tokenizer:
         assert result["r"].status_code == 200
 
 
+def stream_through_a_sigterm(url: str, app: Any) -> list[Any]:
+    """The frames of a 30-token greedy stream whose server gets SIGTERM after the first (what uvicorn's
+    signal handler calls); meanwhile a new request must get 503 draining."""
+    with httpx.Client(timeout=30) as client, client.stream(
+            "POST", f"{url}/v1/completions",
+            json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True}) as r:
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        app.state.server.handle_exit(signal.SIGTERM, None)
+        assert app.state.engine.draining
+        assert_openai_error(completion(url, max_tokens=2), 503, "draining")
+        rest = [line for line in lines if line.startswith("data: ")]
+    assert rest[-1] == "data: [DONE]"
+    return [json.loads(f[6:]) for f in [first, *rest[:-1]]]
+
+
 def test_sigterm_lets_the_open_stream_finish(debug_tokenizer: Any) -> None:
     with running(debug_tokenizer, max_batch_size=1, decode_delay=0.02) as (url, app):
-        engine = app.state.engine
-        with httpx.Client(timeout=30) as client, client.stream(
-                "POST", f"{url}/v1/completions",
-                json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True}) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            app.state.server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
-            assert engine.draining
-            rest = [line for line in lines if line.startswith("data: ")]
-        frames = [json.loads(f[6:]) for f in [first, *rest[:-1]]]
-        assert rest[-1] == "data: [DONE]" and frames[-1]["choices"][0]["finish_reason"] in ("stop", "length")
+        frames = stream_through_a_sigterm(url, app)
+        assert frames[-1]["choices"][0]["finish_reason"] in ("stop", "length")
         app.state.server.thread.join(timeout=30)
-        assert not app.state.server.thread.is_alive() and not engine.alive
+        assert not app.state.server.thread.is_alive() and not app.state.engine.alive
 
 
 def test_a_model_that_does_not_fit_fails_at_start_up(debug_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -1148,21 +1155,11 @@ def test_an_engine_process_that_dies_ends_its_requests_with_an_error(model_dir: 
 
 def test_sigterm_lets_the_open_stream_finish_through_the_engine_process(model_dir: Path) -> None:
     with running_apart(model_dir, slow_decode, max_batch_size=1) as (url, app):
-        engine = app.state.engine
-        with httpx.Client(timeout=30) as client, client.stream(
-                "POST", f"{url}/v1/completions",
-                json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True}) as r:
-            lines = r.iter_lines()
-            first = next(line for line in lines if line.startswith("data: "))
-            app.state.server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
-            assert_openai_error(completion(url, max_tokens=2), 503, "draining")
-            rest = [line for line in lines if line.startswith("data: ")]
-        frames = [json.loads(f[6:]) for f in [first, *rest[:-1]]]
-        # "length": all 30 tokens came, none lost to the drain
-        assert rest[-1] == "data: [DONE]" and frames[-1]["choices"][0]["finish_reason"] == "length"
+        frames = stream_through_a_sigterm(url, app)
+        assert frames[-1]["choices"][0]["finish_reason"] == "length"  # all 30 tokens, none lost to the drain
         app.state.server.thread.join(timeout=30)
         assert not app.state.server.thread.is_alive()
-        wait_for(lambda: not _alive(engine.pid), timeout=10)
+        wait_for(lambda: not _alive(app.state.engine.pid), timeout=10)
 
 
 def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(debug_tokenizer: Any) -> None:
