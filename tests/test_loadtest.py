@@ -185,6 +185,44 @@ def _sse_server(frames: list[str], prefix: str = "data: ") -> Any:
     return fake
 
 
+def test_the_memory_sampler_never_waits_for_a_clients_connection(monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """At one client the server's /metrics is still read while a request streams: the sampler has a
+    connection of its own, so neither waits for the other (a request's TTFT would count the wait)."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import PlainTextResponse, StreamingResponse
+
+    from gptopt import loadtest
+
+    monkeypatch.setattr(loadtest, "MEMORY_INTERVAL_S", 0.05)
+    scrapes = {"n": 0}
+    fake = FastAPI()
+
+    @fake.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        scrapes["n"] += 1
+        return PlainTextResponse("process_resident_memory_bytes 1048576\n")
+
+    @fake.post("/v1/completions")
+    async def complete() -> StreamingResponse:
+        async def body() -> Any:
+            seen = scrapes["n"]
+            yield f"data: {_chunk(text='a')}\n\n".encode()
+            for _ in range(300):  # the stream stays open until a scrape comes in, 3 s at most
+                if scrapes["n"] > seen:
+                    break
+                await asyncio.sleep(0.01)
+            last = _chunk(text="b", finish_reason="length") if scrapes["n"] > seen else '{"error": "no scrape"}'
+            yield f"data: {last}\n\ndata: [DONE]\n\n".encode()
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    with serve_in_thread(fake) as server:
+        assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=1, json=True)) == 0
+    assert last_json_line(capsys.readouterr().out)["errors"] == {}
+
+
 def _chunk(**choice: Any) -> str:
     import json
 

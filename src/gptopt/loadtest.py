@@ -222,7 +222,10 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
     prompts = [make_prompt(rng, cfg.prompt_tokens) for _ in range(cfg.requests)]
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     in_flight = cfg.concurrency if cfg.rate is None else min(cfg.requests, 1000)
-    limits = httpx.Limits(max_connections=in_flight, max_keepalive_connections=in_flight)
+    # One connection more than requests in flight: the memory sampler's own. Sharing theirs, a scrape
+    # waited for a stream to end, and the next request (its TTFT clock running) for the scrape: a cost
+    # only servers with /metrics paid.
+    limits = httpx.Limits(max_connections=in_flight + 1, max_keepalive_connections=in_flight + 1)
     samples: list[Sample] = []
     bar = tqdm(total=cfg.requests, desc="requests", unit="req", file=sys.stderr, leave=False)
     async with httpx.AsyncClient(base_url=cfg.url, headers=headers, limits=limits, follow_redirects=False,
