@@ -31,6 +31,7 @@ from gptopt.generate import Generator, SamplingParams, complete  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
 from gptopt.serve.app import EXAMPLE_BODY, MAX_BODY_BYTES, create_app, serve_in_thread  # noqa: E402
 from gptopt.serve.blocklist import Blocklist, CheckTimeout, TextFilter, load_blocklist  # noqa: E402
+from gptopt.serve.engine import Draining  # noqa: E402
 from gptopt.tokenizer import eot_id  # noqa: E402
 
 PROMPT = "def parse_args(self, args=None):"
@@ -697,7 +698,8 @@ def stream_through_a_sigterm(url: str, app: Any) -> list[Any]:
         first = next(line for line in lines if line.startswith("data: "))
         app.state.server.handle_exit(signal.SIGTERM, None)
         assert app.state.engine.draining
-        assert_openai_error(completion(url, max_tokens=2), 503, "draining")
+        with pytest.raises(Draining):  # at the engine: uvicorn may already be closing the listener
+            app.state.engine.submit([1], SamplingParams(max_new_tokens=1), lambda event: None)
         rest = [line for line in lines if line.startswith("data: ")]
     assert rest[-1] == "data: [DONE]"
     return [json.loads(f[6:]) for f in [first, *rest[:-1]]]
@@ -1162,6 +1164,28 @@ def test_sigterm_lets_the_open_stream_finish_through_the_engine_process(model_di
         wait_for(lambda: not _alive(app.state.engine.pid), timeout=10)
 
 
+def test_a_sigterm_of_the_engine_process_alone_drains_it_and_fails_the_probes(model_dir: Path) -> None:
+    """systemd stops every process of a unit: the engine's own SIGTERM finishes the open stream, the
+    server refuses new requests, and once the engine is gone the probes say so (a restart is due)."""
+    with running_apart(model_dir, slow_decode, max_batch_size=1) as (url, app):
+        engine = app.state.engine
+        with httpx.Client(timeout=30) as client, client.stream(
+                "POST", f"{url}/v1/completions",
+                json={"prompt": PROMPT, "max_tokens": 30, "temperature": 0, "stream": True}) as r:
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data: "))
+            os.kill(engine.pid, signal.SIGTERM)
+            wait_for(lambda: engine.draining, timeout=10)
+            assert_openai_error(completion(url, max_tokens=2), 503, "draining")
+            rest = [line for line in lines if line.startswith("data: ")]
+        frames = [json.loads(f[6:]) for f in [first, *rest[:-1]]]
+        assert rest[-1] == "data: [DONE]" and frames[-1]["choices"][0]["finish_reason"] == "length"
+        wait_for(lambda: engine.failed, timeout=15)
+        for probe in ("health", "ready"):
+            response = httpx.get(f"{url}/{probe}")
+            assert (response.status_code, response.json()["status"]) == (503, "failed")
+
+
 def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(debug_tokenizer: Any) -> None:
     """A SIGTERM of the engine's process alone (systemd stops every process of a unit) drains it; a
     request already on its way gets an error event back, and the child goes on serving the others."""
@@ -1175,11 +1199,16 @@ def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(de
     engine.begin_drain()
     inbox, outbox = multiprocessing.Pipe(duplex=False)
     pipe = _Pipe(outbox, engine)
-    pipe.submit(7, [1, 2, 3], SamplingParams(max_new_tokens=4), 0)
+    submit = threading.Thread(target=pipe.submit, args=(7, [1, 2, 3], SamplingParams(max_new_tokens=4), 0),
+                              daemon=True)
+    submit.start()
+    submit.join(10)
+    assert not submit.is_alive()  # answered, not stuck on its own lock
     assert inbox.poll(10)
     kind, items, stats = inbox.recv()
     (key, event), = items
-    assert (kind, key, event.finish_reason) == ("events", 7, "error") and "Draining" in (event.error or "")
+    # "cancelled": the server's 503, as for any request it refuses while draining
+    assert (kind, key, event.finish_reason) == ("events", 7, "cancelled") and "Draining" in (event.error or "")
     assert stats == {"running": 0, "waiting": 0} and not pipe.requests
 
 

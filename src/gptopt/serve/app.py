@@ -771,7 +771,7 @@ class _API:
 
     async def ready(self) -> JSONResponse:
         if self.engine.draining or not self.engine.alive:
-            status = "draining" if self.engine.draining else "failed" if self.engine.failed else "starting"
+            status = "failed" if self.engine.failed else "draining" if self.engine.draining else "starting"
             return JSONResponse({"status": status}, 503)
         return JSONResponse({"status": "ready", **self.engine.stats()})
 

@@ -27,6 +27,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import pickle
 import signal
 import threading
@@ -49,6 +50,7 @@ from gptopt.serve.engine import (
     Draining,
     Engine,
     Event,
+    FinishReason,
     QueueFull,
     RetryAfter,
     Sink,
@@ -114,10 +116,11 @@ class _Pipe(Channel):
         with self.requests_lock:
             try:
                 self.requests[key] = self.engine.submit(prompt, params, ChannelSink(self, key), index=index)
-            except (QueueFull, Draining) as e:  # the parent counts first: only a drain of the child's own
+            except Exception as e:  # the parent counts first: a drain of the child's own, or a bug
                 refused = e
-        if refused is not None:  # send() takes requests_lock: after it is released
-            self.send([(key, Event(index, "", "error", error=f"{type(refused).__name__}: {refused}"))])
+        if refused is not None:  # send() takes requests_lock: after it is released. Draining is a 503
+            reason: FinishReason = "cancelled" if isinstance(refused, Draining) else "error"
+            self.send([(key, Event(index, "", reason, error=f"{type(refused).__name__}: {refused}"))])
 
     def cancel(self, key: int) -> None:
         with self.requests_lock:
@@ -144,6 +147,7 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
     """The engine process: build and warm up the engine, say ready, then carry out the parent's commands
     until it says shutdown (or its end of the pipe closes)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    threading.Thread(target=_orphan_watch, args=(os.getppid(),), name="gptopt-orphan-watch", daemon=True).start()
     setup_logging()  # a spawned process starts with logging unset; its lines look like the parent's
     pipe = _Pipe(events)
     try:
@@ -192,6 +196,15 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
                 stopping = stop(msg[1])
         except Exception:  # one bad command must not take the engine down
             log.exception("the engine process could not carry out %r", msg[0])
+
+
+def _orphan_watch(parent: int) -> None:
+    """Exit once the parent is gone: a parent killed outright (SIGKILL, or SIGTERM before it serves) runs
+    no clean-up, and a child still loading would hold the model and its memory for minutes. Polled, not
+    prctl's PDEATHSIG: that fires when the thread that started the child ends, which may be any thread."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
 
 
 def _shut(engine: Engine, timeout: float, pipe: _Pipe) -> None:
@@ -251,11 +264,15 @@ class EngineProcess:
         self._stats = {"running": 0, "waiting": 0}
         self._metrics_replies: dict[int, tuple[threading.Event, list[bytes]]] = {}
         self._draining = self._closed = False
+        self._stop_requested = False  # by this process (a drain of the child's own SIGTERM is not)
         self._retry = RetryAfter()
         try:
             info = self._first_message(start_timeout)
         except BaseException:  # a start-up error, or Ctrl-C while the child loads: it must not linger
             self._kill()
+            atexit.unregister(self._kill)
+            self._commands.close()
+            self._events.close()
             raise
         self.max_batch_size, self.max_len, self.vocab_size = info["max_batch_size"], info["max_len"], info["vocab_size"]
         self.tokenizer = Tokenizer.from_str(info["tokenizer"])  # the one the child loaded, whatever its source
@@ -318,8 +335,8 @@ class EngineProcess:
 
     @property
     def failed(self) -> bool:
-        """The engine process ended without being asked to: the server needs a restart."""
-        return self._closed and not self._draining
+        """The engine process ended without this process asking it to: the server needs a restart."""
+        return self._closed and not self._stop_requested
 
     def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> RemoteRequest:
         with self._lock:
@@ -347,7 +364,7 @@ class EngineProcess:
     def begin_drain(self) -> None:
         """Refuse new requests (503) from now on. Only a flag: uvicorn calls this from its signal handler,
         which may interrupt a send on the pipe; shutdown() drains the child."""
-        self._draining = True
+        self._draining = self._stop_requested = True
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Drain (in-flight requests finish, up to `timeout` s), then stop the child."""
@@ -361,7 +378,9 @@ class EngineProcess:
             log.warning("the engine process did not stop within %.0f s of its drain; killing it", timeout + 40)
             self._kill()
         self._close()
-        self._commands.close()
+        atexit.unregister(self._kill)
+        with self._send_lock:  # not under a send that passed its check just before
+            self._commands.close()
         if not self._reader.is_alive():
             self._events.close()
 
@@ -396,7 +415,10 @@ class EngineProcess:
                 except (EOFError, OSError):
                     break
                 if msg[0] == "events":
-                    self._dispatch(msg[1], msg[2])
+                    try:
+                        self._dispatch(msg[1], msg[2])
+                    except Exception:  # one bad delivery must not end every request's
+                        log.exception("delivering the engine process's events failed")
                 elif msg[0] == "metrics":
                     waiter = self._metrics_replies.get(msg[1])
                     if waiter is not None:
@@ -431,7 +453,9 @@ class EngineProcess:
                 return
             self._closed = True
             left, self._sinks = self._sinks, {}
-        if not self._draining:
+        for done, _ in list(self._metrics_replies.values()):  # a scrape waiting now gets this process's part
+            done.set()
+        if not self._stop_requested:
             log.error("the engine process exited (code %s); ending its %d open requests; restart the server",
                       self._process.exitcode, len(left))
         reason, error = ("cancelled", None) if self._draining else ("error", "the engine process exited")
