@@ -284,7 +284,7 @@ class Engine:
         return self.generator.vocab_size
 
     def render_metrics(self) -> bytes:
-        """/metrics' text: the Prometheus metrics (None: no metrics kept, nothing to show)."""
+        """/metrics' text: the Prometheus metrics, empty for an engine made without them."""
         return b"" if self.metrics is None else self.metrics.render()
 
     @property

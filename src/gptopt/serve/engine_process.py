@@ -304,9 +304,6 @@ class EngineProcess:
 
     # -- engine.Engine's interface --------------------------------------------------------------------
 
-    def warmup(self) -> float:
-        return 0.0  # the child warmed up before it said ready
-
     def start(self) -> None:
         self._reader.start()
 
