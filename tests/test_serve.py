@@ -544,6 +544,37 @@ def test_a_burst_of_prompts_is_prefilled_in_one_forward_with_the_tokens_of_one_a
     assert tokens == alone
 
 
+def test_an_engine_run_computes_on_the_calling_thread_until_shutdown(varied_model: GPT,
+                                                                     debug_tokenizer: Any) -> None:
+    """Engine.run: the loop on the caller's thread (the engine process's main thread, whose OpenMP pool is
+    the only one), serving until shutdown from another thread returns it; an engine starts only once."""
+    from gptopt.serve.engine import Engine
+
+    gen = Generator(varied_model, resolve("cpu"), max_batch_size=2)
+    engine = Engine(gen, debug_tokenizer)
+    decode, forwards_on = gen.decode, set()
+
+    def spy(*args: Any) -> torch.Tensor:
+        forwards_on.add(threading.current_thread().name)
+        return decode(*args)
+
+    gen.decode = spy
+    caller = threading.Thread(target=engine.run, name="the-caller")
+    caller.start()
+    wait_for(lambda: engine.alive)
+    done = threading.Event()
+    req = engine.submit([5, 17, 99], SamplingParams(temperature=0, max_new_tokens=6),
+                        lambda ev: done.set() if ev.finish_reason is not None else None)
+    assert done.wait(30)
+    assert len(req.seq.tokens) == 6 and forwards_on == {"the-caller"}
+    with pytest.raises(RuntimeError, match="started already"):
+        engine.start()
+    engine.shutdown(timeout=5)
+    caller.join(timeout=5)
+    assert not caller.is_alive()
+    assert not engine.alive and not engine.failed  # asked to stop: not a failure
+
+
 def _count_in_a_new_thread() -> int:
     """torch's thread count as a thread started now gets it (the process's default, not this thread's)."""
     got: list[int] = []
@@ -1123,6 +1154,27 @@ def test_an_engine_process_serves_what_an_engine_in_the_server_does(model_dir: P
         assert families["process_resident_memory_bytes"].samples[0].value > 0  # the engine's process
         assert families["gptopt_http_process_resident_memory_bytes"].samples[0].value > 0  # the HTTP side's
     assert not _alive(pid)
+
+
+def decode_on_the_main_thread_only(engine: Any) -> None:
+    """EngineProcess setup: a decode step off the child's main thread fails its requests."""
+    decode = engine.generator.decode
+
+    def checked(*args: Any) -> torch.Tensor:
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(f"a decode step on thread {threading.current_thread().name}")
+        return decode(*args)
+
+    engine.generator.decode = checked
+
+
+def test_an_engine_process_computes_on_its_main_thread(model_dir: Path) -> None:
+    """The child's engine runs on the thread that loaded the model: a second thread starting OpenMP
+    regions made every CPU kernel wait for its workers to wake (Engine.run)."""
+    with running_apart(model_dir, decode_on_the_main_thread_only) as (url, _):
+        r = completion(url, max_tokens=4)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] > 1  # a decode step ran
 
 
 def test_an_engine_process_refuses_beyond_capacity_and_frees_a_departed_clients_slot(model_dir: Path) -> None:
