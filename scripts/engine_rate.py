@@ -1,0 +1,119 @@
+"""The serving engine's own rate: closed-loop clients submitting straight to it, no HTTP, no streams.
+
+    python scripts/engine_rate.py --model DIR [--clients 16] [--requests 256] [--max_tokens 32]
+        [--prompt_tokens 60] [--max_batch_size 64] [--compile] [--thread]
+
+The engine is built as `gptopt serve` builds it (engine_process.build_engine: the same slots, warm-up
+and thread rule) and runs on this script's main thread, as in the engine process; --thread runs it in a
+thread of its own, as `gptopt serve --no-engine_process` does. Each client sends a prompt of random
+token ids, waits for its last token and sends the next, until --requests are done; greedy, with no stop
+token, so every request makes exactly --max_tokens. What it prints is the ceiling that `gptopt
+loadtest` figures of the same load are read against: tokens/s, decode steps and their rows, and the
+time per prefill and decode forward.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import threading
+import time
+from typing import Any
+
+from gptopt.config import ServeConfig
+from gptopt.generate import SamplingParams
+from gptopt.serve.engine import Engine, Event
+from gptopt.serve.engine_process import build_engine
+
+
+def rate(engine: Engine, *, clients: int, requests: int, max_tokens: int, prompt_tokens: int,
+         in_thread: bool = False, seed: int = 0) -> dict[str, Any]:
+    """Run the closed loop on a built engine that has not started; what it measured."""
+    if not 1 <= clients <= requests:
+        raise ValueError(f"clients must be in 1..requests ({requests}), got {clients}")
+    gen, rng, lock, finished = engine.generator, random.Random(seed), threading.Lock(), threading.Event()
+    params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
+    state = {"sent": 0, "done": 0, "tokens": 0, "errors": 0}
+    spent = {"prefill": 0.0, "decode": 0.0}
+    rows: list[int] = []
+
+    def timed(name: str, f: Any) -> Any:
+        def call(*args: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*args)
+            finally:
+                spent[name] += time.perf_counter() - t
+                if name == "decode":
+                    rows.append(len(args[0]))
+        return call
+
+    gen.prefill_step, gen.decode_next = timed("prefill", gen.prefill_step), timed("decode", gen.decode_next)
+
+    def send() -> None:
+        prompt = [rng.randrange(gen.vocab_size) for _ in range(prompt_tokens)]
+        engine.submit(prompt, params, sink)
+
+    def sink(ev: Event) -> None:  # on the engine's thread: the next request goes in at once
+        if ev.finish_reason is None:
+            return
+        with lock:
+            state["done"] += 1
+            state["tokens"] += ev.completion_tokens
+            state["errors"] += int(ev.finish_reason not in ("length", "stop"))
+            more = state["sent"] < requests
+            state["sent"] += int(more)
+            if state["done"] == requests:
+                finished.set()
+        if more:
+            send()
+
+    state["sent"] = clients
+    for _ in range(clients):
+        send()
+    t0 = time.perf_counter()
+    if in_thread:
+        engine.start()
+        finished.wait()
+        wall = time.perf_counter() - t0
+        engine.shutdown(5)
+    else:
+        threading.Thread(target=lambda: (finished.wait(), engine.shutdown(5)), daemon=True).start()
+        engine.run()
+        wall = time.perf_counter() - t0  # includes the shutdown's last wake-up: microseconds
+    return {"tokens_per_s": state["tokens"] / wall, "tokens": state["tokens"], "requests": state["done"],
+            "errors": state["errors"], "seconds": wall, "decode_steps": len(rows),
+            "mean_decode_rows": sum(rows) / max(1, len(rows)),
+            "decode_ms": 1e3 * spent["decode"] / max(1, len(rows)),
+            "prefill_s": spent["prefill"], "decode_s": spent["decode"], "thread": "own" if in_thread else "main"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", required=True, help="what `gptopt serve --model` takes")
+    ap.add_argument("--clients", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--max_tokens", type=int, default=32)
+    ap.add_argument("--prompt_tokens", type=int, default=60, help="60: about loadtest's 32 words of text")
+    ap.add_argument("--max_batch_size", type=int, default=None, help="KV-cache slots; default: serve's")
+    ap.add_argument("--compile", action="store_true", help="as `gptopt serve --compile`")
+    ap.add_argument("--thread", action="store_true", help="the engine in a thread of its own (--no-engine_process)")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args(argv)
+    try:
+        cfg = ServeConfig(model=args.model, device=args.device, compile=args.compile,
+                          max_batch_size=args.max_batch_size)
+        engine = build_engine(cfg)
+        result = rate(engine, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
+                      prompt_tokens=args.prompt_tokens, in_thread=args.thread)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"engine_rate.py: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps({**vars(args), **result}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

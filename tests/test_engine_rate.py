@@ -1,0 +1,38 @@
+"""scripts/engine_rate.py: the serving engine's rate without HTTP, from closed-loop clients.
+
+    pytest -q tests/test_engine_rate.py
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "engine_rate.py"
+spec = importlib.util.spec_from_file_location("engine_rate", SCRIPT)
+assert spec is not None and spec.loader is not None
+engine_rate = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(engine_rate)
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_every_request_makes_its_tokens_and_the_clients_share_decode_steps(
+        model_dir: Path, capsys: pytest.CaptureFixture[str], thread: bool) -> None:
+    argv = ["--model", str(model_dir), "--device", "cpu", "--clients", "4", "--requests", "8", "--max_tokens", "6",
+            "--prompt_tokens", "5", "--max_batch_size", "4"] + (["--thread"] if thread else [])
+    assert engine_rate.main(argv) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["requests"], out["tokens"], out["errors"]) == (8, 48, 0)
+    assert out["thread"] == ("own" if thread else "main")
+    # 8 requests of 6 tokens: 5 decode steps each alone, 40 in all; four at a time share them
+    assert out["decode_steps"] <= 20 and out["mean_decode_rows"] > 2
+
+
+def test_bad_arguments_are_refused_with_the_reason(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert engine_rate.main(["--model", str(model_dir), "--device", "cpu", "--clients", "9", "--requests", "8"]) == 2
+    assert "clients must be in 1..requests (8)" in capsys.readouterr().err
+    assert engine_rate.main(["--model", "/nonexistent/model"]) == 2
+    assert "/nonexistent/model: no such directory" in capsys.readouterr().err
