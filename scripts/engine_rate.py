@@ -8,8 +8,8 @@ and thread rule) and runs on this script's main thread, as in the engine process
 thread of its own, as `gptopt serve --no-engine_process` does. Each client sends a prompt of random
 token ids, waits for its last token and sends the next, until --requests are done; greedy, with no stop
 token, so every request makes exactly --max_tokens. What it prints is the ceiling that `gptopt
-loadtest` figures of the same load are read against: tokens/s, decode steps and their rows, and the
-time per prefill and decode forward.
+loadtest` figures of the same load are read against: tokens/s, decode steps and the sequences in each
+(a compiled step computes its whole bucket of rows), and the time per prefill and decode forward.
 """
 
 from __future__ import annotations
@@ -28,14 +28,22 @@ from gptopt.serve.engine import Engine, Event
 from gptopt.serve.engine_process import build_engine
 
 
-def rate(engine: Engine, *, clients: int, requests: int, max_tokens: int, prompt_tokens: int,
-         in_thread: bool = False, seed: int = 0) -> dict[str, Any]:
-    """Run the closed loop on a built engine that has not started; what it measured."""
+def check(clients: int, requests: int) -> None:
     if not 1 <= clients <= requests:
         raise ValueError(f"clients must be in 1..requests ({requests}), got {clients}")
+
+
+def rate(engine: Engine, *, clients: int, requests: int, max_tokens: int, prompt_tokens: int,
+         in_thread: bool = False, seed: int = 0, timeout: float = 600.0) -> dict[str, Any]:
+    """Run the closed loop on a built engine that has not started; what it measured. A run that has not
+    finished within `timeout` seconds is stopped and reported with the requests done ("complete": false)."""
+    check(clients, requests)
+    if clients > engine.capacity:
+        raise ValueError(f"clients must be at most the engine's {engine.capacity} places (max_batch_size + "
+                         f"max_queue), got {clients}")
     gen, rng, lock, finished = engine.generator, random.Random(seed), threading.Lock(), threading.Event()
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
-    state = {"sent": 0, "done": 0, "tokens": 0, "errors": 0}
+    state = {"sent": 0, "done": 0, "tokens": 0, "errors": 0, "end": 0.0}
     spent = {"prefill": 0.0, "decode": 0.0}
     rows: list[int] = []
 
@@ -66,6 +74,7 @@ def rate(engine: Engine, *, clients: int, requests: int, max_tokens: int, prompt
             more = state["sent"] < requests
             state["sent"] += int(more)
             if state["done"] == requests:
+                state["end"] = time.perf_counter()
                 finished.set()
         if more:
             send()
@@ -76,18 +85,17 @@ def rate(engine: Engine, *, clients: int, requests: int, max_tokens: int, prompt
     t0 = time.perf_counter()
     if in_thread:
         engine.start()
-        finished.wait()
-        wall = time.perf_counter() - t0
-        engine.shutdown(5)
+        finished.wait(timeout)
+        engine.shutdown(0)
     else:
-        threading.Thread(target=lambda: (finished.wait(), engine.shutdown(5)), daemon=True).start()
+        threading.Thread(target=lambda: (finished.wait(timeout), engine.shutdown(0)), daemon=True).start()
         engine.run()
-        wall = time.perf_counter() - t0  # includes the shutdown's last wake-up: microseconds
-    return {"tokens_per_s": state["tokens"] / wall, "tokens": state["tokens"], "requests": state["done"],
-            "errors": state["errors"], "seconds": wall, "decode_steps": len(rows),
-            "mean_decode_rows": sum(rows) / max(1, len(rows)),
+    wall = (state["end"] or time.perf_counter()) - t0  # to the last request's end, in either mode
+    return {"tokens_per_s": state["tokens"] / wall, "tokens": state["tokens"], "requests_done": state["done"],
+            "complete": finished.is_set(), "errors": state["errors"], "seconds": wall, "decode_steps": len(rows),
+            "mean_decode_sequences": sum(rows) / max(1, len(rows)),
             "decode_ms": 1e3 * spent["decode"] / max(1, len(rows)),
-            "prefill_s": spent["prefill"], "decode_s": spent["decode"], "thread": "own" if in_thread else "main"}
+            "prefill_s": spent["prefill"], "decode_s": spent["decode"], "engine_thread": "own" if in_thread else "main"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -101,17 +109,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="as `gptopt serve --compile`")
     ap.add_argument("--thread", action="store_true", help="the engine in a thread of its own (--no-engine_process)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--timeout", type=float, default=600.0, help="seconds before an unfinished run is stopped")
     args = ap.parse_args(argv)
     try:
+        check(args.clients, args.requests)  # before the model loads (minutes with --compile)
         cfg = ServeConfig(model=args.model, device=args.device, compile=args.compile,
                           max_batch_size=args.max_batch_size)
         engine = build_engine(cfg)
         result = rate(engine, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
-                      prompt_tokens=args.prompt_tokens, in_thread=args.thread)
+                      prompt_tokens=args.prompt_tokens, in_thread=args.thread, timeout=args.timeout)
     except (ValueError, FileNotFoundError) as e:
         print(f"engine_rate.py: {e}", file=sys.stderr)
         return 2
-    print(json.dumps({**vars(args), **result}, indent=1))
+    print(json.dumps({"args": vars(args), **result}, indent=1))
+    if not result["complete"] or result["errors"]:
+        print(f"engine_rate.py: {result['requests_done']} of {args.requests} requests done, {result['errors']} "
+              "with an error: the figures are not the engine's rate", file=sys.stderr)
+        return 1
     return 0
 
 

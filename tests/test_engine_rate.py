@@ -25,14 +25,17 @@ def test_every_request_makes_its_tokens_and_the_clients_share_decode_steps(
             "--prompt_tokens", "5", "--max_batch_size", "4"] + (["--thread"] if thread else [])
     assert engine_rate.main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert (out["requests"], out["tokens"], out["errors"]) == (8, 48, 0)
-    assert out["thread"] == ("own" if thread else "main")
+    assert (out["requests_done"], out["complete"], out["tokens"], out["errors"]) == (8, True, 48, 0)
+    assert out["engine_thread"] == ("own" if thread else "main")
     # 8 requests of 6 tokens: 5 decode steps each alone, 40 in all; four at a time share them
-    assert out["decode_steps"] <= 20 and out["mean_decode_rows"] > 2
+    assert out["decode_steps"] <= 20 and out["mean_decode_sequences"] > 2
 
 
 def test_bad_arguments_are_refused_with_the_reason(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert engine_rate.main(["--model", str(model_dir), "--device", "cpu", "--clients", "9", "--requests", "8"]) == 2
     assert "clients must be in 1..requests (8)" in capsys.readouterr().err
+    too_many = ["--clients", "100", "--requests", "100", "--max_batch_size", "2"]  # 2 slots + 64 may wait
+    assert engine_rate.main(["--model", str(model_dir), "--device", "cpu", *too_many]) == 2
+    assert "at most the engine's 66 places" in capsys.readouterr().err
     assert engine_rate.main(["--model", "/nonexistent/model"]) == 2
     assert "/nonexistent/model: no such directory" in capsys.readouterr().err

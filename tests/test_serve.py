@@ -1156,25 +1156,45 @@ def test_an_engine_process_serves_what_an_engine_in_the_server_does(model_dir: P
     assert not _alive(pid)
 
 
-def decode_on_the_main_thread_only(engine: Any) -> None:
-    """EngineProcess setup: a decode step off the child's main thread fails its requests."""
-    decode = engine.generator.decode
+def forwards_on_the_main_thread_only(engine: Any) -> None:
+    """EngineProcess setup: a prefill or decode forward off the child's main thread fails its requests."""
+    gen = engine.generator
 
-    def checked(*args: Any) -> torch.Tensor:
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError(f"a decode step on thread {threading.current_thread().name}")
-        return decode(*args)
+    def checked(f: Any) -> Any:
+        def call(*args: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                raise RuntimeError(f"{f.__name__} on thread {threading.current_thread().name}")
+            return f(*args)
+        return call
 
-    engine.generator.decode = checked
+    gen.prefill_step, gen.decode = checked(gen.prefill_step), checked(gen.decode)
+
+
+def engine_exits_on_decode(engine: Any) -> None:
+    """EngineProcess setup: the engine's loop itself ends at the first decode step (not one request's error)."""
+    def leave(*args: Any) -> torch.Tensor:
+        raise SystemExit(3)
+
+    engine.generator.decode = leave
 
 
 def test_an_engine_process_computes_on_its_main_thread(model_dir: Path) -> None:
     """The child's engine runs on the thread that loaded the model: a second thread starting OpenMP
     regions made every CPU kernel wait for its workers to wake (Engine.run)."""
-    with running_apart(model_dir, decode_on_the_main_thread_only) as (url, _):
+    with running_apart(model_dir, forwards_on_the_main_thread_only) as (url, _):
         r = completion(url, max_tokens=4)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] > 1  # a decode step ran
+
+
+def test_an_engine_process_whose_engine_ends_unasked_exits_and_fails_the_probes(model_dir: Path) -> None:
+    """The child's loop ending on its own ends the child, so the server does not look alive with no engine."""
+    with running_apart(model_dir, engine_exits_on_decode) as (url, app):
+        assert completion(url, max_tokens=8).status_code >= 500
+        wait_for(lambda: not _alive(app.state.engine.pid), timeout=15)
+        for probe in ("health", "ready"):
+            response = httpx.get(f"{url}/{probe}")
+            assert (response.status_code, response.json()["status"]) == (503, "failed")
 
 
 def test_an_engine_process_refuses_beyond_capacity_and_frees_a_departed_clients_slot(model_dir: Path) -> None:
@@ -1236,6 +1256,16 @@ def test_a_sigterm_of_the_engine_process_alone_drains_it_and_fails_the_probes(mo
         for probe in ("health", "ready"):
             response = httpx.get(f"{url}/{probe}")
             assert (response.status_code, response.json()["status"]) == (503, "failed")
+
+
+def test_a_sigterm_of_an_idle_engine_process_stops_it(model_dir: Path) -> None:
+    """With nothing to serve the engine waits; a SIGTERM of its process still ends it at once."""
+    with running_apart(model_dir) as (url, app):
+        engine = app.state.engine
+        os.kill(engine.pid, signal.SIGTERM)
+        wait_for(lambda: engine.failed, timeout=15)
+        wait_for(lambda: not _alive(engine.pid), timeout=15)
+        assert_openai_error(completion(url, max_tokens=2), 503)
 
 
 def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(debug_tokenizer: Any) -> None:

@@ -374,6 +374,8 @@ class Engine:
         try:
             self._loop()
         finally:
+            if self._solo_threads is not None:  # torch's count is the thread's own: this one's back as it was
+                torch.set_num_threads(self._all_threads)
             self._done.set()
 
     def begin_drain(self) -> None:
@@ -388,18 +390,17 @@ class Engine:
         Requests still unfinished at the deadline end with finish_reason 'cancelled'."""
         self.begin_drain()
         deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
+        own = self._thread is threading.current_thread()  # from a sink on the loop's thread: no drain to wait for
         with self._cv:
-            while (self._n_running or self._waiting) and self.alive:
+            while (self._n_running or self._waiting) and self.alive and not own:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._cv.wait(min(left, 0.05))
             self._stop = True
             self._cv.notify()
-        if self._started and self._thread is not threading.current_thread():
+        if self._started and not own:
             self._done.wait(timeout=10)
-        if self._solo_threads is not None:  # the process's count as it was: other work is not held to the decode's
-            torch.set_num_threads(self._all_threads)
 
     # -- engine thread ----------------------------------------------------------------------
 
@@ -427,7 +428,9 @@ class Engine:
     def _iterate(self) -> bool:
         with self._cv:
             while not (self._waiting or self._prefilling or self._running or self._stop):
-                self._cv.wait()
+                # Timed: on the engine process's main thread, a signal's Python handler (SIGTERM's drain)
+                # runs only between bytecodes, and a signal taken by another thread does not end this wait.
+                self._cv.wait(0.5)
             if self._stop:
                 return False
             now = time.perf_counter()

@@ -17,13 +17,13 @@ does: tests and notebooks hand over a model in memory).
 The child runs the engine loop on its main thread, the one that loaded the model and warmed it up
 (Engine.run), and reads the parent's commands on another that does no torch work: a second thread
 starting OpenMP regions gives the process a second pool of workers, and then every worker sleeps
-between kernels instead of spinning (on 2 cores the engine-only 16-client rate went from 1,874 to
-3,254 tokens/s; docs/benchmarks.md).
+between kernels instead of spinning (on 2 cores, scripts/engine_rate.py's 16 clients got 3,365.8
+tokens/s on the main thread against 2,418.4 on a thread of its own; docs/benchmarks.md).
 
 The child is started with "spawn": a forked child would inherit the parent's OpenMP and CUDA state,
 which neither survives a fork. It ignores SIGINT (Ctrl-C reaches the whole process group) and drains
 when the parent tells it to, or on a SIGTERM of its own; it exits when the parent's end of the pipe
-closes.
+closes, and when its engine ends unasked (the parent then answers /health with 503 "failed").
 """
 
 from __future__ import annotations
@@ -184,7 +184,18 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
 def _commands(engine: Engine, pipe: _Pipe, commands: Connection, terminated: threading.Event,
               drain_timeout: float) -> None:
     """The parent's commands, carried out until the drain it asked for is over or its end of the pipe
-    closes. No torch work here: the engine's thread is the one that computes."""
+    closes. No torch work here: the engine's thread is the one that computes. If this thread fails, the
+    engine stops too: a child that can no longer hear its parent must not look alive."""
+    try:
+        _carry_out(engine, pipe, commands, terminated, drain_timeout)
+    except BaseException:
+        log.exception("the engine process stopped reading its commands; stopping its engine")
+        engine.shutdown(0)
+        raise
+
+
+def _carry_out(engine: Engine, pipe: _Pipe, commands: Connection, terminated: threading.Event,
+               drain_timeout: float) -> None:
     stopping: threading.Thread | None = None
 
     def stop(timeout: float) -> threading.Thread:
