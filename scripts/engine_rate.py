@@ -1,7 +1,7 @@
 """The serving engine's own rate: closed-loop clients submitting straight to it, no HTTP, no streams.
 
     python scripts/engine_rate.py --model DIR [--clients 16] [--requests 256] [--max_tokens 32]
-        [--prompt_tokens 60] [--max_batch_size 64] [--compile] [--thread]
+        [--prompt_tokens 60] [--max_batch_size 64] [--compile] [--solo_threads N] [--thread]
 
 The engine is built as `gptopt serve` builds it (engine_process.build_engine: the same slots, warm-up
 and thread rule) and runs on this script's main thread, as in the engine process; --thread runs it in a
@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt_tokens", type=int, default=60, help="60: about loadtest's 32 words of text")
     ap.add_argument("--max_batch_size", type=int, default=None, help="KV-cache slots; default: serve's")
     ap.add_argument("--compile", action="store_true", help="as `gptopt serve --compile`")
+    ap.add_argument("--solo_threads", type=int, default=None, help="as `gptopt serve --solo_threads`")
     ap.add_argument("--thread", action="store_true", help="the engine in a thread of its own (--no-engine_process)")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before an unfinished run is stopped")
@@ -114,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check(args.clients, args.requests)  # before the model loads (minutes with --compile)
         cfg = ServeConfig(model=args.model, device=args.device, compile=args.compile,
-                          max_batch_size=args.max_batch_size)
+                          max_batch_size=args.max_batch_size, solo_threads=args.solo_threads)
         engine = build_engine(cfg)
         result = rate(engine, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
                       prompt_tokens=args.prompt_tokens, in_thread=args.thread, timeout=args.timeout)
