@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import json
 import os
 import shlex
@@ -701,6 +702,17 @@ def test_request_timeout_ends_with_504(debug_tokenizer: Any) -> None:
     with running(debug_tokenizer, max_batch_size=1, decode_delay=0.02, request_timeout=0.2) as (url, app):
         assert_openai_error(completion(url, max_tokens=40), 504, "timeout")
         wait_for(lambda: app.state.engine.stats()["running"] == 0, timeout=5)
+
+
+def test_a_serving_process_keeps_its_start_up_heap_out_of_collections_and_gives_it_back(
+        debug_tokenizer: Any) -> None:
+    """While serving, what loading left is frozen (no full collection walks it mid-request); after
+    shutdown the collector has it again, so a process that goes on (tests, notebooks) leaks nothing."""
+    assert gc.get_freeze_count() == 0
+    with running(debug_tokenizer) as (url, _):
+        assert completion(url, max_tokens=2).status_code == 200
+        assert gc.get_freeze_count() > 1000
+    assert gc.get_freeze_count() == 0
 
 
 def test_drain_finishes_in_flight_requests_and_refuses_new_ones(debug_tokenizer: Any) -> None:

@@ -53,7 +53,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa
 
 from gptopt.serve.blocklist import CheckTimeout  # noqa: E402
 from gptopt.serve.chat_api import CHAT_EXAMPLE_BODY, DeltaChoices, message_choice  # noqa: E402
-from gptopt.serve.engine import COMPLETED, Draining, Engine, Event, QueueFull, asyncio_sink  # noqa: E402
+from gptopt.serve.engine import (  # noqa: E402
+    COMPLETED,
+    Draining,
+    Engine,
+    Event,
+    QueueFull,
+    asyncio_sink,
+    settled_heap,
+)
 from gptopt.serve.engine_process import EngineProcess, build_engine  # noqa: E402
 from gptopt.serve.logprobs import ChatChoice, CompletionChoice, Vocab  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
@@ -339,10 +347,11 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine.start()
-        yield
-        await asyncio.to_thread(engine.shutdown, cfg.request_timeout)  # drain: finish in-flight requests
-        api.checks.shutdown(wait=False)
+        with settled_heap():
+            engine.start()
+            yield
+            await asyncio.to_thread(engine.shutdown, cfg.request_timeout)  # drain: finish in-flight requests
+            api.checks.shutdown(wait=False)
 
     app = FastAPI(title="gptopt", version="1", lifespan=lifespan,
                   description="GPT-2-class text generation: the playbook's /generate and OpenAI /v1/completions "

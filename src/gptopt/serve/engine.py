@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import gc
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -54,6 +56,23 @@ COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter")
 # Prompt tokens one prefill forward takes (Engine's prefill_chunk): 16 clients' 32-token prompts in
 # one forward, and a prompt of the whole 1,024-token context in two.
 PREFILL_CHUNK = 512
+
+
+@contextlib.contextmanager
+def settled_heap() -> Iterator[None]:
+    """While serving: what loading and the warm-up left in reference cycles collected first, and every
+    survivor moved out of the collector's sight (gc.freeze), so no full collection walks it mid-request;
+    the collector gets them back on leaving (the process may go on: tests, notebooks).
+
+    A compiled warm-up leaves tens of thousands of cyclic objects behind: the engine process of tiny
+    compiled on 2 cores otherwise met them in its first full collection after about 270 requests, a
+    227 ms pause that every request in flight waited through (docs/benchmarks.md)."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def default_solo_threads() -> int:

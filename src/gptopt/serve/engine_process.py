@@ -62,6 +62,7 @@ from gptopt.serve.engine import (
     Sink,
     default_solo_threads,
     deliver,
+    settled_heap,
 )
 from gptopt.serve.metrics import ServeMetrics
 from gptopt.tokenizer import Tokenizer
@@ -169,16 +170,17 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
     pipe.engine = engine
-    pipe.message(("ready", {"max_batch_size": engine.max_batch_size, "max_len": engine.max_len,
-                            "vocab_size": engine.vocab_size, "tokenizer": engine.tokenizer.to_str()}))
-    reader = threading.Thread(target=_commands, args=(engine, pipe, commands, terminated, cfg.request_timeout),
-                              name="gptopt-engine-commands", daemon=True)
-    reader.start()
-    # The engine runs on this thread, which loaded the model: the process's one OpenMP pool (Engine.run).
-    engine.run()
-    if engine.failed:  # not asked to stop: end now, and the parent sees the pipe close
-        return
-    reader.join()
+    with settled_heap():
+        pipe.message(("ready", {"max_batch_size": engine.max_batch_size, "max_len": engine.max_len,
+                                "vocab_size": engine.vocab_size, "tokenizer": engine.tokenizer.to_str()}))
+        reader = threading.Thread(target=_commands, args=(engine, pipe, commands, terminated, cfg.request_timeout),
+                                  name="gptopt-engine-commands", daemon=True)
+        reader.start()
+        # The engine runs on this thread, which loaded the model: the process's one OpenMP pool (Engine.run).
+        engine.run()
+        if engine.failed:  # not asked to stop: end now, and the parent sees the pipe close
+            return
+        reader.join()
 
 
 def _commands(engine: Engine, pipe: _Pipe, commands: Connection, terminated: threading.Event,
