@@ -8,9 +8,12 @@ faults (out of memory, NaN loss) and the `--json` line commands print last.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -145,6 +148,18 @@ def break_forward(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
         monkeypatch.setattr(GPT, "forward", forward)
 
     return install
+
+
+def load_script(name: str) -> ModuleType:
+    """scripts/NAME.py as a module (the scripts are not a package), registered under NAME: dataclasses
+    resolve their module by name."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def last_json_line(stdout: str) -> Any:

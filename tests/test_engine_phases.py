@@ -5,16 +5,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "engine_phases.py"
-spec = importlib.util.spec_from_file_location("engine_phases", SCRIPT)
-assert spec is not None and spec.loader is not None
-phases = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(phases)
+phases = load_script("engine_phases")
 
 ENGINE = "thread (7): gptopt-engine;Thread.run (threading.py:982);Engine._loop (gptopt/serve/engine.py:268)"
 STACKS = [

@@ -5,17 +5,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_script
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "engine_rate.py"
-spec = importlib.util.spec_from_file_location("engine_rate", SCRIPT)
-assert spec is not None and spec.loader is not None
-engine_rate = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(engine_rate)
+engine_rate = load_script("engine_rate")
 
 
 @pytest.mark.parametrize("thread", [False, True])

@@ -8,7 +8,6 @@ in one command.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -19,9 +18,9 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from conftest import load_script
 
 from gptopt import cli
 
@@ -30,16 +29,7 @@ SCRIPT = ROOT / "scripts" / "gpu_check.py"
 NINE_MINUTES = 540
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-gc = _load()
+gc = load_script("gpu_check")
 
 
 @pytest.fixture(scope="module")

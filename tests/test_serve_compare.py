@@ -6,7 +6,6 @@ against two small fake servers (seconds; no model).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shlex
@@ -15,24 +14,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
+from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "serve_compare.py"
 
 
-def _load() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("serve_compare", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-sc = _load()
+sc = load_script("serve_compare")
 
 # A stand-in for an OpenAI-compatible server: /v1/models, and a streaming /v1/completions of four
 # chunks, a finish chunk and a usage chunk, then [DONE] unless --no-done (transformers serve's way).
