@@ -41,7 +41,8 @@ def rate(engine: Engine, *, clients: int, requests: int, max_tokens: int, prompt
     if clients > engine.capacity:
         raise ValueError(f"clients must be at most the engine's {engine.capacity} places (max_batch_size + "
                          f"max_queue), got {clients}")
-    gen, rng, lock, finished = engine.generator, random.Random(seed), threading.Lock(), threading.Event()
+    gen, rng, lock = engine.generator, random.Random(seed), threading.Lock()
+    finished, stopping = threading.Event(), threading.Event()
     params = SamplingParams(max_new_tokens=max_tokens, temperature=0.0)
     state = {"sent": 0, "done": 0, "tokens": 0, "errors": 0, "end": 0.0}
     spent = {"prefill": 0.0, "decode": 0.0}
@@ -71,7 +72,7 @@ def rate(engine: Engine, *, clients: int, requests: int, max_tokens: int, prompt
             state["done"] += 1
             state["tokens"] += ev.completion_tokens
             state["errors"] += int(ev.finish_reason not in ("length", "stop"))
-            more = state["sent"] < requests
+            more = state["sent"] < requests and not stopping.is_set()  # past the deadline: nothing new
             state["sent"] += int(more)
             if state["done"] == requests:
                 state["end"] = time.perf_counter()
@@ -82,13 +83,18 @@ def rate(engine: Engine, *, clients: int, requests: int, max_tokens: int, prompt
     state["sent"] = clients
     for _ in range(clients):
         send()
+    def stop() -> None:
+        finished.wait(timeout)
+        with lock:  # a sink that sees this sends no more: a drain refuses them
+            stopping.set()
+        engine.shutdown(0)
+
     t0 = time.perf_counter()
     if in_thread:
         engine.start()
-        finished.wait(timeout)
-        engine.shutdown(0)
+        stop()
     else:
-        threading.Thread(target=lambda: (finished.wait(timeout), engine.shutdown(0)), daemon=True).start()
+        threading.Thread(target=stop, daemon=True).start()
         engine.run()
     wall = (state["end"] or time.perf_counter()) - t0  # to the last request's end, in either mode
     return {"tokens_per_s": state["tokens"] / wall, "tokens": state["tokens"], "requests_done": state["done"],

@@ -27,6 +27,17 @@ def test_every_request_makes_its_tokens_and_the_clients_share_decode_steps(
     assert out["decode_steps"] <= 20 and out["mean_decode_sequences"] > 2
 
 
+def test_a_run_past_its_deadline_stops_and_says_it_is_incomplete(
+        model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--model", str(model_dir), "--device", "cpu", "--clients", "2", "--requests", "100000",
+            "--max_tokens", "6", "--prompt_tokens", "5", "--max_batch_size", "2", "--timeout", "0.5"]
+    assert engine_rate.main(argv) == 1
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["complete"] is False and 0 < out["requests_done"] < 100000
+    assert "requests done" in captured.err and "not the engine's rate" in captured.err
+
+
 def test_bad_arguments_are_refused_with_the_reason(model_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert engine_rate.main(["--model", str(model_dir), "--device", "cpu", "--clients", "9", "--requests", "8"]) == 2
     assert "clients must be in 1..requests (8)" in capsys.readouterr().err

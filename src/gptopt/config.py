@@ -651,8 +651,8 @@ class ServeConfig:
                                    "default: every core but one, left to the HTTP server and tokenizer (prefill "
                                    "and batches of requests use every core)", ge=1, le=MAX_THREADS)
     engine_process: bool = opt(True, "run the model in a process of its own, apart from the HTTP server, so the "
-                               "two never wait for each other's Python (on 2 CPU cores: 1.17x the tokens/s of one "
-                               "client, 1.12x of 16)")
+                               "two never wait for each other's Python (on 2 CPU cores: 1.12x the tokens/s of 16 "
+                               "clients, 1.17x of one; docs/benchmarks.md)")
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)", verbatim=True)
     cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
     blocklist: str | None = opt(None, "file of rules, one a line, refused in prompts and cut from output: a plain term "

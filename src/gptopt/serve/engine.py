@@ -58,21 +58,33 @@ COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter")
 PREFILL_CHUNK = 512
 
 
+_heap_lock = threading.Lock()
+_heap_users = 0  # settled_heap()s open in this process: the collector gets the heap back when the last leaves
+
+
 @contextlib.contextmanager
-def settled_heap() -> Iterator[None]:
+def settled_heap(*, give_back: bool = True) -> Iterator[None]:
     """While serving: what loading and the warm-up left in reference cycles collected first, and every
-    survivor moved out of the collector's sight (gc.freeze), so no full collection walks it mid-request;
-    the collector gets them back on leaving (the process may go on: tests, notebooks).
+    survivor moved out of the collector's sight (gc.freeze), so no full collection walks it mid-request.
+    On leaving, the last of this process's servers (tests and notebooks run several) hands the heap back
+    to the collector; give_back=False keeps it frozen, for a process about to exit (unfrozen, its exit
+    would pay one more full collection of the whole heap: about 200 ms for tiny).
 
     A compiled warm-up leaves tens of thousands of cyclic objects behind: the engine process of tiny
-    compiled on 2 cores otherwise met them in its first full collection after about 270 requests, a
-    227 ms pause that every request in flight waited through (docs/benchmarks.md)."""
-    gc.collect()
-    gc.freeze()
+    compiled on 2 cores otherwise met them in its first full collection, a 227 ms pause that every
+    request in flight waited through (docs/benchmarks.md)."""
+    global _heap_users
+    with _heap_lock:
+        gc.collect()
+        gc.freeze()
+        _heap_users += 1
     try:
         yield
     finally:
-        gc.unfreeze()
+        with _heap_lock:
+            _heap_users -= 1
+            if give_back and _heap_users == 0:
+                gc.unfreeze()
 
 
 def default_solo_threads() -> int:
@@ -393,7 +405,7 @@ class Engine:
         try:
             self._loop()
         finally:
-            if self._solo_threads is not None:  # torch's count is the thread's own: this one's back as it was
+            if self._solo_threads is not None:  # whatever this thread runs next gets every core again
                 torch.set_num_threads(self._all_threads)
             self._done.set()
 
@@ -404,9 +416,10 @@ class Engine:
             self._cv.notify()
 
     def shutdown(self, timeout: float | None = None) -> None:
-        """Drain (finish in-flight requests, up to `timeout` s), then stop the thread.
+        """Drain (finish in-flight requests, up to `timeout` s), then stop the loop.
 
-        Requests still unfinished at the deadline end with finish_reason 'cancelled'."""
+        Requests still unfinished at the deadline end with finish_reason 'cancelled'; called from the
+        loop's own thread (a sink), there is no waiting: the requests in flight end so at once."""
         self.begin_drain()
         deadline = time.monotonic() + (self.request_timeout if timeout is None else timeout)
         own = self._thread is threading.current_thread()  # from a sink on the loop's thread: no drain to wait for
@@ -447,8 +460,8 @@ class Engine:
     def _iterate(self) -> bool:
         with self._cv:
             while not (self._waiting or self._prefilling or self._running or self._stop):
-                # Timed: on the engine process's main thread, a signal's Python handler (SIGTERM's drain)
-                # runs only between bytecodes, and a signal taken by another thread does not end this wait.
+                # Timed: a signal's Python handler (the engine process's SIGTERM drain) runs on the main
+                # thread, and one the kernel hands to another thread does not interrupt this wait.
                 self._cv.wait(0.5)
             if self._stop:
                 return False

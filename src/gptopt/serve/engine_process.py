@@ -170,16 +170,14 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
     terminated = threading.Event()
     signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
     pipe.engine = engine
-    with settled_heap():
+    with settled_heap(give_back=False):
         pipe.message(("ready", {"max_batch_size": engine.max_batch_size, "max_len": engine.max_len,
                                 "vocab_size": engine.vocab_size, "tokenizer": engine.tokenizer.to_str()}))
         reader = threading.Thread(target=_commands, args=(engine, pipe, commands, terminated, cfg.request_timeout),
                                   name="gptopt-engine-commands", daemon=True)
         reader.start()
         # The engine runs on this thread, which loaded the model: the process's one OpenMP pool (Engine.run).
-        engine.run()
-        if engine.failed:  # not asked to stop: end now, and the parent sees the pipe close
-            return
+        engine.run()  # returns once stopped; an engine that ends unasked raises, and the child exits
         reader.join()
 
 
