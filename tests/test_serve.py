@@ -1208,17 +1208,6 @@ def commands_fail(engine: Any) -> None:
     engine.submit = fail
 
 
-def test_an_engine_process_whose_command_reader_fails_exits_and_fails_the_probes(model_dir: Path) -> None:
-    """A child that can no longer hear its parent stops its engine and exits: the request gets a 5xx, the
-    probes say a restart is due, and nothing hangs."""
-    with running_apart(model_dir, commands_fail) as (url, app):
-        assert completion(url, max_tokens=4).status_code >= 500
-        wait_for(lambda: not _alive(app.state.engine.pid) and app.state.engine.failed, timeout=15)
-        for probe in ("health", "ready"):
-            response = httpx.get(f"{url}/{probe}")
-            assert (response.status_code, response.json()["status"]) == (503, "failed")
-
-
 def test_an_engine_process_computes_on_its_main_thread(model_dir: Path) -> None:
     """The child's engine runs on the thread that loaded the model: a second thread starting OpenMP
     regions made every CPU kernel wait for its workers to wake (Engine.run)."""
@@ -1228,9 +1217,13 @@ def test_an_engine_process_computes_on_its_main_thread(model_dir: Path) -> None:
         assert r.json()["usage"]["completion_tokens"] > 1  # a decode step ran
 
 
-def test_an_engine_process_whose_engine_ends_unasked_exits_and_fails_the_probes(model_dir: Path) -> None:
-    """The child's loop ending on its own ends the child, so the server does not look alive with no engine."""
-    with running_apart(model_dir, engine_exits_on_decode) as (url, app):
+@pytest.mark.parametrize("setup", [engine_exits_on_decode, commands_fail], ids=["engine", "command-reader"])
+def test_an_engine_process_whose_engine_or_command_reader_ends_exits_and_fails_the_probes(
+        model_dir: Path, setup: Any) -> None:
+    """The child's loop ending on its own, or its command reader failing (it can no longer hear its
+    parent), ends the child: the request gets a 5xx, the probes say a restart is due, nothing hangs, and
+    the server does not look alive with no engine."""
+    with running_apart(model_dir, setup) as (url, app):
         assert completion(url, max_tokens=8).status_code >= 500
         wait_for(lambda: not _alive(app.state.engine.pid) and app.state.engine.failed, timeout=15)
         for probe in ("health", "ready"):
