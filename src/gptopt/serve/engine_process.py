@@ -186,16 +186,6 @@ def _commands(engine: Engine, pipe: _Pipe, commands: Connection, terminated: thr
     """The parent's commands, carried out until the drain it asked for is over or its end of the pipe
     closes. No torch work here: the engine's thread is the one that computes. If this thread fails, the
     engine stops too: a child that can no longer hear its parent must not look alive."""
-    try:
-        _carry_out(engine, pipe, commands, terminated, drain_timeout)
-    except BaseException:
-        log.exception("the engine process stopped reading its commands; stopping its engine")
-        engine.shutdown(0)
-        raise
-
-
-def _carry_out(engine: Engine, pipe: _Pipe, commands: Connection, terminated: threading.Event,
-               drain_timeout: float) -> None:
     stopping: threading.Thread | None = None
 
     def stop(timeout: float) -> threading.Thread:
@@ -204,28 +194,33 @@ def _carry_out(engine: Engine, pipe: _Pipe, commands: Connection, terminated: th
         thread.start()
         return thread
 
-    while stopping is None or stopping.is_alive():
-        if terminated.is_set() and stopping is None:
-            stopping = stop(drain_timeout)
-        try:
-            if not commands.poll(0.1):
-                continue
-            msg = commands.recv()
-        except (EOFError, OSError):  # the parent is gone: end without waiting for anyone
-            engine.shutdown(0)
-            return
-        try:
-            kind = msg[0]
-            if kind == "submit":
-                pipe.submit(*msg[1:])
-            elif kind == "cancel":
-                pipe.cancel(msg[1])
-            elif kind == "metrics":
-                pipe.message(("metrics", msg[1], engine.render_metrics()))
-            elif kind == "shutdown" and stopping is None:
-                stopping = stop(msg[1])
-        except Exception:  # one bad command must not take the engine down
-            log.exception("the engine process could not carry out %r", msg[0])
+    try:
+        while stopping is None or stopping.is_alive():
+            if terminated.is_set() and stopping is None:
+                stopping = stop(drain_timeout)
+            try:
+                if not commands.poll(0.1):
+                    continue
+                msg = commands.recv()
+            except (EOFError, OSError):  # the parent is gone: end without waiting for anyone
+                engine.shutdown(0)
+                return
+            try:
+                kind = msg[0]
+                if kind == "submit":
+                    pipe.submit(*msg[1:])
+                elif kind == "cancel":
+                    pipe.cancel(msg[1])
+                elif kind == "metrics":
+                    pipe.message(("metrics", msg[1], engine.render_metrics()))
+                elif kind == "shutdown" and stopping is None:
+                    stopping = stop(msg[1])
+            except Exception:  # one bad command must not take the engine down
+                log.exception("the engine process could not carry out %r", msg[0])
+    except BaseException:
+        log.exception("the engine process stopped reading its commands; stopping its engine")
+        engine.shutdown(0)
+        raise
 
 
 def _orphan_watch(parent: int) -> None:
