@@ -48,6 +48,7 @@ RANDOM_WEIGHTS = "random weights and the stdlib corpus (no network): speed figur
 NEEDED = {"fastapi": "fastapi starlette pydantic pydantic-core annotated-types typing-inspection",
           "uvicorn": "uvicorn", "torchao": "torchao", "prometheus_client": "prometheus-client",
           "regex": "regex", "httpx": "httpx", "transformers": "transformers", "pynvml": "nvidia-ml-py",
+          "aiohttp": "aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna",
           "psutil": "psutil", "tqdm": "tqdm", "pytest": "pytest"}
 
 

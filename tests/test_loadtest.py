@@ -12,7 +12,7 @@ import pytest
 import torch
 
 pytest.importorskip("fastapi")
-pytest.importorskip("httpx")
+pytest.importorskip("aiohttp")
 
 from conftest import last_json_line
 

@@ -77,15 +77,15 @@ def metric_values(text: str, names: tuple[str, ...] = MEMORY_METRICS) -> dict[st
     return out
 
 
-async def server_memory(client: Any) -> dict[str, float]:
+async def server_memory(client: Any, url: str) -> dict[str, float]:
     """The server's memory figures (MEMORY_METRICS) from its /metrics; empty if it says none."""
-    import httpx
+    import aiohttp
 
     try:
-        r = await client.get("/metrics", timeout=10.0)
-    except (httpx.HTTPError, OSError):
+        async with client.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=10.0)) as r:
+            return metric_values(await r.text()) if r.status == 200 else {}
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
         return {}
-    return metric_values(r.text) if r.status_code == 200 else {}
 
 
 @dataclass
@@ -110,18 +110,17 @@ def make_prompt(rng: random.Random, n_words: int) -> str:
 
 async def one_request(client: Any, cfg: LoadtestConfig, prompt: str) -> Sample:
     """Send one streaming request; never raises: failures come back as the Sample's status."""
-    import httpx
+    import aiohttp
 
     t0 = time.perf_counter()
     try:
         s = await asyncio.wait_for(_stream(client, cfg, prompt, t0), cfg.timeout)  # the whole request, not per read
-    except asyncio.TimeoutError:  # builtin TimeoutError only from 3.11 on
+    except asyncio.TimeoutError:  # builtin TimeoutError only from 3.11 on; aiohttp's timeouts are one too
         s = Sample(status="timeout")
-    except httpx.TimeoutException:
-        s = Sample(status="timeout")
-    except (httpx.HTTPError, OSError):
+    except (aiohttp.ClientError, OSError):
         s = Sample(status="connect")
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError):  # a chunk not of the completions shape
+    # a chunk not of the completions shape, or not text, or a line longer than the read buffer
+    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError, ValueError):
         s = Sample(status="stream")
     s.e2e = time.perf_counter() - t0
     return s
@@ -135,11 +134,12 @@ async def _stream(client: Any, cfg: LoadtestConfig, prompt: str, t0: float) -> S
     s, chunks, last = Sample(), 0, t0
     seen: set[int] = set()  # the choices the stream has spoken of, and those it has finished
     finished: set[int] = set()
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            return Sample(status=str(r.status_code))
-        async for line in r.aiter_lines():
+    async with client.post(f"{cfg.url.rstrip('/')}/v1/completions", json=body, allow_redirects=False) as r:
+        if r.status != 200:
+            await r.read()
+            return Sample(status=str(r.status))
+        async for raw in r.content:  # one line a step, its end of line included
+            line = raw.decode().rstrip("\r\n")
             if not line.startswith("data:"):
                 continue
             data = line[5:].removeprefix(" ")  # SSE: the space after the colon is optional
@@ -216,20 +216,25 @@ def summarize(samples: list[Sample], wall: float, cfg: LoadtestConfig,
 
 async def run(cfg: LoadtestConfig) -> dict[str, Any]:
     """Send cfg.requests requests and summarise them."""
-    import httpx
+    import aiohttp
 
     rng = random.Random(cfg.seed)
     prompts = [make_prompt(rng, cfg.prompt_tokens) for _ in range(cfg.requests)]
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     in_flight = cfg.concurrency if cfg.rate is None else min(cfg.requests, 1000)
+    url = cfg.url.rstrip("/")
     # One connection more than requests in flight: the memory sampler's own. Sharing theirs, a scrape
     # waited for a stream to end, and the next request (its TTFT clock running) for the scrape: a cost
     # only servers with /metrics paid.
-    limits = httpx.Limits(max_connections=in_flight + 1, max_keepalive_connections=in_flight + 1)
+    connector = aiohttp.TCPConnector(limit=in_flight + 1)
+    # aiohttp, not httpx: the clients share the machine with the server they measure, and httpx took
+    # 2-2.5x the CPU per streamed token (docs/benchmarks.md). read_bufsize: a stream's line (a chunk
+    # with log-probabilities) may be long.
+    session = aiohttp.ClientSession(headers=headers, connector=connector, read_bufsize=2**20,
+                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.timeout))
     samples: list[Sample] = []
     bar = tqdm(total=cfg.requests, desc="requests", unit="req", file=sys.stderr, leave=False)
-    async with httpx.AsyncClient(base_url=cfg.url, headers=headers, limits=limits, follow_redirects=False,
-                                 timeout=httpx.Timeout(cfg.timeout)) as client:
+    async with session as client:
 
         async def send(prompt: str) -> None:
             samples.append(await one_request(client, cfg, prompt))
@@ -238,7 +243,7 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
         memory = {name: MemoryTrace() for name in MEMORY_METRICS}
 
         async def sample_memory(done: int) -> bool:
-            figures = await server_memory(client)
+            figures = await server_memory(client, url)
             for name, value in figures.items():
                 memory[name].samples.append((done, value))
             return bool(figures)
@@ -291,7 +296,7 @@ def main(cfg: LoadtestConfig) -> int:
     """`gptopt loadtest`: 0 when every request succeeded, 1 otherwise (the summary says which failed)."""
     from gptopt.extras import require
 
-    require("httpx", "serve", "gptopt loadtest")
+    require("aiohttp", "serve", "gptopt loadtest")
     summary = asyncio.run(run(cfg))
     print(f"{cfg.url}: {summary['completed']}/{summary['requests']} requests in {summary['duration_s']:.2f} s "
           f"({summary['mode']})")
