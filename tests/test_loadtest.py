@@ -264,3 +264,39 @@ def test_data_lines_without_the_optional_space_are_read(capsys: pytest.CaptureFi
         assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=1, json=True)) == 0
     summary = last_json_line(capsys.readouterr().out)
     assert summary["errors"] == {} and summary["output_tokens"] == 4  # no usage: one token per text chunk
+
+
+def test_long_and_crlf_lines_are_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """A chunk far longer than a client's usual line buffer (logprobs of many tokens make one), and lines
+    ended by CRLF (SSE allows it), are read as chunks, not counted as broken streams."""
+    frames = [_chunk(text="x" * 300_000), _chunk(text="b", finish_reason="stop"), "[DONE]"]
+    with serve_in_thread(_sse_server(frames, prefix="data: ")) as server:
+        assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=1, json=True)) == 0
+    assert last_json_line(capsys.readouterr().out)["output_tokens"] == 4
+    crlf = _sse_server([f"{_chunk(text='a')}\r\n\r\ndata: {_chunk(text='b', finish_reason='stop')}\r\n\r\ndata: [DONE]\r"])
+    with serve_in_thread(crlf) as server:
+        assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=1, json=True)) == 0
+    summary = last_json_line(capsys.readouterr().out)
+    assert summary["errors"] == {} and summary["output_tokens"] == 4
+
+
+def test_a_request_that_outlasts_the_timeout_is_a_timeout(capsys: pytest.CaptureFixture[str]) -> None:
+    """--timeout bounds a whole request, a stream that goes quiet included: it ends as 'timeout' then."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    fake = FastAPI()
+
+    @fake.post("/v1/completions")
+    async def complete() -> StreamingResponse:
+        async def body() -> Any:
+            yield f"data: {_chunk(text='a')}\n\n".encode()
+            await asyncio.sleep(30)  # never finishes within the client's timeout
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    with serve_in_thread(fake) as server:
+        cfg = LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=2, timeout=0.5, json=True)
+        assert main(cfg) == 1
+    assert last_json_line(capsys.readouterr().out)["errors"] == {"timeout": 2}
