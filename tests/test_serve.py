@@ -1009,6 +1009,34 @@ def test_a_port_in_use_or_a_foreign_host_is_refused_before_serving(capsys: pytes
     assert "--host 192.0.2.1 is not an address of this machine" in err
 
 
+def test_the_served_connections_send_each_chunk_at_once() -> None:
+    """The socket `gptopt serve` listens on gives its connections TCP_NODELAY, as uvicorn's own would: with
+    Nagle's algorithm a streamed token waited for the client's delayed ACK, up to 40 ms."""
+    import asyncio
+    import socket
+
+    from gptopt.serve.app import bind
+
+    async def nodelay() -> int:
+        accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+
+        class Probe(asyncio.Protocol):
+            def connection_made(self, transport: Any) -> None:
+                sock = transport.get_extra_info("socket")
+                accepted.set_result(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+                transport.close()
+
+        server = await asyncio.get_running_loop().create_server(Probe, sock=bind("127.0.0.1", 0))
+        async with server:
+            _, writer = await asyncio.open_connection("127.0.0.1", server.sockets[0].getsockname()[1])
+            try:
+                return await asyncio.wait_for(accepted, 10)
+            finally:
+                writer.close()
+
+    assert asyncio.run(nodelay()) != 0
+
+
 def _children(pid: int) -> list[int]:
     """The processes whose parent is `pid` (Linux)."""
     out = []

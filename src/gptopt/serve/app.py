@@ -919,7 +919,10 @@ def bind(host: str, port: int) -> socket.socket:
     """The listening address, bound now as uvicorn would bind it, so that a port in use or a host that is
     not this machine's fails with one line before the model loads (uvicorn itself logs and exits 1)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP,
+    # and without it each small streamed chunk waited for the client's delayed ACK (a first token 40 ms
+    # late on a reused connection; docs/benchmarks.md).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
