@@ -12,13 +12,14 @@
 # gptopt's core needs torch, numpy, safetensors, tokenizers, tqdm and psutil; the steps also use
 # transformers, nvidia-ml-py, pytest and the serve and quant extras. A package the image lacks
 # (results.json's "missing" names them; a bare CUDA image often lacks fastapi, starlette, pydantic,
-# pydantic-core, annotated-types, typing-inspection, uvicorn and torchao, and fastapi 0.165's
-# opentelemetry-api and annotated-doc) travels as wheels fetched
+# pydantic-core, annotated-types, typing-inspection, uvicorn and torchao, fastapi 0.165's
+# opentelemetry-api and annotated-doc, and loadtest's aiohttp with its own) travels as wheels fetched
 # on a machine with network, for the GPU machine's Python and a torchao built for its torch (0.18 goes
 # with torch 2.11; the wheels' own --platform tags may need adding, e.g. manylinux_2_17_x86_64):
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     -d .whl fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn torchao==0.18.0 \
-#     opentelemetry-api annotated-doc importlib-metadata zipp
+#     opentelemetry-api annotated-doc importlib-metadata zipp \
+#     aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna
 # and the install step installs them with gptopt when GPTOPT_WHEELS names their folder (default: .whl).
 #
 # Each step runs with its own time limit and the run never stops early: a failing step keeps its
