@@ -269,15 +269,46 @@ def test_data_lines_without_the_optional_space_are_read(capsys: pytest.CaptureFi
 def test_long_and_crlf_lines_are_read(capsys: pytest.CaptureFixture[str]) -> None:
     """A chunk far longer than a client's usual line buffer (logprobs of many tokens make one), and lines
     ended by CRLF (SSE allows it), are read as chunks, not counted as broken streams."""
-    frames = [_chunk(text="x" * 300_000), _chunk(text="b", finish_reason="stop"), "[DONE]"]
-    with serve_in_thread(_sse_server(frames, prefix="data: ")) as server:
+    frames = [_chunk(text="x" * 1_500_000), _chunk(text="b", finish_reason="stop"), "[DONE]"]
+    with serve_in_thread(_sse_server(frames)) as server:
         assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=1, json=True)) == 0
-    assert last_json_line(capsys.readouterr().out)["output_tokens"] == 4
+    summary = last_json_line(capsys.readouterr().out)
+    assert summary["errors"] == {} and summary["output_tokens"] == 4
     crlf = _sse_server([f"{_chunk(text='a')}\r\n\r\ndata: {_chunk(text='b', finish_reason='stop')}\r\n\r\ndata: [DONE]\r"])
     with serve_in_thread(crlf) as server:
         assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=1, json=True)) == 0
     summary = last_json_line(capsys.readouterr().out)
     assert summary["errors"] == {} and summary["output_tokens"] == 4
+
+
+def test_a_line_beyond_the_read_buffer_is_a_stream_error_not_a_crash(capsys: pytest.CaptureFixture[str]) -> None:
+    frames = [_chunk(text="x" * 3_000_000), _chunk(text="b", finish_reason="stop"), "[DONE]"]
+    with serve_in_thread(_sse_server(frames)) as server:
+        assert main(LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=1, json=True)) == 1
+    assert last_json_line(capsys.readouterr().out)["errors"] == {"stream": 2}
+
+
+def test_the_api_key_is_sent_and_a_trailing_slash_is_harmless(capsys: pytest.CaptureFixture[str]) -> None:
+    from fastapi import FastAPI, Header, HTTPException
+    from fastapi.responses import StreamingResponse
+
+    fake = FastAPI()
+
+    @fake.post("/v1/completions")
+    async def complete(authorization: str = Header("")) -> StreamingResponse:
+        if authorization != "Bearer sk-test":
+            raise HTTPException(401)
+
+        async def body() -> Any:
+            yield f"data: {_chunk(text='a', finish_reason='stop')}\n\ndata: [DONE]\n\n".encode()
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    with serve_in_thread(fake) as server:
+        url = f"http://127.0.0.1:{server.port}/"
+        assert main(LoadtestConfig(url=url, requests=2, concurrency=1, api_key="sk-test", json=True)) == 0
+        assert last_json_line(capsys.readouterr().out)["errors"] == {}
+        assert main(LoadtestConfig(url=url, requests=2, concurrency=1, json=True)) == 1
+        assert last_json_line(capsys.readouterr().out)["errors"] == {"401": 2}
 
 
 def test_a_request_that_outlasts_the_timeout_is_a_timeout(capsys: pytest.CaptureFixture[str]) -> None:

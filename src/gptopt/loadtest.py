@@ -77,12 +77,12 @@ def metric_values(text: str, names: tuple[str, ...] = MEMORY_METRICS) -> dict[st
     return out
 
 
-async def server_memory(client: Any, url: str) -> dict[str, float]:
-    """The server's memory figures (MEMORY_METRICS) from its /metrics; empty if it says none."""
+async def server_memory(client: Any, base: str) -> dict[str, float]:
+    """The server's memory figures (MEMORY_METRICS) from `base`/metrics; empty if it says none."""
     import aiohttp
 
     try:
-        async with client.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(total=10.0)) as r:
+        async with client.get(f"{base}/metrics", timeout=aiohttp.ClientTimeout(total=10.0)) as r:
             return metric_values(await r.text()) if r.status == 200 else {}
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
         return {}
@@ -108,25 +108,28 @@ def make_prompt(rng: random.Random, n_words: int) -> str:
     return " ".join(TEXT[(start + i) % len(TEXT)] for i in range(n_words))
 
 
-async def one_request(client: Any, cfg: LoadtestConfig, prompt: str) -> Sample:
-    """Send one streaming request; never raises: failures come back as the Sample's status."""
+async def one_request(client: Any, cfg: LoadtestConfig, prompt: str, url: str) -> Sample:
+    """Send one streaming request to `url`, the server's /v1/completions; never raises: failures come back
+    as the Sample's status."""
     import aiohttp
+    from aiohttp.http_exceptions import HttpProcessingError
 
     t0 = time.perf_counter()
     try:
-        s = await asyncio.wait_for(_stream(client, cfg, prompt, t0), cfg.timeout)  # the whole request, not per read
+        s = await asyncio.wait_for(_stream(client, cfg, prompt, url, t0), cfg.timeout)  # the whole request
     except asyncio.TimeoutError:  # builtin TimeoutError only from 3.11 on; aiohttp's timeouts are one too
         s = Sample(status="timeout")
     except (aiohttp.ClientError, OSError):
         s = Sample(status="connect")
-    # a chunk not of the completions shape, or not text, or a line longer than the read buffer
-    except (json.JSONDecodeError, KeyError, TypeError, AttributeError, UnicodeDecodeError, ValueError):
+    # A chunk not of the completions shape, or not UTF-8 (ValueErrors), or a line longer than the read
+    # buffer allows: aiohttp's LineTooLong (an HttpProcessingError), a ValueError before aiohttp 3.10.
+    except (KeyError, TypeError, AttributeError, ValueError, HttpProcessingError):
         s = Sample(status="stream")
     s.e2e = time.perf_counter() - t0
     return s
 
 
-async def _stream(client: Any, cfg: LoadtestConfig, prompt: str, t0: float) -> Sample:
+async def _stream(client: Any, cfg: LoadtestConfig, prompt: str, url: str, t0: float) -> Sample:
     body: dict[str, Any] = {"prompt": prompt, "max_tokens": cfg.max_tokens, "temperature": cfg.temperature,
                             "stream": True, "stream_options": {"include_usage": True}}
     if cfg.model:
@@ -134,7 +137,7 @@ async def _stream(client: Any, cfg: LoadtestConfig, prompt: str, t0: float) -> S
     s, chunks, last = Sample(), 0, t0
     seen: set[int] = set()  # the choices the stream has spoken of, and those it has finished
     finished: set[int] = set()
-    async with client.post(f"{cfg.url.rstrip('/')}/v1/completions", json=body, allow_redirects=False) as r:
+    async with client.post(url, json=body, allow_redirects=False) as r:
         if r.status != 200:
             await r.read()
             return Sample(status=str(r.status))
@@ -222,28 +225,29 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
     prompts = [make_prompt(rng, cfg.prompt_tokens) for _ in range(cfg.requests)]
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     in_flight = cfg.concurrency if cfg.rate is None else min(cfg.requests, 1000)
-    url = cfg.url.rstrip("/")
+    base = cfg.url.rstrip("/")
     # One connection more than requests in flight: the memory sampler's own. Sharing theirs, a scrape
     # waited for a stream to end, and the next request (its TTFT clock running) for the scrape: a cost
     # only servers with /metrics paid.
     connector = aiohttp.TCPConnector(limit=in_flight + 1)
     # aiohttp, not httpx: the clients share the machine with the server they measure, and httpx took
-    # 2-2.5x the CPU per streamed token (docs/benchmarks.md). read_bufsize: a stream's line (a chunk
-    # with log-probabilities) may be long.
+    # about twice the CPU per streamed token (docs/benchmarks.md). read_bufsize: a stream's line (a
+    # chunk with log-probabilities) may be long; lines up to twice it are read. total=None: wait_for in
+    # one_request bounds each whole request, and aiohttp's own 300 s would cut a longer --timeout short.
     session = aiohttp.ClientSession(headers=headers, connector=connector, read_bufsize=2**20,
-                                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.timeout))
+                                    timeout=aiohttp.ClientTimeout(total=None))
     samples: list[Sample] = []
     bar = tqdm(total=cfg.requests, desc="requests", unit="req", file=sys.stderr, leave=False)
     async with session as client:
 
         async def send(prompt: str) -> None:
-            samples.append(await one_request(client, cfg, prompt))
+            samples.append(await one_request(client, cfg, prompt, f"{base}/v1/completions"))
             bar.update()
 
         memory = {name: MemoryTrace() for name in MEMORY_METRICS}
 
         async def sample_memory(done: int) -> bool:
-            figures = await server_memory(client, url)
+            figures = await server_memory(client, base)
             for name, value in figures.items():
                 memory[name].samples.append((done, value))
             return bool(figures)
