@@ -19,7 +19,7 @@ from gptopt.device import resolve
 from gptopt.generate import Generator, SamplingParams, generate
 from gptopt.inference import compile_decode
 from gptopt.model import GPT
-from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
+from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout, packed_products
 
 
 def _pair(vocab: int = 512) -> tuple[GPT, GPT]:
@@ -117,17 +117,33 @@ def test_gemv_linears_multiply_and_sum_small_compiled_batches_only() -> None:
             torch.testing.assert_close(out, ref(many))
 
 
-def test_a_compiled_cpu_decode_of_more_rows_gets_the_gemm_layout_back() -> None:
-    # bench --mode infer sweeps one model through batch 1, 2, 4...: batch 1's multiply-and-sum made
-    # the weights row-major, and on them batch 2's compiled GEMMs ran 0.77x the eager decode.
+def test_a_compiled_cpu_decode_keeps_row_major_weights_where_several_rows_use_the_packed_copy() -> None:
+    # fp32 with oneDNN: products of several rows multiply the packed copy, so the weights stay
+    # row-major for every bucket, and a many-slot Generator's 1-row bucket is the multiply-and-sum.
     _, model = _pair()
     inference_layout(model, "cpu")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert packed_products(model) == torch.backends.mkldnn.is_available()
+    compile_decode(model, model, [], torch.device("cpu"), rows=8)  # torch.compile is lazy: nothing compiles here
+    if packed_products(model):
+        assert all(m.weight.is_contiguous() and m._gemv for m in linears)
+
+
+def test_a_compiled_cpu_decode_without_packed_copies_gets_the_gemm_layout_back() -> None:
+    # bench --mode infer sweeps one model through batch 1, 2, 4...: batch 1's multiply-and-sum made
+    # the weights row-major, and on them batch 2's compiled GEMMs ran 0.77x the eager decode. bf16
+    # weights have no packed copy: their GEMMs read the weights themselves.
+    _, model = _pair()
+    model.to(torch.bfloat16)
+    inference_layout(model, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert not packed_products(model)
     cpu = torch.device("cpu")
-    compile_decode(model, model, [], cpu, rows=GEMV_MAX_ROWS)  # torch.compile is lazy: nothing compiles here
-    assert all(m.weight.is_contiguous() for m in linears)
+    compile_decode(model, model, [], cpu, rows=GEMV_MAX_ROWS)
+    assert all(m.weight.is_contiguous() and m._gemv for m in linears)
     compile_decode(model, model, [], cpu, rows=GEMV_MAX_ROWS + 1)
-    assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() for m in linears)
+    # column-major, and no multiply-and-sum along it (3x slower than along rows)
+    assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() and not m._gemv for m in linears)
 
 
 _MATMULS = {"aten::mm", "aten::addmm", "mkldnn::_linear_pointwise"}  # the BLAS, or the packed product
@@ -147,10 +163,11 @@ def _decode_ops(gen: Generator, rows: int) -> set[str]:
 
 @pytest.mark.slow
 def test_compiled_cpu_decode_multiplies_and_sums_one_row_and_runs_gemms_at_8() -> None:
-    """The path each batch size's compiled CPU decode takes, and the tokens it gives at batch 8.
+    """The path each batch size's compiled CPU decode takes, and the tokens it gives.
 
-    The multiply-and-sum at one row, the GEMM at 8 (at 4 and 8 rows the multiply-and-sum made the
-    compiled decode slower than the eager one, issue 17)."""
+    The multiply-and-sum at one row, also in a Generator of 8 slots (a server with one request running),
+    where it ran 1.2-1.4x faster than the GEMM; the GEMM at 8 (at 4 and 8 rows the multiply-and-sum made
+    the compiled decode slower than the eager one, issue 17)."""
     cpu = resolve("cpu", quiet=True)
     model = make_varied_model(512)
     few = Generator(copy.deepcopy(model), cpu, max_batch_size=GEMV_MAX_ROWS, max_len=32, compile=True)
@@ -161,6 +178,10 @@ def test_compiled_cpu_decode_multiplies_and_sums_one_row_and_runs_gemms_at_8() -
     eight = Generator(model, cpu, max_batch_size=8, max_len=32, compile=True)
     assert generate(eight, prompts, greedy) == eager
     assert _decode_ops(eight, 8) & _MATMULS
+    if packed_products(model):
+        assert not _decode_ops(eight, 1) & _MATMULS
+    alone = generate(Generator(copy.deepcopy(model), cpu, max_batch_size=1, max_len=32), prompts[:1], greedy)
+    assert generate(eight, prompts[:1], greedy) == alone
 
 
 def test_gemv_linears_leave_quantised_weights_alone() -> None:

@@ -40,7 +40,7 @@ from gptopt.config import INFER_QUANTIZE
 from gptopt.device import DevicePlan
 from gptopt.extras import require
 from gptopt.model import GPT
-from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout
+from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout, packed_products
 from gptopt.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
 from gptopt.step import is_oom
 from gptopt.tokenizer import TOKENIZER, load_tokenizer
@@ -180,11 +180,15 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
     in place, one static graph and CUDA graph per bucket. Elsewhere no graphs to capture: an inference compile
     (frozen weights) whose attention length is symbolic too, and for a step of at most GEMV_MAX_ROWS
-    rows the decode's matrix-vector products as fused multiply-sums (gemv_linears). A step of more
-    rows gets inference_layout's column-major weights back: on gemv_linears' row-major ones its
-    compiled GEMMs ran 0.77x the eager decode at 2 rows (tiny, 2-core AMD EPYC; about 0.95x from 4 to
-    64 rows). The layout is the model's, so a step of several buckets passes its largest as `rows`
-    and runs its 1-row bucket as a GEMM too.
+    rows the decode's matrix-vector products as fused multiply-sums (gemv_linears), in every bucket's
+    graph when the products of several rows run on oneDNN-packed copies (packed_products), which the
+    multiply-sums' row-major weights leave alone. A tiny Generator of 16 slots, its step at position 70
+    (medians of 200 steps, two processes each way, alternated; 2-core AMD EPYC with native bf16,
+    torch 2.13): 1 row on 1 thread 0.667-0.714 against 0.820-0.999 ms as a GEMM on column-major
+    weights, and no slower from 2 to 16 rows (16: 2.095-2.268 against 2.202-2.580 ms). Without packed
+    copies (bf16 weights, no oneDNN) a step of more rows gets inference_layout's column-major weights
+    back: on row-major ones its compiled GEMMs ran 0.77x the eager decode at 2 rows (about 0.95x from 4
+    to 64), and its 1-row bucket is a GEMM too (the layout is the model's; `rows` is the largest bucket).
     """
     # One graph per bucket: more than dynamo keeps per function by default once buckets reach 4096 rows
     # (or several generators, as bench --mode infer builds, share the decode's code).
@@ -196,10 +200,12 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
         # One static graph and CUDA graph per bucket. A symbolic row count (dynamic=True) failed on an H200
         # with torch 2.11 (inductor's code named an undefined size, "NameError: name 's51' is not defined").
         return compile_model(step, mode="reduce-overhead", dynamic=False)  # type: ignore[arg-type,return-value]
-    if rows <= GEMV_MAX_ROWS:
-        gemv_linears(model)
-    else:  # column-major again after a smaller step's gemv_linears on this model (bench's batch sweep)
+    if rows > GEMV_MAX_ROWS and not packed_products(model):
+        # the packed copies if the model has none yet (one not loaded by load_for_inference), else
+        # column-major again after a smaller step's gemv_linears on this model (bench's batch sweep)
         inference_layout(model, device.type)
+    if rows <= GEMV_MAX_ROWS or packed_products(model):
+        gemv_linears(model)
     # Sizes dynamo sees change become symbolic: the attention's length (marked so) and, from the second
     # bucket on, the row count, so every bucket of 2 rows and more shares one graph.
     return compile_model(step, inference=True)  # type: ignore[arg-type,return-value]

@@ -106,6 +106,7 @@ def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
             w = module.weight
             if not w.t().is_contiguous():
                 w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
+            module._gemv = False  # a multiply-and-sum along this layout ran 3x slower (gemv_linears)
             if not hasattr(module, "_packed"):  # once: a layout change keeps the values the copy holds
                 _pack(module)
     return model
@@ -124,8 +125,8 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
 # batch 4 and 8, issue 17). Putting the weight's rows outermost, (out, rows), read it once, but inside
 # the whole decode graph inductor then vectorised over the 2 rows and ran one kernel over the
 # reduction axis: 25 ms a step at batch 2 against 3.5 for the GEMM. The weights' layout is the
-# model's, so compile_decode applies it to a Generator of one slot only; a larger one's 1-row bucket
-# runs the GEMM on column-major weights.
+# model's: compile_decode applies gemv_linears where the products of several rows do not read it
+# (packed_products), else to a Generator of one slot only.
 GEMV_MAX_ROWS = 1
 
 
@@ -148,6 +149,14 @@ def gemv_linears(model: nn.Module) -> nn.Module:
             module._gemv = True
             module.forward = types.MethodType(_inference_forward, module)
     return model
+
+
+def packed_products(model: nn.Module) -> bool:
+    """Whether every float Linear of `model` multiplies several rows by its oneDNN-packed copy
+    (inference_layout: fp32 weights, oneDNN present), so that its weight's own layout serves one-row
+    products only."""
+    linears = _float_linears(model)
+    return bool(linears) and all(hasattr(m, "_packed") for m in linears)
 
 
 @torch.library.custom_op("gptopt::packed_linear", mutates_args=())
