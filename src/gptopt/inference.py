@@ -180,9 +180,9 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
     in place, one static graph and CUDA graph per bucket. Elsewhere no graphs to capture: an inference compile
     (frozen weights) whose attention length is symbolic too, and for a step of at most GEMV_MAX_ROWS
-    rows the decode's matrix-vector products as fused multiply-sums (gemv_linears), in every bucket's
-    graph when the products of several rows run on oneDNN-packed copies (packed_products), which the
-    multiply-sums' row-major weights leave alone. A tiny Generator of 16 slots, its step at position 70
+    rows the decode's matrix-vector products as fused multiply-sums on row-major weights (gemv_linears):
+    also the 1-row bucket of a Generator of more slots when the products of several rows run on
+    oneDNN-packed copies (packed_products), which the row-major layout leaves alone. A tiny Generator of 16 slots, its step at position 70
     (medians of 200 steps, two processes each way, alternated; 2-core AMD EPYC with native bf16,
     torch 2.13): 1 row on 1 thread 0.667-0.714 against 0.820-0.999 ms as a GEMM on column-major
     weights, and no slower from 2 to 16 rows (16: 2.095-2.268 against 2.202-2.580 ms). Without packed
