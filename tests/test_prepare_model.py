@@ -184,9 +184,14 @@ def test_compiled_cpu_decode_multiplies_and_sums_one_row_and_runs_gemms_at_8() -
     eager = generate(Generator(copy.deepcopy(model), cpu, max_batch_size=8, max_len=32), prompts, greedy)
     eight = Generator(model, cpu, max_batch_size=8, max_len=32, compile=True)
     assert generate(eight, prompts, greedy) == eager
-    if packed_products(model):  # the products of 8 rows on the packed copies, never the BLAS on row-major weights
+    if packed_products(model):  # 8 rows on the packed copies, never the BLAS on row-major weights
         assert _decode_ops(eight, 8) & _MATMULS == {"mkldnn::_linear_pointwise"}
         assert not _decode_ops(eight, 1) & _MATMULS
+        # an eager prefill of one token: every Linear gets one row, on the packed copy as well
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            eight.prefill(0, [42])
+        eight.free(0)
+        assert {e.name for e in prof.events()} & _MATMULS == {"mkldnn::_linear_pointwise"}
     else:
         assert _decode_ops(eight, 8) & _MATMULS
     alone = generate(Generator(copy.deepcopy(model), cpu, max_batch_size=1, max_len=32), prompts[:1], greedy)

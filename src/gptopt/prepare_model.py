@@ -137,8 +137,8 @@ def gemv_linears(model: nn.Module) -> nn.Module:
     Inductor fuses that into one vectorised, multi-threaded pass over the weight with the bias in its
     epilogue, where the BLAS's matrix-vector path reads the weight at a fraction of this CPU's memory
     bandwidth and leaves the second thread idle (tiny, batch-1 compiled decode, 2 threads: 563
-    against 327 tokens/s). Eager calls and larger batches keep F.linear (or inference_layout's packed
-    product). The weights go back to row-major (the sum runs along memory; inference_layout's
+    against 327 tokens/s). Larger batches keep inference_layout's packed product (or F.linear), and so
+    do eager one-row calls where there is a packed copy (F.linear otherwise). The weights go back to row-major (the sum runs along memory; inference_layout's
     column-major order made it 3x slower). Inference only, like inference_layout; quantised weights
     are left as they are. The model's type, parameters and state dict are unchanged.
     """
@@ -153,8 +153,8 @@ def gemv_linears(model: nn.Module) -> nn.Module:
 
 def packed_products(model: nn.Module) -> bool:
     """Whether every float Linear of `model` multiplies several rows by its oneDNN-packed copy
-    (inference_layout: fp32 weights, oneDNN present), so that its weight's own layout serves one-row
-    products only."""
+    (inference_layout: fp32 weights, oneDNN present), so that its weight's own layout serves compiled
+    one-row products only."""
     linears = _float_linears(model)
     return torch.backends.mkldnn.is_available() and bool(linears) and all(
         hasattr(m, "_packed") and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" for m in linears)
@@ -197,8 +197,9 @@ def _pack(module: nn.Linear) -> None:
 
 def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     packed = getattr(self, "_packed", None)
-    if x.dtype != torch.float32 or x.device.type != "cpu":  # a model cast or moved since it was packed
-        packed = None
+    w = self.weight
+    if x.dtype != torch.float32 or x.device.type != "cpu" or w.dtype != torch.float32 or w.device.type != "cpu":
+        packed = None  # a model (or this layer) cast or moved since it was packed
     if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:  # one row: a matrix-vector product
         if getattr(self, "_gemv", False):  # row-major weights
             if torch.compiler.is_compiling():
@@ -207,8 +208,9 @@ def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             if packed is not None:
                 # An eager row (a prompt's last position at the lm_head): the BLAS's matrix-vector
                 # product on row-major weights ran 1.1-2.8x slower than oneDNN's on the packed copy
-                # with two threads (tiny's 2048 x 256 lm_head 54.9 against 35.3 us, gpt2's 50304 x 768
-                # 11.0 against 5.6 ms; 2-core AMD EPYC), and slower than on column-major weights too.
+                # with two threads, over five shapes of tiny's and gpt2's (tiny's 2048 x 256 lm_head
+                # 54.9 against 35.3 us, gpt2's padded 50304 x 768 one 11.0 against 5.6 ms; 2-core AMD
+                # EPYC), and slower than on column-major weights too.
                 return torch.ops.mkldnn._linear_pointwise(x, packed.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
     if packed is None:
