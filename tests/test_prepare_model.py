@@ -172,9 +172,9 @@ def _decode_ops(gen: Generator, rows: int) -> set[str]:
 def test_compiled_cpu_decode_multiplies_and_sums_one_row_and_runs_gemms_at_8() -> None:
     """The path each batch size's compiled CPU decode takes, and the tokens it gives.
 
-    The multiply-and-sum at one row, also in a Generator of many slots (a server with one request
-    running; in one of 16 slots on one thread it ran 1.2-1.4x faster than the GEMM); the GEMM at 8 (at 4 and 8 rows the multiply-and-sum made
-    the compiled decode slower than the eager one, issue 17)."""
+    The multiply-and-sum at one row, also in a Generator of many slots (a server with one request running; in
+    one of 16 slots on one thread it ran 1.2-1.4x faster than the GEMM); the GEMM at 8 (at 4 and 8 rows the
+    multiply-and-sum made the compiled decode slower than the eager one, issue 17)."""
     cpu = resolve("cpu", quiet=True)
     model = make_varied_model(512)
     few = Generator(copy.deepcopy(model), cpu, max_batch_size=GEMV_MAX_ROWS, max_len=32, compile=True)

@@ -177,18 +177,18 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     """Step 5: `step`, the decode of the first B of `rows` cache rows over `model` and its KV `cache`
     (B: Generator.buckets), compiled: on CPUs one graph for one row and one for every B of 2 and more.
 
-    CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it
-    in place, one static graph and CUDA graph per bucket. Elsewhere no graphs to capture: an inference compile
-    (frozen weights) whose attention length is symbolic too, and for a step of at most GEMV_MAX_ROWS
-    rows the decode's matrix-vector products as fused multiply-sums on row-major weights (gemv_linears):
-    also the 1-row bucket of a Generator of more slots when the products of several rows run on
-    oneDNN-packed copies (packed_products), which the row-major layout leaves alone. A tiny Generator of 16 slots, its step at position 70
-    (medians of 200 steps, two processes each way, alternated; 2-core AMD EPYC with native bf16,
-    torch 2.13): 1 row on 1 thread 0.667-0.714 against 0.820-0.999 ms as a GEMM on column-major
-    weights, and no slower from 2 to 16 rows (16: 2.095-2.268 against 2.202-2.580 ms). Without packed
-    copies (bf16 weights, no oneDNN) a step of more rows gets inference_layout's column-major weights
-    back: on row-major ones its compiled GEMMs ran 0.77x the eager decode at 2 rows (about 0.95x from 4
-    to 64), and its 1-row bucket is a GEMM too (the layout is the model's; `rows` is the largest bucket).
+    CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it in place,
+    one static graph and CUDA graph per bucket. Elsewhere no graphs to capture: an inference compile (frozen
+    weights) whose attention length is symbolic too, and for a step of at most GEMV_MAX_ROWS rows the decode's
+    matrix-vector products as fused multiply-sums on row-major weights (gemv_linears): also the 1-row bucket
+    of a Generator of more slots when the products of several rows run on oneDNN-packed copies
+    (packed_products), which the row-major layout leaves alone. A tiny Generator of 16 slots, its step at
+    position 70 (medians of 200 steps, two processes each way, alternated; 2-core AMD EPYC with native bf16,
+    torch 2.13): 1 row on 1 thread 0.667-0.714 against 0.820-0.999 ms as a GEMM on column-major weights, and
+    no slower from 2 to 16 rows (16: 2.095-2.268 against 2.202-2.580 ms). Without packed copies (bf16 weights,
+    no oneDNN) a step of more rows gets inference_layout's column-major weights back: on row-major ones its
+    compiled GEMMs ran 0.77x the eager decode at 2 rows (about 0.95x from 4 to 64), and its 1-row bucket is a
+    GEMM too (the layout is the model's; `rows` is the largest bucket).
     """
     # One graph per bucket: more than dynamo keeps per function by default once buckets reach 4096 rows
     # (or several generators, as bench --mode infer builds, share the decode's code).

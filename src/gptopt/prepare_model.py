@@ -136,11 +136,12 @@ def gemv_linears(model: nn.Module) -> nn.Module:
 
     Inductor fuses that into one vectorised, multi-threaded pass over the weight with the bias in its
     epilogue, where the BLAS's matrix-vector path reads the weight at a fraction of this CPU's memory
-    bandwidth and leaves the second thread idle (tiny, batch-1 compiled decode, 2 threads: 563
-    against 327 tokens/s). Larger batches keep inference_layout's packed product (or F.linear), and so
-    do eager one-row calls where there is a packed copy (F.linear otherwise). The weights go back to row-major (the sum runs along memory; inference_layout's
-    column-major order made it 3x slower). Inference only, like inference_layout; quantised weights
-    are left as they are. The model's type, parameters and state dict are unchanged.
+    bandwidth and leaves the second thread idle (tiny, batch-1 compiled decode, 2 threads: 563 against 327
+    tokens/s). Larger batches keep inference_layout's packed product (or F.linear), and so do eager one-row
+    calls where there is a packed copy (F.linear otherwise). The weights go back to row-major (the sum runs
+    along memory; inference_layout's column-major order made it 3x slower). Inference only, like
+    inference_layout; quantised weights are left as they are. The model's type, parameters and state dict are
+    unchanged.
     """
     with torch.no_grad():
         for module in _float_linears(model):
@@ -195,29 +196,37 @@ def _pack(module: nn.Linear) -> None:
     module.forward = types.MethodType(_inference_forward, module)
 
 
+def _packed_for(self: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
+    """The Linear's packed weight if it still serves x; None without one, or for a model (or this layer)
+    cast or moved since it was packed."""
+    packed, w = getattr(self, "_packed", None), self.weight
+    if packed is None or x.dtype != torch.float32 or x.device.type != "cpu" or w.dtype != torch.float32 \
+            or w.device.type != "cpu":
+        return None
+    return packed.weight
+
+
 def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    packed = getattr(self, "_packed", None)
-    w = self.weight
-    if x.dtype != torch.float32 or x.device.type != "cpu" or w.dtype != torch.float32 or w.device.type != "cpu":
-        packed = None  # a model (or this layer) cast or moved since it was packed
     if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:  # one row: a matrix-vector product
         if getattr(self, "_gemv", False):  # row-major weights
             if torch.compiler.is_compiling():
                 y = (x.unsqueeze(-2) * self.weight).sum(-1)
                 return y if self.bias is None else y + self.bias
+            packed = _packed_for(self, x)
             if packed is not None:
                 # An eager row (a prompt's last position at the lm_head): the BLAS's matrix-vector
                 # product on row-major weights ran 1.1-2.8x slower than oneDNN's on the packed copy
                 # with two threads, over five shapes of tiny's and gpt2's (tiny's 2048 x 256 lm_head
                 # 54.9 against 35.3 us, gpt2's padded 50304 x 768 one 11.0 against 5.6 ms; 2-core AMD
                 # EPYC), and slower than on column-major weights too.
-                return torch.ops.mkldnn._linear_pointwise(x, packed.weight, self.bias, "none", [], "")
+                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+    packed = _packed_for(self, x)
     if packed is None:
         return F.linear(x, self.weight, self.bias)
     if torch.compiler.is_compiling():
-        return packed_linear(x, packed.weight, self.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed.weight, self.bias, "none", [], "")  # no custom-op dispatch
+        return packed_linear(x, packed, self.bias)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")  # no custom-op dispatch
 
 
 def graph_break_reason(exc: BaseException) -> str | None:
