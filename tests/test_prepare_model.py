@@ -67,6 +67,28 @@ def test_cpu_layout_runs_products_of_several_rows_on_a_packed_weight_copies_incl
         torch.testing.assert_close(moved.to(torch.bfloat16)(x).float(), plain.to(torch.bfloat16)(x).float())
 
 
+def test_cpu_layout_applies_an_mlps_gelu_inside_its_packed_product() -> None:
+    """A prefill's MLP: c_fc's packed product applies the tanh GELU itself (oneDNN's post-op), with no
+    GELU pass of its own, and gives the plain model's values; a single row keeps the GELU apart."""
+    plain, moved = _pair()
+    inference_layout(moved, "cpu")
+    mlp, ref = moved.transformer.h[0].mlp, plain.transformer.h[0].mlp
+
+    def ops(x: torch.Tensor) -> tuple[set[str], torch.Tensor]:
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = mlp(x)
+        return {e.name for e in prof.events()}, out
+
+    many, one = torch.randn(3, 9, mlp.c_fc.in_features), torch.randn(1, 1, mlp.c_fc.in_features)
+    names, got = ops(many)
+    assert "mkldnn::_linear_pointwise" in names and "aten::gelu" not in names
+    names_one, got_one = ops(one)
+    assert "aten::gelu" in names_one
+    with torch.no_grad():
+        torch.testing.assert_close(got, ref(many))
+        torch.testing.assert_close(got_one, ref(one))
+
+
 def test_half_precision_weights_are_not_packed() -> None:
     _, moved = _pair()
     inference_layout(moved.to(torch.bfloat16), "cpu")
