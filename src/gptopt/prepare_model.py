@@ -94,8 +94,8 @@ def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
     against 659 us). Several rows (a batched decode step, a prefill): oneDNN's linear over a weight
     reordered once into its blocked layout (packed_linear), where the BLAS GEMM repacks it every
     call: at 16 rows of tiny 1.3-2x faster per Linear, and tiny's compiled 16-row decode step 1.2-1.6x
-    (2-core AMD EPYC). The packed copy costs the Linear weights' memory once more. Eager, an MLP's GELU
-    runs inside its first product, as oneDNN's post-op (_packed_mlp_forward).
+    (2-core AMD EPYC). The packed copy costs the Linear weights' memory once more. Eager, on several rows,
+    an MLP's GELU runs inside its first product, as oneDNN's post-op (_packed_mlp_forward).
 
     GPUs' GEMMs take either layout at full speed, so they are left alone. Inference only: the weights
     must not change or train afterwards (the packed copy would not follow, and the optimizer would see
