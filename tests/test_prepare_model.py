@@ -7,7 +7,9 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +22,13 @@ from gptopt.generate import Generator, SamplingParams, generate
 from gptopt.inference import compile_decode
 from gptopt.model import GPT
 from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout, packed_products
+
+
+def _ops(run: Callable[[], Any]) -> tuple[set[str], Any]:
+    """The operators run() calls (torch.profiler's names), and what it returns."""
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = run()
+    return {e.name for e in prof.events()}, out
 
 
 def _pair(vocab: int = 512) -> tuple[GPT, GPT]:
@@ -50,12 +59,10 @@ def test_cpu_layout_runs_products_of_several_rows_on_a_packed_weight_copies_incl
     inference_layout(moved, "cpu")
     layer, ref = moved.transformer.h[0].mlp.c_fc, plain.transformer.h[0].mlp.c_fc
     one, many = torch.randn(1, 1, layer.in_features), torch.randn(4, 7, layer.in_features)
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        got = layer(many)
-    assert "mkldnn::_linear_pointwise" in {e.name for e in prof.events()}
-    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        got_one = layer(one)
-    assert "mkldnn::_linear_pointwise" not in {e.name for e in prof.events()}
+    names, got = _ops(lambda: layer(many))
+    assert "mkldnn::_linear_pointwise" in names
+    names, got_one = _ops(lambda: layer(one))
+    assert "mkldnn::_linear_pointwise" not in names
     with torch.no_grad():
         torch.testing.assert_close(got, ref(many))
         torch.testing.assert_close(got_one, ref(one))
@@ -75,16 +82,10 @@ def test_cpu_layout_applies_an_mlps_gelu_inside_its_packed_product() -> None:
     plain, moved = _pair()
     inference_layout(moved, "cpu")
     mlp, ref = moved.transformer.h[0].mlp, plain.transformer.h[0].mlp
-
-    def ops(x: torch.Tensor) -> tuple[set[str], torch.Tensor]:
-        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            out = mlp(x)
-        return {e.name for e in prof.events()}, out
-
     many, one = torch.randn(3, 9, mlp.c_fc.in_features), torch.randn(1, 1, mlp.c_fc.in_features)
-    names, got = ops(many)
+    names, got = _ops(lambda: mlp(many))
     assert "mkldnn::_linear_pointwise" in names and "aten::gelu" not in names
-    names_one, got_one = ops(one)
+    names_one, got_one = _ops(lambda: mlp(one))
     assert "aten::gelu" in names_one
     with torch.no_grad():
         torch.testing.assert_close(got, ref(many))
@@ -128,9 +129,7 @@ def test_gemv_linears_multiply_and_sum_small_compiled_batches_only() -> None:
     x = torch.randn(GEMV_MAX_ROWS, 1, layer.in_features)  # a decode step's rows, one token each
     with torch.no_grad():
         # eager (a prompt's last row at the lm_head): oneDNN on the packed copy, not the BLAS on row-major weights
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            out = layer(x)
-        eager_ops = {e.name for e in prof.events()}
+        eager_ops, out = _ops(lambda: layer(x))
         assert ("mkldnn::_linear_pointwise" in eager_ops) == packed_products(moved)
         torch.testing.assert_close(out, ref(x))
         ops, out = graph_ops(layer, x)  # compiled: a multiply and a sum, no matmul
@@ -185,11 +184,10 @@ def _decode_ops(gen: Generator, rows: int) -> set[str]:
     for s in range(rows):
         gen.prefill(s, [3, 1, 4])
     gen.decode(list(range(rows)), [1] * rows, [3] * rows)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        gen.decode(list(range(rows)), [5] * rows, [4] * rows)
+    names, _ = _ops(lambda: gen.decode(list(range(rows)), [5] * rows, [4] * rows))
     for s in range(rows):
         gen.free(s)
-    return {e.name for e in prof.events()}
+    return names
 
 
 @pytest.mark.slow
@@ -212,10 +210,9 @@ def test_compiled_cpu_decode_multiplies_and_sums_one_row_and_runs_gemms_at_8() -
         assert _decode_ops(eight, 8) & _MATMULS == {"mkldnn::_linear_pointwise"}
         assert not _decode_ops(eight, 1) & _MATMULS
         # an eager prefill of one token: every Linear gets one row, on the packed copy as well
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            eight.prefill(0, [42])
+        names, _ = _ops(lambda: eight.prefill(0, [42]))
         eight.free(0)
-        assert {e.name for e in prof.events()} & _MATMULS == {"mkldnn::_linear_pointwise"}
+        assert names & _MATMULS == {"mkldnn::_linear_pointwise"}
     else:
         assert _decode_ops(eight, 8) & _MATMULS
     alone = generate(Generator(copy.deepcopy(model), cpu, max_batch_size=1, max_len=32), prompts[:1], greedy)

@@ -211,22 +211,22 @@ def _packed_for(self: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
     return packed.weight
 
 
+def _one_row(x: torch.Tensor) -> bool:
+    """At most GEMV_MAX_ROWS rows: a matrix-vector product."""
+    return x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
+
+
 def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if x.numel() <= GEMV_MAX_ROWS * x.shape[-1]:  # one row: a matrix-vector product
-        if getattr(self, "_gemv", False):  # row-major weights
-            if torch.compiler.is_compiling():
-                y = (x.unsqueeze(-2) * self.weight).sum(-1)
-                return y if self.bias is None else y + self.bias
-            packed = _packed_for(self, x)
-            if packed is not None:
-                # An eager row (a prompt's last position at the lm_head): the BLAS's matrix-vector
-                # product on row-major weights ran 1.1-2.8x slower than oneDNN's on the packed copy
-                # with two threads, over five shapes of tiny's and gpt2's (tiny's 2048 x 256 lm_head
-                # 54.9 against 35.3 us, gpt2's padded 50304 x 768 one 11.0 against 5.6 ms; 2-core AMD
-                # EPYC), and slower than on column-major weights too.
-                return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-    packed = _packed_for(self, x)
+    one, row_major = _one_row(x), getattr(self, "_gemv", False)
+    if one and row_major and torch.compiler.is_compiling():
+        y = (x.unsqueeze(-2) * self.weight).sum(-1)
+        return y if self.bias is None else y + self.bias
+    # One row on column-major weights: the BLAS's matrix-vector path, which reads them fastest. One
+    # eager row on row-major ones (a prompt's last position at the lm_head) takes the packed copy: the
+    # BLAS's product on them ran 1.1-2.8x slower than oneDNN's on the copy with two threads, over five
+    # shapes of tiny's and gpt2's (tiny's 2048 x 256 lm_head 54.9 against 35.3 us, gpt2's padded
+    # 50304 x 768 one 11.0 against 5.6 ms; 2-core AMD EPYC), and slower than on column-major weights too.
+    packed = None if one and not row_major else _packed_for(self, x)
     if packed is None:
         return F.linear(x, self.weight, self.bias)
     if torch.compiler.is_compiling():
@@ -241,7 +241,7 @@ def _packed_mlp_forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
     on 512 x 1024 took 0.5 ms on two threads (2-core AMD EPYC), where c_fc with the post-op took 1.37
     against 1.96 ms for the product and the GELU apart; the values differ by an ulp or two."""
     packed = None
-    if not torch.compiler.is_compiling() and x.numel() > GEMV_MAX_ROWS * x.shape[-1]:
+    if not torch.compiler.is_compiling() and not _one_row(x):
         packed = _packed_for(self.c_fc, x)
     if packed is None:
         return MLP.forward(self, x)
