@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import make_varied_model
 from tokenizers import Tokenizer
 
 from gptopt import cli, export, hf
@@ -123,6 +124,46 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_tokenizer(
     assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", str(out), "--overwrite"]) == 0
 
 
+def test_a_hugging_face_export_tells_transformers_where_text_ends(
+    train_data: Path, debug_tokenizer: Tokenizer, tmp_path: Path
+) -> None:
+    transformers = pytest.importorskip("transformers")
+    eot = debug_tokenizer.token_to_id("<|endoftext|>")
+    model = make_varied_model(debug_tokenizer.get_vocab_size())
+    with torch.no_grad():  # every position's last hidden state is eot's embedding: eot is always the argmax
+        model.transformer.wte.weight[eot] *= 10
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.copy_(model.transformer.wte.weight[eot])
+    source = save_model(model, tmp_path / "m", {"tokenizer": str(train_data / "tokenizer.json")})
+    out = tmp_path / "hf"
+    assert cli.main(["export", "--model", str(source), "--format", "hf", "--output_dir", str(out)]) == 0
+    config = transformers.AutoConfig.from_pretrained(str(out))
+    generation = transformers.GenerationConfig.from_pretrained(str(out))
+    assert (config.bos_token_id, config.eos_token_id) == (eot, eot)  # GPT-2 uses <|endoftext|> for both
+    assert (generation.bos_token_id, generation.eos_token_id) == (eot, eot)
+    assert not generation.do_sample and generation.temperature in (None, 1.0)  # no sampling settings invented
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    prompt = torch.tensor([debug_tokenizer.encode("def f(x):").ids])
+    with torch.no_grad():
+        ids = loaded.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False)
+    assert ids[0, prompt.shape[1]:].tolist() == [eot]  # stopped at the end-of-text, not after 8 tokens
+
+
+def test_a_hugging_face_export_without_an_end_of_text_token_writes_no_ids(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import models
+
+    # GPT-2's vocabulary size, but no <|endoftext|>: the ids come from the tokenizer, never from the size
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(50257)}, unk_token="w0"))
+    model = GPT(preset("debug", vocab_size=words.get_vocab_size())).eval()
+    export.export_hf_checked(model, tmp_path / "hf", tokenizer=words)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["bos_token_id"] is None and config["eos_token_id"] is None
+    assert not (tmp_path / "hf" / "generation_config.json").exists()
+    assert transformers.GenerationConfig.from_model_config(transformers.AutoConfig.from_pretrained(
+        str(tmp_path / "hf"))).eos_token_id is None
+
+
 def test_an_output_dir_where_no_folder_can_be_made_is_one_line(model_dir: Path, model: GPT, tmp_path: Path,
                                                                  monkeypatch: pytest.MonkeyPatch,
                                                                  capsys: pytest.CaptureFixture[str]) -> None:
@@ -159,9 +200,9 @@ def test_a_mismatch_fails_loudly_and_writes_nothing(
     pytest.importorskip("transformers")
     real = hf.export_hf
 
-    def corrupted(model: GPT, directory: Path) -> Path:  # an exporter bug: other weights reach the files
+    def corrupted(model: GPT, directory: Path, **kw: object) -> Path:  # an exporter bug: other weights reach the files
         other = GPT(model.config)
-        return real(other, directory)
+        return real(other, directory, **kw)
 
     monkeypatch.setattr(export.hf, "export_hf", corrupted)
     out = tmp_path / "hf"

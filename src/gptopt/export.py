@@ -338,7 +338,9 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
 @torch.no_grad()
 def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | None = None,
                       tolerance: float = 1e-4, overwrite: bool = False) -> dict[str, float]:
-    """hf.export_hf plus tokenizer.json, moved into place only once transformers' logits match PyTorch's."""
+    """hf.export_hf plus tokenizer.json, moved into place only once transformers' logits match PyTorch's.
+
+    The tokenizer's end-of-text id becomes the export's bos and eos ids (hf.export_hf says why)."""
     target = Path(directory)
     _check_output_dir(target, "hf", overwrite)
     transformers = require("transformers", "hf", "Hugging Face export")
@@ -346,7 +348,8 @@ def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer
         raise ValueError("the Hugging Face export is checked on the CPU: pass the model there")
     model = model.eval()
     with _staged(target, "hf", overwrite) as tmp:
-        hf.export_hf(model, tmp)  # into the empty staging dir: export_hf writes its own files atomically
+        # into the empty staging dir: export_hf writes its own files atomically
+        hf.export_hf(model, tmp, eot=None if tokenizer is None else eot_id(tokenizer))
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER))
         loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp)).eval()
@@ -430,7 +433,9 @@ def main(cfg: ExportConfig) -> int:
                     f"{check['decode_max_abs_diff']:.2g}")
         else:
             check = export_hf_checked(model, target, tokenizer=tok, tolerance=cfg.tolerance, overwrite=cfg.overwrite)
-            what = (f"{target} (config.json + model.safetensors); transformers matches: max |logit diff| "
+            files = [hf.HF_CONFIG, *([hf.GENERATION_CONFIG] if (target / hf.GENERATION_CONFIG).is_file() else []),
+                     hf.SAFETENSORS]
+            what = (f"{target} ({', '.join(files)}); transformers matches: max |logit diff| "
                     f"{check['max_abs_diff']:.2g}")
     except ExportCheckError as e:
         print(f"gptopt export: error: {e}", file=sys.stderr)

@@ -37,6 +37,7 @@ __all__ = [
 ]
 
 HF_CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"  # transformers' generate reads its defaults (eos_token_id) here
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 EXPORT_KIND = "export-hf"  # the fsutil mark of a directory export_hf wrote: the only kind its overwrite replaces
@@ -116,11 +117,13 @@ def apply_overrides(config: GPTConfig, overrides: dict[str, Any], where: str) ->
     return dataclasses.replace(config, **overrides)
 
 
-def hf_config(config: GPTConfig, dtype: torch.dtype = torch.float32) -> Any:
-    """The transformers.GPT2Config that describes a gptopt model."""
+def hf_config(config: GPTConfig, dtype: torch.dtype = torch.float32, *, eot: int | None = None) -> Any:
+    """The transformers.GPT2Config that describes a gptopt model; eot: the end-of-text id of its tokenizer
+    (tokenizer.eot_id), which GPT-2 uses as both bos and eos. None leaves both unset."""
     transformers = require("transformers", "hf", "exporting to Hugging Face format")
-    # <|endoftext|> is GPT-2's last token; for other tokenizers the id is unknown here, so leave it unset.
-    eot = 50256 if config.vocab_size == 50257 else None
+    if eot is not None and not 0 <= eot < config.vocab_size:
+        raise ValueError(f"end-of-text id {eot} is outside the model's vocabulary of {config.vocab_size}: "
+                         "the tokenizer does not belong to the model")
     return transformers.GPT2Config(
         n_layer=config.n_layer,
         n_head=config.n_head,
@@ -382,9 +385,14 @@ def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> G
 # Export
 
 
-def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
-    """Write a directory `transformers.GPT2LMHeadModel.from_pretrained` loads: config.json + model.safetensors.
+def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool = False,
+              eot: int | None = None) -> Path:
+    """Write a directory `transformers.GPT2LMHeadModel.from_pretrained` loads: config.json + model.safetensors,
+    and with eot (the tokenizer's end-of-text id) generation_config.json.
 
+    eot goes into both files as bos_token_id and eos_token_id (GPT-2 uses <|endoftext|> for both), so
+    transformers' generate stops where the model ends a text. Without one, no ids are written: the id is the
+    tokenizer's, and a guessed one would stop generation at an ordinary token.
     Staged (fsutil.staged_dir) and marked as gptopt's export: a crash never leaves half a directory.
     overwrite=True replaces only an earlier export of gptopt's that holds nothing else; never a folder
     gptopt did not write (a downloaded model looks just like an export).
@@ -392,9 +400,13 @@ def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool 
     target = Path(directory)
     check_output(target, kind=EXPORT_KIND, overwrite=overwrite, whole=True, flag="export directory")
     state = gptopt_state_to_hf(model)  # refuses what HF cannot hold before anything is written
-    hf_cfg = hf_config(model.config, model.transformer.wte.weight.dtype)
+    hf_cfg = hf_config(model.config, model.transformer.wte.weight.dtype, eot=eot)
     with staged_dir(target, replace=overwrite, kind=EXPORT_KIND) as tmp:
         hf_cfg.to_json_file(str(tmp / HF_CONFIG))
+        if eot is not None:  # the ids only: sampling settings are the user's, gptopt records none
+            generation = require("transformers", "hf", "exporting to Hugging Face format").GenerationConfig(
+                bos_token_id=eot, eos_token_id=eot)
+            generation.to_json_file(str(tmp / GENERATION_CONFIG))
         # transformers refuses safetensors files without the "format" metadata.
         save_file(state, str(tmp / SAFETENSORS), metadata={"format": "pt"})
     return target
