@@ -30,7 +30,15 @@ from gptopt.config import ServeConfig, preset  # noqa: E402
 from gptopt.device import resolve  # noqa: E402
 from gptopt.generate import Generator, SamplingParams, complete  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
-from gptopt.serve.app import EXAMPLE_BODY, MAX_BODY_BYTES, create_app, serve_in_thread  # noqa: E402
+from gptopt.serve.app import (  # noqa: E402
+    EXAMPLE_BODY,
+    MAX_BODY_BYTES,
+    MAX_PROMPTS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    create_app,
+    serve_in_thread,
+)
 from gptopt.serve.blocklist import Blocklist, CheckTimeout, TextFilter, load_blocklist  # noqa: E402
 from gptopt.serve.engine import Draining  # noqa: E402
 from gptopt.tokenizer import eot_id  # noqa: E402
@@ -208,6 +216,40 @@ def test_stop_string_ends_the_text_before_it(url: str) -> None:
     assert r["choices"][0] == {**r["choices"][0], "text": full[: full.find(stop)], "finish_reason": "stop"}
 
 
+def first_stop(text: str, stops: list[str]) -> tuple[int, str | None]:
+    """Where the earliest of `stops` starts in `text` (its length if none does), and which one it is."""
+    found = [(text.find(s), s) for s in stops if s in text]
+    return min(found) if found else (len(text), None)
+
+
+def test_an_lm_eval_batch_of_32_prompts_with_6_stop_strings_is_served(url: str) -> None:
+    # lm-evaluation-harness's usual settings: --batch_size 32 sends 32 prompts in one request, and a
+    # generation task's stop list comes with the end-of-text it adds.
+    prompts = [f"x{i} = {i} * " for i in range(32)]
+    body = {"prompt": prompts, "max_tokens": 12, "temperature": 1.0, "seed": 11}  # each choice its own seed
+    plain = completion(url, **body).json()["choices"]
+    full = [c["text"] for c in plain]
+    stops: list[str] = []  # six printable ones, each the first found in some choice's text, past its start
+    for text in full:
+        for k in range(1, len(text) - 2):
+            new, trial = text[k : k + 3], [*stops, text[k : k + 3]]
+            if new.isascii() and new.isprintable() and new not in stops and all(
+                    any(first_stop(t, trial)[1] == s for t in full) for s in trial):
+                stops = trial
+                break
+        if len(stops) == 6:
+            break
+    assert len(stops) == 6, full
+    r = completion(url, **body, stop=stops)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == list(range(32))
+    for before, choice in zip(plain, choices, strict=True):
+        cut, stop = first_stop(before["text"], stops)
+        assert choice["text"] == before["text"][:cut]
+        assert choice["finish_reason"] == ("stop" if stop else before["finish_reason"])
+
+
 def test_models_health_ready_docs(url: str) -> None:
     models = httpx.get(f"{url}/v1/models").json()
     assert models["object"] == "list" and models["data"][0]["id"] == "debug"
@@ -284,12 +326,13 @@ def test_device_memory_gauges_are_read_at_scrape_time_on_cuda_only(monkeypatch: 
     ({"prompt": "hello", "max_tokens": "ten"}, 400, None),
     ({"prompt": "hello", "stream": "yes"}, 400, None),
     ({"prompt": "hello", "temperature": True}, 400, None),
-    ({"prompt": "hello", "stop": ["a", "b", "c", "d", "e"]}, 400, None),
+    ({"prompt": "hello", "stop": ["a"] * (MAX_STOP + 1)}, 400, None),
+    ({"prompt": "hello", "stop": ["x" * MAX_STOP_CHARS] * 5}, 400, None),
     ({"prompt": "hello", "stop": [""]}, 400, None),
     ({"prompt": "hello", "logprobs": 21}, 400, None),
     ({"prompt": [1, 10**6]}, 400, "invalid_token_id"),
     ({"prompt": "hello", "model": "gpt-4"}, 404, "model_not_found"),
-    ({"prompt": ["a"] * 17}, 400, None),
+    ({"prompt": ["a"] * (MAX_PROMPTS + 1)}, 400, None),
     ({}, 400, None),
 ])
 def test_bad_completion_requests_get_4xx_openai_errors(url: str, body: dict[str, Any], status: int,

@@ -71,10 +71,16 @@ log = logging.getLogger(__name__)
 # Request limits, all checked before any model work.
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a GPT-2 context
 MAX_N = 8  # completions per prompt
-MAX_PROMPTS = 16  # prompts in one request's list
-MAX_CHOICES = 32  # prompts x n: sequences one request may put into the engine
-MAX_STOP = 4  # stop strings, as OpenAI allows
+# What bounds a request's sequences (prompts x n) is the engine: beyond --max_batch_size + --max_queue they
+# get a 400 before any tokenizing (check_capacity). This only bounds the list the schema reads, far above
+# the batches clients send (lm-evaluation-harness: --batch_size prompts in one request).
+MAX_PROMPTS = 4096
+# Stop strings: OpenAI allows 4, vLLM any number, and lm-evaluation-harness sends a task's list plus the
+# end-of-text. The per-token check (generate.StopChecker) tries every prefix of every stop string, so its
+# cost grows with their total length: that is bounded too, at what 4 of the longest cost.
+MAX_STOP = 32
 MAX_STOP_CHARS = 256
+MAX_STOP_TOTAL_CHARS = 4 * MAX_STOP_CHARS
 # The playground (static/): a page and its two files, served without the key so that a browser can open
 # it and ask for the key; every request the page makes is an API request, which needs it.
 PAGE = {"/": "index.html", "/static/playground.css": "playground.css", "/static/playground.js": "playground.js"}
@@ -471,13 +477,20 @@ def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[
     return list(prompt)
 
 
+def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    """The request's stop strings, at most MAX_STOP_TOTAL_CHARS in all (the schema bounds each and their count)."""
+    strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    if sum(map(len, strings)) > MAX_STOP_TOTAL_CHARS:
+        raise APIError(400, f"stop: the stop strings may have at most {MAX_STOP_TOTAL_CHARS} characters in all; "
+                       "send fewer or shorter ones", param="stop")
+    return strings
+
+
 def _check_completion(body: CompletionRequest, prompts: list[str | list[int]], names: tuple[str, ...],
                       max_tokens_limit: int, max_logprobs: int) -> None:
     """The request limits of /v1/completions that need no tokenizer (the schema checked the rest)."""
     if body.model is not None and body.model not in names:
         raise _no_such_model(body.model, names)
-    if len(prompts) * body.n > MAX_CHOICES:
-        raise APIError(400, f"len(prompt) x n may be at most {MAX_CHOICES}", param="n")
     if body.max_tokens is not None and body.max_tokens > max_tokens_limit:
         raise APIError(400, f"max_tokens may be at most {max_tokens_limit}", param="max_tokens")
     if body.logprobs is not None and body.logprobs > max_logprobs:
@@ -589,6 +602,15 @@ class _API:
                        else [])
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompts], texts
 
+    def check_capacity(self, sequences: int) -> None:
+        """400 when a request needs more sequences at once than the engine ever holds: a 429 would have
+        clients retry forever."""
+        if sequences > self.engine.capacity:
+            raise APIError(400, f"this request needs {sequences} sequences at once (prompts x n), more than this "
+                           f"server ever holds: {self.engine.capacity} (--max_batch_size "
+                           f"{self.engine.max_batch_size} + --max_queue {self.engine.max_queue}); send "
+                           "fewer prompts or a smaller n", param="n", code="request_too_large")
+
     # -- into the engine and back -----------------------------------------------------------------
 
     def sampling(self, body: Sampling, ids: list[list[int]], budgets: list[int],
@@ -610,12 +632,8 @@ class _API:
 
     def submit(self, prompts: list[list[int]], params: list[Any]) -> tuple[asyncio.Queue[Event], list[Any]]:
         """Every sequence into the engine, or none of them: 429 when it is busy, 503 when it is draining,
-        400 when the request is larger than the engine ever holds (a 429 would have clients retry forever)."""
-        if len(prompts) > self.engine.capacity:
-            raise APIError(400, f"this request needs {len(prompts)} sequences at once (prompts x n), more than this "
-                           f"server ever holds: {self.engine.capacity} (--max_batch_size "
-                           f"{self.engine.max_batch_size} + --max_queue {self.engine.max_queue}); send "
-                           "fewer prompts or a smaller n", param="n", code="request_too_large")
+        400 when the request is larger than the engine ever holds (check_capacity)."""
+        self.check_capacity(len(prompts))
         queue: asyncio.Queue[Event] = asyncio.Queue()
         sink, reqs = asyncio_sink(queue), []
         try:
@@ -666,11 +684,12 @@ class _API:
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
         prompts = _prompt_list(body.prompt)
-        stop = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        stop = _stop_strings(body.stop)
         _check_completion(body, prompts, self.model_names, self.cfg.max_tokens_limit, self.cfg.max_logprobs)
+        self.check_capacity(len(prompts) * body.n)  # before the prompts are read: refused, they cost nothing
         ids, texts = await self.read_prompts(prompts)
         budgets = [self.fit(x, body.max_tokens, "max_tokens") for x in ids]
-        seqs, params = self.sampling(body, ids, budgets, tuple(stop), self.stop_ids, logprobs=body.logprobs,
+        seqs, params = self.sampling(body, ids, budgets, stop, self.stop_ids, logprobs=body.logprobs,
                                      prompt_logprobs=body.logprobs if body.echo else None)
         queue, reqs = self.submit(seqs, params)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
@@ -723,7 +742,7 @@ class _API:
         if not ids:
             raise APIError(400, f"the chat template ({self.chat.source}) rendered these messages as no text",
                            param="messages", code="chat_template_error")
-        stop = (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+        stop = _stop_strings(body.stop)
         seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
                                      self.chat.stop_token_ids(self.tokenizer),
                                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
