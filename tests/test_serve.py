@@ -119,6 +119,48 @@ def test_generate_playbook_schema(url: str) -> None:
     assert 0 < body["inference_time"] < 60
 
 
+def test_generate_serves_the_least_max_length_its_schema_admits(url: str, debug_tokenizer: Any) -> None:
+    # max_length counts the prompt, as in Hugging Face generate, which refuses one the prompt already fills
+    schema = httpx.get(f"{url}/openapi.json").json()["components"]["schemas"]["GenerateRequest"]
+    least = schema["properties"]["max_length"]["minimum"]
+    assert len(debug_tokenizer.encode("x").ids) == 1
+    r = httpx.post(f"{url}/generate", json={"prompt": "x", "max_length": least, "temperature": 0}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["generated_text"].startswith("x")
+    n = len(debug_tokenizer.encode(PROMPT).ids)
+    err = assert_openai_error(httpx.post(f"{url}/generate", json={"prompt": PROMPT, "max_length": n}), 400)
+    assert err["param"] == "max_length" and f"at least {n + 1}" in err["message"]
+
+
+def as_floats(value: Any) -> Any:
+    """The same JSON numbers written as floats (5 -> 5.0), booleans left alone."""
+    if isinstance(value, list):
+        return [as_floats(v) for v in value]
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+def test_whole_numbers_written_as_floats_are_integers(url: str) -> None:
+    # JSON has one kind of number: a client may write 5 as 5.0 (JavaScript's JSON.stringify never does,
+    # Python's json.dumps of a float does), and JSON Schema's `integer` admits it.
+    body = {"prompt": [[1, 2, 3], [4, 5]], "n": 2, "max_tokens": 5, "logprobs": 1, "top_k": 40, "seed": 3}
+    r = completion(url, **{k: as_floats(v) for k, v in body.items()})
+    assert r.status_code == 200, r.text
+    texts = [(c["text"], c["finish_reason"]) for c in completion(url, **body).json()["choices"]]
+    assert [(c["text"], c["finish_reason"]) for c in r.json()["choices"]] == texts and len(texts) == 4
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3, "max_completion_tokens": 4,
+            "logprobs": True, "top_logprobs": 2, "seed": 1}
+    replies = [httpx.post(f"{url}/v1/chat/completions", json=b, timeout=60)
+               for b in (chat, {k: as_floats(v) for k, v in chat.items()})]
+    assert replies[1].status_code == 200, replies[1].text
+    assert replies[1].json()["choices"] == replies[0].json()["choices"]
+    generated = [httpx.post(f"{url}/generate", json={"prompt": PROMPT, "max_length": length, "temperature": 0},
+                            timeout=60) for length in (24, 24.0)]
+    assert generated[1].status_code == 200 and generated[1].json()["generated_text"] == generated[0].json()[
+        "generated_text"]
+    r = httpx.post(f"{url}/v1/completions", content=b'{"prompt": "x", "max_tokens": 1e1}', timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 10
+
+
 def test_completion_fields_usage_and_greedy_determinism(url: str, debug_tokenizer: Any) -> None:
     r = completion(url, max_tokens=8, temperature=0)
     assert r.status_code == 200, r.text
@@ -326,6 +368,10 @@ def test_device_memory_gauges_are_read_at_scrape_time_on_cuda_only(monkeypatch: 
     ({"prompt": "hello", "max_tokens": "ten"}, 400, None),
     ({"prompt": "hello", "stream": "yes"}, 400, None),
     ({"prompt": "hello", "temperature": True}, 400, None),
+    ({"prompt": "hello", "n": 1.5}, 400, None),
+    ({"prompt": "hello", "max_tokens": True}, 400, None),
+    ({"prompt": "hello", "n": "2"}, 400, None),
+    ({"prompt": [1.5, 2]}, 400, None),
     ({"prompt": "hello", "stop": ["a"] * (MAX_STOP + 1)}, 400, None),
     ({"prompt": "hello", "stop": ["x" * MAX_STOP_CHARS] * 5}, 400, None),
     ({"prompt": "hello", "stop": [""]}, 400, None),
@@ -384,7 +430,7 @@ def test_hostile_completion_fields_never_get_a_5xx(url: str, body: dict[str, Any
 
 @pytest.mark.parametrize("raw", [b'{"prompt": "x", "temperature": Infinity}', b'{"prompt": "x", "top_p": -Infinity}',
                                  b'{"prompt": "x", "repetition_penalty": NaN}', b'{"prompt": "x", "temperature": 1e999}',
-                                 b'{"prompt": "x", "max_tokens": 1e2}', b'{"prompt": "x"} trailing', b"\xff\xfe",
+                                 b'{"prompt": "x", "max_tokens": 1.5e0}', b'{"prompt": "x"} trailing', b"\xff\xfe",
                                  b'"just a string"', b"null", b""])
 def test_non_numbers_and_non_objects_get_400(url: str, raw: bytes) -> None:
     generate_too = not any(name in raw for name in (b"top_p", b"repetition_penalty", b"max_tokens"))

@@ -125,10 +125,23 @@ def _unicode(text: Any) -> Any:
     return text
 
 
+def _whole(number: Any) -> Any:
+    """JSON has one kind of number: 5.0 is the integer 5 to JSON Schema's `integer`, and clients send it so.
+    A whole float becomes that int; 1.5, true and "5" go on to the strict check, which refuses them."""
+    if isinstance(number, float) and number.is_integer():
+        return int(number)
+    return number
+
+
+# Every integer field takes a whole JSON number, written either way. Around the whole type (`int | None`
+# included), before any limit: so pydantic documents the field's limits as JSON Schema's minimum and maximum.
+WHOLE = BeforeValidator(_whole)
+Int = Annotated[int, WHOLE]
+IntOrNone = Annotated[int | None, WHOLE]
 Text = Annotated[str, BeforeValidator(_unicode)]
 Prompt = Annotated[str, Field(min_length=1), BeforeValidator(_unicode)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), BeforeValidator(_unicode)]
-TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]  # a prompt already tokenized
+TokenIds = Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]  # a prompt already tokenized
 
 
 class ErrorDetail(BaseModel):
@@ -155,12 +168,12 @@ class Sampling(BaseModel):
     model_config = _STRICT
     temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
     top_p: float = Field(1.0, gt=0, le=1)
-    n: int = Field(1, ge=1, le=MAX_N)
+    n: Int = Field(1, ge=1, le=MAX_N)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
-    seed: int | None = Field(None, ge=0, lt=2**63)
+    seed: IntOrNone = Field(None, ge=0, lt=2**63)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    top_k: int | None = Field(None, ge=1, description="extension: sample from the k most likely tokens")
+    top_k: IntOrNone = Field(None, ge=1, description="extension: sample from the k most likely tokens")
     repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
 
 
@@ -171,10 +184,10 @@ class CompletionRequest(Sampling):
              | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
         description=f"a string, or a list of 1 to {MAX_PROMPTS} strings (one completion each); or token ids, "
         f"or a list of 1 to {MAX_PROMPTS} lists of token ids")
-    max_tokens: int | None = Field(16, ge=0, description="tokens to generate; null: up to the context end; 0 (with "
+    max_tokens: IntOrNone = Field(16, ge=0, description="tokens to generate; null: up to the context end; 0 (with "
                                    "echo and logprobs): score the prompt only")
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, description="per token its log-probability and this many most likely "
+    logprobs: IntOrNone = Field(None, ge=0, description="per token its log-probability and this many most likely "
                                  "alternatives (log_softmax of the model's raw logits, before temperature and "
                                  "top_p); with echo the prompt's tokens too")
 
@@ -199,10 +212,10 @@ class ChatRequest(Sampling):
     model_config = _STRICT
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     model: Text | None = None
-    max_tokens: int | None = Field(None, ge=1, description="tokens to generate; null: up to the context end")
-    max_completion_tokens: int | None = Field(None, ge=1, description="the same, OpenAI's newer name; wins if both")
+    max_tokens: IntOrNone = Field(None, ge=1, description="tokens to generate; null: up to the context end")
+    max_completion_tokens: IntOrNone = Field(None, ge=1, description="the same, OpenAI's newer name; wins if both")
     logprobs: bool = Field(False, description="each reply token's log-probability (choices[].logprobs.content)")
-    top_logprobs: int | None = Field(None, ge=0, description="with logprobs: this many most likely tokens per "
+    top_logprobs: IntOrNone = Field(None, ge=0, description="with logprobs: this many most likely tokens per "
                                      "position, at most the server's --max_logprobs")
 
 
@@ -211,7 +224,10 @@ class GenerateRequest(BaseModel):
 
     model_config = _STRICT
     prompt: Prompt
-    max_length: int = Field(100, ge=1, description="total tokens, prompt included (capped at the context)")
+    # As Hugging Face generate, a max_length the prompt already fills is refused: at least 2, since a prompt
+    # is at least one token.
+    max_length: Int = Field(100, ge=2, description="total tokens, prompt included (capped at the context): more "
+                            "than the prompt's tokens, else 400")
     temperature: float = Field(1.0, ge=0, le=2)
 
 
@@ -769,7 +785,8 @@ class _API:
         budget = self.fit(ids, None, "max_length")
         if body.max_length <= len(ids):
             raise APIError(400, f"max_length ({body.max_length}) must exceed the prompt's {len(ids)} tokens: it "
-                           "counts the prompt too", param="max_length")
+                           f"counts the prompt too, as in Hugging Face generate; send at least {len(ids) + 1}",
+                           param="max_length")
         params = SamplingParams(max_new_tokens=min(budget, body.max_length - len(ids)),
                                 temperature=body.temperature, top_k=None, top_p=1.0, repetition_penalty=1.0,
                                 seed=None, stop=(), stop_token_ids=self.stop_ids)
