@@ -13,6 +13,7 @@ import os
 import shlex
 import shutil
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -321,6 +322,27 @@ def test_metrics_expose_histograms_gauges_and_counters(url: str) -> None:
           if s.labels == {"route": "/v1/completions", "status": "200"} and s.name.endswith("_total")]
     assert ok and ok[0].value > 0
     assert not [name for name in families if name.startswith("gptopt_device_memory")]  # CUDA only
+
+
+def requests_counted(url: str, route: str) -> dict[str, float]:
+    """/metrics' request counter of one route, by status code."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+    return {s.labels["status"]: s.value for s in families["gptopt_requests"].samples
+            if s.name.endswith("_total") and s.labels["route"] == route}
+
+
+def test_an_upload_the_client_abandons_is_counted_499_not_500(url: str) -> None:
+    # A server error alert (rate of 5xx) must not fire because a client went away mid-upload.
+    before = requests_counted(url, "/v1/completions")
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port))) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n" + b'{"prompt": "def f(')
+    wait_for(lambda: sum(requests_counted(url, "/v1/completions").values()) > sum(before.values()))
+    after = requests_counted(url, "/v1/completions")
+    assert {code: n - before.get(code, 0) for code, n in after.items() if n != before.get(code, 0)} == {"499": 1}
 
 
 def test_device_memory_gauges_are_read_at_scrape_time_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -284,7 +284,8 @@ class _Guard:
                 too_big = not length.isdigit() or int(length) > MAX_BODY_BYTES
                 while not too_big:  # a chunked body has no length: count what arrives
                     message = await receive()
-                    if message["type"] == "http.disconnect":
+                    if message["type"] == "http.disconnect":  # the client left mid-body: no server error
+                        status["code"] = 499  # nginx's "client closed request", as collect() counts a departure
                         return
                     body += message.get("body", b"")
                     too_big = len(body) > MAX_BODY_BYTES
