@@ -92,6 +92,25 @@ def test_bench_writes_the_contract_and_a_best_toml_train_accepts(
                      "--max_steps", "2", "--sample_tokens", "0", "--no-tensorboard"]) == 0
 
 
+def test_best_toml_is_the_config_the_winning_rung_trained_under(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`gptopt train --config best.toml` is the winning rung's run: its model, data, length, seed and device."""
+    trained: list[TrainConfig] = []  # what each measured rung's step got, in the ladder's order
+    real_step = ladder.TrainStep
+    monkeypatch.setattr(ladder, "TrainStep", lambda model, raw, plan, cfg, *a: (trained.append(cfg),
+                                                                              real_step(model, raw, plan, cfg, *a))[1])
+    out = tmp_path / "b"
+    assert cli.main(bench_args(train_data, out, "eager,sdpa", "--seed", "7")) == 0
+    results = json.loads((out / "results.json").read_text())
+    winner = trained[[r["name"] for r in results["rungs"]].index(results["best"])]
+    loaded = cli.parse_config("train", TrainConfig, ["--config", str(out / "best.toml")],
+                              cli.build_parser("train", TrainConfig))
+    assert loaded == winner
+    assert (loaded.preset, loaded.data_dir, loaded.seq_len, loaded.seed, loaded.device) == \
+        ("debug", str(train_data), 32, 7, "cpu")
+
+
 def test_plots_are_written_with_the_plot_extra(train_data: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     assert cli.main(bench_args(train_data, tmp_path / "b", "eager,sdpa")) == 0

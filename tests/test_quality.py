@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 from pathlib import Path
@@ -134,10 +135,12 @@ def test_align_documents_needs_end_of_text_tokens(tmp_path: Path) -> None:
 
 
 def _fake(ladder: quality.Ladder, recipe: str, times: list[float], steps: int = 100) -> None:
+    flags = ladder.flags.get(recipe, {})
     for i, t in enumerate(times):
-        ladder.runs.append(quality.Run(recipe, ladder.seeds[i], ladder.flags.get(recipe, {}), Path("x"), reached=True,
+        config = TrainConfig(preset=ladder.preset, seed=ladder.seeds[i], target_loss=ladder.target, **flags)
+        ladder.runs.append(quality.Run(recipe, ladder.seeds[i], flags, Path("x"), reached=True,
                                        time_s=t, time_excl_compile_s=t - 1, tokens=steps * 64, steps=steps,
-                                       best_val_loss=4.9))
+                                       best_val_loss=4.9, config=dataclasses.asdict(config)))
 
 
 def test_the_ladder_reports_ratios_and_welchs_test_against_adamw(tmp_path: Path) -> None:
@@ -234,35 +237,70 @@ def test_a_cap_at_or_beyond_max_steps_is_no_cap_and_a_warmup_only_schedule_stays
     assert train_cfg.max_steps == 60 and train_cfg.align_documents  # what the child process would run
 
 
-def test_the_ladder_end_to_end_trains_each_recipe_and_seed_and_writes_its_report(
-        train_data: Path, tmp_path: Path, curve: dict[int, float], capsys: pytest.CaptureFixture[str]) -> None:
+# The ladder of the end-to-end tests, run once: the training ladder's best.toml in its folder (step settings
+# every run takes), seeds 7 and 8.
+LADDER_ARGV = ["bench", "--mode", "quality", "--preset", "debug", "--seq_len", "32", "--batch_size", "4", "--device",
+               "cpu", "--target_loss", "5.5", "--seeds", "2", "--seed", "7", "--recipes", "adamw,schedule",
+               "--max_steps", "40"]
+STEP_SETTINGS = 'attention = "sdpa"\nfused_optimizer = false\nnum_workers = 0\n'
+
+
+@pytest.fixture(scope="module")
+def ladder_out(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A quality ladder's folder. Its schedule runs count half their time, so that recipe wins whatever the
+    machine's speed: train's defaults (lr 1e-3, warmup 100) get the debug model to 5.5 within 40 steps,
+    every seed."""
     pytest.importorskip("scipy", reason="the stats extra")
-    out = tmp_path / "bench"
-    target = 5.5  # train's defaults (lr 1e-3, warmup 100) get the debug model there within 40 steps, every seed
-    argv = ["bench", "--mode", "quality", "--preset", "debug", "--seq_len", "32", "--batch_size", "4", "--device", "cpu",
-            "--data_dir", str(train_data), "--output_dir", str(out), "--target_loss", str(target), "--seeds", "2",
-            "--recipes", "adamw,schedule", "--max_steps", "40"]
-    assert cli.main(argv) == 0
+    out = tmp_path_factory.mktemp("quality") / "bench"
+    out.mkdir()
+    (out / "best.toml").write_text(STEP_SETTINGS)
+    real_read = quality.read_run
+
+    def read_run(run: quality.Run) -> None:
+        real_read(run)
+        if run.recipe == "schedule" and run.time_s is not None:
+            run.time_s /= 2
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(quality, "read_run", read_run)
+        assert cli.main([*LADDER_ARGV, "--data_dir", str(train_data), "--output_dir", str(out)]) == 0
+    return out
+
+
+def test_the_ladder_end_to_end_trains_each_recipe_and_seed_and_writes_its_report(
+        train_data: Path, ladder_out: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = ladder_out
     res = json.loads((out / "quality_results.json").read_text())
-    assert [(r["recipe"], r["seed"]) for r in res["runs"]] == [("adamw", 1337), ("adamw", 1338),
-                                                               ("schedule", 1337), ("schedule", 1338)]
+    assert [(r["recipe"], r["seed"]) for r in res["runs"]] == [("adamw", 7), ("adamw", 8), ("schedule", 7), ("schedule", 8)]
     # the decay ends at AdamW's median steps; train's warmup of 100 cut to half of them
     adamw_steps = sorted(r["steps_to_target"] for r in res["runs"] if r["recipe"] == "adamw")
     median = round(sum(adamw_steps) / 2)
     assert res["recipes"][1]["flags"] == {"lr_decay_steps": median, "warmup_steps": median // 2}
     assert all(r["reached"] and r["steps_to_target"] is not None and r["curve"] for r in res["runs"])
     report = (out / "quality_report.md").read_text()
-    assert "| adamw | 1337 | yes |" in report and "native bf16" in report
-    if res["best"]:  # a recipe beat AdamW: its TOML is what train --config takes
-        toml = out / "quality_best.toml"
-        assert cli.main(["train", "--config", str(toml), "--data_dir", str(train_data), "--output_dir",
-                         str(tmp_path / "t"), "--preset", "debug", "--seq_len", "32", "--batch_size", "4",
-                         "--max_steps", "2", "--device", "cpu", "--no-tensorboard", "--sample_tokens", "0"]) == 0
+    assert "| adamw | 7 | yes |" in report and "native bf16" in report
     # again without --overwrite: refused before any training
     capsys.readouterr()
     before = (out / "quality_results.json").read_text()
+    argv = [*LADDER_ARGV, "--data_dir", str(train_data), "--output_dir", str(out)]
     assert cli.main(argv) == 2 and "--overwrite" in capsys.readouterr().err
     assert (out / "quality_results.json").read_text() == before
+
+
+def test_quality_best_toml_is_the_winning_recipes_run(train_data: Path, ladder_out: Path, tmp_path: Path) -> None:
+    """`gptopt train --config quality_best.toml` trains what the winning recipe's run of the first seed trained:
+    the same preset, data, seed, the training ladder's step settings, the recipe, its step cap and evaluations."""
+    res = json.loads((ladder_out / "quality_results.json").read_text())
+    assert res["best"] == "schedule"
+    loaded = cli.parse_config("train", TrainConfig, ["--config", str(ladder_out / "quality_best.toml")],
+                              cli.build_parser("train", TrainConfig))
+    # the config that run's `gptopt train` process recorded, less where it wrote (a new run writes elsewhere)
+    ran = json.loads((ladder_out / "runs" / "schedule-seed7" / "run.json").read_text())["config"]
+    assert loaded == dataclasses.replace(TrainConfig(**ran), output_dir=TrainConfig().output_dir, overwrite=False)
+    assert (loaded.preset, loaded.data_dir, loaded.seed, loaded.attention, loaded.target_loss) == \
+        ("debug", str(train_data), 7, "sdpa", 5.5)
+    assert cli.main(["train", "--config", str(ladder_out / "quality_best.toml"), "--output_dir", str(tmp_path / "t"),
+                     "--max_steps", "2", "--no-tensorboard"]) == 0
 
 
 def test_lr_decay_steps_sets_every_optimizer_groups_rate(tmp_path: Path) -> None:

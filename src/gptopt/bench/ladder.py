@@ -244,7 +244,8 @@ class Bench:
     def train_config(self, settings: dict[str, Any]) -> TrainConfig:
         """The TrainConfig `gptopt train` gets from a rung's best.toml; its defaults fill the rest
         (learning rate, warmup, schedule, weight decay, betas, gradient clipping)."""
-        return TrainConfig(**train_options(settings, self.preset, self.seq_len, self.cfg.data_dir), seed=self.cfg.seed)
+        return TrainConfig(**train_options(settings, self.preset, self.seq_len, self.cfg.data_dir,
+                                           seed=self.cfg.seed, device=self.cfg.device))
 
     def effective(self, rung: Rung, batch_size: int | None = None) -> dict[str, Any]:
         """What a rung runs once the device policy has resolved it: `use_amp` drops out (amp_dtype is the
@@ -445,7 +446,7 @@ class Bench:
         baseline = next((r for r in self.results if r.status == "ok"), None)
         return {
             "preset": self.preset, "seq_len": self.seq_len, "batch_size": self.batch_size, "steps": self.cfg.steps,
-            "warmup": self.cfg.warmup, "model": self.model_config.to_dict(), "params": self.params,
+            "warmup": self.cfg.warmup, "seed": self.cfg.seed, "device": self.cfg.device, "model": self.model_config.to_dict(), "params": self.params,
             "flops_per_token": self.fpt, "peak_flops": peak, "peak_source": source, "device_policy": self.plan.reason,
             "baseline": baseline.name if baseline else None, "best": best.name if best else None,
             "environment": environment(self.plan), "rungs": [dataclasses.asdict(r) for r in self.results],
@@ -454,15 +455,19 @@ class Bench:
 
 
 def best_train_config(summary: dict[str, Any], data_dir: str) -> dict[str, Any] | None:
-    """The winning rung as `gptopt train` options (what best.toml holds)."""
+    """The winning rung as `gptopt train` options (what best.toml holds): the config it trained under
+    (Bench.train_config), so `gptopt train --config best.toml` is that rung's run."""
     best = next((r for r in summary["rungs"] if r["name"] == summary["best"]), None)
     if best is None:
         return None
-    return train_options(best["settings"], summary["preset"], summary["seq_len"], data_dir)
+    return train_options(best["settings"], summary["preset"], summary["seq_len"], data_dir,
+                         seed=summary["seed"], device=summary["device"])
 
 
-def train_options(s: dict[str, Any], preset: str, seq_len: int, data_dir: str) -> dict[str, Any]:
-    """A rung's settings (RungResult.settings) as the options of `gptopt train`."""
+def train_options(s: dict[str, Any], preset: str, seq_len: int, data_dir: str, *, seed: int | None = None,
+                  device: str | None = None) -> dict[str, Any]:
+    """A rung's settings (RungResult.settings) as the options of `gptopt train`; with the seed (the rung's
+    weights and batches) and the device the rung trained with, where given."""
     opts: dict[str, Any] = {
         "preset": preset, "data_dir": data_dir, "seq_len": seq_len, "batch_size": s["batch_size"],
         "gradient_accumulation_steps": s.get("gradient_accumulation_steps", 1),
@@ -475,7 +480,7 @@ def train_options(s: dict[str, Any], preset: str, seq_len: int, data_dir: str) -
     for key in ("pin_memory", "prefetch_factor", "persistent_workers"):
         if s.get(key) is not None:
             opts[key] = s[key]
-    return opts
+    return {**opts, **({"seed": seed} if seed is not None else {}), **({"device": device} if device else {})}
 
 
 def main(cfg: BenchConfig) -> int:

@@ -34,6 +34,7 @@ quality_report.md, quality_results.json, and quality_best.toml for `gptopt train
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -106,6 +107,7 @@ class Run:
     steps: int | None = None
     best_val_loss: float | None = None
     curve: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, val loss) per evaluation
+    config: dict[str, Any] | None = None  # the TrainConfig the run's process trained under (its run.json)
     error: str | None = None
 
 
@@ -145,8 +147,9 @@ def train_argv(cfg: BenchConfig, run: Run, target: float, max_steps: int, best_t
 
 
 def read_run(run: Run) -> None:
-    """The run's run.json "target" and its metrics.jsonl evaluations."""
+    """The run's run.json "config" and "target", and its metrics.jsonl evaluations."""
     info = json.loads((run.out / "run.json").read_text())
+    run.config = info["config"]
     target = info.get("target") or {}
     run.reached = bool(target.get("reached"))
     run.time_s, run.time_excl_compile_s = target.get("time_to_target_s"), target.get("time_to_target_excl_compile_s")
@@ -166,6 +169,7 @@ class Ladder:
         self.seeds = [cfg.seed + i for i in range(cfg.seeds)]
         self.plan = resolve(cfg.device, quiet=True)
         self.preset = cfg.preset or ("gpt2" if self.plan.device.type == "cuda" else "tiny")
+        self.cfg = dataclasses.replace(cfg, preset=self.preset)  # every run trains the preset the report names
         if cfg.target_loss is None and self.preset not in DEFAULT_TARGET:
             raise ValueError(f"--mode quality has no default target for {self.preset}: pass --target_loss")
         self.target = cfg.target_loss if cfg.target_loss is not None else DEFAULT_TARGET[self.preset]
@@ -319,7 +323,8 @@ class Ladder:
             "runs": [{"recipe": r.recipe, "seed": r.seed, "flags": r.flags, "step_cap": r.cap, "reached": r.reached,
                       "time_to_target_s": r.time_s, "time_to_target_excl_compile_s": r.time_excl_compile_s,
                       "tokens_to_target": r.tokens, "steps_to_target": r.steps, "best_val_loss": r.best_val_loss,
-                      "curve": r.curve, "error": r.error, "output_dir": str(r.out)} for r in self.runs],
+                      "curve": r.curve, "error": r.error, "output_dir": str(r.out), "config": r.config}
+                     for r in self.runs],
         }
 
     def _welch(self, name: str) -> dict[str, Any] | None:
@@ -334,15 +339,26 @@ class Ladder:
                 "level": SIGNIFICANCE}
 
 
+# A run's config entries that are not its recipe: where that one process wrote, and its licence to replace
+# what was there. The file names no output folder, so a train from it never writes into the ladder's runs.
+NOT_RECIPE = ("output_dir", "overwrite", "resume")
+ALWAYS = ("preset", "data_dir", "seed", "target_loss", "max_steps")  # written even where train's default
+
+
 def best_toml(summary: dict[str, Any]) -> str | None:
+    """quality_best.toml: the winning recipe's run of the first seed as its `gptopt train` process ran it (the
+    config in its run.json: the training ladder's best.toml, the sizes, the recipe, the step cap and the
+    evaluations), so that `gptopt train --config quality_best.toml` is that run again."""
     best = next((r for r in summary["recipes"] if r["recipe"] == summary["best"]), None)
-    if best is None:
+    run = next((r for r in summary["runs"] if r["recipe"] == summary["best"] and r["config"]), None)
+    if best is None or run is None:
         return None
-    # the sizes and the cap it was measured at: a schedule's steps mean something at these sizes only
-    opts = {"target_loss": summary["target_loss"], **summary["sizes"], "max_steps": summary["max_steps"],
-            **best["flags"]}
+    defaults = dataclasses.asdict(TrainConfig())
+    opts = {k: v for k, v in run["config"].items()
+            if k not in NOT_RECIPE and (k in ALWAYS or v != defaults.get(k))}
     return toml_text(opts, (f"# written by `gptopt bench --mode quality`: recipe '{best['recipe']}', "
                             f"{best['vs_adamw']:.2f}x AdamW's time to val loss {summary['target_loss']}",
+                            f"# its run with seed {run['seed']} as that `gptopt train` ran it (flags override any of it)",
                             "# gptopt train --config quality_best.toml"))
 
 
