@@ -8,10 +8,12 @@ faults (out of memory, NaN loss) and the `--json` line commands print last.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -175,3 +177,27 @@ def split_bytes_per_token(data_dir: Path, split: str = "val") -> float:
     ids = np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16).tolist()
     text = Tokenizer.from_file(str(data_dir / "tokenizer.json")).decode(ids)
     return len(text.encode("utf-8")) / len(ids)
+
+
+_HOLD = """
+import sys
+from gptopt import fsutil
+held = fsutil.lock_output(sys.argv[1], whole=sys.argv[2] == "whole")  # kept: a collected one lets go
+held.__enter__()
+print("held", flush=True)
+sys.stdin.read()  # until the test lets go (closes stdin) or kills it
+"""
+
+
+@contextlib.contextmanager
+def another_writer(out: Path, *, whole: bool = False) -> Iterator[subprocess.Popen[str]]:
+    """Another gptopt process holding out's one-writer lock (fsutil.lock_output) for the block; killed
+    with SIGKILL at the end, as a crash would end it."""
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(out), "whole" if whole else "in place"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "held"
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()

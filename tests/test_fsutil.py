@@ -1,4 +1,5 @@
-"""Published directories: readable by other accounts under the usual umask, and never half-written.
+"""Published directories: readable by other accounts under the usual umask, and never half-written;
+one writer per output.
 
     pytest -q tests/test_fsutil.py
 """
@@ -7,11 +8,13 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import another_writer
 
 from gptopt import checkpoint, fsutil, hf
 from gptopt.config import PrepareConfig
@@ -262,3 +265,53 @@ def test_overwrite_never_deletes_a_users_file_inside_gptopts_folders(tmp_path: P
 def test_the_root_and_the_home_folder_are_never_an_output(where: str) -> None:
     with pytest.raises(ValueError, match="a folder of its own"):
         fsutil.check_output(Path(where), kind="train-run", overwrite=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# One writer per output: lock_output
+
+
+@pytest.mark.parametrize("whole", [False, True], ids=["written in place", "published whole"])
+def test_a_second_writer_is_refused_at_once_naming_the_first(tmp_path: Path, whole: bool) -> None:
+    out = tmp_path / "out"
+    with another_writer(out, whole=whole) as first:
+        before = sorted(p.name for p in tmp_path.rglob("*"))
+        with pytest.raises(ValueError, match=rf"being written by another gptopt process \(pid {first.pid}\); "
+                                             "nothing was written"), fsutil.lock_output(out, whole=whole):
+            pass
+        assert sorted(p.name for p in tmp_path.rglob("*")) == before
+
+
+def test_a_writer_killed_outright_leaves_no_lock_behind(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    with another_writer(out):
+        pass  # SIGKILL: no clean-up ran, its lock file is still there
+    assert (out / fsutil.LOCK_FILE).exists()
+    with fsutil.lock_output(out):
+        (out / "written.txt").write_text("mine")
+    assert [p.name for p in out.iterdir()] == ["written.txt"]  # the lock file goes with the lock
+
+
+def test_the_lock_is_taken_again_inside_one_process_and_leaves_no_folder_it_made(tmp_path: Path) -> None:
+    out = tmp_path / "new" / "out"
+    with fsutil.lock_output(out), fsutil.lock_output(out):  # a verb calling another verb's writer
+        assert out.is_dir()
+    assert list(tmp_path.iterdir()) == []  # refused or failed before writing: nothing made stays
+
+
+def test_a_waiting_writer_goes_on_once_the_first_has_finished(tmp_path: Path) -> None:
+    out = tmp_path / "data"
+    got = threading.Event()
+
+    def second() -> None:
+        with fsutil.lock_output(out, wait=True):
+            got.set()
+
+    with another_writer(out) as first:
+        thread = threading.Thread(target=second, daemon=True)
+        thread.start()
+        assert not got.wait(0.5)  # the first still writes
+        assert first.stdin is not None
+        first.stdin.close()  # the first finishes
+        thread.join(timeout=60)
+    assert got.is_set()

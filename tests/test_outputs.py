@@ -7,6 +7,9 @@
     a whole directory (compress, export), the overwrite is refused and everything survives.
 (b) The output folder cannot be written: exit 2, one line naming the folder, nothing written, before any
     model or measurement (the suite may run as root, so os.access is what says no, as in test_fsutil).
+(c) Another gptopt process is writing the output: exit 2 at once, one line naming its pid, nothing written;
+    and two real trains started into one folder: the second is refused while the first runs, and the
+    first's run is continued by --resume auto after it was killed outright.
 
 Every run uses the debug preset and the fewest steps each verb takes; refusals come before any model work,
 which the tests enforce by making that work fail if it is reached.
@@ -15,12 +18,17 @@ which the tests enforce by making that work fail if it is reached.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import another_writer
 
-from gptopt import cli, fsutil
+from gptopt import checkpoint, cli, fsutil
 
 NOTES = "notes.txt"
 DEBUG = ["--preset", "debug", "--seq_len", "32", "--device", "cpu"]
@@ -244,3 +252,54 @@ def test_an_output_folder_that_cannot_be_written(verb: str, train_data: Path, mo
         refused(UNWRITABLE[verb](train_data, model_dir, out), capsys, "cannot write in", str(locked))
     assert snapshot(tmp_path) == before
     assert sorted(p.name for p in locked.iterdir()) == [NOTES]
+
+
+# ----------------------------------------------------------------------------------------------
+# (c) An output another gptopt process is writing: refused at once, naming that process
+
+# The verbs that publish their output whole (a directory, or generate's file) hold their lock beside it.
+WHOLE = {"compress", "export onnx", "export hf", "generate --output", "eval"}
+
+
+@pytest.mark.parametrize("verb", list(UNWRITABLE))
+def test_an_output_another_process_is_writing(verb: str, train_data: Path, model_dir: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = with_notes(tmp_path / "busy")
+    argv = UNWRITABLE[verb](train_data, model_dir, folder)
+    target = folder / "out.jsonl" if verb == "generate --output" else folder
+    no_model_work(monkeypatch)
+    with another_writer(target, whole=verb in WHOLE) as first:
+        before = snapshot(tmp_path)
+        refused(argv, capsys, f"{target} is being written by another gptopt process (pid {first.pid})",
+                "nothing was written")
+        assert snapshot(tmp_path) == before
+
+
+def _wait_for(ready: Callable[[], bool], proc: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + 300
+    while not ready():
+        assert proc.poll() is None, "the first train ended before it was seen running"
+        assert time.monotonic() < deadline, "the first train did not start"
+        time.sleep(0.1)
+
+
+def test_two_trains_into_one_folder_never_mix_their_runs(train_data: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "dup"
+    argv = ["train", *DEBUG, "--batch_size", "2", "--eval_interval", "0", "--sample_tokens", "0", "--no-tensorboard",
+            "--data_dir", str(train_data), "--output_dir", str(out), "--save_interval", "1"]
+    first = subprocess.Popen([sys.executable, "-m", "gptopt", *argv, "--max_steps", "100000", "--seed", "1"],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _wait_for(lambda: bool(checkpoint.checkpoint_dirs(out)), first)  # it is training
+        refused([*argv, "--max_steps", "4", "--seed", "2", "--learning_rate", "0.01"], capsys,
+                f"is being written by another gptopt process (pid {first.pid})")
+        refused([*argv, "--max_steps", "4", "--resume", "auto"], capsys, f"(pid {first.pid})")
+    finally:
+        first.send_signal(signal.SIGKILL)  # no clean-up: its lock must go with it all the same
+        first.wait()
+    run = (out / "run.json").read_text()
+    assert '"seed": 1' in run and '"learning_rate": 0.01' not in run
+    last = checkpoint.latest_checkpoint(out)
+    assert cli.main([*argv, "--max_steps", str(int(last.name.split("-")[1]) + 1), "--resume", "auto"]) == 0

@@ -36,7 +36,7 @@ from gptopt.bpb import bits_per_byte, bytes_per_token
 from gptopt.config import CompressConfig, parse_prune
 from gptopt.data import DEFAULT_DATA, BatchDataset, TokenData, open_data
 from gptopt.device import DevicePlan, environment, resolve
-from gptopt.fsutil import check_output, staged_dir
+from gptopt.fsutil import check_output, lock_output, staged_dir
 from gptopt.inference import RECOMPILE_LIMIT, load_for_inference, model_source
 from gptopt.measure import GptoptRunner, interleaved, tensor_bytes
 from gptopt.quantize import check_supported, compress_model, describe, pack_state
@@ -263,6 +263,11 @@ def table(results: dict[str, Any]) -> str:
 def main(cfg: CompressConfig) -> int:
     assert cfg.output is not None  # CompressConfig refuses a missing --output
     out = Path(cfg.output).expanduser()
+    with lock_output(out, flag="--output", whole=True):  # one writer, from the checks to the publish
+        return _compress(cfg, out)
+
+
+def _compress(cfg: CompressConfig, out: Path) -> int:
     _check_output(out, cfg.overwrite)
     plan = resolve(cfg.device, quiet=True)
     quantize, prune = (None if cfg.quantize == "none" else cfg.quantize), parse_prune(cfg.prune)

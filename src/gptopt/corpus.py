@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from gptopt.config import PrepareConfig
 from gptopt.extras import require
-from gptopt.fsutil import check_output, mark, marked_kind, staged_files
+from gptopt.fsutil import check_output, lock_output, mark, marked_kind, staged_files
 from gptopt.tokenizer import EOT, TOKENIZER, eot_id, load_tokenizer
 
 log = logging.getLogger("gptopt")
@@ -403,9 +403,15 @@ def prepare(config: PrepareConfig) -> Path:
 
     Every file is written into a hidden temporary sibling and moved in at the end, meta.json last, so an
     interrupted run leaves no folder that looks complete, gptopt's old files in place, and the user's
-    own files there untouched. Arguments and the output folder are checked before anything is written.
+    own files there untouched. Arguments and the output folder are checked before anything is written,
+    under the folder's one-writer lock (a second prepare there is refused while this one runs).
     """
     out = Path(config.output_dir).expanduser()  # the options themselves: PrepareConfig checked them
+    with lock_output(out):
+        return _prepare(config, out)
+
+
+def _prepare(config: PrepareConfig, out: Path) -> Path:
     _check_input(config, out)
     if config.overwrite and out.is_dir():
         _adopt_legacy(out)  # writes a mark: only once nothing else can refuse

@@ -23,6 +23,7 @@ from tokenizers import Tokenizer
 
 from gptopt.config import PrepareConfig
 from gptopt.corpus import FORMAT, META, SPLITS, VERSION, prepare
+from gptopt.fsutil import lock_output
 from gptopt.tokenizer import TOKENIZER, load_tokenizer
 
 log = logging.getLogger("gptopt")
@@ -233,8 +234,11 @@ def open_data(data_dir: str | os.PathLike[str], *, is_main: bool = True, barrier
     path = Path(data_dir)
     if str(data_dir) == DEFAULT_DATA and not (path / "meta.json").is_file():
         if is_main:
-            log.info(f"{DEFAULT_DATA} not found: preparing the default stdlib corpus (once)")
-            prepare(PrepareConfig(output_dir=DEFAULT_DATA))
+            # Two commands started together in a new folder both need it: the second waits for the first.
+            with lock_output(path, wait=True):
+                if not (path / "meta.json").is_file():
+                    log.info(f"{DEFAULT_DATA} not found: preparing the default stdlib corpus (once)")
+                    prepare(PrepareConfig(output_dir=DEFAULT_DATA))
         if barrier is not None:
             barrier()
     return TokenData(data_dir)

@@ -22,6 +22,7 @@ The examples are read and checked before the model loads: a bad line is one erro
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import logging
@@ -42,7 +43,7 @@ from tqdm import tqdm
 
 from gptopt.config import EvalConfig
 from gptopt.device import DevicePlan, environment, resolve
-from gptopt.fsutil import check_output, staged_dir, staged_file
+from gptopt.fsutil import check_output, lock_output, staged_dir, staged_file
 from gptopt.inference import load_for_inference, model_source
 from gptopt.model import GPT
 from gptopt.tables import text_table, to_json
@@ -262,6 +263,11 @@ def table(results: dict[str, Any]) -> str:
 
 def main(cfg: EvalConfig) -> int:
     out = Path(cfg.output).expanduser() if cfg.output else None
+    with lock_output(out, flag="--output", whole=True) if out is not None else contextlib.nullcontext():
+        return _evaluate(cfg, out)
+
+
+def _evaluate(cfg: EvalConfig, out: Path | None) -> int:
     if out is not None:  # refused before the download or the model: nothing read or written
         check_output(out, kind=KIND, overwrite=cfg.overwrite, whole=True, flag="--output")
     if cfg.data:

@@ -34,7 +34,7 @@ from tokenizers import Tokenizer
 from gptopt import checkpoint, hf
 from gptopt.config import MIN_OPSET, ExportConfig
 from gptopt.extras import require
-from gptopt.fsutil import check_output, mark, marked_kind, staged_dir
+from gptopt.fsutil import check_output, lock_output, mark, marked_kind, staged_dir
 from gptopt.inference import find_tokenizer, model_source
 from gptopt.model import GPT
 from gptopt.tokenizer import TOKENIZER, eot_id, load_tokenizer
@@ -407,6 +407,11 @@ def _tokenizer(source: Path | str, given: str | None) -> Tokenizer | None:
 
 def main(cfg: ExportConfig) -> int:
     target = Path(cfg.output_dir or f"export_{cfg.format}")
+    with lock_output(target, whole=True):  # one writer, from the checks to the publish
+        return _export(cfg, target)
+
+
+def _export(cfg: ExportConfig, target: Path) -> int:
     onnx = cfg.format == "onnx"
     _check_output_dir(target, cfg.format, cfg.overwrite)  # before any loading
     for module, extra in ([("onnx", "onnx"), ("onnxscript", "onnx"), ("onnxruntime", "onnx")] if onnx

@@ -13,6 +13,8 @@ The rules every writing verb follows (docs/design.md, "Nothing a user owns is lo
   and deletes it only once the new one has something to put in its place.
 - Staging and aside folders are tagged host-pid-token; those of a dead process on this host are
   removed (or, for an interrupted replacement, restored) by the next write there.
+- lock_output: one writer per output. A verb holds an OS lock on its output for its whole life, from
+  before check_output to the end; a second writer is refused at once, naming the holder's pid.
 
     python -c "from gptopt.fsutil import staged_dir; help(staged_dir)"
 """
@@ -29,17 +31,25 @@ import secrets
 import shutil
 import socket
 import tempfile
+import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-__all__ = ["OWNER_FILE", "Aside", "check_output", "check_writable", "clean_stale", "fsync_dir", "mark", "marked_kind",
-           "recover", "remove", "replace_dir", "replacing", "some", "staged_dir", "staged_file", "staged_files", "write_text_atomic"]
+try:
+    import fcntl
+except ImportError:  # Windows: no flock (lock_output)
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["LOCK_FILE", "OWNER_FILE", "Aside", "check_output", "check_writable", "clean_stale", "fsync_dir", "lock_output",
+           "mark", "marked_kind", "recover", "remove", "replace_dir", "replacing", "some", "staged_dir", "staged_file",
+           "staged_files", "write_text_atomic"]
 
 log = logging.getLogger("gptopt")
 
 OWNER_FILE = ".gptopt-output.json"
+LOCK_FILE = ".gptopt-lock"  # inside an output written in place; beside one published whole: .NAME.gptopt-lock
 
 
 def fsync_dir(path: Path) -> None:
@@ -262,7 +272,7 @@ def _ours(directory: Path, ours: Sequence[str]) -> tuple[list[Path], list[Path]]
     theirs: list[Path] = []
     for path in sorted(Path(directory).iterdir()):
         name = path.name
-        if name == OWNER_FILE or _STAGED.match(name) or name.startswith(_ASIDE):
+        if name in (OWNER_FILE, LOCK_FILE) or _STAGED.match(name) or name.startswith(_ASIDE):
             continue
         if name in listed or any(fnmatch.fnmatchcase(name, g) for g in ours):
             mine.append(path)
@@ -354,6 +364,131 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
         raise ValueError(f"{flag} {target} holds files gptopt did not write ({names}), so --overwrite will not "
                          f"replace it: move them out, or choose another {flag}")
     return mine
+
+
+# ----------------------------------------------------------------------------------------------
+# One writer per output: two runs into one folder would each pass the checks above and then mix their
+# files (checkpoints of one run under the other's lineage, interleaved metrics).
+
+_held: dict[Path, int] = {}  # lock file -> depth, of the locks this process holds: a writer inside another locks once
+_held_guard = threading.Lock()
+
+
+def _lock_path(target: Path, whole: bool) -> Path:
+    # Written in place (train, bench, prepare, ...): inside the folder, whose parent need not be writable
+    # (--output_dir . in a home folder). Published whole (staged_dir, staged_file): beside it, as the
+    # staging is; the folder itself is swapped by a rename, and a lock inside would leave with the old one.
+    return target.parent / f".{target.name}{LOCK_FILE}" if whole else target / LOCK_FILE
+
+
+def _missing(folder: Path) -> list[Path]:
+    """folder and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while not os.path.lexists(folder) and folder.parent != folder:
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _holder(fd: int) -> str:
+    """Who holds the lock, from what the holder wrote into the file: "pid N" (on another host: "pid N on H")."""
+    try:
+        pid, _, host = os.pread(fd, 256, 0).decode("ascii", "replace").strip().partition(" ")
+    except OSError:
+        pid, host = "", ""
+    if not pid.isdigit():  # the holder took the lock a moment ago and has not written its pid yet
+        return "pid unknown"
+    return f"pid {pid}" + (f" on {host}" if host and host != _HOST else "")
+
+
+def _acquire(path: Path, *, wait: bool) -> tuple[int | None, list[Path]]:
+    """An open descriptor of path holding its exclusive flock (None when another process holds it), and the
+    folders made to hold it, deepest first."""
+    made: list[Path] = []
+    while True:
+        missing = _missing(path.parent)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        made = missing or made
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except FileNotFoundError:  # the last holder removed the folder it had made for its lock just now
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None, made
+        # The last holder unlinks the file as it lets go; a lock taken on that unlinked file guards nothing,
+        # so it counts only if the path still names the file locked.
+        try:
+            st, held = os.stat(path), os.fstat(fd)
+            if (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+                return fd, made
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def lock_output(target: str | os.PathLike[str], *, flag: str = "--output_dir", whole: bool = False,
+                wait: bool = False) -> Iterator[None]:
+    """Hold the one-writer lock of the output target for the block.
+
+    Take it before check_output, so that the checks and the writing happen under one lock. A second
+    process writing the same output is refused at once (ValueError naming the holder's pid and the fix),
+    or with wait=True waits for the first to finish (the default data, prepared on first use by whichever
+    command needs it). whole: target is published as one directory or file (staged_dir, staged_file).
+
+    An OS lock (flock) on a small file, LOCK_FILE: the kernel lets go of it when the process ends however
+    it ends, so kill -9 leaves no stale lock, only the file, which the next writer reuses; the block's
+    end removes it, and a folder made only to hold it. A child forked meanwhile (a DataLoader worker)
+    shares it until it exits too. Re-entrant within a process. Local and NFS filesystems honour it; on a
+    platform without flock (Windows) writers are not kept apart.
+    """
+    dest = _path(target)
+    path = _lock_path(dest, whole)
+    with _held_guard:
+        nested = path in _held
+        if nested:
+            _held[path] += 1
+    if nested or fcntl is None:
+        try:
+            yield
+        finally:
+            if nested:
+                with _held_guard:
+                    _held[path] -= 1
+        return
+    check_writable(path.parent, flag, shown=dest)  # a file in the way, no permission: check_output's words
+    fd, made = _acquire(path, wait=wait)
+    if fd is None:
+        try:
+            with open(path, "rb") as fh:
+                who = _holder(fh.fileno())
+        except OSError:  # it let go meanwhile
+            who = "pid unknown"
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise ValueError(f"{flag} {dest} is being written by another gptopt process ({who}); nothing was written: "
+                         f"wait for it to finish, or choose another {flag}")
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()} {_HOST}\n".encode(), 0)
+        with _held_guard:
+            _held[path] = 1
+        yield
+    finally:
+        with _held_guard:
+            _held.pop(path, None)
+        with contextlib.suppress(OSError):
+            os.unlink(path)  # while still locked: a writer that opened it meanwhile sees it gone and retries
+        os.close(fd)
+        for folder in made:  # deepest first; one that now holds anything stays
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def _foreign_inside(entries: Sequence[Path], contents: Mapping[str, Sequence[str]]) -> list[Path]:

@@ -34,7 +34,7 @@ from tqdm import tqdm
 from gptopt import chat
 from gptopt.config import GenerateConfig, GPTConfig, SamplingConfig
 from gptopt.device import DevicePlan, resolve
-from gptopt.fsutil import check_writable, staged_file
+from gptopt.fsutil import check_writable, lock_output, staged_file
 from gptopt.inference import GraphedDecode, compile_decode, load_for_inference, model_source
 from gptopt.model import GPT, KVCacheLayer
 from gptopt.tokenizer import eot_id
@@ -1011,6 +1011,11 @@ def _overwrite_ok(path: Path, overwrite: bool, output: str) -> bool:
 
 
 def main(cfg: GenerateConfig) -> int:
+    with lock_output(cfg.output, flag="--output", whole=True) if cfg.output else contextlib.nullcontext():
+        return _generate(cfg)
+
+
+def _generate(cfg: GenerateConfig) -> int:
     if cfg.output:
         _check_output_file(cfg)
     batch = _read_prompts(cfg.input) if cfg.input else None

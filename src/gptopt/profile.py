@@ -38,7 +38,7 @@ from gptopt import data, memory
 from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.distributed import DistInfo
-from gptopt.fsutil import check_output, replacing
+from gptopt.fsutil import check_output, lock_output, replacing
 from gptopt.generate import Generator, SamplingParams
 from gptopt.model import GPT
 from gptopt.monitor import peak_memory_bytes
@@ -523,6 +523,11 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
 
 def main(cfg: ProfileConfig) -> int:
     out = Path(cfg.output_dir).expanduser()
+    with lock_output(out):  # one writer in the folder, from its checks to the last trace
+        return _profile(cfg, out)
+
+
+def _profile(cfg: ProfileConfig, out: Path) -> int:
     # Before any data, model or measurement: an earlier profile's files there are refused without --overwrite,
     # and with it replaced only in a folder gptopt marked as a profile output. The user's own files stay.
     old = check_output(out, kind=KIND, overwrite=cfg.overwrite, ours=FILES)

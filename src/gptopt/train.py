@@ -738,7 +738,9 @@ def main(cfg: TrainConfig) -> int:
     if not info.is_main:  # one voice: only rank 0 logs
         logging.getLogger("gptopt").setLevel(logging.WARNING)
     try:
-        return Trainer(cfg, info, device).run()
+        # One run in a folder at a time, from its checks to its last checkpoint; rank 0 alone writes.
+        with fsutil.lock_output(cfg.output_dir) if info.is_main else contextlib.nullcontext():
+            return Trainer(cfg, info, device).run()
     except RuntimeError as e:
         if info.is_main:
             print(f"gptopt train: {e}", file=sys.stderr)

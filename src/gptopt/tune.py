@@ -32,6 +32,7 @@ from gptopt import data, memory
 from gptopt.bench.ladder import Bench, Rung, RungResult, StopHook, loss_matches, train_options
 from gptopt.config import BenchConfig, TrainConfig, TuneConfig
 from gptopt.device import cpu_has_fast_bf16, default_attention, environment
+from gptopt.fsutil import lock_output
 from gptopt.optim import fused_available
 
 log = logging.getLogger("gptopt")
@@ -483,10 +484,15 @@ class Tuner:
 
 
 def main(cfg: TuneConfig) -> int:
+    out = Path(cfg.output_dir).expanduser()
+    with lock_output(out):  # one writer in the folder, from its checks to the report
+        return _tune(cfg, out)
+
+
+def _tune(cfg: TuneConfig, out: Path) -> int:
     from gptopt.tables import to_json
     from gptopt.tune_report import check_output_dir, table, write_all
 
-    out = Path(cfg.output_dir).expanduser()
     check_output_dir(out, cfg.overwrite)  # before the tuner builds or measures anything
     tuner = Tuner(cfg)
     log.info(f"tune: {tuner.bench.preset} at {tuner.bench.seq_len} tokens, global batch {tuner.global_batch} sequences "

@@ -13,12 +13,20 @@ from pathlib import Path
 
 from gptopt.bench.report import check_output_dir
 from gptopt.config import BenchConfig
+from gptopt.fsutil import lock_output
 
 
 def main(cfg: BenchConfig) -> int:
-    if cfg.rungs.strip() != "list":  # the list is printed, nothing written
+    if cfg.rungs.strip() == "list":  # the list is printed, nothing written
+        return _ladder(cfg)
+    out = Path(cfg.output_dir).expanduser()
+    with lock_output(out):  # one bench at a time in a folder, whichever its mode
         # Before anything is built or measured: `gptopt bench` run twice must say so at once, not after minutes.
-        check_output_dir(Path(cfg.output_dir).expanduser(), cfg.mode, cfg.overwrite)
+        check_output_dir(out, cfg.mode, cfg.overwrite)
+        return _ladder(cfg)
+
+
+def _ladder(cfg: BenchConfig) -> int:
     # imported by mode: one ladder's dependencies (the inference ladder's ONNX, quantisation) stay unloaded for the other
     if cfg.mode == "infer":
         from gptopt.bench.infer import main as infer_main
