@@ -13,10 +13,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from conftest import last_json_line
 
 from gptopt import checkpoint, cli, data, train
 from gptopt.bench import quality
 from gptopt.config import BenchConfig, TrainConfig, preset
+from gptopt.measure import STOPPED
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
             log_interval=1, warmup_steps=2, learning_rate=3e-3, save_interval=0)
@@ -301,6 +303,31 @@ def test_quality_best_toml_is_the_winning_recipes_run(train_data: Path, ladder_o
         ("debug", str(train_data), 7, "sdpa", 5.5)
     assert cli.main(["train", "--config", str(ladder_out / "quality_best.toml"), "--output_dir", str(tmp_path / "t"),
                      "--max_steps", "2", "--no-tensorboard"]) == 0
+
+
+def test_ctrl_c_keeps_the_runs_measured_so_far(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """A quality ladder stopped by Ctrl-C (or a time limit's SIGINT) still writes its report: the runs measured
+    before it with their figures, the rest marked as not measured, and exit status 130."""
+
+    def train(self: quality.Ladder, run: quality.Run) -> None:
+        if run.recipe != "adamw":  # Ctrl-C during the second run
+            raise KeyboardInterrupt
+        run.reached, run.time_s, run.steps, run.tokens = True, 20.0, 100, 12800
+
+    monkeypatch.setattr(quality.Ladder, "_train", train)
+    out = tmp_path / "b"
+    argv = ["bench", "--mode", "quality", "--preset", "debug", "--device", "cpu", "--target_loss", "5.5", "--seeds", "1",
+            "--recipes", "adamw,muon,aligned,best", "--data_dir", str(train_data), "--output_dir", str(out), "--json"]
+    assert cli.main(argv) == 130
+    summary = json.loads((out / "quality_results.json").read_text())
+    assert last_json_line(capsys.readouterr().out) == summary
+    runs = {r["recipe"]: r for r in summary["runs"]}
+    assert runs["adamw"]["reached"] and runs["adamw"]["time_to_target_s"] == 20.0 and runs["adamw"]["skipped"] is None
+    assert [(n, runs[n]["skipped"]) for n in ("muon", "aligned", "best")] == [(n, STOPPED) for n in ("muon", "aligned", "best")]
+    report = (out / "quality_report.md").read_text()
+    assert f"| muon | 1337 | skipped: {STOPPED} |" in report and "| adamw | 1337 | yes |" in report
+    assert summary["best"] is None and not (out / "quality_best.toml").exists()
 
 
 def test_lr_decay_steps_sets_every_optimizer_groups_rate(tmp_path: Path) -> None:

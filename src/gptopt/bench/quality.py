@@ -54,6 +54,7 @@ from gptopt.config import BenchConfig, TrainConfig
 from gptopt.device import cpu_has_fast_bf16, environment, resolve
 from gptopt.extras import has, require
 from gptopt.fsutil import replacing
+from gptopt.measure import STOPPED
 from gptopt.tables import fmt, text_table, to_json, toml_text
 
 log = logging.getLogger("gptopt")
@@ -109,6 +110,7 @@ class Run:
     curve: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, val loss) per evaluation
     config: dict[str, Any] | None = None  # the TrainConfig the run's process trained under (its run.json)
     error: str | None = None
+    skipped: str | None = None  # why it was not measured (measure.STOPPED: the ladder was stopped first)
 
 
 def recipes(spec: str) -> list[str]:
@@ -181,6 +183,7 @@ class Ladder:
         self.runs: list[Run] = []
         self.flags: dict[str, dict[str, Any]] = {n: f for n, (_, f) in CHANGES.items()}
         self.notes: dict[str, str] = {}
+        self.stopped = False  # Ctrl-C ended the ladder early
 
     # -- running ------------------------------------------------------------------------------
 
@@ -188,15 +191,23 @@ class Ladder:
         fixed = [n for n in self.names if n in CHANGES]
         derived = [n for n in self.names if n in DERIVED]
         total = len(self.seeds) * len(self.names)
+        not_run: set[str] = set()  # derived recipes with nothing to run (their note says why)
         with tqdm(total=total, desc="quality ladder", unit="run", dynamic_ncols=True) as bar:
-            self._phase(fixed, bar)
-            for name in derived:  # each needs what ran before it
-                flags = self._derive(name)
-                if flags is None:
-                    bar.update(len(self.seeds))
-                    continue
-                self.flags[name] = flags
-                self._phase([name], bar)
+            try:
+                self._phase(fixed, bar)
+                for name in derived:  # each needs what ran before it
+                    flags = self._derive(name)
+                    if flags is None:
+                        not_run.add(name)
+                        bar.update(len(self.seeds))
+                        continue
+                    self.flags[name] = flags
+                    self._phase([name], bar)
+            except KeyboardInterrupt:  # what was measured is reported; the rest say why they have no figures
+                self.stopped = True
+                done = {(r.recipe, r.seed) for r in self.runs}
+                self.runs += [Run(n, s, self.flags.get(n, {}), self.out / "runs" / f"{n}-seed{s}", skipped=STOPPED)
+                              for n in self.names if n not in not_run for s in self.seeds if (n, s) not in done]
         return self.summary()
 
     def _phase(self, names: list[str], bar: tqdm) -> None:
@@ -300,7 +311,7 @@ class Ladder:
                 "tokens_mean": statistics.mean(r.tokens for r in runs if r.tokens) if times else None,
                 "steps_mean": statistics.mean(r.steps for r in runs if r.steps) if times else None,
                 "vs_adamw": statistics.mean(times) / statistics.mean(base) if times and base else None,
-                "note": self.notes.get(name, ""),
+                "note": "; ".join(n for n in (self.notes.get(name, ""), self._unmeasured(runs)) if n),
             }
             rows.append(row)
         for name, note in self.notes.items():
@@ -313,7 +324,8 @@ class Ladder:
         best = min(ranked, key=lambda r: r["vs_adamw"]) if ranked else None
         test = self._welch(best["recipe"]) if best else None
         return {
-            "mode": "quality", "preset": self.preset, "data_dir": self.cfg.data_dir, "target_loss": self.target,
+            "mode": "quality", "stopped": self.stopped, "preset": self.preset, "data_dir": self.cfg.data_dir,
+            "target_loss": self.target,
             "max_steps": self.max_steps, "sizes": self.sizes,
             "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS,
             "seeds": self.seeds, "step_settings": (str(self.best_toml) if self.best_toml else "train's defaults")
@@ -323,9 +335,15 @@ class Ladder:
             "runs": [{"recipe": r.recipe, "seed": r.seed, "flags": r.flags, "step_cap": r.cap, "reached": r.reached,
                       "time_to_target_s": r.time_s, "time_to_target_excl_compile_s": r.time_excl_compile_s,
                       "tokens_to_target": r.tokens, "steps_to_target": r.steps, "best_val_loss": r.best_val_loss,
-                      "curve": r.curve, "error": r.error, "output_dir": str(r.out), "config": r.config}
+                      "curve": r.curve, "error": r.error, "skipped": r.skipped, "output_dir": str(r.out),
+                      "config": r.config}
                      for r in self.runs],
         }
+
+    @staticmethod
+    def _unmeasured(runs: list[Run]) -> str:
+        n = sum(r.skipped is not None for r in runs)
+        return f"{n} of its {len(runs)} runs not measured (bench was stopped): no time to compare" if n else ""
 
     def _welch(self, name: str) -> dict[str, Any] | None:
         a, b = self._times(name), self._times(BASELINE)
@@ -395,6 +413,8 @@ def markdown(summary: dict[str, Any], plots: list[str], toml: str | None) -> str
                   f"t = {w['t']:.2f}, p = {w['p_value']:.3g} ({verdict} at {w['level']}).")
     elif summary["best"]:
         md.append(f"Best recipe: **{summary['best']}** (too few seeds reached the target for a t-test).")
+    elif summary.get("stopped"):
+        md.append("Stopped (Ctrl-C) before every run was measured: a recipe with runs not measured is not compared.")
     elif any(r["recipe"] == BASELINE and r["reached"] == r["runs"] > 0 for r in summary["recipes"]):
         md.append("No recipe beat AdamW's mean time to the target: the best recipe is AdamW, train's default.")
     else:
@@ -407,6 +427,7 @@ def markdown(summary: dict[str, Any], plots: list[str], toml: str | None) -> str
     for r in summary["runs"]:
         no = "no" + (f": {r['error']}" if r["error"] else f" in {r['step_cap']} steps ({GIVE_UP}x AdamW's)"
                      if r.get("step_cap") else "")
+        no = f"skipped: {r['skipped']}" if r.get("skipped") else no
         md.append(f"| {r['recipe']} | {r['seed']} | {'yes' if r['reached'] else no} "
                   f"| {_2dp(r['time_to_target_s'])} "
                   f"| {fmt(r['steps_to_target'], 'int')} | {fmt(r['tokens_to_target'], 'int')} "
@@ -464,4 +485,7 @@ def main(cfg: BenchConfig) -> int:
     print(f"\nreport: {out / 'quality_report.md'}")
     if cfg.json:
         print(to_json(summary))
+    if ladder.stopped:
+        log.warning("bench --mode quality was stopped: the report holds the runs measured before it")
+        return 130
     return 0 if any(r.reached for r in ladder.runs if r.recipe == BASELINE) else 1
