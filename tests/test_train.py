@@ -22,9 +22,10 @@ from conftest import split_bytes_per_token
 
 from gptopt import checkpoint, cli, step, train
 from gptopt import device as dev
-from gptopt.config import TrainConfig, preset
+from gptopt.config import GPTConfig, TrainConfig, preset
 from gptopt.data import load_tokenizer
 from gptopt.device import resolve
+from gptopt.flops import flops_per_token
 from gptopt.generate import Generator, SamplingParams, generate
 from gptopt.model import GPT
 
@@ -88,6 +89,27 @@ def test_lr_follows_warmup_then_cosine(train_data: Path, tmp_path: Path) -> None
     assert lrs[5] == pytest.approx(1e-3)
     assert lrs[20] < lrs[10] < lrs[6]
     assert lrs[20] >= 1e-4
+
+
+def test_no_step_claims_more_than_the_peak_and_every_figure_takes_one_peak(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peak measured low (a slow moment of a shared machine) is raised by the first step faster than it:
+    no metrics.jsonl record (nor the bar, which shows the same figure) says MFU above 1, and the summary
+    states its MFU against the peak the last records took, not a measurement of its own."""
+    low = 1e6  # FLOP/s: far below what any step of the debug model achieves
+    monkeypatch.setattr(dev, "measured_matmul_flops", lambda device, dtype, remeasure=False: low)
+    out = tmp_path / "run"
+    assert run(train_data, out, max_steps=8) == 0
+    info = json.loads((out / "run.json").read_text())
+    fpt = flops_per_token(GPTConfig.from_dict(info["model"]), info["seq_len"])
+    peak = low
+    for r in [r for r in records(out) if "mfu" in r]:  # every step is logged: the peak each one saw
+        peak = max(peak, r["tokens_per_s"] * fpt)
+        assert r["mfu"] <= 1.0 and r["mfu"] == pytest.approx(r["tokens_per_s"] * fpt / peak)
+    summary = info["summary"]
+    assert summary["peak_flops"] == pytest.approx(peak) and "was low" in summary["peak_source"]
+    assert summary["mfu"] == pytest.approx(summary["tokens_per_s"] * fpt / peak) and summary["mfu"] <= 1.0
 
 
 def samples(out: Path) -> dict[int, str]:
