@@ -257,6 +257,19 @@ def test_a_bad_data_file_is_one_line(make: Any, needle: str, tmp_path: Path, mon
     assert len(err.splitlines()) == 1 and needle in err, err
 
 
+def test_eval_refuses_a_tokenizer_of_another_vocabulary_than_the_models(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the debug preset's 512 rows against the prepared data's 320 tokens: more apart than padding
+    model = save_model(GPT(preset("debug")), tmp_path / "m")
+    data = write_jsonl(tmp_path / "h.jsonl", EXAMPLES, [0, 0, 0])
+    assert cli.main(eval_cli(model, data, "--tokenizer", str(train_data / "tokenizer.json"))) == 2
+    err = capsys.readouterr().err.strip()
+    last = err.splitlines()[-1]
+    assert "Traceback" not in err and last.startswith("gptopt eval: error: the tokenizer has 320 tokens, the model 512")
+    assert "pass the --tokenizer the model was trained with" in last
+
+
 def test_an_ending_longer_than_the_context_window_is_named(model_dir: Path, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
     long_ending = "word " * 200

@@ -331,3 +331,14 @@ def test_a_tokenizer_too_large_for_the_model_is_refused(
     rc, err = _export(capsys, "--model", str(small), "--tokenizer", str(train_data / "tokenizer.json"),
                       "--output_dir", str(tmp_path / "o"))
     assert rc == 2 and "do not belong together" in err
+
+
+def test_a_tokenizer_smaller_than_the_model_beyond_padding_is_refused(
+    debug_model: GPT, train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    large = save_model(debug_model, tmp_path / "large")  # the debug preset's 512 rows; the data's 320 tokens
+    for fmt in ("hf", "onnx"):
+        rc, err = _export(capsys, "--model", str(large), "--tokenizer", str(train_data / "tokenizer.json"),
+                          "--format", fmt, "--output_dir", str(tmp_path / "o"))
+        assert rc == 2 and "the tokenizer has 320 tokens, the model 512" in err.strip().splitlines()[-1], err
+    assert not (tmp_path / "o").exists()

@@ -321,6 +321,15 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err.splitlines()[-1]
 
 
+def test_generate_refuses_a_tokenizer_of_another_vocabulary_than_the_models(
+    debug_model: GPT, train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the debug preset's 512 rows against the prepared data's 320 tokens: more apart than padding
+    model = checkpoint.save_model(debug_model, tmp_path / "m")
+    line = refused(greedy_cli(model, "--tokenizer", str(train_data / "tokenizer.json"), "x"), capsys)
+    assert "the tokenizer has 320 tokens, the model 512" in line and "pass the --tokenizer the model was trained" in line
+
+
 def test_output_never_replaces_the_input_or_a_model_file(trained_out: Path, tmp_path: Path,
                                                          capsys: pytest.CaptureFixture[str]) -> None:
     import shutil

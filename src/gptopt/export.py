@@ -35,7 +35,7 @@ from gptopt import checkpoint, hf
 from gptopt.config import MIN_OPSET, ExportConfig
 from gptopt.extras import require
 from gptopt.fsutil import check_output, lock_output, mark, marked_kind, staged_dir
-from gptopt.inference import find_tokenizer, model_source
+from gptopt.inference import check_vocab, find_tokenizer, model_source, own_tokenizer
 from gptopt.model import GPT
 from gptopt.tokenizer import TOKENIZER, eot_id, load_tokenizer
 
@@ -391,11 +391,13 @@ class OnnxRunner:
 # CLI
 
 
-def _tokenizer(source: Path | str, given: str | None) -> Tokenizer | None:
-    """--tokenizer, else the model's own: recorded in a gptopt checkpoint or lying beside the model (never a
-    download for a local directory); a hub model's from the hub. None when there is none."""
+def _tokenizer(source: Path | str, given: str | None, own: Tokenizer | None) -> Tokenizer | None:
+    """--tokenizer, else the model's own (own: the one in its folder): recorded in a gptopt checkpoint or lying
+    beside the model (never a download for a local directory); a hub model's from the hub. None when there is none."""
     if given is not None:
         return load_tokenizer(given)
+    if own is not None:
+        return own
     if isinstance(source, Path) and not checkpoint.is_gptopt_dir(source):
         local = [d for d in (source, source.parent) if (d / TOKENIZER).is_file()
                  or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()]
@@ -418,12 +420,12 @@ def _export(cfg: ExportConfig, target: Path) -> int:
                           else [("transformers", "hf")]):
         require(module, extra, f"gptopt export --format {cfg.format}")
     source = model_source(cfg.model)
-    tok = _tokenizer(source, cfg.tokenizer)
+    own = own_tokenizer(source)
+    tok = _tokenizer(source, cfg.tokenizer, own)
     # Eager attention: SDPA traces into the same math plus NaN guards that only lengthen the graph.
     model = hf.load_pretrained(source, **({"attention": "eager"} if onnx else {})).eval()
-    if tok is not None and tok.get_vocab_size() > model.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, the model only {model.config.vocab_size}: "
-                         "they do not belong together; pass the --tokenizer the model was trained with")
+    if tok is not None:
+        check_vocab(tok, model.config.vocab_size, own=own)
     if tok is None:
         log.info("no tokenizer found beside %s: the export has none (pass --tokenizer to ship one)", source)
     log.info("exporting %s (%.1fM parameters) as %s to %s", source, model.num_params() / 1e6, cfg.format, target)

@@ -9,7 +9,8 @@ compress and export. The order, and why it is this one:
      or a hub name.
   2. find_tokenizer: the model folder's own tokenizer (checkpoints carry a copy), else the one the
      checkpoint recorded, else one in the folder above, else GPT-2's.
-  3. weights: hf.load_pretrained (a compressed checkpoint comes back dequantised, in fp32).
+  3. weights: hf.load_pretrained (a compressed checkpoint comes back dequantised, in fp32); check_vocab
+     refuses a tokenizer that is not the model's.
   4. prepare, once per model:
      a. dtype and device (weights_dtype), or a compressed checkpoint rebuilt for this device
         (quantize.restore, which needs the fp32 weights of step 3 to recover the stored integers);
@@ -45,8 +46,8 @@ from gptopt.quantize import describe, int4_group_size, int4_unsupported, quantiz
 from gptopt.step import is_oom
 from gptopt.tokenizer import TOKENIZER, load_tokenizer
 
-__all__ = ["GraphedDecode", "compile_decode", "find_tokenizer", "load_for_inference", "model_source", "prepare",
-           "weights_dtype"]
+__all__ = ["GraphedDecode", "check_vocab", "compile_decode", "find_tokenizer", "load_for_inference", "model_source",
+           "own_tokenizer", "prepare", "weights_dtype"]
 
 log = logging.getLogger("gptopt")
 
@@ -54,6 +55,10 @@ _DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 # Names that are hub models rather than missing directories: GPT-2's own, or anything "org/name".
 _HUB_NAME = re.compile(r"(openai-community/)?(distil)?gpt2(-medium|-large|-xl)?|[\w.-]+/[\w.-]+")
+# nanoGPT's padding of a vocabulary: GPT-2's 50,257 tokens in 50,304 embedding rows. A model this much larger
+# than its tokenizer is still that tokenizer's model; gptopt's own padding (vocab_pad_multiple) is not counted
+# in vocab_size at all.
+VOCAB_PAD = 64
 _NO_MODEL = ("train one first (`gptopt train --output_dir {0}`), or pass --model: a training output dir, "
              "a checkpoint dir, a Hugging Face GPT-2 dir or a hub name like gpt2")
 
@@ -75,6 +80,17 @@ def model_source(model: str) -> Path | str:
     raise ValueError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
 
 
+def _has_tokenizer(d: Path) -> bool:
+    """tokenizer.json, or GPT-2's vocab.json + merges.txt."""
+    return (d / TOKENIZER).is_file() or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()
+
+
+def own_tokenizer(source: Path | str) -> Tokenizer | None:
+    """The tokenizer files in the model's own folder (a training checkpoint and an export carry a copy of
+    the one the model was trained with), or None."""
+    return load_tokenizer(source) if isinstance(source, Path) and _has_tokenizer(source) else None
+
+
 def find_tokenizer(source: Path | str) -> Tokenizer:
     """The model folder's own tokenizer files (a training checkpoint carries a copy), else meta["tokenizer"]
     of a gptopt checkpoint, else tokenizer files in the folder above, else GPT-2's.
@@ -83,13 +99,9 @@ def find_tokenizer(source: Path | str) -> Tokenizer:
     from another working directory it would name nothing, or another corpus's tokenizer."""
     ours = isinstance(source, Path) and checkpoint.is_gptopt_dir(source)
     recorded = checkpoint.read_meta(source).get("tokenizer") if ours else None
-
-    def has_files(d: Path) -> bool:  # tokenizer.json, or GPT-2's vocab.json + merges.txt
-        return (d / TOKENIZER).is_file() or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()
-
-    candidates = [str(source)] if isinstance(source, Path) and has_files(source) else []
+    candidates = [str(source)] if isinstance(source, Path) and _has_tokenizer(source) else []
     candidates += [recorded] if recorded else []
-    if isinstance(source, Path) and has_files(source.parent):
+    if isinstance(source, Path) and _has_tokenizer(source.parent):
         candidates.append(str(source.parent))
     for c in candidates:
         if Path(c).exists():
@@ -102,6 +114,28 @@ def find_tokenizer(source: Path | str) -> Tokenizer:
     raise ValueError(f"no tokenizer found for {source} (looked for {where}tokenizer.json beside the model"
                      f"{'' if ours else ', GPT-2s from the Hugging Face Hub'}); pass --tokenizer with the "
                      "tokenizer.json the model was trained with (or a folder holding it)")
+
+
+def check_vocab(tok: Tokenizer, vocab_size: int, *, own: Tokenizer | None = None) -> None:
+    """Refuse a tokenizer that is not the model's (ValueError): where a model and a tokenizer meet, so that
+    generate, eval, serve, compress and export never run a model on another vocabulary's ids.
+
+    A model's vocabulary is its tokenizer's, or that rounded up to a multiple of VOCAB_PAD (a padded
+    embedding). A smaller tokenizer is the model's only where the model's folder holds it (own): the GPT-2
+    presets keep GPT-2's 50,257 rows whatever the tokenizer they were trained with (config.preset_for_data),
+    and their checkpoints and exports carry that tokenizer."""
+    n = tok.get_vocab_size()
+    if own is not None and own.get_vocab_size() <= vocab_size:
+        if n == own.get_vocab_size():
+            return
+        raise ValueError(f"the tokenizer has {n} tokens, the model {vocab_size} and the {TOKENIZER} in its folder "
+                         f"{own.get_vocab_size()}: they do not belong together; drop --tokenizer to use the model's "
+                         "own, or pass the --tokenizer the model was trained with")
+    if vocab_size in (n, -(-n // VOCAB_PAD) * VOCAB_PAD):
+        return
+    raise ValueError(f"the tokenizer has {n} tokens, the model {vocab_size} (more apart than padding to a multiple of "
+                     f"{VOCAB_PAD}): they do not belong together; pass the --tokenizer the model was trained with "
+                     f"(its {TOKENIZER}, or a folder holding it)")
 
 
 def weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
@@ -152,11 +186,10 @@ def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, d
     dt = weights_dtype(dtype, plan)
     _check_quantize(quantize, plan, dt)  # before any loading
     source = model_source(model)
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else find_tokenizer(source)
+    own = own_tokenizer(source)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else own or find_tokenizer(source)
     net = hf.load_pretrained(source)  # a compressed checkpoint comes back dequantised, in fp32
-    if tok.get_vocab_size() > net.config.vocab_size:
-        raise ValueError(f"the tokenizer has {tok.get_vocab_size()} tokens, the model only {net.config.vocab_size}: "
-                         "they do not belong together; pass the --tokenizer the model was trained with")
+    check_vocab(tok, net.config.vocab_size, own=own)
     record = checkpoint.read_meta(source).get("compression") if isinstance(source, Path) and \
         checkpoint.is_gptopt_dir(source) else None
     if record and quantize != "none":

@@ -1,0 +1,64 @@
+"""Where a model and a tokenizer meet (inference.check_vocab, through load_for_inference): every pairing
+gptopt itself makes is accepted, a tokenizer of another vocabulary is refused with both sizes and the fix.
+
+    pytest -q tests/test_inference.py
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer, models
+
+from gptopt import checkpoint
+from gptopt.config import preset
+from gptopt.device import resolve
+from gptopt.inference import check_vocab, load_for_inference
+from gptopt.model import GPT
+
+CPU = resolve("cpu", quiet=True)
+
+
+def words(n: int) -> Tokenizer:
+    """A tokenizer of exactly n tokens."""
+    return Tokenizer(models.WordLevel({f"w{i}": i for i in range(n)}, unk_token="w0"))
+
+
+@pytest.mark.parametrize(("tokens", "model"), [
+    (320, 320),  # debug and tiny trained on prepared data: the data's vocabulary, gptopt's padding not counted
+    (50257, 50257),  # GPT-2 from the hub or a Hugging Face folder
+    (50257, 50304),  # nanoGPT's GPT-2: 50257 tokens padded to a multiple of 64
+    (325, 384),
+])
+def test_a_model_of_the_tokenizers_vocabulary_padded_to_a_multiple_of_64_is_accepted(tokens: int, model: int) -> None:
+    check_vocab(words(tokens), model)
+
+
+@pytest.mark.parametrize(("tokens", "model"), [
+    (320, 512),  # a debug-sized tokenizer on a model of another vocabulary: the rows differ beyond padding
+    (512, 8192),
+    (50257, 50368),  # padded one multiple of 64 too far
+    (8192, 512),  # more tokens than rows
+])
+def test_a_tokenizer_of_another_vocabulary_is_refused_with_both_sizes(tokens: int, model: int) -> None:
+    with pytest.raises(ValueError, match=f"the tokenizer has {tokens} tokens, the model {model} .*do not belong "
+                                         "together; pass the --tokenizer the model was trained with"):
+        check_vocab(words(tokens), model)
+
+
+def test_a_gpt2_sized_model_trained_with_a_smaller_tokenizer_meets_only_that_one(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # train --preset gpt2 on a corpus with its own BPE keeps GPT-2's 50257 rows (config.preset_for_data);
+    # the checkpoint carries the tokenizer it was trained with
+    directory = checkpoint.save_model(GPT(preset("debug", vocab_size=50257)), tmp_path / "m")
+    shutil.copy(train_data / "tokenizer.json", directory / "tokenizer.json")
+    _, tok = load_for_inference(str(directory), tokenizer=None, plan=CPU)
+    assert tok.get_vocab_size() == 320
+    load_for_inference(str(directory), tokenizer=str(train_data / "tokenizer.json"), plan=CPU)  # the same one, given
+    words(50257).save(str(tmp_path / "gpt2-sized.json"))
+    with pytest.raises(ValueError, match="the tokenizer has 50257 tokens, the model 50257 and the tokenizer.json in "
+                                         "its folder 320: they do not belong together; drop --tokenizer"):
+        load_for_inference(str(directory), tokenizer=str(tmp_path / "gpt2-sized.json"), plan=CPU)
