@@ -541,3 +541,48 @@ def test_a_bucket_whose_cuda_graph_cannot_be_recorded_runs_eagerly_and_says_so(
     monkeypatch.setattr(graphed, "_capture", oom)
     with pytest.raises(torch.OutOfMemoryError):
         graphed(torch.tensor([[1]]), torch.tensor([[1]]), keys)
+
+
+def test_logit_bias_and_the_openai_penalties_equal_a_direct_computation(debug_model: GPT) -> None:
+    """Bias added, then each generated token's logit minus frequency x its count and presence once; the
+    prompt's tokens never count. Greedy, so the pick is the argmax of exactly that."""
+    gen = Generator(debug_model, CPU, max_batch_size=4)
+    g = torch.Generator().manual_seed(0)
+    V, B, P = 40, 4, 6
+    for _ in range(25):
+        logits = torch.randn(B, V, generator=g) * 3
+        prompts = [torch.randint(V, (P,), generator=g).tolist() for _ in range(B)]
+        outs = [torch.randint(V, (int(n),), generator=g).tolist() for n in torch.randint(0, 12, (B,), generator=g)]
+        params = []
+        for _ in range(B):
+            pp, fp = (torch.rand(2, generator=g) * 4 - 2).tolist()
+            bias = [(int(t), float(b)) for t, b in zip(torch.randint(V, (3,), generator=g).tolist(),
+                                                       (torch.rand(3, generator=g) * 20 - 10).tolist(), strict=True)]
+            params.append(SamplingParams(temperature=0, presence_penalty=pp, frequency_penalty=fp, logit_bias=bias))
+        expected = []
+        for i, p in enumerate(params):
+            row = logits[i].clone()
+            for t, b in p.logit_bias:
+                row[t] += b
+            counts = torch.bincount(torch.tensor(outs[i], dtype=torch.long), minlength=V).float()
+            row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
+            expected.append(int(row.argmax()))
+        got = gen.sample(logits, params, [p + o for p, o in zip(prompts, outs, strict=True)], [None] * B,
+                         prompt_lens=[P] * B)
+        assert got == expected
+    # The favourite token, in the prompt only: a presence penalty leaves it the favourite.
+    logits = torch.tensor([[0.0, 5.0, 1.5]])
+    penalised = [SamplingParams(temperature=0, presence_penalty=2.0, frequency_penalty=2.0)]
+    assert gen.sample(logits, penalised, [[1, 1, 2]], [None], prompt_lens=[2]) == [1]  # generated: [2]
+    assert gen.sample(logits, penalised, [[1, 1, 1]], [None], prompt_lens=[2]) == [2]  # generated: [1]
+
+
+def test_a_token_outside_the_allowed_ones_is_never_sampled_whatever_its_bias(debug_model: GPT) -> None:
+    gen = Generator(debug_model, CPU, max_batch_size=2)
+    logits = torch.tensor([[4.0, 3.0, 0.0, -1.0, 2.0]]).repeat(2, 1)
+    allowed = torch.tensor([[False, True, True, False, True], [True, False, False, False, False]])
+    params = [SamplingParams(temperature=1.0, top_k=None, logit_bias=[(0, 100.0), (3, 100.0)]),
+              SamplingParams(temperature=0)]
+    draws = [gen.sample(logits, params, [[], []], [gen.rng(s), None], allowed=allowed) for s in range(60)]
+    assert {d[0] for d in draws} == {1, 2, 4}
+    assert {d[1] for d in draws} == {0}

@@ -1217,8 +1217,8 @@ def end_of_text_after(gen: Generator, monkeypatch: pytest.MonkeyPatch, prompt_le
     """The engine's sampler picks end-of-text as the n-th new token (as a model that ends there would)."""
     real = Generator._pick
 
-    def pick(logits: torch.Tensor, params: Any, histories: list[list[int]], generators: Any) -> torch.Tensor:
-        t = real(gen, logits, params, histories, generators)
+    def pick(logits: torch.Tensor, params: Any, histories: list[list[int]], generators: Any, *rest: Any) -> torch.Tensor:
+        t = real(gen, logits, params, histories, generators, *rest)
         at_end = torch.tensor([len(h) - prompt_len >= n - 1 for h in histories])
         return torch.where(at_end, torch.full_like(t, eot), t)
 

@@ -18,6 +18,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -25,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, TextIO
+from typing import Any, Literal, TextIO
 
 import torch
 from tokenizers import Tokenizer
@@ -59,6 +60,14 @@ class SamplingParams:
     top_k: int | None = 50
     top_p: float = 1.0
     repetition_penalty: float = 1.0  # HF's rule: a seen token's logit / p if positive, * p if negative
+    # OpenAI's penalties, by vLLM's rule: a token's logit minus presence_penalty once it has been generated,
+    # minus frequency_penalty times the number of times it has (the prompt's tokens do not count).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, a value added to its logit before sampling)
+    # Constrained decoding: the key of a grammar (constrain.Grammars) every new token must keep the text a
+    # prefix of; the end-of-text token only once the text is complete.
+    grammar: str | None = None
     seed: int | None = None  # the same seed and prompt give the same sample, alone or in a batch
     stop: tuple[str, ...] = ()  # texts that end the sequence (StopChecker); not part of the output
     stop_token_ids: tuple[int, ...] = ()  # ids that end it (e.g. <|endoftext|>); not part of the output
@@ -69,6 +78,7 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
+        self.logit_bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
         for ok, rule, value in [
             # 0: the prompt only, no new token (scoring a text by its prompt_logprobs)
             (self.max_new_tokens >= 0, "max_new_tokens must be >= 0", self.max_new_tokens),
@@ -79,6 +89,10 @@ class SamplingParams:
             (self.top_k is None or self.top_k >= 1, "top_k must be >= 1 (or None: all tokens)", self.top_k),
             (0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p),
             (self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty),
+            (math.isfinite(self.presence_penalty), "presence_penalty must be finite", self.presence_penalty),
+            (math.isfinite(self.frequency_penalty), "frequency_penalty must be finite", self.frequency_penalty),
+            (all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias),
+             "logit_bias must map token ids >= 0 to finite values", self.logit_bias),
             (all(self.stop), "stop strings must not be empty", self.stop),
         ]:
             if not ok:
@@ -127,6 +141,7 @@ class Decoding:
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     pending: TokenLogprob | None = None  # sample_next's entry for the token `add` takes next
+    matcher: Any = None  # with params.grammar: the grammar's state after the tokens so far (constrain.Matcher)
 
     @property
     def prefilled(self) -> bool:
@@ -148,6 +163,8 @@ class Decoding:
         entry, self.pending = self.pending, None
         if entry is not None:  # a stop token's too, as OpenAI and vLLM list it: lm-eval counts on it being there
             self.logprobs.append(entry)
+        if self.matcher is not None:
+            self.matcher.accept(token)
         if token in self.params.stop_token_ids:
             self.finish = "stop"
         else:
@@ -228,10 +245,12 @@ class Generator:
     """
 
     def __init__(self, model: GPT, plan: DevicePlan, *, max_batch_size: int = 8, max_len: int | None = None,
-                 compile: bool = False, cuda_graphs: bool = False) -> None:
+                 compile: bool = False, cuda_graphs: bool = False, grammars: Any = None) -> None:
         """compile: the decode step compiled (inference.compile_decode). cuda_graphs: on CUDA without
         compile, the eager decode step recorded as a CUDA graph per bucket (inference.GraphedDecode);
-        ignored elsewhere, and with compile (whose reduce-overhead mode records its own)."""
+        ignored elsewhere, and with compile (whose reduce-overhead mode records its own). grammars: the
+        constrain.Grammars of the model's tokenizer, for sequences whose params name a grammar."""
+        self.grammars = grammars
         cfg = model.config
         self.max_len = cfg.block_size if max_len is None else max_len
         if not 2 <= self.max_len <= cfg.block_size:
@@ -287,8 +306,19 @@ class Generator:
         self.check_prompt(prompt)
         slot = self.alloc()
         budget = min(params.max_new_tokens, self.max_len - len(prompt))
+        try:
+            matcher = None if params.grammar is None else self._grammars().matcher(params.grammar)
+        except BaseException:
+            self.free(slot)
+            raise
         return Decoding(slot=slot, params=params, prompt_len=len(prompt), budget=budget, rng=self.rng(params.seed),
-                        ids=list(prompt))
+                        ids=list(prompt), matcher=matcher)
+
+    def _grammars(self) -> Any:
+        if self.grammars is None:
+            raise ValueError("this Generator has no grammars (Generator(grammars=constrain.Grammars(...))), so it "
+                             "cannot constrain a sequence")
+        return self.grammars
 
     def begin(self, prompt: list[int], params: SamplingParams) -> tuple[Decoding, torch.Tensor]:
         """Prefill `prompt` into the lowest free slot: its Decoding, and logits (V,) of its last token."""
@@ -372,9 +402,12 @@ class Generator:
         """`sample` with each sequence's own parameters, history and random generator. A sequence whose
         params ask for logprobs gets its token's TokenLogprob as `pending`, which its `add` keeps."""
         params = [s.params for s in seqs]
+        extra = {"prompt_lens": [s.prompt_len for s in seqs],
+                 "allowed": self._grammars().allowed([s.matcher for s in seqs], logits.shape[-1], logits.device)
+                 if any(s.matcher is not None for s in seqs) else None}
         if all(p.logprobs is None for p in params):
-            return self.sample(logits, params, [s.ids for s in seqs], [s.rng for s in seqs])
-        tokens, entries = self.sample_logprobs(logits, params, [s.ids for s in seqs], [s.rng for s in seqs])
+            return self.sample(logits, params, [s.ids for s in seqs], [s.rng for s in seqs], **extra)
+        tokens, entries = self.sample_logprobs(logits, params, [s.ids for s in seqs], [s.rng for s in seqs], **extra)
         for s, e in zip(seqs, entries, strict=True):
             s.pending = e
         return tokens
@@ -530,22 +563,26 @@ class Generator:
     # sampling ---------------------------------------------------------------------------------
     @torch.no_grad()
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-               generators: list[torch.Generator | None]) -> list[int]:
-        """The next token of each row: repetition penalty, then argmax (temperature 0) or temperature,
-        top-k and top-p sampling. On the device throughout; the one host sync is the final .tolist().
+               generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
+               allowed: torch.Tensor | None = None) -> list[int]:
+        """The next token of each row: the allowed tokens only, logit bias, repetition, presence and
+        frequency penalties, then argmax (temperature 0) or temperature, top-k and top-p sampling. On the
+        device throughout; the one host sync is the final .tolist().
 
-        histories: each row's prompt + generated ids (for the penalty). generators: Generator.rng(seed)
-        per row, or None for the global RNG.
+        histories: each row's prompt + generated ids (for the penalties); prompt_lens: where each row's
+        generated ids begin in it (None: all of it is generated). generators: Generator.rng(seed) per
+        row, or None for the global RNG. allowed: (B, V) bool, the tokens each row may take (None: all).
         """
-        return self._pick(logits, params, histories, generators).tolist()
+        return self._pick(logits, params, histories, generators, prompt_lens, allowed).tolist()
 
     @torch.no_grad()
     def sample_logprobs(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                        generators: list[torch.Generator | None]) -> tuple[list[int], list[TokenLogprob | None]]:
+                        generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
+                        allowed: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
         """`sample`, and for each row whose params ask (logprobs not None) its token's TokenLogprob with
         params.logprobs alternatives, from the raw `logits` (None for the other rows). Still one host sync:
         the tokens travel in the same float32 tensor as the log-probabilities."""
-        tokens = self._pick(logits, params, histories, generators)
+        tokens = self._pick(logits, params, histories, generators, prompt_lens, allowed)
         rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         k = max(params[i].logprobs or 0 for i in rows)
         index = self._tensor(rows)
@@ -559,10 +596,30 @@ class Generator:
         return [int(t) for t in flat[:B]], entries
 
     def _pick(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-              generators: list[torch.Generator | None]) -> torch.Tensor:
+              generators: list[torch.Generator | None], prompt_lens: Sequence[int] | None = None,
+              allowed: torch.Tensor | None = None) -> torch.Tensor:
         """sample's tokens (B,), on the device: no host sync."""
         B, V = logits.shape
         logits = logits.float()
+        # Out-of-place throughout: the raw logits stay as they are, for the log-probabilities.
+        if allowed is not None:  # first, so that no bias or penalty can bring a forbidden token back
+            logits = logits.masked_fill(~allowed, float("-inf"))
+        if any(p.logit_bias for p in params):
+            rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+            cols = [t for p in params for t, _ in p.logit_bias]
+            bias = self._tensor([b for p in params for _, b in p.logit_bias], torch.float32)
+            logits = logits.index_put((self._tensor(rows), self._tensor(cols)), bias, accumulate=True)
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            starts = prompt_lens or [0] * B
+            penalised = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+            rows = [i for i in penalised for _ in histories[i][starts[i]:]]
+            cols = [t for i in penalised for t in histories[i][starts[i]:]]
+            counts = torch.zeros(B, V, device=logits.device)
+            counts.index_put_((self._tensor(rows), self._tensor(cols)), torch.ones(len(rows), device=logits.device),
+                              accumulate=True)
+            frequency = self._tensor([p.frequency_penalty for p in params], torch.float32).view(B, 1)
+            presence = self._tensor([p.presence_penalty for p in params], torch.float32).view(B, 1)
+            logits = logits - frequency * counts - presence * (counts > 0)
         if any(p.repetition_penalty != 1.0 for p in params):
             seen = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
             rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 for _ in histories[i]]

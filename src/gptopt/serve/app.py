@@ -70,7 +70,8 @@ log = logging.getLogger(__name__)
 
 # Request limits, all checked before any model work.
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a GPT-2 context
-MAX_N = 8  # completions per prompt
+MAX_N = 8  # completions per prompt (best_of too: every candidate is generated in full)
+MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name, as OpenAI allows
 # What bounds a request's sequences (prompts x n) is the engine: beyond --max_batch_size + --max_queue they
 # get a 400 before any tokenizing (check_capacity). This only bounds the list the schema reads, far above
 # the batches clients send (lm-evaluation-harness: --batch_size prompts in one request).
@@ -141,6 +142,7 @@ IntOrNone = Annotated[int | None, WHOLE]
 Text = Annotated[str, BeforeValidator(_unicode)]
 Prompt = Annotated[str, Field(min_length=1), BeforeValidator(_unicode)]
 StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), BeforeValidator(_unicode)]
+TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id as JSON writes an object's key
 TokenIds = Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]  # a prompt already tokenized
 
 
@@ -175,6 +177,13 @@ class Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     top_k: IntOrNone = Field(None, ge=1, description="extension: sample from the k most likely tokens")
     repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="subtracted from the logit of every token "
+                                    "generated so far (the prompt's do not count)")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="times the number of times a token has been "
+                                     "generated so far, subtracted from its logit")
+    logit_bias: Annotated[dict[TokenKey, Annotated[float, Field(ge=-100, le=100)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
+        None, description="token id (a string) -> a value from -100 to 100 added to its logit before sampling")
 
 
 class CompletionRequest(Sampling):
@@ -187,6 +196,9 @@ class CompletionRequest(Sampling):
     max_tokens: IntOrNone = Field(16, ge=0, description="tokens to generate; null: up to the context end; 0 (with "
                                    "echo and logprobs): score the prompt only")
     echo: bool = False
+    best_of: IntOrNone = Field(None, ge=1, le=MAX_N, description="generate this many completions per prompt and "
+                               "return the n with the highest log-probability per token; not with stream")
+    suffix: Text | None = Field(None, description="not supported: a non-empty suffix is answered 400")
     logprobs: IntOrNone = Field(None, ge=0, description="per token its log-probability and this many most likely "
                                  "alternatives (log_softmax of the model's raw logits, before temperature and "
                                  "top_p); with echo the prompt's tokens too")
@@ -217,6 +229,10 @@ class ChatRequest(Sampling):
     logprobs: bool = Field(False, description="each reply token's log-probability (choices[].logprobs.content)")
     top_logprobs: IntOrNone = Field(None, ge=0, description="with logprobs: this many most likely tokens per "
                                      "position, at most the server's --max_logprobs")
+    # Function calling is not served: a request that offers tools gets a 400 rather than a reply that
+    # silently ignores them.
+    tools: list[Any] | None = Field(None, description="not supported: a non-empty list is answered 400")
+    functions: list[Any] | None = Field(None, description="not supported (tools' older name): answered 400")
 
 
 class GenerateRequest(BaseModel):
@@ -516,6 +532,14 @@ def _check_completion(body: CompletionRequest, prompts: list[str | list[int]], n
     if body.max_tokens == 0 and not (body.echo and body.logprobs is not None):
         raise APIError(400, "max_tokens 0 scores the prompt only, which needs echo: true and logprobs (0 or more); "
                        "otherwise ask for at least 1 token", param="max_tokens")
+    if body.suffix:
+        raise APIError(400, "suffix is not supported: this server continues a prompt at its end only; send the "
+                       "request without suffix", param="suffix", code="unsupported_parameter")
+    if body.best_of is not None and body.best_of < body.n:
+        raise APIError(400, f"best_of ({body.best_of}) must be at least n ({body.n})", param="best_of")
+    if body.best_of is not None and body.best_of > body.n and body.stream:
+        raise APIError(400, "best_of larger than n cannot be streamed: the best are known only once all are "
+                       "generated; send stream: false, or best_of equal to n", param="best_of")
 
 
 class _API:
@@ -630,20 +654,31 @@ class _API:
 
     # -- into the engine and back -----------------------------------------------------------------
 
+    def logit_bias(self, bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """The request's logit_bias as (token id, bias) pairs: 400 for an id outside the model's vocabulary."""
+        pairs = tuple((int(token), value) for token, value in (bias or {}).items())
+        vocab = self.engine.vocab_size
+        if outside := [t for t, _ in pairs if t >= vocab]:
+            raise APIError(400, f"logit_bias: token id {outside[0]} is outside this model's vocabulary (0..{vocab - 1}); "
+                           "send ids of the served model's tokenizer", param="logit_bias", code="invalid_token_id")
+        return pairs
+
     def sampling(self, body: Sampling, ids: list[list[int]], budgets: list[int],
-                 stop: tuple[str, ...], stop_ids: tuple[int, ...], *, logprobs: int | None = None,
+                 stop: tuple[str, ...], stop_ids: tuple[int, ...], *, copies: int, logprobs: int | None = None,
                  prompt_logprobs: int | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
-        """n sequences per prompt and their sampling, as the request asks. logprobs: the top-k alternatives
-        each new token's log-probability comes with (None: none computed); prompt_logprobs: the same for
-        the prompt's tokens (echo)."""
+        """`copies` sequences per prompt (n, or best_of) and their sampling, as the request asks. logprobs:
+        the top-k alternatives each new token's log-probability comes with (None: none computed);
+        prompt_logprobs: the same for the prompt's tokens (echo)."""
         seqs, params = [], []
+        bias = self.logit_bias(body.logit_bias)
         for i, (x, budget) in enumerate(zip(ids, budgets, strict=True)):
-            for j in range(body.n):
+            for j in range(copies):
                 seqs.append(x)
                 params.append(SamplingParams(
                     max_new_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
-                    repetition_penalty=body.repetition_penalty, stop=stop, stop_token_ids=stop_ids,
-                    seed=None if body.seed is None else body.seed + i * body.n + j,  # choices differ
+                    repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
+                    frequency_penalty=body.frequency_penalty, logit_bias=bias, stop=stop, stop_token_ids=stop_ids,
+                    seed=None if body.seed is None else body.seed + i * copies + j,  # choices differ
                     logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         return seqs, params
 
@@ -703,16 +738,20 @@ class _API:
         prompts = _prompt_list(body.prompt)
         stop = _stop_strings(body.stop)
         _check_completion(body, prompts, self.model_names, self.cfg.max_tokens_limit, self.cfg.max_logprobs)
-        self.check_capacity(len(prompts) * body.n)  # before the prompts are read: refused, they cost nothing
+        copies = body.best_of or body.n  # best_of: every candidate is generated, the n best returned
+        self.check_capacity(len(prompts) * copies)  # before the prompts are read: refused, they cost nothing
         ids, texts = await self.read_prompts(prompts)
         budgets = [self.fit(x, body.max_tokens, "max_tokens") for x in ids]
-        seqs, params = self.sampling(body, ids, budgets, stop, self.stop_ids, logprobs=body.logprobs,
+        # Ranking candidates needs each token's log-probability, asked for or not.
+        ranked = copies > body.n
+        seqs, params = self.sampling(body, ids, budgets, stop, self.stop_ids, copies=copies,
+                                     logprobs=0 if ranked and body.logprobs is None else body.logprobs,
                                      prompt_logprobs=body.logprobs if body.echo else None)
         queue, reqs = self.submit(seqs, params)
         head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                 "model": body.model or self.model_name}  # the name the client used, as OpenAI's API echoes it
-        echo = [texts[k // body.n] if body.echo else "" for k in range(len(seqs))]
-        choices = [CompletionChoice(self.vocab, x, texts[k // body.n] if body.echo else None,
+        echo = [texts[k // copies] if body.echo else "" for k in range(len(seqs))]
+        choices = [CompletionChoice(self.vocab, x, texts[k // copies] if body.echo else None,
                                     body.logprobs is not None)
                    for k, x in enumerate(seqs)]
         prompt_tokens = sum(len(x) for x in ids)
@@ -720,12 +759,14 @@ class _API:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return _stream(_sse(request, queue, reqs, head, choices, prompt_tokens, usage, self.cfg.request_timeout))
         results = await self.collect(request, queue, reqs)
+        returned = _best(results, copies, body.n) if ranked else results
 
         def shaped() -> list[dict[str, Any]]:
-            return [_text_choice(r.index, echo[r.index] + r.text, r.finish_reason, choices[r.index].chunk(r)[1])
-                    for r in results]
+            return [_text_choice(i, echo[r.index] + r.text, r.finish_reason, choices[r.index].chunk(r)[1])
+                    for i, r in enumerate(returned)]
 
         # Log-probabilities decode every token's text (a long echo, n choices): off the event loop.
+        # Usage counts every candidate generated, as OpenAI bills best_of.
         return {**head, "choices": shaped() if body.logprobs is None else await asyncio.to_thread(shaped),
                 "usage": _usage(prompt_tokens, results)}
 
@@ -744,6 +785,10 @@ class _API:
                            param="top_logprobs")
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        for field, tools in (("tools", body.tools), ("functions", body.functions)):
+            if tools:
+                raise APIError(400, f"{field} is not supported: this server does not call functions; send the "
+                               f"request without {field}", param=field, code="unsupported_parameter")
         if self.chat is None:
             raise APIError(400, self.no_chat, param="messages", code="no_chat_template")
         try:
@@ -761,7 +806,7 @@ class _API:
                            param="messages", code="chat_template_error")
         stop = _stop_strings(body.stop)
         seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
-                                     self.chat.stop_token_ids(self.tokenizer),
+                                     self.chat.stop_token_ids(self.tokenizer), copies=body.n,
                                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         choices = [ChatChoice(self.vocab, body.logprobs, p.stop_token_ids) for p in params]
         queue, reqs = self.submit(seqs, params)
@@ -824,6 +869,18 @@ class _API:
     async def prometheus_metrics(self) -> Response:
         # off the event loop: an engine in its own process is asked for its figures
         return Response(await asyncio.to_thread(self.engine.render_metrics), media_type=CONTENT_TYPE)
+
+
+def _best(results: list[Event], copies: int, n: int) -> list[Event]:
+    """best_of: of each prompt's `copies` candidates (consecutive in results), the n with the highest mean
+    log-probability per token (the end-of-text that ended one counts: it is part of its likelihood), in
+    that order; a candidate with no token ranks by 0."""
+
+    def mean(r: Event) -> float:
+        return sum(e.logprob for e in r.logprobs) / len(r.logprobs) if r.logprobs else 0.0
+
+    return [r for k in range(0, len(results), copies)
+            for r in sorted(results[k : k + copies], key=mean, reverse=True)[:n]]
 
 
 def _usage(prompt_tokens: int, results: list[Event]) -> dict[str, int]:

@@ -1,0 +1,125 @@
+"""OpenAI's sampling fields on /v1: logit_bias, presence and frequency penalties, best_of, response_format
+(constrained decoding), and the fields this server refuses rather than ignores (tools, suffix).
+
+    pytest -q tests/test_serve_sampling.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("fastapi")
+httpx = pytest.importorskip("httpx")
+
+from test_serve import PROMPT, assert_openai_error, completion, running  # noqa: E402
+
+from gptopt.device import resolve  # noqa: E402
+from gptopt.generate import Generator, SamplingParams, complete  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def server(debug_tokenizer: Any) -> Iterator[tuple[str, Any]]:
+    with running(debug_tokenizer, max_batch_size=8, chat_template="plain") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def url(server: tuple[str, Any]) -> str:
+    return server[0]
+
+
+def direct(server: tuple[str, Any], tokenizer: Any, **params: Any) -> str:
+    """The served model's greedy continuation of PROMPT computed here, with these SamplingParams."""
+    gen = Generator(server[1].state.engine.generator.model, resolve("cpu"), max_batch_size=1)
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    [(ids, _)] = complete(gen, [tokenizer.encode(PROMPT).ids], SamplingParams(temperature=0, stop_token_ids=(eot,),
+                                                                                **params))
+    return tokenizer.decode(ids)
+
+
+def test_logit_bias_pins_a_token_and_equals_the_direct_computation(server: tuple[str, Any],
+                                                                    debug_tokenizer: Any) -> None:
+    url = server[0]
+    token = debug_tokenizer.token_to_id("x") or 42
+    r = completion(url, max_tokens=8, temperature=1.0, seed=1, logit_bias={str(token): 100})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == debug_tokenizer.decode([token] * 8)
+    # A greedy reply with its favourite tokens pushed down: the same reply as the sampler computes it here.
+    plain = debug_tokenizer.encode(completion(url, max_tokens=8, temperature=0).json()["choices"][0]["text"]).ids
+    bias = {str(t): -100 for t in set(plain[:2])}
+    r = completion(url, max_tokens=8, temperature=0, logit_bias=bias)
+    expected = direct(server, debug_tokenizer, max_new_tokens=8, logit_bias=[(int(t), b) for t, b in bias.items()])
+    assert r.json()["choices"][0]["text"] == expected
+
+
+def test_presence_and_frequency_penalties_equal_the_direct_computation(server: tuple[str, Any],
+                                                                       debug_tokenizer: Any) -> None:
+    url = server[0]
+    plain = completion(url, max_tokens=24, temperature=0).json()["choices"][0]["text"]
+    for fields in ({"frequency_penalty": 2.0}, {"presence_penalty": 2.0}, {"presence_penalty": -1.5,
+                                                                           "frequency_penalty": 0.5}):
+        r = completion(url, max_tokens=24, temperature=0, **fields)
+        assert r.json()["choices"][0]["text"] == direct(server, debug_tokenizer, max_new_tokens=24, **fields)
+    assert completion(url, max_tokens=24, temperature=0, frequency_penalty=2.0).json()["choices"][0]["text"] != plain
+
+
+def test_best_of_returns_the_candidates_with_the_highest_logprob_per_token(server: tuple[str, Any]) -> None:
+    url = server[0]
+    body = {"prompt": ["import os", "class A:"], "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    # n=3 draws the same three candidates per prompt as best_of=3 (the same seeds), with their logprobs.
+    every = completion(url, n=3, logprobs=0, **body).json()
+
+    def mean(choice: dict[str, Any]) -> float:
+        lps = choice["logprobs"]["token_logprobs"]
+        return sum(lps) / len(lps)
+
+    candidates = [every["choices"][0:3], every["choices"][3:6]]
+    assert len({c["text"] for c in candidates[0]}) > 1  # the choice matters
+    r = completion(url, best_of=3, n=2, **body).json()
+    expected = [c["text"] for group in candidates for c in sorted(group, key=mean, reverse=True)[:2]]
+    assert [c["text"] for c in r["choices"]] == expected
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert all(c["logprobs"] is None for c in r["choices"])  # not asked for
+    assert r["usage"] == every["usage"]  # every candidate generated counts, as OpenAI bills best_of
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"best_of": 1, "n": 2}, "best_of"),
+    ({"best_of": 3, "stream": True}, "best_of"),
+    ({"suffix": "\n    return x"}, "suffix"),
+    ({"logit_bias": {"99999999": 5}}, "logit_bias"),
+    ({"logit_bias": {"1": 101}}, "logit_bias"),
+    ({"logit_bias": {"one": 1}}, "logit_bias"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"),
+])
+def test_sampling_fields_out_of_range_or_unsupported_get_400_naming_the_field(url: str, body: dict[str, Any],
+                                                                              param: str) -> None:
+    err = assert_openai_error(completion(url, max_tokens=2, **body), 400)
+    assert err["param"] is not None and err["param"].startswith(param), err
+
+
+def test_chat_refuses_tools_and_takes_the_sampling_fields(url: str) -> None:
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for field, value in (("tools", [tool]), ("functions", [tool["function"]])):
+        r = httpx.post(f"{url}/v1/chat/completions", json={**base, field: value}, timeout=60)
+        err = assert_openai_error(r, 400, "unsupported_parameter")
+        assert err["param"] == field and field in err["message"]
+    r = httpx.post(f"{url}/v1/chat/completions", json={**base, "tools": [], "temperature": 0, "logit_bias": {"5": 100},
+                                                       "presence_penalty": 1.0, "frequency_penalty": 1.0}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_sampling_fields_are_applied_on_the_device_in_one_batched_step(debug_model: Any) -> None:
+    # Rows with and without each field, in one call: each row gets exactly its own.
+    gen = Generator(debug_model, resolve("cpu"), max_batch_size=3)
+    logits = torch.zeros(3, 8)
+    logits[:, 2] = 1.0
+    params = [SamplingParams(temperature=0, logit_bias=[(5, 3.0)]), SamplingParams(temperature=0),
+              SamplingParams(temperature=0, frequency_penalty=2.0)]
+    assert gen.sample(logits, params, [[2], [2], [2]], [None] * 3, prompt_lens=[0, 0, 0]) == [5, 2, 0]
