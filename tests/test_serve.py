@@ -10,6 +10,7 @@ import dataclasses
 import gc
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -46,9 +47,10 @@ from gptopt.tokenizer import eot_id  # noqa: E402
 
 PROMPT = "def parse_args(self, args=None):"
 README = Path(__file__).resolve().parents[1] / "README.md"
-# Rules no server may let freeze it: regular expressions that backtrack exponentially, and the
-# same text as a plain term (matched literally, so harmless).
-HOSTILE_BLOCKLIST = "re:(a|a)+$\nre:(a+)+$\nre:(x+x+)+y\nre:(.*a){20}\n(a+)+$\nforbidden\n"
+# Rules no server may let freeze it: regular expressions that backtrack exponentially (their repeats
+# bounded, as every rule's must be), and such text as a plain term (matched literally, so harmless).
+HOSTILE_BLOCKLIST = ("re:(a|a){1,60}$\nre:(a{1,20}){1,20}$\nre:(x{1,20}x{1,20}){1,20}y\nre:(.{0,20}a){20}\n"
+                     "(a+)+$\nforbidden\n")
 
 
 @contextlib.contextmanager
@@ -964,8 +966,74 @@ def test_text_filter_holds_back_what_could_still_match() -> None:
     assert f.push("a b") == ("", False)  # "a b" could be the start of nothing, but holdback is 3
     assert f.push("a") == ("a", False)
     assert f.push("D!") == (" ", True)  # "baD" spans three pushes; the text stops before it
-    g = TextFilter(Blocklist(patterns=["z+z"]))
+    g = TextFilter(Blocklist(patterns=["z{1,3}z"]))
     assert g.push("abc") == ("", False) and g.push("", final=True) == ("abc", False)
+
+
+def filtered(rules: Blocklist, pieces: list[str]) -> tuple[str, bool]:
+    """What a TextFilter releases of output arriving in `pieces`, the last one ending it; whether it cut it."""
+    text_filter, released = TextFilter(rules), ""
+    for i, piece in enumerate(pieces):
+        out, cut = text_filter.push(piece, final=i == len(pieces) - 1)
+        released += out
+        if cut:
+            return released, True
+    return released, False
+
+
+@pytest.mark.parametrize("rule, pieces, kept", [
+    ("a{1,3}$", ["xa", "ay", "z"], "xaayz"), ("a{1,3}$", ["xa", "ay", "za"], "xaayz"),
+    ("x\\Z", ["ax", "b"], "axb"), ("x\\Z", ["ax", "bx"], "axb"),
+    ("(?m)^ok$", ["no\nok", "ay"], "no\nokay"), ("(?m)^ok$", ["no\nok", "\nmore"], "no\n"),
+    ("\\bcat\\b", ["the cat", "s"], "the cats"), ("\\bcat\\b", ["the cat", " sat"], "the "),
+    ("cat(?!s)", ["the cat", "s"], "the cats"), ("cat(?!s)", ["the cat", "!"], "the "),
+])
+def test_anchors_and_lookaheads_are_decided_by_the_text_that_follows(rule: str, pieces: list[str], kept: str) -> None:
+    # `$` and `\Z` mean the end of the output, not of the text generated so far; `\b` and a lookahead
+    # wait for the characters they look at.
+    assert filtered(Blocklist(patterns=[rule]), pieces) == (kept, kept != "".join(pieces))
+
+
+@pytest.mark.parametrize("rule, text, kept", [("x{12}", "ab" + "x" * 12 + "cd", "ab"),
+                                              ("ab(?=c{12})", "xab" + "c" * 12 + "!", "x")])
+def test_a_match_longer_than_its_rule_never_releases_its_start(rule: str, text: str, kept: str) -> None:
+    # the rule's text is shorter than the text it matches (or reads): a character at a time, nothing of it
+    assert filtered(Blocklist(patterns=[rule]), list(text)) == (kept, True)
+
+
+def test_a_streamed_reply_never_shows_the_start_of_a_match_longer_than_its_rule(
+        debug_tokenizer: Any, tmp_path: Path) -> None:
+    path = tmp_path / "blocklist.txt"
+    path.write_text("re:x{6}\n")
+    script = [byte_token(debug_tokenizer, b) for b in b"ab" + b"x" * 6 + b"cd"]
+    with running(debug_tokenizer, blocklist=str(path)) as (url, app):
+        gen = app.state.engine.generator
+        gen.sample = lambda logits, params, histories, *_, **__: [script[len(h) - n_prompt] for h in histories]
+        n_prompt = len(debug_tokenizer.encode(PROMPT).ids)
+        frames = sse(completion(url, stream=True, max_tokens=len(script)))
+    assert "".join(f["choices"][0]["text"] for f in frames[:-1]) == "ab"
+    assert frames[-2]["choices"][0]["finish_reason"] == "content_filter"
+
+
+def test_an_end_anchored_rule_cuts_only_outputs_that_end_in_a_match(url: str, debug_tokenizer: Any,
+                                                                     tmp_path: Path) -> None:
+    sampled = {"prompt": [PROMPT] * 4, "n": 8, "max_tokens": 10, "temperature": 1.0, "seed": 5}
+    full = [(c["text"], c["finish_reason"]) for c in completion(url, **sampled).json()["choices"]]
+    # a letter that ends some outputs and stands inside others
+    ends = {t[-1] for t, _ in full if t and t[-1].isascii() and t[-1].isalpha()}
+    assert ends, full
+    letter = max(sorted(ends), key=lambda c: sum(c in t[:-1].lower() for t, _ in full))
+    rule = f"{letter}{{1,3}}$"
+    path = tmp_path / "blocklist.txt"
+    path.write_text(f"re:{rule}\n")
+    with running(debug_tokenizer, blocklist=str(path)) as (bl_url, _):
+        got = [(c["text"], c["finish_reason"]) for c in completion(bl_url, **sampled).json()["choices"]]
+    expected = []
+    for text, reason in full:
+        m = re.search(rule, text, re.IGNORECASE)
+        expected.append((text[: m.start()], "content_filter") if m else (text, reason))
+    assert got == expected
+    assert any(letter in t.lower() and not re.search(rule, t, re.IGNORECASE) for t, _ in full)  # left whole
 
 
 def test_blocklist_lines_are_plain_text_unless_prefixed_re(tmp_path: Path) -> None:
@@ -977,8 +1045,12 @@ def test_blocklist_lines_are_plain_text_unless_prefixed_re(tmp_path: Path) -> No
     assert found == {"abc": None, "xA.Cx": 1, "aaa(A+)+$": 3, "my SECR3T": 3, "x42": 0, "x4": None}
 
 
-@pytest.mark.parametrize("line, problem", [("re:(unclosed", "not a valid regular expression"),
-                                           ("re:a*", "matches the empty string"), ("re:", "matches the empty string")])
+@pytest.mark.parametrize("line, problem", [
+    ("re:(unclosed", "not a valid regular expression"), ("re:a*", "matches the empty string"),
+    ("re:", "matches the empty string"), ("re:secr(e)+t", "has no longest match"), ("re:x(?=.*y)", "no longest"),
+    ("re:a{2000}", "may match 2000 characters"), ("re:\\p{L}x", "Python's re does not read"),
+    ("x" * 1001, "the term is 1001 characters"),
+])
 def test_a_bad_blocklist_line_is_named(tmp_path: Path, line: str, problem: str) -> None:
     path = tmp_path / "blocklist.txt"
     path.write_text(f"fine\n{line}\n", encoding="utf-8")
@@ -989,7 +1061,7 @@ def test_a_bad_blocklist_line_is_named(tmp_path: Path, line: str, problem: str) 
 
 
 def test_a_regex_past_its_time_limit_counts_as_a_match() -> None:
-    slow = Blocklist(patterns=["(a|a)+$"], timeout=0.2)  # exponential: 2**40 ways to fail on 40 a's and "!"
+    slow = Blocklist(patterns=["(a|a){1,60}$"], timeout=0.2)  # exponential: 2**40 ways to fail on 40 a's and "!"
     assert slow.first_blocked(["fine", "b" * 40]) is None
     with pytest.raises(CheckTimeout, match="longer than 0.2 s"):
         slow.first_blocked(["fine", "a" * 40 + "!"])
