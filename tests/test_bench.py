@@ -42,6 +42,40 @@ def test_unknown_rung_lists_the_valid_ones(tmp_path: Path, capsys: pytest.Captur
     assert "unknown rung 'turbo'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("mode", ["train", "infer"])
+@pytest.mark.parametrize("rungs", ["", " , "])
+def test_rungs_naming_no_rung_are_refused_before_anything_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], mode: str, rungs: str
+) -> None:
+    out = tmp_path / "b"
+    assert cli.main(["bench", "--mode", mode, "--device", "cpu", "--data_dir", str(tmp_path / "no_data"),
+                     "--output_dir", str(out), "--rungs", rungs]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--rungs {rungs!r} names no rung" in err[0]
+    assert "valid rungs: " in err[0] and ("eager" if mode == "train" else "kv") in err[0]
+    assert not out.exists() and not (tmp_path / "no_data").exists()
+
+
+@pytest.mark.parametrize("argv, context", [
+    (["--preset", "debug", "--seq_len", "100"], "64 (preset debug)"),
+    (["--seq_len", "100000"], "256 (preset tiny)"),  # the CPU's default preset
+    (["--mode", "infer", "--preset", "debug", "--seq_len", "65"], "64 (preset debug)"),
+    (["--mode", "quality", "--preset", "debug", "--seq_len", "100", "--target_loss", "5", "--seeds", "1",
+      "--recipes", "adamw"], "64 (preset debug)"),
+])
+def test_a_seq_len_beyond_the_models_context_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], context: str
+) -> None:
+    """As train refuses it: not measured at the context and written into best.toml as if that had been asked."""
+    out = tmp_path / "b"
+    assert cli.main(["bench", "--device", "cpu", "--data_dir", str(tmp_path / "no_data"), "--output_dir", str(out),
+                     *argv]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    n, c = argv[argv.index("--seq_len") + 1], context.split()[0]
+    assert len(err) == 1 and err[0].endswith(f"--seq_len {n} exceeds the model's context {context}: use --seq_len {c} or less")
+    assert not out.exists() and not (tmp_path / "no_data").exists()  # nothing written, no data read or prepared
+
+
 def test_unknown_preset_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         cli.main(["bench", "--preset", "gpt3"])

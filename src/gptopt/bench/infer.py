@@ -83,12 +83,14 @@ RUNGS: list[InferRung] = [
 
 def select_rungs(spec: str) -> list[InferRung]:
     by_name = {r.name: r for r in RUNGS}
+    valid = ", ".join([*by_name, "default", "all"])
     names: list[str] = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
         if part not in by_name and part not in ("default", "all"):
-            valid = ", ".join([*by_name, "default", "all"])
             raise ValueError(f"unknown rung {part!r} for --mode infer; valid rungs: {valid}")
         names += list(by_name) if part in ("default", "all") else [part]
+    if not names:  # nothing to measure: refused before a report with no rungs is written
+        raise ValueError(f"--rungs {spec!r} names no rung for --mode infer; valid rungs: {valid}")
     return [by_name[n] for n in dict.fromkeys(names)]
 
 

@@ -88,6 +88,7 @@ SWEEP = "batch_sweep"  # expands to 'all' at doubling micro-batches until one do
 
 def select_rungs(spec: str) -> list[Rung]:
     by_name = {r.name: r for r in LADDER + OPTIONAL}
+    valid = ", ".join(dict.fromkeys([*by_name, SWEEP, "default", "all"]))  # "all" is a rung and a set
     names: list[str] = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
         if part == "default":
@@ -97,8 +98,9 @@ def select_rungs(spec: str) -> list[Rung]:
         elif part in by_name or part == SWEEP:
             names.append(part)
         else:
-            valid = ", ".join(dict.fromkeys([*by_name, SWEEP, "default", "all"]))  # "all" is a rung and a set
             raise ValueError(f"unknown rung {part!r}; valid rungs: {valid}")
+    if not names:  # nothing to measure: refused before a report with no rungs is written
+        raise ValueError(f"--rungs {spec!r} names no rung; valid rungs: {valid} (`--rungs list` says what each does)")
     seen: list[str] = []
     for n in names:
         if n not in seen:

@@ -50,6 +50,7 @@ from typing import Any
 from tqdm import tqdm
 
 from gptopt.bench.report import KIND, QUALITY_FILES
+from gptopt.bench.setup import bench_preset
 from gptopt.config import BenchConfig, TrainConfig
 from gptopt.device import cpu_has_fast_bf16, environment, resolve
 from gptopt.extras import has, require
@@ -170,7 +171,7 @@ class Ladder:
         self.names = recipes(cfg.recipes)
         self.seeds = [cfg.seed + i for i in range(cfg.seeds)]
         self.plan = resolve(cfg.device, quiet=True)
-        self.preset = cfg.preset or ("gpt2" if self.plan.device.type == "cuda" else "tiny")
+        self.preset = bench_preset(cfg, self.plan)
         self.cfg = dataclasses.replace(cfg, preset=self.preset)  # every run trains the preset the report names
         if cfg.target_loss is None and self.preset not in DEFAULT_TARGET:
             raise ValueError(f"--mode quality has no default target for {self.preset}: pass --target_loss")

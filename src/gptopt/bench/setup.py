@@ -1,16 +1,20 @@
 """What both bench ladders (training, bench/ladder.py; inference, bench/infer.py) resolve the same
-way from a BenchConfig: the device plan, the preset, the data, the model config, the sequence length.
+way from a BenchConfig: the device plan, the preset, the data, the model config, the sequence length;
+the recipe ladder (bench/quality.py) takes the preset from here too.
 
     python -c "from gptopt.bench.setup import Setup; from gptopt.config import BenchConfig; print(Setup.from_config(BenchConfig()))"
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from gptopt import data
-from gptopt.config import BenchConfig, GPTConfig, TrainConfig, preset_for_data
+from gptopt.config import PRESETS, BenchConfig, GPTConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, resolve
+
+log = logging.getLogger("gptopt")
 
 
 @dataclass
@@ -25,12 +29,25 @@ class Setup:
 
     @classmethod
     def from_config(cls, cfg: BenchConfig) -> Setup:
-        plan = resolve(cfg.device)
+        plan = resolve(cfg.device, quiet=True)
+        name = bench_preset(cfg, plan)  # first: the default corpus is prepared on first use
+        log.info(plan.reason)
         gpu = plan.device.type == "cuda"
-        name = cfg.preset or ("gpt2" if gpu else "tiny")  # the embedded defaults
         tokens = data.open_data(cfg.data_dir)
         # the vocabulary padded as `gptopt train` pads it: best.toml then trains this very model
         model_config = preset_for_data(name, tokens.model_vocab_size, vocab_pad_multiple=TrainConfig().vocab_pad_multiple)
         tokens.check_vocab(model_config.vocab_size)
-        seq_len = min(cfg.seq_len or (1024 if gpu else 256), model_config.block_size)
+        seq_len = cfg.seq_len or min(1024 if gpu else 256, model_config.block_size)  # a default fits the model
         return cls(plan, name, tokens, model_config, seq_len)
+
+
+def bench_preset(cfg: BenchConfig, plan: DevicePlan) -> str:
+    """The preset every ladder runs: --preset, else the embedded default (gpt2 on a GPU, tiny elsewhere).
+    A --seq_len beyond its context is refused here, before any work, as `gptopt train` refuses it: cut to
+    the context, the ladder would measure (and write into best.toml) a length nobody asked for."""
+    name = cfg.preset or ("gpt2" if plan.device.type == "cuda" else "tiny")
+    context = PRESETS[name]["block_size"]
+    if cfg.seq_len is not None and cfg.seq_len > context:
+        raise ValueError(f"--seq_len {cfg.seq_len} exceeds the model's context {context} (preset {name}): "
+                         f"use --seq_len {context} or less")
+    return name
