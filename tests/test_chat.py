@@ -83,11 +83,14 @@ def test_no_template_is_none_and_the_message_names_the_option(tmp_path: Path) ->
     assert "--chat_template FILE" in message and "--chat_template plain" in message and str(model) in message
 
 
-@pytest.mark.parametrize("text, problem", [("{% for %}", "not valid Jinja"), ("{{ raise_exception('no') }}", "no")])
+@pytest.mark.parametrize("text, problem", [("{% for %}", "--chat_template {path}.*not valid Jinja"),
+                                           ("{{ raise_exception('no') }}", "the chat template of --chat_template "
+                                            "failed on these messages: no$")])
 def test_a_bad_template_is_a_value_error_naming_it(tmp_path: Path, text: str, problem: str) -> None:
+    # at start-up with its file; when it fails on a request's messages by its kind (the sender sees that)
     path = tmp_path / "bad.jinja"
     path.write_text(text, encoding="utf-8")
-    with pytest.raises(ValueError, match=f"--chat_template {path}.*{problem}"):
+    with pytest.raises(ValueError, match=problem.format(path=path)):
         chat.load_template(str(path), []).render(HI)
     with pytest.raises(ValueError, match="no such file.*plain"):
         chat.load_template(str(tmp_path / "missing.jinja"), [])
@@ -389,6 +392,22 @@ def test_a_broken_template_of_the_models_own_leaves_the_server_up_and_the_chat_r
         assert "not valid Jinja" in err["message"] and "--chat_template" in err["message"]
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
         assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("file", ["tokenizer_config.json", "chat_template.jinja"])
+def test_a_models_template_that_raises_is_named_without_the_servers_paths(
+        debug_tokenizer: Tokenizer, tmp_path: Path, file: str) -> None:
+    # the 400 goes to whoever sent the request: it names the template by its kind, not by where it lies
+    template = "{{ raise_exception('no system messages') }}"
+    model = write_config(tmp_path / "model", chat_template=template)
+    if file == "chat_template.jinja":
+        (model / file).write_text(template, encoding="utf-8")
+    app = create_app(ServeConfig(model=str(model), device="cpu", max_batch_size=1),
+                     model=make_varied_model(debug_tokenizer.get_vocab_size()), tokenizer=debug_tokenizer)
+    with serve_in_thread(app) as server:
+        err = openai_error(chat_post(f"http://127.0.0.1:{server.port}"), 400)
+    assert err["message"] == f"the model's chat template ({file}) failed on these messages: no system messages"
+    assert err["code"] == "chat_template_error" and str(tmp_path) not in err["message"]
 
 
 def test_transformers_generation_blocks_render_their_text(tmp_path: Path) -> None:

@@ -48,11 +48,15 @@ NO_TEMPLATE = ("this model has no chat template ({where}); give one with --chat_
 class ChatTemplate:
     """A resolved template: `render(messages)` is the prompt, ending where the assistant's reply begins.
 
-    source names it in messages; stop: extra stop strings its replies end at; eos_token: the text of the
-    token that ends a turn (its id, where the tokenizer has it, ends generation too)."""
+    source names it to whoever runs the server (a file's path), kind to clients, in the errors of render:
+    those reach a request's sender, who must not see the server's files. stop: extra stop strings its
+    replies end at; eos_token: the text of the token that ends a turn (its id, where the tokenizer has
+    it, ends generation too)."""
 
-    def __init__(self, source: str, text: str | None, *, bos_token: str = "", eos_token: str = "") -> None:
-        self.source, self.text, self.bos_token, self.eos_token = source, text, bos_token, eos_token
+    def __init__(self, source: str, text: str | None, *, kind: str, bos_token: str = "",
+                 eos_token: str = "") -> None:
+        self.source, self.kind, self.text = source, kind, text
+        self.bos_token, self.eos_token = bos_token, eos_token
         self.stop = PLAIN_STOP if text is None else ()
         self._compiled = None if text is None else _compile(text, source)
 
@@ -66,10 +70,9 @@ class ChatTemplate:
             return self._compiled.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
                                          eos_token=self.eos_token)
         except jinja2.TemplateError as e:
-            raise ValueError(f"the chat template ({self.source}) failed on these messages: {e}") from None
+            raise ValueError(f"{self.kind} failed on these messages: {e}") from None
         except Exception as e:  # a template is code: a TypeError or ZeroDivisionError in it is its own fault
-            raise ValueError(f"the chat template ({self.source}) failed on these messages: "
-                             f"{type(e).__name__}: {e}") from None
+            raise ValueError(f"{self.kind} failed on these messages: {type(e).__name__}: {e}") from None
 
     def stop_token_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
         """Token ids that end a reply: the end-of-text token, and the template's eos_token where the
@@ -173,7 +176,7 @@ def load_template(option: str | None, folders: Sequence[Path], tokenizer: Tokeni
     for _, data in reversed(configs):  # the first folder's value wins
         tokens.update({k: t for k in tokens if (t := _token_text(data.get(k))) is not None})
     if option == PLAIN:
-        return ChatTemplate("--chat_template plain", None, **tokens)
+        return ChatTemplate("--chat_template plain", None, kind="the plain chat template", **tokens)
     if option is not None:
         path = Path(option).expanduser()
         if not path.is_file():
@@ -183,13 +186,16 @@ def load_template(option: str | None, folders: Sequence[Path], tokenizer: Tokeni
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise ValueError(f"--chat_template {option}: cannot read it ({e}); give a readable UTF-8 file") from None
-        return ChatTemplate(f"--chat_template {option}", text, **tokens)
+        return ChatTemplate(f"--chat_template {option}", text, kind="the chat template of --chat_template",
+                            **tokens)
     for d in folders:  # transformers: the separate file takes priority over the config's entry
         if (d / TEMPLATE_FILE).is_file():
-            return ChatTemplate(str(d / TEMPLATE_FILE), (d / TEMPLATE_FILE).read_text(encoding="utf-8"), **tokens)
+            return ChatTemplate(str(d / TEMPLATE_FILE), (d / TEMPLATE_FILE).read_text(encoding="utf-8"),
+                                kind=f"the model's chat template ({TEMPLATE_FILE})", **tokens)
         config = next((data for path, data in configs if path.parent == d), None)
         if config is not None and (text := _config_template(d / TOKENIZER_CONFIG, config)) is not None:
-            return ChatTemplate(str(d / TOKENIZER_CONFIG), text, **tokens)
+            return ChatTemplate(str(d / TOKENIZER_CONFIG), text,
+                                kind=f"the model's chat template ({TOKENIZER_CONFIG})", **tokens)
     return None
 
 

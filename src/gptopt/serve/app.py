@@ -802,7 +802,7 @@ class _API:
             raise APIError(400, str(e), param="messages", code="chat_template_error") from None
         (ids,) = await self.encode([prompt])
         if not ids:
-            raise APIError(400, f"the chat template ({self.chat.source}) rendered these messages as no text",
+            raise APIError(400, f"{self.chat.kind} rendered these messages as no text",
                            param="messages", code="chat_template_error")
         stop = _stop_strings(body.stop)
         seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
