@@ -148,16 +148,24 @@ def test_prepare_writes_beside_the_users_files_and_overwrite_keeps_them(corpus: 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare"]  # no staging folder left
 
 
-def test_overwrite_never_replaces_shards_gptopt_did_not_write(corpus: Path, tmp_path: Path) -> None:
+def test_shards_gptopt_did_not_write_are_never_replaced_and_the_advice_is_not_overwrite(
+    corpus: Path, tmp_path: Path
+) -> None:
     d = nanogpt_folder(tmp_path / "shakespeare", corpus)
     np.arange(100, dtype=np.uint16).tofile(d / "train.bin")  # nanoGPT's own shards
     np.arange(10, dtype=np.uint16).tofile(d / "val.bin")
     before = listing(d)
-    with pytest.raises(ValueError, match="already holds output"):
-        prepare(config(d / "input.txt", d))
-    with pytest.raises(ValueError, match="not marked as gptopt's"):
-        prepare(config(d / "input.txt", d, overwrite=True))
+    for overwrite in (False, True):  # the first refusal never names a flag that would refuse in turn
+        with pytest.raises(ValueError) as e:
+            prepare(config(d / "input.txt", d, overwrite=overwrite))
+        assert "holds train.bin, val.bin that gptopt did not write" in str(e.value)
+        assert "pass --overwrite" not in str(e.value)
+        assert str(e.value).endswith(f"choose another --output_dir, or move them out of {d}")
     assert listing(d) == before and sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare"]
+    for name in ("train.bin", "val.bin"):  # the advice works: moved out, prepare writes beside input.txt
+        (d / name).rename(tmp_path / name)
+    prepare(config(d / "input.txt", d))
+    assert TokenData(d).vocab_size == 300
 
 
 def test_data_prepared_before_marks_existed_can_be_overwritten(corpus: Path, tmp_path: Path) -> None:
