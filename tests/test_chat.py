@@ -358,6 +358,19 @@ def test_generate_chat_reset_exit_and_dropping_old_turns(
     assert "3" in debug_tokenizer.decode(prompts[-1]) and f"{long}1" not in debug_tokenizer.decode(prompts[-1])
 
 
+def test_generate_chat_with_a_system_message_that_leaves_no_room_says_so_once_and_stops(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    # the debug model's context is 64 tokens, half of it kept for the reply: 80 words leave no room for a turn
+    system = "word " * 80
+    args = ["--model", str(model_dir), "--chat_template", "plain", "--max_new_tokens", "3", system]
+    rc, out, err, prompts = run_chat(args, "hi\nand?\n", monkeypatch, capsys)
+    assert rc == 2 and not prompts and not out
+    assert "you> " not in err and "does not fit" not in err  # no user turn is blamed
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("gptopt generate: error: the system message") and "context of 64 tokens" in line, err
+    assert "shorten the system message" in line
+
+
 @pytest.mark.parametrize("argv, problem", [
     (["--input", "prompts.txt"], "--chat is interactive"),
     ([], "no chat template"),

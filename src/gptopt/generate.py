@@ -945,6 +945,16 @@ def _chat(gen: Generator, tok: Tokenizer, template: chat.ChatTemplate, params: S
     def count(messages: list[dict[str, str]]) -> int:
         return len(tok.encode(template.render(messages)).ids)
 
+    if start:  # a system message that leaves no room for any turn is said once, not blamed on every turn
+        try:
+            least = count([*start, {"role": "user", "content": ""}])
+        except ValueError:  # a template that refuses an empty turn: each real turn says why it fails
+            least = 0
+        if least > limit:
+            raise ValueError(f"the system message takes {least} tokens in the chat template, more than the {limit} "
+                             f"a prompt may take (the model's context of {gen.max_len} tokens less "
+                             f"{gen.max_len - limit} kept for the reply), so no turn fits; shorten the system "
+                             "message, or lower --max_new_tokens")
     while (line := _read_turn()) is not None:
         if line.strip() == "/exit":
             break
