@@ -1457,8 +1457,9 @@ def test_an_engine_process_refuses_beyond_capacity_and_frees_a_departed_clients_
         assert completion(url, max_tokens=2).status_code == 200
 
 
-def test_an_engine_process_that_dies_ends_its_requests_with_an_error(model_dir: Path) -> None:
-    with running_apart(model_dir, slow_decode) as (url, app):
+def test_an_engine_process_that_dies_ends_its_requests_with_an_error_and_logs_the_signal(
+        model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with running_apart(model_dir, slow_decode) as (url, app), caplog.at_level("ERROR", logger="gptopt"):
         result: dict[str, Any] = {}
         t = threading.Thread(target=lambda: result.update(r=completion(url, max_tokens=40)))
         t.start()
@@ -1466,6 +1467,8 @@ def test_an_engine_process_that_dies_ends_its_requests_with_an_error(model_dir: 
         os.kill(app.state.engine.pid, signal.SIGKILL)  # as the kernel's out-of-memory killer would
         t.join(timeout=30)
         assert "engine process exited" in assert_openai_error(result["r"], 500)["message"]
+        wait_for(lambda: "restart the server" in caplog.text, timeout=10)
+        assert "the engine process was killed by signal 9 (SIGKILL); ended its 1 open requests" in caplog.text
         for probe in ("health", "ready"):  # an orchestrator's liveness probe restarts it
             r = httpx.get(f"{url}/{probe}")
             assert (r.status_code, r.json()["status"]) == (503, "failed")

@@ -249,6 +249,18 @@ def _portable(e: BaseException) -> BaseException:
 # -- the parent -------------------------------------------------------------------------------------
 
 
+def _how_it_ended(code: int | None) -> str:
+    """A process's exitcode in words: a negative one is the signal that killed it (-9: the kernel's
+    out-of-memory killer, or kill -9)."""
+    if code is None:
+        return "closed its pipe but has not exited"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by signal {-code} ({signal.Signals(-code).name})"
+        return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
 class RemoteRequest:
     """What EngineProcess.submit returns: the handle a client cancels with, as engine.Request."""
 
@@ -313,9 +325,7 @@ class EngineProcess:
             raise ValueError(f"the engine process was not ready within {timeout:.0f} s")
         if msg == "exited":
             self._process.join(5)
-            code = self._process.exitcode
-            how = f"was killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
-            raise ValueError(f"the engine process {how} before it was ready (out of memory, if the kernel killed "
+            raise ValueError(f"the engine process {_how_it_ended(self._process.exitcode)} before it was ready (out of memory, if the kernel killed "
                              "it; its own lines above say more)")
         if msg[0] == "failed":
             self._process.join(10)
@@ -477,8 +487,9 @@ class EngineProcess:
             left, self._sinks = self._sinks, {}
         for done, _ in list(self._metrics_replies.values()):  # a scrape waiting now gets this process's part
             done.set()
-        if not self._stop_requested:
-            log.error("the engine process exited (code %s); ending its %d open requests; restart the server",
-                      self._process.exitcode, len(left))
         reason, error = ("cancelled", None) if self._draining else ("error", "the engine process exited")
         deliver([(sink, Event(index, "", reason, error=error)) for sink, _, index in left.values()])
+        if not self._stop_requested:
+            self._process.join(5)  # its exitcode is None until it is reaped: the pipe closes first
+            log.error("the engine process %s; ended its %d open requests; restart the server",
+                      _how_it_ended(self._process.exitcode), len(left))
