@@ -400,6 +400,35 @@ def test_corrupt_checkpoint_is_refused(
     assert (ckpt / target).read_bytes() == before
 
 
+def test_resume_refuses_a_preset_chosen_for_another_shape_than_the_checkpoints(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    run(train_data, out, max_steps=2)
+    before = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "3", "--preset", "gpt2")) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("gptopt train: error: --preset gpt2 does not apply to a resumed run") and "the run's debug model" in err
+    assert "n_layer 2" in err and "drop --preset" in err and "another --output_dir" in err
+    assert sorted(p.name for p in out.iterdir()) == before and checkpoint.latest_checkpoint(out).name == "ckpt-0000002"
+
+
+def test_resume_says_loudly_that_the_default_preset_is_ignored_for_a_checkpoint_of_another_shape(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    run(train_data, out, max_steps=2)
+    capsys.readouterr()
+    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "3")) == 0  # its own preset: quiet
+    assert "ignored" not in capsys.readouterr().err
+    # tiny is the default: `--preset tiny` given and --preset left out read the same to train
+    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "4", "--preset", "tiny")) == 0
+    err = capsys.readouterr().err
+    assert "--preset tiny (given or the default) is ignored" in err and "the run's debug model" in err, err
+    assert checkpoint.load_model(checkpoint.latest_checkpoint(out)).config.n_layer == preset("debug").n_layer
+
+
 def test_contradicting_flags(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(cli_args(train_data, tmp_path / "o", "--use_amp", "--amp_dtype", "fp16")) == 2
     assert "fp16 autocast on a CPU" in capsys.readouterr().err
