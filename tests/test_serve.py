@@ -244,7 +244,7 @@ def test_streaming_splits_text_only_between_whole_characters(debug_tokenizer: An
     script = [byte_token(debug_tokenizer, b) for b in "aé☕b".encode()]  # é and ☕ span 2 and 3 byte tokens
     with running(debug_tokenizer) as (url, app):
         gen = app.state.engine.generator
-        gen.sample = lambda logits, params, histories, rngs: [script[len(h) - n_prompt] for h in histories]
+        gen.sample = lambda logits, params, histories, *_, **__: [script[len(h) - n_prompt] for h in histories]
         n_prompt = len(debug_tokenizer.encode(PROMPT).ids)
         frames = sse(completion(url, stream=True, max_tokens=len(script)))
     texts = [f["choices"][0]["text"] for f in frames[:-1]]
