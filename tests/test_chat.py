@@ -423,6 +423,17 @@ def test_a_models_template_that_raises_is_named_without_the_servers_paths(
     assert err["code"] == "chat_template_error" and str(tmp_path) not in err["message"]
 
 
+@pytest.mark.parametrize("config", [{}, {"chat_template": 42}], ids=["no template", "a broken one"])
+def test_a_model_whose_template_cannot_serve_chat_is_refused_without_the_servers_paths(
+        debug_tokenizer: Tokenizer, tmp_path: Path, config: dict[str, Any]) -> None:
+    model = write_config(tmp_path / "model", **config)
+    app = create_app(ServeConfig(model=str(model), device="cpu", max_batch_size=1),
+                     model=make_varied_model(debug_tokenizer.get_vocab_size()), tokenizer=debug_tokenizer)
+    with serve_in_thread(app) as server:
+        err = openai_error(chat_post(f"http://127.0.0.1:{server.port}"), 400)
+    assert "--chat_template" in err["message"] and str(tmp_path) not in err["message"], err
+
+
 def test_transformers_generation_blocks_render_their_text(tmp_path: Path) -> None:
     """`{% generation %}` (transformers' marker of the assistant's tokens, in many models' templates)
     renders what it encloses."""

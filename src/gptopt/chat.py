@@ -199,10 +199,16 @@ def load_template(option: str | None, folders: Sequence[Path], tokenizer: Tokeni
     return None
 
 
-def no_template(folders: Sequence[Path]) -> str:
-    """NO_TEMPLATE, saying where it was looked for."""
-    where = (f"no {TEMPLATE_FILE}, and no chat_template in {TOKENIZER_CONFIG}, in "
-             + ", ".join(os.fspath(d) for d in folders)) if folders else "none was given, and it has no model folder"
+def no_template(folders: Sequence[Path] | None) -> str:
+    """NO_TEMPLATE, saying where it was looked for; folders None: in words, for a server's clients, who
+    are not to learn its paths."""
+    if folders is None:
+        where = f"no {TEMPLATE_FILE}, and no chat_template in {TOKENIZER_CONFIG}, in the model's folder"
+    elif folders:
+        where = (f"no {TEMPLATE_FILE}, and no chat_template in {TOKENIZER_CONFIG}, in "
+                 + ", ".join(os.fspath(d) for d in folders))
+    else:
+        where = "none was given, and it has no model folder"
     return NO_TEMPLATE.format(where=where)
 
 

@@ -560,7 +560,8 @@ class _API:
         self.checks = concurrent.futures.ThreadPoolExecutor(BLOCKLIST_THREADS, thread_name_prefix="gptopt-blocklist")
         # the chat template, resolved once: a bad --chat_template fails at start-up, not per request
         folders = chat.template_folders(cfg.model, cfg.tokenizer)
-        self.no_chat = chat.no_template(folders)
+        # What the chat route answers without a template: in words, never the server's paths (its log has them).
+        self.no_chat = chat.no_template(None if folders else ())
         try:
             self.chat = chat.load_template(cfg.chat_template, folders, self.tokenizer)
         except ValueError as e:
@@ -569,7 +570,11 @@ class _API:
             # The model's own, unasked: completions need no template, so the server starts and only the
             # chat route refuses, saying why.
             log.warning("the model's own chat template cannot be used, so /v1/chat/completions answers 400: %s", e)
-            self.chat, self.no_chat = None, f"{e} (the model's own template: pass --chat_template FILE or plain)"
+            reason = str(e)
+            for folder in folders:  # the reason reaches clients: the server's paths stay in its log
+                reason = reason.replace(os.fspath(folder), "the model's folder")
+            self.chat, self.no_chat = None, f"{reason} (the model's own template: start the server with " \
+                                            "--chat_template FILE or plain)"
         self.vocab = Vocab(self.tokenizer)  # token texts and bytes for logprobs
 
     def add_routes(self, app: FastAPI) -> None:
