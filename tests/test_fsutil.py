@@ -131,10 +131,13 @@ def test_check_output_refuses_before_any_work_and_names_the_fix(tmp_path: Path) 
     (run / "notes.txt").write_text("mine")
     assert fsutil.check_output(run, kind="bench", overwrite=False, ours=["report.md"]) == []  # beside the user's
     (run / "report.md").write_text("an old report")
-    with pytest.raises(ValueError, match="--overwrite"):
+    for overwrite in (False, True):  # a report.md gptopt did not write is never replaced, and that is said at once
+        with pytest.raises(ValueError, match="not marked") as refused:
+            fsutil.check_output(run, kind="bench", overwrite=overwrite, ours=["report.md"])
+        assert "pass --overwrite" not in str(refused.value)
+    fsutil.mark(run, "bench")
+    with pytest.raises(ValueError, match="pass --overwrite"):  # gptopt's own report: --overwrite replaces it
         fsutil.check_output(run, kind="bench", overwrite=False, ours=["report.md"])
-    with pytest.raises(ValueError, match="not marked"):  # a report.md gptopt did not write is never replaced
-        fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"])
     fsutil.mark(run, "tune")
     with pytest.raises(ValueError, match="holds gptopt tune output"):  # each kind in a folder of its own
         fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"])

@@ -270,7 +270,7 @@ def test_export_refuses_non_empty_dir_and_overwrites_only_its_own_export(tmp_pat
     target = tmp_path / "export"
     target.mkdir()
     (target / "notes.txt").write_text("keep me")
-    with pytest.raises(ValueError, match="not empty; nothing was written"):
+    with pytest.raises(ValueError, match="not empty and is not marked as gptopt's .*; nothing was written"):
         hf.export_hf(debug_model, target)
     with pytest.raises(ValueError, match="not marked as gptopt's"):  # a folder of the user's is never replaced
         hf.export_hf(debug_model, target, overwrite=True)

@@ -346,23 +346,26 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
     mine, theirs = _ours(target, ours)
     if not mine and not (whole and theirs):
         return []  # new, or the user's files only: the verb writes beside them and touches none of them
-    if not overwrite:
-        if whole:
-            raise ValueError(f"{flag} {target} exists and is not empty; nothing was written: choose a new folder, "
-                             "or pass --overwrite to replace an earlier output of this command there")
-        names = some(p.name for p in mine)
-        raise ValueError(f"{flag} {target} already holds output ({names}); nothing was written: pass --overwrite "
-                         f"to replace it (kept until the new output is complete), or choose another {flag}")
+    # What --overwrite would refuse is said now, not advised first and refused after.
     if found != kind:
         what = (f"not marked as gptopt's ({OWNER_FILE} is damaged)" if (target / OWNER_FILE).exists()
                 else f"not marked as gptopt's ({OWNER_FILE} missing)")
-        raise ValueError(f"{flag} {target} is {what}, so --overwrite will not replace it: gptopt only replaces "
-                         f"what it wrote itself; choose another {flag}")
+        held = "exists and is not empty" if whole else f"already holds {some(p.name for p in mine)}"
+        raise ValueError(f"{flag} {target} {held} and is {what}; nothing was written, and --overwrite will not "
+                         f"replace it either: gptopt only replaces what it wrote itself; choose another {flag}")
     foreign = theirs if whole else _foreign_inside(mine, contents or {})
     if foreign:
         names = some(str(p.relative_to(target)) for p in foreign)
-        raise ValueError(f"{flag} {target} holds files gptopt did not write ({names}), so --overwrite will not "
-                         f"replace it: move them out, or choose another {flag}")
+        raise ValueError(f"{flag} {target} holds files gptopt did not write ({names}); nothing was written, and "
+                         f"--overwrite will not replace it: move them out, or choose another {flag}")
+    if not overwrite:
+        if whole:
+            raise ValueError(f"{flag} {target} holds an earlier output of this command; nothing was written: pass "
+                             f"--overwrite to replace it (kept until the new output is complete), or choose another "
+                             f"{flag}")
+        names = some(p.name for p in mine)
+        raise ValueError(f"{flag} {target} already holds output ({names}); nothing was written: pass --overwrite "
+                         f"to replace it (kept until the new output is complete), or choose another {flag}")
     return mine
 
 
