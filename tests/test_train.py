@@ -414,19 +414,20 @@ def test_resume_refuses_a_preset_chosen_for_another_shape_than_the_checkpoints(
     assert sorted(p.name for p in out.iterdir()) == before and checkpoint.latest_checkpoint(out).name == "ckpt-0000002"
 
 
-def test_resume_says_loudly_that_the_default_preset_is_ignored_for_a_checkpoint_of_another_shape(
+def test_resume_without_preset_keeps_the_checkpoints_and_a_given_default_is_refused_too(
     train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "r"
     run(train_data, out, max_steps=2)
     capsys.readouterr()
-    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "3")) == 0  # its own preset: quiet
-    assert "ignored" not in capsys.readouterr().err
-    # tiny is the default: `--preset tiny` given and --preset left out read the same to train
-    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "4", "--preset", "tiny")) == 0
-    err = capsys.readouterr().err
-    assert "--preset tiny (given or the default) is ignored" in err and "the run's debug model" in err, err
+    without = [a for a in cli_args(train_data, out) if a not in ("--preset", "debug")]
+    assert cli.main([*without, "--resume", "auto", "--max_steps", "3"]) == 0  # no --preset: quiet, its own shape
+    assert "--preset" not in capsys.readouterr().err
     assert checkpoint.load_model(checkpoint.latest_checkpoint(out)).config.n_layer == preset("debug").n_layer
+    # tiny is what a new run is without --preset; given for a debug run, it is refused like any other
+    assert cli.main([*without, "--resume", "auto", "--max_steps", "4", "--preset", "tiny"]) == 2
+    assert "--preset tiny does not apply to a resumed run" in capsys.readouterr().err
+    assert checkpoint.latest_checkpoint(out).name == "ckpt-0000003"
 
 
 def test_contradicting_flags(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

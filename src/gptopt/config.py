@@ -181,6 +181,7 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, vocab_size=50257),  # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, vocab_size=50257),  # 1558M
 }
+DEFAULT_PRESET = "tiny"  # what a new training run is without --preset
 
 
 def preset(name: str, **overrides: Any) -> GPTConfig:
@@ -277,7 +278,9 @@ MUON_LR_SCALE = 3.0
 @dataclass(kw_only=True)
 class TrainConfig:
     # what to train
-    preset: str = opt("tiny", "model size when training from scratch: " + ", ".join(PRESETS))
+    # None: tiny for a new run; a resumed run keeps its checkpoint's size, and a --preset given for one must match it
+    preset: str | None = opt(None, f"model size when training from scratch (default: {DEFAULT_PRESET}): "
+                                 + ", ".join(PRESETS))
     init_from: str = field(
         default="scratch",
         metadata={
@@ -369,7 +372,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if self.preset not in PRESETS:
+        if self.preset is not None and self.preset not in PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
         if self.min_lr is not None and self.min_lr > self.learning_rate:
             raise ValueError(f"--min_lr ({self.min_lr}) must not exceed --learning_rate ({self.learning_rate}): "

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from gptopt import checkpoint, data, distributed, fsutil, hf, memory
 from gptopt.bpb import bits_per_byte, bytes_per_token
-from gptopt.config import PRESETS, GPTConfig, TrainConfig, preset_for_data
+from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.distributed import DistInfo
 from gptopt.flops import flops_per_token, mfu
@@ -326,7 +326,7 @@ class Trainer:
             self._check_resumed_shape(stored, meta.get("train_config") or {}, resume_dir)
             return self._with_config(checkpoint.load_model(resume_dir), dataclasses.replace(stored, **runtime))
         if cfg.init_from == "scratch":
-            return GPT(preset_for_data(cfg.preset, self.data.model_vocab_size, vocab_pad_multiple=cfg.vocab_pad_multiple,
+            return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, self.data.model_vocab_size, vocab_pad_multiple=cfg.vocab_pad_multiple,
                                        **runtime))
         if cfg.init_from in ("debug", "tiny"):
             raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
@@ -337,20 +337,16 @@ class Trainer:
         return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
 
     def _check_resumed_shape(self, stored: GPTConfig, run: dict[str, Any], resume_dir: Path) -> None:
-        """--preset sizes a new run only: one of another shape than the resumed checkpoint's is refused where it
-        was chosen, and said loudly where it is the default (train cannot tell `--preset tiny` from none)."""
+        """--preset sizes a new run only: one given for a resumed run must be its checkpoint's shape."""
         cfg = self.cfg
         shape = {k: getattr(stored, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
-        if not cfg.init_from == run.get("init_from", "scratch") == "scratch" or \
+        if cfg.preset is None or not cfg.init_from == run.get("init_from", "scratch") == "scratch" or \
                 shape == {k: PRESETS[cfg.preset][k] for k in shape}:
             return
         name = f"{run['preset']} " if run.get("preset") in PRESETS else ""
         held = f"{resume_dir} holds the run's {name}model ({', '.join(f'{k} {v}' for k, v in shape.items())})"
-        if cfg.preset != TrainConfig.__dataclass_fields__["preset"].default:
-            raise ValueError(f"--preset {cfg.preset} does not apply to a resumed run: {held}; drop --preset to go on "
-                             f"with it, or give a new {cfg.preset} run another --output_dir")
-        log.warning(f"--preset {cfg.preset} (given or the default) is ignored: {held}, and a resumed run keeps its "
-                    f"checkpoint's shape; to train a {cfg.preset} model, give it another --output_dir")
+        raise ValueError(f"--preset {cfg.preset} does not apply to a resumed run: {held}; drop --preset to go on "
+                         f"with it, or give a new {cfg.preset} run another --output_dir")
 
     @staticmethod
     def _with_config(model: GPT, config: GPTConfig) -> GPT:
