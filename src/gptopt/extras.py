@@ -12,7 +12,7 @@ from types import ModuleType
 # extra -> the modules it provides (import names), mirrored from pyproject.toml
 EXTRAS: dict[str, tuple[str, ...]] = {
     "hf": ("transformers", "huggingface_hub"),
-    "serve": ("fastapi", "uvicorn", "prometheus_client", "jinja2", "aiohttp"),
+    "serve": ("fastapi", "uvicorn", "prometheus_client", "jinja2", "aiohttp", "llguidance"),
     "chat": ("jinja2",),
     "plot": ("matplotlib",),
     "stats": ("scipy",),

@@ -603,7 +603,7 @@ class Generator:
         logits = logits.float()
         # Out-of-place throughout: the raw logits stay as they are, for the log-probabilities.
         if allowed is not None:  # first, so that no bias or penalty can bring a forbidden token back
-            logits = logits.masked_fill(~allowed, float("-inf"))
+            logits = torch.where(allowed, logits, float("-inf"))
         if any(p.logit_bias for p in params):
             rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
             cols = [t for p in params for t, _ in p.logit_bias]

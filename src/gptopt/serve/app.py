@@ -31,11 +31,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from gptopt import chat
+from gptopt import chat, constrain
 from gptopt.config import ServeConfig
-from gptopt.extras import require
+from gptopt.extras import MissingExtra, require
 from gptopt.generate import SamplingParams
 from gptopt.tokenizer import eot_id
 
@@ -164,6 +164,14 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
+
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = Field(None, description="with json_schema: {name, schema, strict}")
+
+
 class Sampling(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share: sampling, choices, stop, streaming."""
 
@@ -184,6 +192,8 @@ class Sampling(BaseModel):
     logit_bias: Annotated[dict[TokenKey, Annotated[float, Field(ge=-100, le=100)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="token id (a string) -> a value from -100 to 100 added to its logit before sampling")
+    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: every token is "
+                                                   "constrained to keep the reply a prefix of such a document")
 
 
 class CompletionRequest(Sampling):
@@ -668,12 +678,29 @@ class _API:
                            "send ids of the served model's tokenizer", param="logit_bias", code="invalid_token_id")
         return pairs
 
+    async def grammar(self, response_format: ResponseFormat | None) -> str | None:
+        """The grammar a response_format constrains the reply to (None: none); 400 naming what is wrong.
+        Off the event loop: checking a schema compiles it."""
+        if response_format is None or response_format.type == "text":
+            return None
+        if not self.stop_ids:
+            raise APIError(400, "response_format needs an end-of-text token to end the document, and this model's "
+                           "tokenizer has none", param="response_format", code="unsupported_parameter")
+        try:
+            return await asyncio.to_thread(constrain.grammar_for, response_format.model_dump(exclude_none=True))
+        except MissingExtra as e:
+            raise APIError(400, f"this server cannot constrain replies: {e}", param="response_format",
+                           code="unsupported_parameter") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="response_format", code="invalid_response_format") from None
+
     def sampling(self, body: Sampling, ids: list[list[int]], budgets: list[int],
-                 stop: tuple[str, ...], stop_ids: tuple[int, ...], *, copies: int, logprobs: int | None = None,
+                 stop: tuple[str, ...], stop_ids: tuple[int, ...], *, copies: int, grammar: str | None = None,
+                 logprobs: int | None = None,
                  prompt_logprobs: int | None = None) -> tuple[list[list[int]], list[SamplingParams]]:
-        """`copies` sequences per prompt (n, or best_of) and their sampling, as the request asks. logprobs:
-        the top-k alternatives each new token's log-probability comes with (None: none computed);
-        prompt_logprobs: the same for the prompt's tokens (echo)."""
+        """`copies` sequences per prompt (n, or best_of) and their sampling, as the request asks. grammar:
+        constrain.grammar_for's. logprobs: the top-k alternatives each new token's log-probability comes
+        with (None: none computed); prompt_logprobs: the same for the prompt's tokens (echo)."""
         seqs, params = [], []
         bias = self.logit_bias(body.logit_bias)
         for i, (x, budget) in enumerate(zip(ids, budgets, strict=True)):
@@ -682,7 +709,8 @@ class _API:
                 params.append(SamplingParams(
                     max_new_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                     repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty, logit_bias=bias, stop=stop, stop_token_ids=stop_ids,
+                    frequency_penalty=body.frequency_penalty, logit_bias=bias, grammar=grammar, stop=stop,
+                    stop_token_ids=stop_ids,
                     seed=None if body.seed is None else body.seed + i * copies + j,  # choices differ
                     logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         return seqs, params
@@ -745,11 +773,12 @@ class _API:
         _check_completion(body, prompts, self.model_names, self.cfg.max_tokens_limit, self.cfg.max_logprobs)
         copies = body.best_of or body.n  # best_of: every candidate is generated, the n best returned
         self.check_capacity(len(prompts) * copies)  # before the prompts are read: refused, they cost nothing
+        grammar = await self.grammar(body.response_format)
         ids, texts = await self.read_prompts(prompts)
         budgets = [self.fit(x, body.max_tokens, "max_tokens") for x in ids]
         # Ranking candidates needs each token's log-probability, asked for or not.
         ranked = copies > body.n
-        seqs, params = self.sampling(body, ids, budgets, stop, self.stop_ids, copies=copies,
+        seqs, params = self.sampling(body, ids, budgets, stop, self.stop_ids, copies=copies, grammar=grammar,
                                      logprobs=0 if ranked and body.logprobs is None else body.logprobs,
                                      prompt_logprobs=body.logprobs if body.echo else None)
         queue, reqs = self.submit(seqs, params)
@@ -796,6 +825,7 @@ class _API:
                                f"request without {field}", param=field, code="unsupported_parameter")
         if self.chat is None:
             raise APIError(400, self.no_chat, param="messages", code="no_chat_template")
+        grammar = await self.grammar(body.response_format)
         try:
             messages = chat.check_messages([m.model_dump(exclude_none=True) for m in body.messages])
         except ValueError as e:
@@ -811,7 +841,7 @@ class _API:
                            param="messages", code="chat_template_error")
         stop = _stop_strings(body.stop)
         seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
-                                     self.chat.stop_token_ids(self.tokenizer), copies=body.n,
+                                     self.chat.stop_token_ids(self.tokenizer), copies=body.n, grammar=grammar,
                                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         choices = [ChatChoice(self.vocab, body.logprobs, p.stop_token_ids) for p in params]
         queue, reqs = self.submit(seqs, params)

@@ -45,7 +45,9 @@ from typing import Any
 from gptopt import memory
 from gptopt.cli import setup_logging
 from gptopt.config import ServeConfig
+from gptopt.constrain import Grammars
 from gptopt.device import resolve
+from gptopt.extras import has
 from gptopt.generate import Generator, SamplingParams
 from gptopt.inference import load_for_inference
 from gptopt.serve.blocklist import Blocklist, load_blocklist
@@ -65,7 +67,7 @@ from gptopt.serve.engine import (
     settled_heap,
 )
 from gptopt.serve.metrics import ServeMetrics
-from gptopt.tokenizer import Tokenizer
+from gptopt.tokenizer import Tokenizer, eot_id
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,11 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
     memory.require(memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"), plan.device,
                    f"--max_batch_size {slots} KV-cache slots of {context} tokens",
                    "lower --max_batch_size, or use --dtype bf16")
-    generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs)
+    # response_format's grammars: they end a document with the end-of-text token, so a tokenizer needs one
+    eot = eot_id(tokenizer)
+    grammars = Grammars(tokenizer, eot, model.config.vocab_size) if eot is not None and has("llguidance") else None
+    generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
+                          grammars=grammars)
     engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
                     prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics,
                     solo_threads=cfg.solo_threads or default_solo_threads())
