@@ -145,6 +145,18 @@ def test_best_toml_is_the_config_the_winning_rung_trained_under(
         ("debug", str(train_data), 32, 7, "cpu")
 
 
+def test_no_rung_claims_more_than_the_peak(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Peaks measured low at both moments (a slow machine): the fastest rung's rate is the peak then, so no
+    rung's MFU exceeds 1, and the report says which rate it took."""
+    monkeypatch.setattr(device, "measured_matmul_flops", lambda dev, dtype, remeasure=False: 1e6)
+    out = tmp_path / "b"
+    assert cli.main(bench_args(train_data, out, "eager,sdpa")) == 0
+    results = json.loads((out / "results.json").read_text())
+    assert max(r["mfu"] for r in results["rungs"]) == pytest.approx(1.0)
+    assert all(r["mfu"] <= 1.0 for r in results["rungs"])
+    assert "the fastest rung" in results["peak_source"] and "was low" in results["peak_source"]
+
+
 def test_plots_are_written_with_the_plot_extra(train_data: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     assert cli.main(bench_args(train_data, tmp_path / "b", "eager,sdpa")) == 0

@@ -35,3 +35,15 @@ def flops_per_token(config: GPTConfig, seq_len: int, *, training: bool = True) -
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float) -> float:
     """Achieved model FLOP/s as a fraction of the peak (the caller names the peak's source)."""
     return tokens_per_s * flops_per_token / peak_flops
+
+
+def at_least(peak: float, source: str, achieved: float, what: str) -> tuple[float, str]:
+    """The peak MFU is stated against, raised to an achieved rate above it, and its source.
+
+    A measured peak is the best of a few matmuls timed at one moment (on a shared machine perhaps a slow
+    one): a lower bound of what the device can do, as every achieved model FLOP/s is. A rate above it
+    proves the measurement low (against a table peak: the FLOP count high), so that rate is the peak; an
+    MFU above 1 would claim more than the device can do. what: the rate's name ("step 12", "rung all")."""
+    if achieved <= peak:
+        return peak, source
+    return achieved, f"{what} ({achieved / 1e12:.3g} TFLOP/s; the {source} was low)"

@@ -35,7 +35,7 @@ from gptopt.bpb import bits_per_byte, bytes_per_token
 from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.distributed import DistInfo
-from gptopt.flops import flops_per_token, mfu
+from gptopt.flops import at_least, flops_per_token, mfu
 from gptopt.generate import Generator, SamplingParams, generate
 from gptopt.inference import model_source
 from gptopt.model import GPT
@@ -576,21 +576,15 @@ class Trainer:
             })
 
     def _step_mfu(self, tokens_per_s: float, step: int) -> float:
-        """A step's MFU against the run's peak, the one the bar, metrics.jsonl and the summary all take.
-
-        A measured peak is the best of a few matmuls timed at one moment (on a shared machine perhaps a
-        slow one): a lower bound of what the device can do, as every step's achieved model FLOP/s is. A
-        step faster than the peak proves the measurement low (against a table peak: the FLOP count high),
-        so the peak becomes that step's rate; an MFU above 1 would claim more than the device can do. The
-        peak only rises, and the summary takes the last one."""
+        """A step's MFU against the run's peak, the one the bar, metrics.jsonl and the summary all take;
+        a step faster than it raises it (flops.at_least). The peak only rises, and the summary takes the
+        last one."""
         achieved = tokens_per_s * self.fpt
-        if achieved > self.peak:
-            if self.peak_source == self.measured_source:
-                log.warning(f"step {step} achieved {achieved / 1e12:.3g} TFLOP/s, above the {self.measured_source}: "
-                            "that measurement was low; MFU is stated against the fastest step from here on")
-            self.peak = achieved
-            self.peak_source = (f"the fastest step ({achieved / 1e12:.3g} TFLOP/s at step {step}; the "
-                                f"{self.measured_source} was low)")
+        if achieved > self.peak and self.peak_source == self.measured_source:
+            log.warning(f"step {step} achieved {achieved / 1e12:.3g} TFLOP/s, above the {self.measured_source}: "
+                        "that measurement was low; MFU is stated against the fastest step from here on")
+        self.peak, self.peak_source = at_least(self.peak, self.peak_source, achieved,
+                                               f"the fastest step, {step}")
         return mfu(tokens_per_s, self.fpt, self.peak)
 
     # -- stop conditions ------------------------------------------------------------------------
