@@ -191,7 +191,7 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
     train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "t"
-    assert cli.main(tune_args(train_data, out, "--axes", "amp", "--json")) == 0
+    assert cli.main(tune_args(train_data, out, "--axes", "amp", "--json", "--seed", "7")) == 0
     last = last_json_line(capsys.readouterr().out)
     assert last["best"]["tokens_per_s"] > 0 and last["best"]["settings"]["preset"] == "debug"
     statuses = {"ok", "rejected", "oom", "pruned", "over budget", "failed", "skipped"}
@@ -209,6 +209,7 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
     assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len == 256
     assert (cfg.batch_size, cfg.use_amp, cfg.attention, cfg.use_compile) == (
         best["batch_size"], best["use_amp"], best["attention"], best["use_compile"])
+    assert (cfg.seed, cfg.device, cfg.preset) == (7, "cpu", "debug")  # the winner's run: its weights, batches, device
     assert cli.main(["train", "--config", str(out / "tune.toml"), "--output_dir", str(tmp_path / "train"),
                      "--max_steps", "2", "--sample_tokens", "0", "--eval_interval", "0", "--no-tensorboard"]) == 0
 

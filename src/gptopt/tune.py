@@ -453,9 +453,9 @@ class Tuner:
         hf = next((c for c, r in pairs if c["settings"]["hf"] and r.tokens_per_s and r.status in ("ok", "rejected")), None)
         hf_note = next((c["note"] for c in candidates if c["settings"]["hf"]), "not measured")
         bench_all = last(self.bench_all) if self.bench_all is not None and self.valid(self.bench_all) else None
-        opts = train_options(win["settings"], bench.preset, bench.seq_len, cfg.data_dir)
-        if cfg.device != "auto":
-            opts["device"] = cfg.device
+        # the winner's run as it was measured: its seed (weights, batches) and device too
+        opts = train_options(win["settings"], bench.preset, bench.seq_len, cfg.data_dir, seed=cfg.seed,
+                             device=cfg.device if cfg.device != "auto" else None)
         return {
             "preset": bench.preset, "seq_len": bench.seq_len, "global_batch": self.global_batch,
             "global_batch_tokens": self.global_batch * bench.seq_len, "steps": cfg.steps, "warmup": cfg.warmup,
