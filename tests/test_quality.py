@@ -391,3 +391,15 @@ def test_a_ladders_options_given_to_another_ladder_are_refused_naming_the_fix(
         cli.main(["bench", "--output_dir", str(tmp_path / "b"), *argv])
     assert e.value.code == 2 and problem in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("spec", ["", " , "])
+def test_recipes_naming_no_recipe_are_refused_before_anything_is_written(
+        spec: str, train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "q"
+    argv = ["bench", "--mode", "quality", "--preset", "debug", "--target_loss", "5", "--device", "cpu",
+            "--data_dir", str(train_data), "--output_dir", str(out), "--recipes", spec]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "names no recipe" in err and "adamw" in err, err
+    assert not out.exists()

@@ -118,6 +118,8 @@ def recipes(spec: str) -> list[str]:
     names = list(DEFAULT_RECIPES) if spec.strip() in ("default", "all") else \
         [p.strip() for p in spec.split(",") if p.strip()]
     known = [*CHANGES, *DERIVED]
+    if not names:  # the baseline alone would run, compared with nothing
+        raise ValueError(f"--recipes {spec!r} names no recipe; choose from {', '.join(known)}, or default")
     bad = [n for n in names if n not in known]
     if bad:
         raise ValueError(f"--recipes: unknown {', '.join(bad)}; choose from {', '.join(known)}")
