@@ -230,6 +230,30 @@ def test_no_broken_utf8_when_a_character_spans_tokens(debug_tokenizer: Tokenizer
     assert "".join(feed(StopChecker(debug_tokenizer, stop=("🚀",)), ids)) == "naïve café 😀 ok "
 
 
+def test_streamed_text_holds_back_exactly_the_tail_that_may_begin_a_stop_string(debug_tokenizer: Tokenizer) -> None:
+    """After every token, what is shown is the text so far less its longest end that begins a stop string:
+    nothing of a stop string leaks, and nothing more waits than must (many and long stop strings too)."""
+    g = torch.Generator().manual_seed(0)
+    alphabet = "ab\n "
+    for _ in range(30):
+        draw = torch.randint(len(alphabet), (120,), generator=g).tolist()
+        text = "".join(alphabet[i] for i in draw)
+        stops = tuple("".join(alphabet[i] for i in torch.randint(len(alphabet), (int(n),), generator=g).tolist())
+                      for n in torch.randint(2, 9, (12,), generator=g))
+        checker, shown = StopChecker(debug_tokenizer, stop=stops), ""
+        ids = debug_tokenizer.encode(text).ids
+        for k, t in enumerate(ids, 1):
+            shown += checker.add(t)
+            if checker.stopped:
+                break
+            so_far = debug_tokenizer.decode(ids[:k])
+            hold = max((n for s in stops for n in range(1, len(s)) if so_far.endswith(s[:n])), default=0)
+            assert shown == so_far[: len(so_far) - hold]
+        shown += checker.finish()
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+        assert shown == text[:cut]
+
+
 def test_sampling_params_from_config_decodes_escapes() -> None:
     params = SamplingParams.from_config(GenerateConfig(stop="\\n\\nclass", temperature=0.0))
     assert params.stop == ("\n\nclass",) and params.temperature == 0.0

@@ -776,6 +776,11 @@ class StopChecker:
 
     def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
         self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
+        # Each stop string's proper prefixes by their last character, longest first: the tail held back
+        # is found by trying only the prefixes that end as the text does, not every prefix of every string.
+        self._prefixes: dict[str, list[str]] = {}
+        for p in sorted({s[:k] for s in self.stop for k in range(1, len(s))}, key=len, reverse=True):
+            self._prefixes.setdefault(p[-1], []).append(p)
         self.ids: list[int] = []
         self.text = ""  # everything emitted so far
         self.stopped = False
@@ -806,7 +811,8 @@ class StopChecker:
         if hits:
             out, self._pending, self.stopped = text[: min(hits)], "", True
         else:  # hold back the longest tail that may begin a stop string
-            hold = 0 if final else max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+            hold = 0 if final or not text else next(
+                (len(p) for p in self._prefixes.get(text[-1], ()) if text.endswith(p)), 0)
             out, self._pending = text[: len(text) - hold], text[len(text) - hold :]
         self.text += out
         return out
