@@ -18,11 +18,21 @@ import torch
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import PROMPT, assert_openai_error, completion, end_of_text_after, running, sse  # noqa: E402
+from test_serve import (  # noqa: E402
+    PROMPT,
+    assert_openai_error,
+    completion,
+    end_of_text_after,
+    first_stop,
+    running,
+    sse,
+)
 
+from gptopt.config import ServeConfig, preset  # noqa: E402
 from gptopt.device import resolve  # noqa: E402
-from gptopt.generate import Generator, SamplingParams, TokenLogprob  # noqa: E402
+from gptopt.generate import Generator, SamplingParams, TokenLogprob, complete  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
+from gptopt.serve.app import create_app, serve_in_thread  # noqa: E402
 from gptopt.serve.logprobs import Vocab, chat_content  # noqa: E402
 from gptopt.tokenizer import eot_id  # noqa: E402
 
@@ -278,17 +288,24 @@ def test_the_fields_lm_eval_reads_score_a_continuation(server: tuple[str, Any], 
     assert imitate_lm_eval_loglikelihood(url, context, own)[1]
 
 
+def hf_tokenizer(train_data: Path, folder: Path) -> Path:
+    """The served tokenizer as a Hugging Face folder: lm-eval tokenizes the requests with it, and its
+    eos_token is the end-of-text lm-eval adds to a generation task's stop strings."""
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_file=str(train_data / "tokenizer.json"),
+                            eos_token="<|endoftext|>").save_pretrained(folder)
+    return folder
+
+
 @pytest.mark.slow
 def test_lm_eval_local_completions_scores_a_task_through_the_server(debug_tokenizer: Any, train_data: Path,
                                                                     tmp_path: Path) -> None:
     lm_eval = pytest.importorskip("lm_eval", reason="needs the lmeval extra: pip install -e '.[lmeval]'")
     pytest.importorskip("transformers")
     from lm_eval.tasks import TaskManager
-    from transformers import PreTrainedTokenizerFast
 
-    # The served tokenizer as a Hugging Face folder: lm-eval tokenizes the requests with it.
-    hf = tmp_path / "tokenizer"
-    PreTrainedTokenizerFast(tokenizer_file=str(train_data / "tokenizer.json"), eos_token="<|endoftext|>").save_pretrained(hf)
+    hf = hf_tokenizer(train_data, tmp_path / "tokenizer")
     # target_delimiter '': the choices carry their own leading space, so the scored continuation is exactly it
     tasks = tmp_path / "tasks"
     tasks.mkdir()
@@ -323,6 +340,76 @@ def test_lm_eval_local_completions_scores_a_task_through_the_server(debug_tokeni
             scores.append(expected)
         right += max(range(len(scores)), key=scores.__getitem__) == row["gold"]
     assert results["results"]["gptopt_tiny"]["acc,none"] == pytest.approx(right / len(rows))
+
+
+HUMANEVAL_UNTIL = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")  # lm-eval's humaneval.yaml
+
+
+def scripted_model(tokenizer: Any, text: str) -> GPT:
+    """The debug preset whose greedy text is `text`'s tokens, position by position and over again,
+    whatever the prompt: each position's embedding is a script token's, far larger than any prompt
+    token's, and the output layer shares the token embeddings. (A randomly initialised model repeats
+    one token and never writes a stop string.)"""
+    torch.manual_seed(0)
+    model = GPT(preset("debug", vocab_size=tokenizer.get_vocab_size())).eval()
+    script = tokenizer.encode(text).ids
+    with torch.no_grad():
+        wte, wpe = model.transformer.wte.weight, model.transformer.wpe.weight
+        for pos in range(wpe.shape[0]):
+            wpe[pos] = 100 * wte[script[pos % len(script)]]
+    return model
+
+
+@pytest.mark.slow
+def test_lm_eval_runs_a_generation_task_with_its_usual_batch_and_stop_list(debug_tokenizer: Any, train_data: Path,
+                                                                            tmp_path: Path,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    # --batch_size 32 sends 32 prompts in one request; humaneval's 5 stop strings come with the
+    # end-of-text lm-eval adds: 6.
+    lm_eval = pytest.importorskip("lm_eval", reason="needs the lmeval extra: pip install -e '.[lmeval]'")
+    pytest.importorskip("transformers")
+    from lm_eval.tasks import TaskManager
+
+    hf = hf_tokenizer(train_data, tmp_path / "tokenizer")
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    prompts = [f"def f{i}(x):\n    return x" + " + 1" * (i % 8) for i in range(40)]  # 8 lengths, 8 script offsets
+    # target "": lm-eval's exact_match counts the replies a stop string cut to nothing
+    (tasks / "gen.jsonl").write_text("".join(json.dumps({"prompt": p, "target": ""}) + "\n" for p in prompts))
+    (tasks / "gen.yaml").write_text(
+        "task: gptopt_tiny_gen\ndataset_path: json\n"
+        f"dataset_kwargs:\n  data_files:\n    test: {tasks / 'gen.jsonl'}\n"
+        "test_split: test\noutput_type: generate_until\ndoc_to_text: prompt\ndoc_to_target: target\n"
+        f"generation_kwargs:\n  until: {json.dumps(HUMANEVAL_UNTIL)}\n  max_gen_toks: 12\n  do_sample: false\n"
+        "  temperature: 0\nmetric_list:\n  - metric: exact_match\n")
+    model = scripted_model(debug_tokenizer, " x\n# a\nif b:\ndef c():\nclass D:\nprint(e)\n")
+    app = create_app(ServeConfig(model="debug", device="cpu", max_batch_size=4), model=model, tokenizer=debug_tokenizer)
+    engine, batches = app.state.engine, {}  # each request's stop strings, one entry per sequence, by its sink
+    submit = engine.submit
+
+    def recording_submit(prompt: list[int], params: SamplingParams, sink: Any, *, index: int = 0) -> Any:
+        batches.setdefault(id(sink), (sink, []))[1].append(params.stop)  # the sink kept: its id stays unique
+        return submit(prompt, params, sink, index=index)
+
+    monkeypatch.setattr(engine, "submit", recording_submit)
+    with serve_in_thread(app) as server:
+        results = lm_eval.simple_evaluate(
+            model="local-completions", batch_size=32,
+            model_args=f"model=debug,base_url=http://127.0.0.1:{server.port}/v1/completions,tokenizer={hf},"
+                       "tokenizer_backend=huggingface,tokenized_requests=True,max_length=64,max_retries=1",
+            tasks=["gptopt_tiny_gen"], task_manager=TaskManager(include_path=str(tasks)), log_samples=True)
+    assert sorted(len(stops) for _, stops in batches.values()) == [8, 32]
+    assert {s for _, stops in batches.values() for s in stops} == {(*HUMANEVAL_UNTIL, "<|endoftext|>")}
+    # Each reply is the served model's greedy text, computed here directly, cut before its first stop string.
+    gen = Generator(engine.generator.model, resolve("cpu"), max_batch_size=8)
+    params = SamplingParams(max_new_tokens=12, temperature=0, stop_token_ids=(eot_id(debug_tokenizer),))
+    full = [debug_tokenizer.decode(ids) for ids, _ in
+            complete(gen, [debug_tokenizer.encode(p).ids for p in prompts], params)]
+    expected = [text[: first_stop(text, list(HUMANEVAL_UNTIL))[0]] for text in full]
+    samples = sorted(results["samples"]["gptopt_tiny_gen"], key=lambda s: s["doc_id"])
+    assert [s["resps"][0][0] for s in samples] == expected
+    assert sum(e != f for e, f in zip(expected, full, strict=True)) >= len(prompts) // 2  # the stops did cut
+    assert results["results"]["gptopt_tiny_gen"]["exact_match,none"] == pytest.approx(expected.count("") / len(prompts))
 
 
 def test_end_of_text_keeps_its_logprob_so_lm_evals_slice_stays_aligned(debug_tokenizer: Any,
