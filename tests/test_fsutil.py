@@ -6,8 +6,12 @@ one writer per output.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import stat
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -293,6 +297,36 @@ def test_a_writer_killed_outright_leaves_no_lock_behind(tmp_path: Path) -> None:
     with fsutil.lock_output(out):
         (out / "written.txt").write_text("mine")
     assert [p.name for p in out.iterdir()] == ["written.txt"]  # the lock file goes with the lock
+
+
+_FORKS = """
+import os, sys, time
+from gptopt import fsutil
+held = fsutil.lock_output(sys.argv[1])
+held.__enter__()
+child = os.fork()
+if child == 0:  # a DataLoader worker's life: longer than the writer's
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_worker_forked_by_a_killed_writer_does_not_keep_its_lock(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    writer = subprocess.Popen([sys.executable, "-c", _FORKS, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              text=True)
+    assert writer.stdout is not None
+    worker = int(writer.stdout.readline())
+    try:
+        writer.kill()
+        writer.wait()
+        with fsutil.lock_output(out):  # the worker lives on; the lock went with the writer
+            pass
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
 
 
 def test_the_lock_is_taken_again_inside_one_process_and_leaves_no_folder_it_made(tmp_path: Path) -> None:

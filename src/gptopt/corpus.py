@@ -387,20 +387,6 @@ def _legacy(out: Path) -> bool:
     return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
-def _check_foreign(out: Path) -> None:
-    """Files of prepare's names that gptopt did not write (nanoGPT's prepare.py writes train.bin and val.bin
-    beside its input.txt) are never replaced, --overwrite included: say so at once, with advice that works,
-    rather than naming --overwrite and then refusing it."""
-    if not out.is_dir() or marked_kind(out) is not None or _legacy(out):
-        return  # new, gptopt's (marked, or from before marks), or another kind of output: check_output says
-    theirs = [name for name in OURS if (out / name).exists()]
-    if theirs:
-        raise ValueError(f"--output_dir {out} holds {', '.join(theirs)} that gptopt did not write (nanoGPT's "
-                         "prepare writes train.bin and val.bin too), and gptopt never replaces them, not even with "
-                         "--overwrite; nothing was written: choose another --output_dir, or move "
-                         f"{'it' if len(theirs) == 1 else 'them'} out of {out}")
-
-
 def _check_input(config: PrepareConfig, out: Path) -> None:
     """The corpus is read while the new files are written: it must not be among them, nor hold them."""
     if not config.input:
@@ -432,7 +418,6 @@ def _prepare(config: PrepareConfig, out: Path) -> Path:
     _check_input(config, out)
     if config.overwrite and out.is_dir():
         _adopt_legacy(out)  # writes a mark: only once nothing else can refuse
-    _check_foreign(out)
     old = check_output(out, kind=KIND, overwrite=config.overwrite, ours=OURS)
     # Local corpora are checked before anything is written; a dataset is streamed into the temp dir.
     corpus: Corpus | None = None

@@ -272,7 +272,7 @@ def _ours(directory: Path, ours: Sequence[str]) -> tuple[list[Path], list[Path]]
     theirs: list[Path] = []
     for path in sorted(Path(directory).iterdir()):
         name = path.name
-        if name in (OWNER_FILE, LOCK_FILE) or _STAGED.match(name) or name.startswith(_ASIDE):
+        if name == OWNER_FILE or name.endswith(LOCK_FILE) or _STAGED.match(name) or name.startswith(_ASIDE):
             continue
         if name in listed or any(fnmatch.fnmatchcase(name, g) for g in ours):
             mine.append(path)
@@ -328,10 +328,7 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
     target = _path(target)
     if target.is_file() or (target.is_symlink() and not target.exists()):
         raise ValueError(f"{flag} {target} is a file; give the path of a folder")
-    if target == Path(target.anchor) or target == _path(Path.home()):
-        what = "the filesystem root" if target == Path(target.anchor) else "your home folder"
-        raise ValueError(f"{flag} {target} is {what}; give the output a folder of its own, e.g. "
-                         f"{flag} {target / 'gptopt_out'}")
+    _not_root_or_home(target, flag)
     check_writable(target, flag)
     if whole and target.exists():  # staged beside target and renamed in its parent: that must take writes too
         check_writable(target.parent, flag, shown=target)
@@ -352,7 +349,8 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
                 else f"not marked as gptopt's ({OWNER_FILE} missing)")
         held = "exists and is not empty" if whole else f"already holds {some(p.name for p in mine)}"
         raise ValueError(f"{flag} {target} {held} and is {what}; nothing was written, and --overwrite will not "
-                         f"replace it either: gptopt only replaces what it wrote itself; choose another {flag}")
+                         f"replace it either: gptopt only replaces what it wrote itself; move them out, or choose "
+                         f"another {flag}")
     foreign = theirs if whole else _foreign_inside(mine, contents or {})
     if foreign:
         names = some(str(p.relative_to(target)) for p in foreign)
@@ -373,8 +371,22 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
 # One writer per output: two runs into one folder would each pass the checks above and then mix their
 # files (checkpoints of one run under the other's lineage, interleaved metrics).
 
-_held: dict[Path, int] = {}  # lock file -> depth, of the locks this process holds: a writer inside another locks once
+_held: dict[Path, list[int]] = {}  # lock file -> [fd, depth] of the locks this process holds (re-entrant)
 _held_guard = threading.Lock()
+
+
+def _drop_inherited() -> None:
+    """In a forked child (a DataLoader worker): close the inherited lock descriptors. A flock belongs to
+    the open file, which the child shares; kept, a worker that outlives a killed writer would go on
+    holding the writer's lock."""
+    for fd, _ in _held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_drop_inherited)
 
 
 def _lock_path(target: Path, whole: bool) -> Path:
@@ -406,7 +418,7 @@ def _holder(fd: int) -> str:
 
 def _acquire(path: Path, *, wait: bool) -> tuple[int | None, list[Path]]:
     """An open descriptor of path holding its exclusive flock (None when another process holds it), and the
-    folders made to hold it, deepest first."""
+    folders made to hold it, deepest first. OSError (ENOLCK, EOPNOTSUPP) where the filesystem has no flock."""
     made: list[Path] = []
     while True:
         missing = _missing(path.parent)
@@ -416,11 +428,17 @@ def _acquire(path: Path, *, wait: bool) -> tuple[int | None, list[Path]]:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
         except FileNotFoundError:  # the last holder removed the folder it had made for its lock just now
             continue
+        except PermissionError:  # another account's lock file, left by a killed run: flock takes a reader too
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
             return None, made
+        except BaseException:  # no flock here, or Ctrl-C while waiting
+            os.close(fd)
+            _remove_empty(made)
+            raise
         # The last holder unlinks the file as it lets go; a lock taken on that unlinked file guards nothing,
         # so it counts only if the path still names the file locked.
         try:
@@ -430,6 +448,15 @@ def _acquire(path: Path, *, wait: bool) -> tuple[int | None, list[Path]]:
         except FileNotFoundError:
             pass
         os.close(fd)
+
+
+def _remove_empty(folders: Sequence[Path]) -> None:
+    """The folders made for a lock, deepest first, while they are empty."""
+    for folder in folders:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
 
 
 @contextlib.contextmanager
@@ -444,42 +471,52 @@ def lock_output(target: str | os.PathLike[str], *, flag: str = "--output_dir", w
 
     An OS lock (flock) on a small file, LOCK_FILE: the kernel lets go of it when the process ends however
     it ends, so kill -9 leaves no stale lock, only the file, which the next writer reuses; the block's
-    end removes it, and a folder made only to hold it. A child forked meanwhile (a DataLoader worker)
-    shares it until it exits too. Re-entrant within a process. Local and NFS filesystems honour it; on a
-    platform without flock (Windows) writers are not kept apart.
+    end removes it, and a folder made only to hold it. Forked children (DataLoader workers) close their
+    copy (_drop_inherited). Re-entrant within a process. Local and NFS filesystems honour it; where there
+    is no flock (Windows, a filesystem without locks) writers are not kept apart, and a warning says so.
     """
     dest = _path(target)
+    _not_root_or_home(dest, flag)  # before a lock file is made there
     path = _lock_path(dest, whole)
     with _held_guard:
         nested = path in _held
         if nested:
-            _held[path] += 1
-    if nested or fcntl is None:
+            _held[path][1] += 1
+    if nested:
         try:
             yield
         finally:
-            if nested:
-                with _held_guard:
-                    _held[path] -= 1
+            with _held_guard:
+                _held[path][1] -= 1
+        return
+    if fcntl is None:
+        yield
         return
     check_writable(path.parent, flag, shown=dest)  # a file in the way, no permission: check_output's words
-    fd, made = _acquire(path, wait=wait)
+    try:
+        fd, made = _acquire(path, wait=wait)
+    except OSError as e:  # ENOLCK, EOPNOTSUPP: this filesystem keeps no locks
+        log.warning(f"{flag} {dest}: the filesystem takes no lock ({e.strerror or e}); nothing keeps a second "
+                    "writer out of it")
+        fd, made = -1, []
+    if fd == -1:
+        yield
+        return
     if fd is None:
         try:
             with open(path, "rb") as fh:
                 who = _holder(fh.fileno())
         except OSError:  # it let go meanwhile
             who = "pid unknown"
-        for folder in made:
-            with contextlib.suppress(OSError):
-                folder.rmdir()
+        _remove_empty(made)
         raise ValueError(f"{flag} {dest} is being written by another gptopt process ({who}); nothing was written: "
                          f"wait for it to finish, or choose another {flag}")
     try:
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {_HOST}\n".encode(), 0)
+        with contextlib.suppress(OSError):  # read-only: another account's file (the lock holds all the same)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()} {_HOST}\n".encode(), 0)
         with _held_guard:
-            _held[path] = 1
+            _held[path] = [fd, 1]
         yield
     finally:
         with _held_guard:
@@ -487,11 +524,14 @@ def lock_output(target: str | os.PathLike[str], *, flag: str = "--output_dir", w
         with contextlib.suppress(OSError):
             os.unlink(path)  # while still locked: a writer that opened it meanwhile sees it gone and retries
         os.close(fd)
-        for folder in made:  # deepest first; one that now holds anything stays
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        _remove_empty(made)  # one that now holds anything stays
+
+
+def _not_root_or_home(target: Path, flag: str) -> None:
+    if target == Path(target.anchor) or target == _path(Path.home()):
+        what = "the filesystem root" if target == Path(target.anchor) else "your home folder"
+        raise ValueError(f"{flag} {target} is {what}; give the output a folder of its own, e.g. "
+                         f"{flag} {target / 'gptopt_out'}")
 
 
 def _foreign_inside(entries: Sequence[Path], contents: Mapping[str, Sequence[str]]) -> list[Path]:
