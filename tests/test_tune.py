@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import last_json_line
 
-from gptopt import cli, tune, tune_report
+from gptopt import cli, device, tune, tune_report
 from gptopt.bench.ladder import Bench, Rung, RungResult
 from gptopt.config import TrainConfig, TuneConfig
 from gptopt.tune import Tuner
@@ -123,6 +123,15 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     assert len(keys[:-2]) == len(set(keys[:-2])) and set(keys[-2:]) <= set(keys[:-2])
     assert [x["name"] for x in summary["candidates"][-2:]] == ["compile default (again)", "compile max-autotune-no-cudagraphs (again)"]
     assert summary["best"]["name"] == "compile default (again)"
+
+
+def test_no_candidate_claims_more_than_the_peak(train_data: Path, tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_measurements(monkeypatch)
+    monkeypatch.setattr(device, "measured_matmul_flops", lambda dev, dtype, remeasure=False: 1.0)  # measured low
+    summary = Tuner(tune_config(train_data, tmp_path / "t", global_batch_tokens=128 * 32, axes="amp")).run()
+    assert all(c["mfu"] <= 1.0 for c in summary["candidates"] if c["mfu"] is not None)
+    assert summary["best"]["mfu"] == pytest.approx(1.0) and "was low" in summary["peak_source"]
 
 
 @pytest.mark.policy

@@ -269,12 +269,13 @@ class Trainer:
         distributed.barrier(self.info)
         found = sorted(p.name for p in out.iterdir() if any(fnmatch.fnmatchcase(p.name, g) for g in RUN_ENTRIES)) \
             if out.is_dir() else []
+        # A run of gptopt's is marked, or (from before marks) has its checkpoints. Files of a run's names that
+        # are not one are the user's: neither --resume nor --overwrite writes over them, so that is said now.
+        if found and fsutil.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
+            raise ValueError(f"--output_dir {out} holds {fsutil.some(found)}, which gptopt did not write (no run of its own is "
+                             "there); nothing was written, and neither --resume nor --overwrite would write over them: "
+                             "move them out, or choose another --output_dir")
         if cfg.resume:
-            # Continuing writes metrics.jsonl, run.json, ... again: only over a run of gptopt's (marked, or
-            # from before marks, with its checkpoints), never over a user's files of the same names.
-            if found and fsutil.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
-                raise ValueError(f"--output_dir {out} holds {fsutil.some(found)}, which gptopt did not write (no run of its own is "
-                                 "there); nothing was written: choose another --output_dir")
             return []
         if found and not cfg.overwrite:
             raise ValueError(f"--output_dir {out} holds a training run ({fsutil.some(found)}); nothing was written: pass --resume "
@@ -580,11 +581,11 @@ class Trainer:
         a step faster than it raises it (flops.at_least). The peak only rises, and the summary takes the
         last one."""
         achieved = tokens_per_s * self.fpt
-        if achieved > self.peak and self.peak_source == self.measured_source:
-            log.warning(f"step {step} achieved {achieved / 1e12:.3g} TFLOP/s, above the {self.measured_source}: "
-                        "that measurement was low; MFU is stated against the fastest step from here on")
-        self.peak, self.peak_source = at_least(self.peak, self.peak_source, achieved,
-                                               f"the fastest step, {step}")
+        if achieved > self.peak:
+            if self.peak_source == self.measured_source:
+                log.warning(f"step {step} achieved {achieved / 1e12:.3g} TFLOP/s, above the {self.measured_source}: "
+                            "that measurement was low; MFU is stated against the fastest step from here on")
+            self.peak, self.peak_source = at_least(self.peak, self.measured_source, achieved, f"the fastest step, {step}")
         return mfu(tokens_per_s, self.fpt, self.peak)
 
     # -- stop conditions ------------------------------------------------------------------------

@@ -274,6 +274,7 @@ class Tuner:
         finally:
             if cuda:
                 torch.cuda.set_per_process_memory_fraction(1.0, self.bench.plan.device)
+        self.bench.settle_peak([r for _, r in self.entries])  # every candidate's MFU against one peak
         return self.summary()
 
     def _reference(self) -> None:
@@ -455,7 +456,7 @@ class Tuner:
         bench_all = last(self.bench_all) if self.bench_all is not None and self.valid(self.bench_all) else None
         # the winner's run as it was measured: its seed (weights, batches) and device too
         opts = train_options(win["settings"], bench.preset, bench.seq_len, cfg.data_dir, seed=cfg.seed,
-                             device=cfg.device if cfg.device != "auto" else None)
+                             device=cfg.device)
         return {
             "preset": bench.preset, "seq_len": bench.seq_len, "global_batch": self.global_batch,
             "global_batch_tokens": self.global_batch * bench.seq_len, "steps": cfg.steps, "warmup": cfg.warmup,
