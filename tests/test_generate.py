@@ -568,8 +568,9 @@ def test_a_bucket_whose_cuda_graph_cannot_be_recorded_runs_eagerly_and_says_so(
 
 
 def test_logit_bias_and_the_openai_penalties_equal_a_direct_computation(debug_model: GPT) -> None:
-    """Bias added, then each generated token's logit minus frequency x its count and presence once; the
-    prompt's tokens never count. Greedy, so the pick is the argmax of exactly that."""
+    """Bias added, then the repetition penalty on every token seen (prompt too), then each generated token's
+    logit minus frequency x its count and presence once (the prompt's tokens do not count there), vLLM's
+    order. Greedy, so the pick is the argmax of exactly that."""
     gen = Generator(debug_model, CPU, max_batch_size=4)
     g = torch.Generator().manual_seed(0)
     V, B, P = 40, 4, 6
@@ -580,14 +581,18 @@ def test_logit_bias_and_the_openai_penalties_equal_a_direct_computation(debug_mo
         params = []
         for _ in range(B):
             pp, fp = (torch.rand(2, generator=g) * 4 - 2).tolist()
+            rp = float(torch.rand(1, generator=g)) * 2 + 0.5
             bias = [(int(t), float(b)) for t, b in zip(torch.randint(V, (3,), generator=g).tolist(),
                                                        (torch.rand(3, generator=g) * 20 - 10).tolist(), strict=True)]
-            params.append(SamplingParams(temperature=0, presence_penalty=pp, frequency_penalty=fp, logit_bias=bias))
+            params.append(SamplingParams(temperature=0, presence_penalty=pp, frequency_penalty=fp, logit_bias=bias,
+                                         repetition_penalty=rp))
         expected = []
         for i, p in enumerate(params):
             row = logits[i].clone()
             for t, b in p.logit_bias:
                 row[t] += b
+            for t in set(prompts[i] + outs[i]):
+                row[t] = row[t] / p.repetition_penalty if row[t] > 0 else row[t] * p.repetition_penalty
             counts = torch.bincount(torch.tensor(outs[i], dtype=torch.long), minlength=V).float()
             row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).float()
             expected.append(int(row.argmax()))

@@ -609,6 +609,13 @@ class Generator:
             cols = [t for p in params for t, _ in p.logit_bias]
             bias = self._tensor([b for p in params for _, b in p.logit_bias], torch.float32)
             logits = logits.index_put((self._tensor(rows), self._tensor(cols)), bias, accumulate=True)
+        if any(p.repetition_penalty != 1.0 for p in params):  # vLLM's order: it, then OpenAI's two
+            seen = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
+            rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 for _ in histories[i]]
+            cols = [t for i, p in enumerate(params) if p.repetition_penalty != 1.0 for t in histories[i]]
+            seen[self._tensor(rows), self._tensor(cols)] = True
+            pen = self._tensor([p.repetition_penalty for p in params], torch.float32).view(B, 1)
+            logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
         if any(p.presence_penalty or p.frequency_penalty for p in params):
             starts = prompt_lens or [0] * B
             penalised = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
@@ -620,13 +627,6 @@ class Generator:
             frequency = self._tensor([p.frequency_penalty for p in params], torch.float32).view(B, 1)
             presence = self._tensor([p.presence_penalty for p in params], torch.float32).view(B, 1)
             logits = logits - frequency * counts - presence * (counts > 0)
-        if any(p.repetition_penalty != 1.0 for p in params):
-            seen = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
-            rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 for _ in histories[i]]
-            cols = [t for i, p in enumerate(params) if p.repetition_penalty != 1.0 for t in histories[i]]
-            seen[self._tensor(rows), self._tensor(cols)] = True
-            pen = self._tensor([p.repetition_penalty for p in params], torch.float32).view(B, 1)
-            logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
         greedy = logits.argmax(dim=-1)
         if all(p.temperature == 0 for p in params):
             return greedy
