@@ -92,6 +92,7 @@ def test_best_of_returns_the_candidates_with_the_highest_logprob_per_token(serve
 @pytest.mark.parametrize(("body", "param"), [
     ({"best_of": 1, "n": 2}, "best_of"),
     ({"best_of": 3, "stream": True}, "best_of"),
+    ({"prompt": ["a"] * 10, "best_of": 8}, "best_of"),  # 80 sequences, beyond the server's 8 slots + 64 queued
     ({"suffix": "\n    return x"}, "suffix"),
     ({"logit_bias": {"99999999": 5}}, "logit_bias"),
     ({"logit_bias": {"1": 101}}, "logit_bias"),
@@ -117,8 +118,7 @@ def test_chat_refuses_tools_and_takes_the_sampling_fields(url: str) -> None:
     assert r.status_code == 200, r.text
 
 
-def test_sampling_fields_are_applied_on_the_device_in_one_batched_step(debug_model: Any) -> None:
-    # Rows with and without each field, in one call: each row gets exactly its own.
+def test_each_row_of_one_batched_step_gets_only_its_own_bias_and_penalty(debug_model: Any) -> None:
     gen = Generator(debug_model, resolve("cpu"), max_batch_size=3)
     logits = torch.zeros(3, 8)
     logits[:, 2] = 1.0
@@ -189,3 +189,22 @@ def test_a_response_format_that_cannot_be_served_gets_400(url: str, response_for
     pytest.importorskip("llguidance")
     err = assert_openai_error(completion(url, max_tokens=4, response_format=response_format), 400)
     assert err["param"] is not None and err["param"].startswith("response_format"), err
+
+
+def test_a_tokenizer_constrained_decoding_cannot_read_serves_all_but_response_format() -> None:
+    pytest.importorskip("llguidance")
+    from tokenizers import Tokenizer, models
+
+    from gptopt.config import ServeConfig, preset
+    from gptopt.model import GPT
+    from gptopt.serve.app import create_app, serve_in_thread
+
+    words = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    app = create_app(ServeConfig(model="debug", device="cpu", max_batch_size=1), model=GPT(preset("debug")).eval(),
+                     tokenizer=words)
+    with serve_in_thread(app) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        assert completion(url, prompt="a", max_tokens=2).status_code == 200
+        err = assert_openai_error(completion(url, prompt="a", max_tokens=2, response_format={"type": "json_object"}),
+                                  400, "unsupported_parameter")
+        assert err["param"] == "response_format"

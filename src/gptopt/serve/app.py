@@ -659,14 +659,14 @@ class _API:
                        else [])
         return [next(encoded) if isinstance(p, str) else list(p) for p in prompts], texts
 
-    def check_capacity(self, sequences: int) -> None:
+    def check_capacity(self, sequences: int, copies: str = "n") -> None:
         """400 when a request needs more sequences at once than the engine ever holds: a 429 would have
-        clients retry forever."""
+        clients retry forever. copies: the field that multiplies the prompts (n, or best_of)."""
         if sequences > self.engine.capacity:
-            raise APIError(400, f"this request needs {sequences} sequences at once (prompts x n), more than this "
-                           f"server ever holds: {self.engine.capacity} (--max_batch_size "
+            raise APIError(400, f"this request needs {sequences} sequences at once (prompts x {copies}), more than "
+                           f"this server ever holds: {self.engine.capacity} (--max_batch_size "
                            f"{self.engine.max_batch_size} + --max_queue {self.engine.max_queue}); send "
-                           "fewer prompts or a smaller n", param="n", code="request_too_large")
+                           f"fewer prompts or a smaller {copies}", param=copies, code="request_too_large")
 
     # -- into the engine and back -----------------------------------------------------------------
 
@@ -684,9 +684,10 @@ class _API:
         Off the event loop: checking a schema compiles it."""
         if response_format is None or response_format.type == "text":
             return None
-        if not self.stop_ids:
-            raise APIError(400, "response_format needs an end-of-text token to end the document, and this model's "
-                           "tokenizer has none", param="response_format", code="unsupported_parameter")
+        if not self.engine.constrains:
+            raise APIError(400, "this server cannot constrain replies to a response_format: the model's tokenizer "
+                           "has no end-of-text token to end a document, or constrained decoding cannot read it",
+                           param="response_format", code="unsupported_parameter")
         try:
             return await asyncio.to_thread(constrain.grammar_for, response_format.model_dump(exclude_none=True))
         except MissingExtra as e:
@@ -773,7 +774,8 @@ class _API:
         stop = _stop_strings(body.stop)
         _check_completion(body, prompts, self.model_names, self.cfg.max_tokens_limit, self.cfg.max_logprobs)
         copies = body.best_of or body.n  # best_of: every candidate is generated, the n best returned
-        self.check_capacity(len(prompts) * copies)  # before the prompts are read: refused, they cost nothing
+        # before the prompts are read: refused, they cost nothing
+        self.check_capacity(len(prompts) * copies, "best_of" if body.best_of else "n")
         grammar = await self.grammar(body.response_format)
         ids, texts = await self.read_prompts(prompts)
         budgets = [self.fit(x, body.max_tokens, "max_tokens") for x in ids]

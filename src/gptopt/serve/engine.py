@@ -316,6 +316,11 @@ class Engine:
     def vocab_size(self) -> int:
         return self.generator.vocab_size
 
+    @property
+    def constrains(self) -> bool:
+        """Whether requests may carry a grammar (response_format): the Generator has the tokenizer's."""
+        return self.generator.grammars is not None
+
     def render_metrics(self) -> bytes:
         """/metrics' text: the Prometheus metrics, empty for an engine made without them."""
         return b"" if self.metrics is None else self.metrics.render()

@@ -91,11 +91,8 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
     memory.require(memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"), plan.device,
                    f"--max_batch_size {slots} KV-cache slots of {context} tokens",
                    "lower --max_batch_size, or use --dtype bf16")
-    # response_format's grammars: they end a document with the end-of-text token, so a tokenizer needs one
-    eot = eot_id(tokenizer)
-    grammars = Grammars(tokenizer, eot, model.config.vocab_size) if eot is not None and has("llguidance") else None
     generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
-                          grammars=grammars)
+                          grammars=_grammars(tokenizer, model.config.vocab_size))
     engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
                     prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics,
                     solo_threads=cfg.solo_threads or default_solo_threads())
@@ -107,6 +104,20 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
     metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
     metrics.bind_device_memory(plan.device)  # CUDA only
     return engine
+
+
+def _grammars(tokenizer: Tokenizer, vocab_size: int) -> Grammars | None:
+    """response_format's grammars, or None where the model cannot be constrained (the server then answers
+    such requests 400): a document ends with the end-of-text token, so the tokenizer needs one, and
+    llguidance must read the tokenizer (it does not read every kind)."""
+    eot = eot_id(tokenizer)
+    if eot is None or not has("llguidance"):
+        return None
+    try:
+        return Grammars(tokenizer, eot, vocab_size)
+    except ValueError as e:
+        log.warning("response_format cannot be served with this tokenizer (%s); such requests get a 400", e)
+        return None
 
 
 # -- the child --------------------------------------------------------------------------------------
@@ -178,7 +189,8 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
     pipe.engine = engine
     with settled_heap(give_back=False):
         pipe.message(("ready", {"max_batch_size": engine.max_batch_size, "max_len": engine.max_len,
-                                "vocab_size": engine.vocab_size, "tokenizer": engine.tokenizer.to_str()}))
+                                "vocab_size": engine.vocab_size, "constrains": engine.constrains,
+                                "tokenizer": engine.tokenizer.to_str()}))
         reader = threading.Thread(target=_commands, args=(engine, pipe, commands, terminated, cfg.request_timeout),
                                   name="gptopt-engine-commands", daemon=True)
         reader.start()
@@ -318,6 +330,7 @@ class EngineProcess:
             self._events.close()
             raise
         self.max_batch_size, self.max_len, self.vocab_size = info["max_batch_size"], info["max_len"], info["vocab_size"]
+        self.constrains: bool = info["constrains"]
         self.tokenizer = Tokenizer.from_str(info["tokenizer"])  # the one the child loaded, whatever its source
         self._reader = threading.Thread(target=self._read, name="gptopt-engine-events", daemon=True)
 
