@@ -4,7 +4,7 @@ logits, plain rows against rows constrained by a JSON schema, alternated round b
     python scripts/sample_cost.py --vocab 8192 50257            # BPEs trained on the stdlib sources
     python scripts/sample_cost.py --tokenizer gpt2/tokenizer.json --temperature 1
 
-The model's vocabulary is the tokenizer's padded to a multiple of 64. Needs the serve extra (llguidance).
+The model's vocabulary is the tokenizer's padded as inference.check_vocab allows. Needs the serve extra (llguidance).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from gptopt.constrain import Grammars, grammar_for
 from gptopt.corpus import stdlib_corpus, train_bpe
 from gptopt.device import resolve
 from gptopt.generate import Generator, SamplingParams
+from gptopt.inference import VOCAB_PAD
 from gptopt.model import GPT
 
 EOT = "<|endoftext|>"
@@ -37,7 +38,7 @@ def trained(vocab: int) -> Tokenizer:
 
 def measure(tok: Tokenizer, *, rows: int, temperature: float, rounds: int, steps: int) -> dict[str, float]:
     eot = tok.token_to_id(EOT)
-    vocab = -(-tok.get_vocab_size() // 64) * 64
+    vocab = -(-tok.get_vocab_size() // VOCAB_PAD) * VOCAB_PAD
     model = GPT(GPTConfig(n_layer=1, n_head=1, n_embd=32, block_size=steps + 8, vocab_size=vocab)).eval()
     gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=rows, grammars=Grammars(tok, eot, vocab))
     grammar = grammar_for({"type": "json_schema", "json_schema": {"name": "p", "schema": SCHEMA}})

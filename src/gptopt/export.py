@@ -35,7 +35,7 @@ from gptopt import checkpoint, hf
 from gptopt.config import MIN_OPSET, ExportConfig
 from gptopt.extras import require
 from gptopt.fsutil import check_output, lock_output, mark, marked_kind, staged_dir
-from gptopt.inference import check_vocab, find_tokenizer, model_source, own_tokenizer
+from gptopt.inference import check_vocab, find_tokenizer, has_tokenizer, model_source, own_tokenizer
 from gptopt.model import GPT
 from gptopt.tokenizer import TOKENIZER, eot_id, load_tokenizer
 
@@ -399,8 +399,7 @@ def _tokenizer(source: Path | str, given: str | None, own: Tokenizer | None) -> 
     if own is not None:
         return own
     if isinstance(source, Path) and not checkpoint.is_gptopt_dir(source):
-        local = [d for d in (source, source.parent) if (d / TOKENIZER).is_file()
-                 or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()]
+        local = [d for d in (source, source.parent) if has_tokenizer(d)]
         return load_tokenizer(local[0]) if local else None
     with contextlib.suppress(ValueError):
         return find_tokenizer(source)

@@ -80,7 +80,7 @@ def model_source(model: str) -> Path | str:
     raise ValueError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
 
 
-def _has_tokenizer(d: Path) -> bool:
+def has_tokenizer(d: Path) -> bool:
     """tokenizer.json, or GPT-2's vocab.json + merges.txt."""
     return (d / TOKENIZER).is_file() or (d / "vocab.json").is_file() and (d / "merges.txt").is_file()
 
@@ -88,7 +88,7 @@ def _has_tokenizer(d: Path) -> bool:
 def own_tokenizer(source: Path | str) -> Tokenizer | None:
     """The tokenizer files in the model's own folder (a training checkpoint and an export carry a copy of
     the one the model was trained with), or None."""
-    return load_tokenizer(source) if isinstance(source, Path) and _has_tokenizer(source) else None
+    return load_tokenizer(source) if isinstance(source, Path) and has_tokenizer(source) else None
 
 
 def find_tokenizer(source: Path | str) -> Tokenizer:
@@ -99,9 +99,9 @@ def find_tokenizer(source: Path | str) -> Tokenizer:
     from another working directory it would name nothing, or another corpus's tokenizer."""
     ours = isinstance(source, Path) and checkpoint.is_gptopt_dir(source)
     recorded = checkpoint.read_meta(source).get("tokenizer") if ours else None
-    candidates = [str(source)] if isinstance(source, Path) and _has_tokenizer(source) else []
+    candidates = [str(source)] if isinstance(source, Path) and has_tokenizer(source) else []
     candidates += [recorded] if recorded else []
-    if isinstance(source, Path) and _has_tokenizer(source.parent):
+    if isinstance(source, Path) and has_tokenizer(source.parent):
         candidates.append(str(source.parent))
     for c in candidates:
         if Path(c).exists():
