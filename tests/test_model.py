@@ -10,7 +10,15 @@ import torch
 import torch.nn.functional as F
 from conftest import graph_ops
 
-from gptopt.config import PRESETS, GPTConfig, PrepareConfig, TrainConfig, preset, preset_for_data
+from gptopt.config import (
+    DEFAULT_PRESET,
+    PRESETS,
+    GPTConfig,
+    PrepareConfig,
+    TrainConfig,
+    preset,
+    preset_for_data,
+)
 from gptopt.flops import non_embedding_params
 from gptopt.model import CAUSAL_SPLIT_MIN, GPT, TanhGELU
 
@@ -38,7 +46,7 @@ def test_preset_parameter_counts(name: str) -> None:
 def test_the_default_model_fits_the_default_data_unchanged() -> None:
     """`gptopt train` with no options trains the default preset on the default corpus: sized for that
     corpus's tokenizer, it is the preset as documented, not a resized variant."""
-    name = TrainConfig().preset
+    name = TrainConfig().preset or DEFAULT_PRESET
     assert preset_for_data(name, PrepareConfig().vocab_size) == preset(name)
 
 

@@ -344,7 +344,8 @@ class Trainer:
         if cfg.preset is None or not cfg.init_from == run.get("init_from", "scratch") == "scratch" or \
                 shape == {k: PRESETS[cfg.preset][k] for k in shape}:
             return
-        name = f"{run['preset']} " if run.get("preset") in PRESETS else ""
+        stored_preset = run.get("preset", DEFAULT_PRESET) or DEFAULT_PRESET  # None: the default, as train read it
+        name = f"{stored_preset} " if stored_preset in PRESETS else ""
         held = f"{resume_dir} holds the run's {name}model ({', '.join(f'{k} {v}' for k, v in shape.items())})"
         raise ValueError(f"--preset {cfg.preset} does not apply to a resumed run: {held}; drop --preset to go on "
                          f"with it, or give a new {cfg.preset} run another --output_dir")
