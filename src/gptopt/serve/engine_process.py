@@ -394,7 +394,7 @@ class EngineProcess:
             if self._draining:
                 raise Draining("the server is shutting down")
             if self._closed or not self._process.is_alive():
-                raise Draining(f"the engine process exited (code {self._process.exitcode}); the server must be "
+                raise Draining(f"the engine process {_how_it_ended(self._process.exitcode)}; the server must be "
                                "restarted")
             if len(self._sinks) >= self.capacity:
                 raise QueueFull(self.retry_after())
