@@ -352,3 +352,19 @@ def test_a_waiting_writer_goes_on_once_the_first_has_finished(tmp_path: Path) ->
         first.stdin.close()  # the first finishes
         thread.join(timeout=60)
     assert got.is_set()
+
+
+def test_a_filesystem_without_locks_is_written_with_a_warning(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    import errno
+    import fcntl
+
+    def no_locks(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    out = tmp_path / "nfs" / "out"
+    with caplog.at_level("WARNING", logger="gptopt"), fsutil.lock_output(out):
+        pass  # the verb goes on
+    assert "takes no lock (No locks available)" in caplog.text
+    assert list(tmp_path.iterdir()) == []  # the lock file, and the folders made for it, are gone

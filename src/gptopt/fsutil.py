@@ -22,6 +22,7 @@ The rules every writing verb follows (docs/design.md, "Nothing a user owns is lo
 from __future__ import annotations
 
 import contextlib
+import errno
 import fnmatch
 import json
 import logging
@@ -435,9 +436,15 @@ def _acquire(path: Path, *, wait: bool) -> tuple[int | None, list[Path]]:
         except BlockingIOError:
             os.close(fd)
             return None, made
-        except BaseException:  # no flock here, or Ctrl-C while waiting
+        except BaseException as e:  # no flock here, or Ctrl-C while waiting
             os.close(fd)
+            no_locks = isinstance(e, OSError) and e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+            if no_locks:  # a lock file that locks nothing is only litter
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             _remove_empty(made)
+            if no_locks:
+                raise _NoLocks(e.strerror or str(e)) from None
             raise
         # The last holder unlinks the file as it lets go; a lock taken on that unlinked file guards nothing,
         # so it counts only if the path still names the file locked.
@@ -448,6 +455,10 @@ def _acquire(path: Path, *, wait: bool) -> tuple[int | None, list[Path]]:
         except FileNotFoundError:
             pass
         os.close(fd)
+
+
+class _NoLocks(Exception):
+    """The filesystem keeps no flock."""
 
 
 def _remove_empty(folders: Sequence[Path]) -> None:
@@ -495,9 +506,8 @@ def lock_output(target: str | os.PathLike[str], *, flag: str = "--output_dir", w
     check_writable(path.parent, flag, shown=dest)  # a file in the way, no permission: check_output's words
     try:
         fd, made = _acquire(path, wait=wait)
-    except OSError as e:  # ENOLCK, EOPNOTSUPP: this filesystem keeps no locks
-        log.warning(f"{flag} {dest}: the filesystem takes no lock ({e.strerror or e}); nothing keeps a second "
-                    "writer out of it")
+    except _NoLocks as e:
+        log.warning(f"{flag} {dest}: the filesystem takes no lock ({e}); nothing keeps a second writer out of it")
         fd, made = -1, []
     if fd == -1:
         yield
