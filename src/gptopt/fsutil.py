@@ -419,7 +419,7 @@ def _holder(fd: int) -> str:
 
 def _acquire(path: Path, *, wait: bool) -> tuple[int | None, list[Path]]:
     """An open descriptor of path holding its exclusive flock (None when another process holds it), and the
-    folders made to hold it, deepest first. OSError (ENOLCK, EOPNOTSUPP) where the filesystem has no flock."""
+    folders made to hold it, deepest first. _NoLocks where the filesystem has no flock."""
     made: list[Path] = []
     while True:
         missing = _missing(path.parent)
@@ -438,13 +438,12 @@ def _acquire(path: Path, *, wait: bool) -> tuple[int | None, list[Path]]:
             return None, made
         except BaseException as e:  # no flock here, or Ctrl-C while waiting
             os.close(fd)
-            no_locks = isinstance(e, OSError) and e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
-            if no_locks:  # a lock file that locks nothing is only litter
+            if isinstance(e, OSError) and e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
                 with contextlib.suppress(OSError):
-                    os.unlink(path)
-            _remove_empty(made)
-            if no_locks:
+                    os.unlink(path)  # a lock file that locks nothing is only litter
+                _remove_empty(made)
                 raise _NoLocks(e.strerror or str(e)) from None
+            _remove_empty(made)
             raise
         # The last holder unlinks the file as it lets go; a lock taken on that unlinked file guards nothing,
         # so it counts only if the path still names the file locked.
@@ -500,15 +499,14 @@ def lock_output(target: str | os.PathLike[str], *, flag: str = "--output_dir", w
             with _held_guard:
                 _held[path][1] -= 1
         return
-    if fcntl is None:
-        yield
-        return
-    check_writable(path.parent, flag, shown=dest)  # a file in the way, no permission: check_output's words
-    try:
-        fd, made = _acquire(path, wait=wait)
-    except _NoLocks as e:
-        log.warning(f"{flag} {dest}: the filesystem takes no lock ({e}); nothing keeps a second writer out of it")
-        fd, made = -1, []
+    fd: int | None = -1  # -1: no lock to be had here (no flock on this platform or filesystem)
+    made: list[Path] = []
+    if fcntl is not None:
+        check_writable(path.parent, flag, shown=dest)  # a file in the way, no permission: check_output's words
+        try:
+            fd, made = _acquire(path, wait=wait)
+        except _NoLocks as e:
+            log.warning(f"{flag} {dest}: the filesystem takes no lock ({e}); nothing keeps a second writer out of it")
     if fd == -1:
         yield
         return

@@ -35,7 +35,7 @@ from typing import Annotated, Any, Literal
 
 from gptopt import chat, constrain
 from gptopt.config import ServeConfig
-from gptopt.extras import MissingExtra, require
+from gptopt.extras import require
 from gptopt.generate import SamplingParams
 from gptopt.tokenizer import eot_id
 
@@ -686,13 +686,11 @@ class _API:
             return None
         if not self.engine.constrains:
             raise APIError(400, "this server cannot constrain replies to a response_format: the model's tokenizer "
-                           "has no end-of-text token to end a document, or constrained decoding cannot read it",
-                           param="response_format", code="unsupported_parameter")
+                           "has no end-of-text token to end a document, or constrained decoding (llguidance, of "
+                           "the serve extra) cannot read it or is not installed", param="response_format",
+                           code="unsupported_parameter")
         try:
             return await asyncio.to_thread(constrain.grammar_for, response_format.model_dump(exclude_none=True))
-        except MissingExtra as e:
-            raise APIError(400, f"this server cannot constrain replies: {e}", param="response_format",
-                           code="unsupported_parameter") from None
         except ValueError as e:
             raise APIError(400, str(e), param="response_format", code="invalid_response_format") from None
 
