@@ -21,7 +21,7 @@ from gptopt.config import GPTConfig
 from gptopt.constrain import Grammars, grammar_for
 from gptopt.corpus import stdlib_corpus, train_bpe
 from gptopt.device import resolve
-from gptopt.generate import Generator, SamplingParams
+from gptopt.generator import Generator, SamplingParams
 from gptopt.inference import VOCAB_PAD
 from gptopt.model import GPT
 

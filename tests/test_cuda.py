@@ -19,7 +19,7 @@ from conftest import make_varied_model
 from gptopt.config import TrainConfig, preset
 from gptopt.device import DevicePlan, gpu_spec, measured_matmul_flops, peak_flops, resolve
 from gptopt.distributed import DistInfo, no_sync, wrap_ddp, wrap_fsdp
-from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.generator import Generator, SamplingParams, generate
 from gptopt.inference import GraphedDecode, prepare
 from gptopt.model import GPT
 from gptopt.monitor import Monitor

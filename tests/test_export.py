@@ -23,7 +23,7 @@ from gptopt import cli, export, hf
 from gptopt.checkpoint import save_model
 from gptopt.config import preset
 from gptopt.device import resolve
-from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.generator import Generator, SamplingParams, generate
 from gptopt.model import GPT
 
 pytest.importorskip("onnxruntime")

@@ -22,7 +22,7 @@ from gptopt import checkpoint, cli
 from gptopt import generate as gen_mod
 from gptopt.config import GenerateConfig
 from gptopt.device import resolve
-from gptopt.generate import (
+from gptopt.generator import (
     Generator,
     SamplingParams,
     StopChecker,

@@ -30,7 +30,7 @@ from test_serve import (  # noqa: E402
 
 from gptopt.config import ServeConfig, preset  # noqa: E402
 from gptopt.device import resolve  # noqa: E402
-from gptopt.generate import Generator, SamplingParams, TokenLogprob, complete  # noqa: E402
+from gptopt.generator import Generator, SamplingParams, TokenLogprob, complete  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
 from gptopt.serve.app import create_app, serve_in_thread  # noqa: E402
 from gptopt.serve.logprobs import Vocab, chat_content  # noqa: E402

@@ -18,7 +18,7 @@ from conftest import graph_ops, make_varied_model
 from gptopt import checkpoint
 from gptopt.config import preset
 from gptopt.device import resolve
-from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.generator import Generator, SamplingParams, generate
 from gptopt.inference import compile_decode
 from gptopt.model import GPT
 from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout, packed_products

@@ -17,7 +17,7 @@ import torch
 
 from gptopt import cli, data, device, memory, prepare_model, profile
 from gptopt.config import ProfileConfig
-from gptopt.generate import Generator
+from gptopt.generator import Generator
 from gptopt.model import GPT
 from gptopt.profile import STEP_RANGE, Finding, OpRecord, TraceSummary, diagnose, figures
 

@@ -20,7 +20,7 @@ from gptopt import checkpoint, hf
 from gptopt import quantize as q
 from gptopt.config import parse_prune
 from gptopt.device import resolve
-from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.generator import Generator, SamplingParams, generate
 from gptopt.inference import load_for_inference
 from gptopt.model import GPT
 from gptopt.tokenizer import TOKENIZER

@@ -30,7 +30,7 @@ httpx = pytest.importorskip("httpx")
 
 from gptopt.config import ServeConfig, preset  # noqa: E402
 from gptopt.device import resolve  # noqa: E402
-from gptopt.generate import Generator, SamplingParams, complete  # noqa: E402
+from gptopt.generator import Generator, SamplingParams, complete  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
 from gptopt.serve.app import (  # noqa: E402
     EXAMPLE_BODY,

@@ -20,7 +20,7 @@ from test_serve import PROMPT, assert_openai_error, completion, running, sse  # 
 
 from gptopt.constrain import Grammars, grammar_for  # noqa: E402
 from gptopt.device import resolve  # noqa: E402
-from gptopt.generate import Generator, SamplingParams, complete  # noqa: E402
+from gptopt.generator import Generator, SamplingParams, complete  # noqa: E402
 
 
 @pytest.fixture(scope="module")

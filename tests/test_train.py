@@ -26,7 +26,7 @@ from gptopt.config import GPTConfig, TrainConfig, preset
 from gptopt.data import load_tokenizer
 from gptopt.device import resolve
 from gptopt.flops import flops_per_token
-from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.generator import Generator, SamplingParams, generate
 from gptopt.model import GPT
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,

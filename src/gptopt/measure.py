@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from gptopt.device import DevicePlan
-from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.generator import Generator, SamplingParams, generate
 from gptopt.model import GPT
 
 GREEDY = dict(temperature=0.0, top_k=None)

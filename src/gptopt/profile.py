@@ -39,7 +39,7 @@ from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.distributed import DistInfo
 from gptopt.fsutil import check_output, lock_output, replacing
-from gptopt.generate import Generator, SamplingParams
+from gptopt.generator import Generator, SamplingParams
 from gptopt.model import GPT
 from gptopt.monitor import peak_memory_bytes
 from gptopt.prepare_model import inference_layout, prepare

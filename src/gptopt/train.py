@@ -36,7 +36,7 @@ from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, prese
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
 from gptopt.distributed import DistInfo
 from gptopt.flops import at_least, flops_per_token, mfu
-from gptopt.generate import Generator, SamplingParams, generate
+from gptopt.generator import Generator, SamplingParams, generate
 from gptopt.inference import model_source
 from gptopt.model import GPT
 from gptopt.monitor import Monitor, peak_memory_bytes

@@ -36,7 +36,7 @@ from typing import Annotated, Any, Literal
 from gptopt import chat, constrain
 from gptopt.config import ServeConfig
 from gptopt.extras import require
-from gptopt.generate import SamplingParams
+from gptopt.generator import SamplingParams
 from gptopt.tokenizer import eot_id
 
 for _module in ("fastapi", "uvicorn"):

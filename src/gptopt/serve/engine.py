@@ -42,7 +42,7 @@ from typing import Any, Literal
 
 import torch
 
-from gptopt.generate import Decoding, Generator, SamplingParams, StopChecker, TokenLogprob
+from gptopt.generator import Decoding, Generator, SamplingParams, StopChecker, TokenLogprob
 from gptopt.serve.blocklist import Blocklist, TextFilter
 
 log = logging.getLogger(__name__)

@@ -48,7 +48,7 @@ from gptopt.config import ServeConfig
 from gptopt.constrain import Grammars
 from gptopt.device import resolve
 from gptopt.extras import has
-from gptopt.generate import Generator, SamplingParams
+from gptopt.generator import Generator, SamplingParams
 from gptopt.inference import load_for_inference
 from gptopt.serve.blocklist import Blocklist, load_blocklist
 from gptopt.serve.engine import (
