@@ -154,7 +154,9 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
         where = f"{name} (sm_{major}{minor})"
         if amp_dtype == "auto":
             amp = "bf16" if bf16_ok else "fp16"
-            why.append(f"{where}: {'bf16 autocast (compute capability >= 8.0)' if bf16_ok else 'fp16 autocast + GradScaler (no fast bf16 before sm_80)'}")
+            how = ("bf16 autocast (compute capability >= 8.0)" if bf16_ok
+                   else "fp16 autocast + GradScaler (no fast bf16 before sm_80)")
+            why.append(f"{where}: {how}")
         else:
             if amp_dtype == "bf16" and not bf16_ok:
                 raise ValueError(f"bf16 needs compute capability >= 8.0; {where} has none: use --amp_dtype fp16")
@@ -183,7 +185,8 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
         else:
             amp = amp_dtype
             said = "" if forced is None else f" per {CPU_BF16_ENV}=0"
-            why.append(f"CPU: {amp} as asked" + ("" if fast or amp == "fp32" else f" (no native bf16{said}: expect it slower)"))
+            why.append(f"CPU: {amp} as asked"
+                       + ("" if fast or amp == "fp32" else f" (no native bf16{said}: expect it slower)"))
         use_tf32 = False
     if use_tf32:
         torch.set_float32_matmul_precision("high")
@@ -200,10 +203,9 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
 def default_attention(device_type: str) -> str:
     """The attention kernel to use when the user does not say.
 
-    CUDA/MPS: SDPA (flash / memory-efficient kernels). CPU: the eager path, by measurement: on a
-    2-core AVX512-BF16 CPU (torch 2.13, tiny preset, batch 16, bf16, compiled, runs interleaved in one
-    process) a training step took 0.535 s with the two-block eager attention against 0.598 s with
-    SDPA's CPU flash kernel.
+    CUDA/MPS: SDPA (flash / memory-efficient kernels). CPU: the eager path, by measurement: the
+    compiled bf16 training step ran faster with the two-block eager attention than with SDPA's CPU
+    flash kernel (docs/benchmarks.md, training ladder: what changed).
     """
     return "eager" if device_type == "cpu" else "sdpa"
 
@@ -217,12 +219,11 @@ def reuse_host_memory(enable: bool = True) -> bool:
     """Keep freed host memory for the next tensor instead of returning it to the kernel (glibc only).
 
     glibc serves every block above 128 KiB-32 MiB with a fresh mmap and unmaps it on free, so each CPU
-    training step page-faults its large activations in again: a bf16 [4096, 256] x [256, 8192] matmul
-    (the tiny preset's lm_head) took 80 ms into a new output and 46 ms with this, and the compiled tiny
-    bf16 step 657 ms against 602 ms (2-core AVX512-BF16 CPU, interleaved in one process). The cost:
-    the process keeps its peak heap (returned above 1 GiB of free space at the top, and all of it when
-    this is turned off again). Returns whether the setting was applied (False on other C libraries,
-    where nothing changes).
+    training step page-faults its large activations in again: the tiny preset's lm_head matmul and the
+    whole compiled bf16 step run faster with this (docs/benchmarks.md, training ladder: what changed).
+    The cost: the process keeps its peak heap (returned above 1 GiB of free space at the top, and all
+    of it when this is turned off again). Returns whether the setting was applied (False on other C
+    libraries, where nothing changes).
     """
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
@@ -283,9 +284,9 @@ _MEASURED: dict[tuple[str, torch.dtype], float] = {}
 def measured_matmul_flops(device: str, dtype: torch.dtype, *, remeasure: bool = False) -> float:
     """Best FLOP/s of a square matmul on the device: a short measurement, cached for the process.
 
-    remeasure: measure again and keep the better figure. A shared VM's speed drifts by tens of percent
-    within minutes; a run that measures at its start and its end states its MFU against the faster of
-    the two moments, never against one slow second.
+    remeasure: measure again and keep the better figure. A shared VM's speed drifts within minutes
+    (docs/benchmarks.md, training ladder); a run that measures at its start and its end states its
+    MFU against the faster of the two moments, never against one slow second.
     """
     key = (device, dtype)
     if key not in _MEASURED or remeasure:

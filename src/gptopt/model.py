@@ -77,8 +77,8 @@ class CausalSelfAttention(nn.Module):
         elif is_causal and T >= CAUSAL_SPLIT_MIN:
             # The first half of the queries sees only the first half of the keys: computing that
             # quarter of the score matrix, all masked, is skipped (flash attention's block skipping,
-            # at two blocks). Same values as one block, and 1.9x faster forward and backward in
-            # bf16 on a 2-core CPU at T=256.
+            # at two blocks). Same values as one block, and faster forward and backward in bf16 on
+            # CPUs (docs/benchmarks.md, training ladder: what changed).
             h = T // 2
             y = torch.cat([self._eager(q[:, :, :h], k[:, :, :h], v[:, :, :h], _causal_mask(h, h, 0, x.device)),
                            self._eager(q[:, :, h:], k, v, _causal_mask(T - h, T, h, x.device))], dim=2)
@@ -100,9 +100,9 @@ class TanhGELU(nn.Module):
     """GPT-2's GELU ("gelu_new": 0.5 x (1 + tanh(z)), z = sqrt(2/pi) (x + 0.044715 x^3)).
 
     Compiled, it is written as x * sigmoid(2z): the same function, since 0.5 (1 + tanh(z)) equals
-    sigmoid(2z), but inductor's CPU code vectorises exp far better than tanh (forward and backward
-    2.4x faster on a 4096 x 1024 bf16 activation). Eager keeps F.gelu: one kernel where the
-    rewrite would launch five.
+    sigmoid(2z), but inductor's CPU code vectorises exp far better than tanh, so forward and
+    backward run faster (docs/benchmarks.md, training ladder: what changed). Eager keeps F.gelu:
+    one kernel where the rewrite would launch five.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -50,8 +50,9 @@ _KEPT_MODULE_GUARDS = frozenset({"TENSOR_MATCH", "TYPE_MATCH", "DUPLICATE_INPUT"
 
 def _inference_guards(entries: list) -> list[bool]:
     # Dropped: the per-call checks of every module's hooks, attribute dict and constants, which an
-    # inference model does not change: tiny's batch-1 CPU decode step looked its graph up in 94 us
-    # instead of 203. Dropping every module guard (54 us) would also run one model's graph on
+    # inference model does not change, and which made a small model's decode step slow to look its
+    # graph up (docs/benchmarks.md, inference ladder: after the fused multiply-and-sum decode).
+    # Dropping every module guard would be quicker still, but would also run one model's graph on
     # another model's tensors of a different dtype or kind.
     return [not e.orig_guard.source.is_unspecialized_nn_module() or e.guard_type in _KEPT_MODULE_GUARDS
             for e in entries]
@@ -89,13 +90,13 @@ def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
     copy for products of several rows. Same values, same parameters and state dict.
 
     One row (a batch-1 decode step): F.linear multiplies by weight.T; with this layout that operand
-    is contiguous, and the CPU BLAS's matrix-vector path runs much faster on it (tiny, batch-1
-    decode: 274 against 206 tokens/s of CPU time per thread; the 8192 x 256 lm_head alone 233
-    against 659 us). Several rows (a batched decode step, a prefill): oneDNN's linear over a weight
+    is contiguous, and the CPU BLAS's matrix-vector path runs much faster on it (docs/benchmarks.md,
+    inference ladder). Several rows (a batched decode step, a prefill): oneDNN's linear over a weight
     reordered once into its blocked layout (packed_linear), where the BLAS GEMM repacks it every
-    call: at 16 rows of tiny 1.3-2x faster per Linear, and tiny's compiled 16-row decode step 1.2-1.6x
-    (2-core AMD EPYC). The packed copy costs the Linear weights' memory once more. Eager, on several rows,
-    an MLP's GELU runs inside its first product, as oneDNN's post-op (_packed_mlp_forward).
+    call, so each Linear and the compiled decode step of several rows run faster (docs/benchmarks.md,
+    products of several rows on oneDNN-packed weights). The packed copy costs the Linear weights'
+    memory once more. Eager, on several rows, an MLP's GELU runs inside its first product, as
+    oneDNN's post-op (_packed_mlp_forward).
 
     GPUs' GEMMs take either layout at full speed, so they are left alone. Inference only: the weights
     must not change or train afterwards (the packed copy would not follow, and the optimizer would see
@@ -108,7 +109,7 @@ def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
             w = module.weight
             if not w.t().is_contiguous():
                 w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
-            module._gemv = False  # a multiply-and-sum along this layout ran 3x slower (gemv_linears)
+            module._gemv = False  # a multiply-and-sum along this layout ran much slower (gemv_linears)
             if not hasattr(module, "_packed"):  # once: a layout change keeps the values the copy holds
                 _pack(module)
     for mlp in model.modules():
@@ -125,11 +126,11 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
 
 # Up to this many rows a compiled CPU Linear is a multiply-and-sum (gemv_linears); from 2 rows the
 # GEMM. The sum loops over the rows outermost, so it reads the whole weight once per row (at 8 rows
-# tiny's 8 MB lm_head 8 times a step: 1,302 against 852 us on one thread of a 2-core AMD EPYC, whose
-# large L3 hides most of it; a 2-core Intel Xeon's compiled decode fell to 0.7x the eager one at
-# batch 4 and 8, issue 17). Putting the weight's rows outermost, (out, rows), read it once, but inside
-# the whole decode graph inductor then vectorised over the 2 rows and ran one kernel over the
-# reduction axis: 25 ms a step at batch 2 against 3.5 for the GEMM. The weights' layout is the
+# tiny's 8 MB lm_head 8 times a step), which a large L3 hides and a small one does not: a 2-core
+# Intel Xeon's compiled decode fell behind the eager one at batch 4 and 8 (issue 17). Putting the
+# weight's rows outermost, (out, rows), read it once, but inside the whole decode graph inductor then
+# vectorised over the 2 rows and ran one kernel over the reduction axis, far slower than the GEMM
+# (docs/benchmarks.md, the compiled decode at every batch size). The weights' layout is the
 # model's: compile_decode applies gemv_linears where the products of several rows do not read it
 # (packed_products), else to a Generator of one slot only.
 GEMV_MAX_ROWS = 1
@@ -141,12 +142,12 @@ def gemv_linears(model: nn.Module) -> nn.Module:
 
     Inductor fuses that into one vectorised, multi-threaded pass over the weight with the bias in its
     epilogue, where the BLAS's matrix-vector path reads the weight at a fraction of this CPU's memory
-    bandwidth and leaves the second thread idle (tiny, batch-1 compiled decode, 2 threads: 563 against 327
-    tokens/s). Larger batches keep inference_layout's packed product (or F.linear), and so do eager one-row
-    calls where there is a packed copy (F.linear otherwise). The weights go back to row-major (the sum runs
-    along memory; inference_layout's column-major order made it 3x slower). Inference only, like
-    inference_layout; quantised weights are left as they are. The model's type, parameters and state dict are
-    unchanged.
+    bandwidth and leaves the second thread idle (docs/benchmarks.md, inference ladder: after the fused
+    multiply-and-sum decode). Larger batches keep inference_layout's packed product (or F.linear), and
+    so do eager one-row calls where there is a packed copy (F.linear otherwise). The weights go back to
+    row-major (the sum runs along memory; inference_layout's column-major order made it much slower).
+    Inference only, like inference_layout; quantised weights are left as they are. The model's type,
+    parameters and state dict are unchanged.
     """
     with torch.no_grad():
         for module in _float_linears(model):
@@ -223,9 +224,9 @@ def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return y if self.bias is None else y + self.bias
     # One row on column-major weights: the BLAS's matrix-vector path, which reads them fastest. One
     # eager row on row-major ones (a prompt's last position at the lm_head) takes the packed copy: the
-    # BLAS's product on them ran 1.1-2.8x slower than oneDNN's on the copy with two threads, over five
-    # shapes of tiny's and gpt2's (tiny's 2048 x 256 lm_head 54.9 against 35.3 us, gpt2's padded
-    # 50304 x 768 one 11.0 against 5.6 ms; 2-core AMD EPYC), and slower than on column-major weights too.
+    # BLAS's product on them ran slower than oneDNN's on the copy with two threads, over shapes of
+    # tiny's and gpt2's, and slower than on column-major weights too (docs/benchmarks.md, the one-row
+    # step of a many-slot engine).
     packed = None if one and not row_major else _packed_for(self, x)
     if packed is None:
         return F.linear(x, self.weight, self.bias)
@@ -237,9 +238,9 @@ def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _packed_mlp_forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
     """MLP.forward with the GELU applied by oneDNN inside c_fc's packed product (its tanh GELU post-op),
     eager and for several rows; compiled steps (inductor fuses the GELU itself) and one row keep
-    MLP.forward. The separate GELU was a pass of its own over the widest activation: ATen's tanh GELU
-    on 512 x 1024 took 0.5 ms on two threads (2-core AMD EPYC), where c_fc with the post-op took 1.37
-    against 1.96 ms for the product and the GELU apart; the values differ by an ulp or two."""
+    MLP.forward. The separate GELU was a pass of its own over the widest activation, and c_fc with the
+    post-op costs less than the product and the GELU apart (docs/benchmarks.md, the GELU inside the
+    prefill's first product); the values differ in their last bits only."""
     packed = None
     if not torch.compiler.is_compiling() and not _one_row(x):
         packed = _packed_for(self.c_fc, x)
