@@ -3,7 +3,7 @@ faults (out of memory, NaN loss) and the `--json` line commands print last.
 
     pytest -q                 # the default suite (no slow, no cuda)
     pytest -q -m slow         # the slow tests
-    pytest -q -m cuda         # GPU tests (scripts/gpu_check.sh runs these)
+    pytest -q -m cuda         # GPU tests (.ci/gpu_check.sh runs these)
 """
 
 from __future__ import annotations
@@ -152,10 +152,16 @@ def break_forward(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
     return install
 
 
+SCRIPT_DIRS = (".ci", "benchmarks")  # the repository's stand-alone scripts: the GPU check; the measurements
+
+
 def load_script(name: str) -> ModuleType:
-    """scripts/NAME.py as a module (the scripts are not a package), registered under NAME: dataclasses
-    resolve their module by name."""
-    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    """NAME.py of one of SCRIPT_DIRS as a module (the scripts are not a package), registered under NAME:
+    dataclasses resolve their module by name."""
+    root = Path(__file__).resolve().parents[1]
+    found = [root / d / f"{name}.py" for d in SCRIPT_DIRS if (root / d / f"{name}.py").is_file()]
+    assert len(found) == 1, f"{name}.py: want it in exactly one of {', '.join(SCRIPT_DIRS)}, found {found}"
+    path = found[0]
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

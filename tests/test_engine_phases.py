@@ -1,4 +1,4 @@
-"""scripts/engine_phases.py: py-spy stacks into the share of each engine phase.
+"""benchmarks/engine_phases.py: py-spy stacks into the share of each engine phase.
 
     pytest -q tests/test_engine_phases.py
 """

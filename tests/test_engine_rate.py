@@ -1,4 +1,4 @@
-"""scripts/engine_rate.py: the serving engine's rate without HTTP, from closed-loop clients.
+"""benchmarks/engine_rate.py: the serving engine's rate without HTTP, from closed-loop clients.
 
     pytest -q tests/test_engine_rate.py
 """

@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py, the one prepared call a GPU lease runs: the plan covers every GPU path within
+""".ci/gpu_check.py, the one prepared call a GPU lease runs: the plan covers every GPU path within
 nine minutes, every command it will run parses, the runner never stops early, and a run is recorded
 in one command.
 
@@ -25,7 +25,7 @@ from conftest import load_script
 from gptopt import cli
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "gpu_check.py"
+SCRIPT = ROOT / ".ci" / "gpu_check.py"
 NINE_MINUTES = 540
 
 
@@ -35,7 +35,7 @@ gc = load_script("gpu_check")
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
     out = tmp_path_factory.mktemp("dry")
-    done = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), "--dry-run", str(out)],
+    done = subprocess.run(["bash", str(ROOT / ".ci" / "gpu_check.sh"), "--dry-run", str(out)],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout, json.loads((out / "results.json").read_text())
@@ -243,16 +243,21 @@ def test_unknown_step_names_are_refused_before_anything_runs(tmp_path: Path, cap
     assert not (tmp_path / "x").exists()
 
 
-def test_record_adds_a_runs_rows_to_the_results_doc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("marker", ["as the doc has it", "naming the script where it lives"])
+def test_record_adds_a_runs_rows_to_the_results_doc(
+        marker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(gc, "plan", lambda ctx: _fake_plan(tmp_path / "child.pid")[2:])
     out = tmp_path / "run"
     assert gc.main(["run", str(out)]) == 0
     doc = tmp_path / "gpu-results.md"
     shutil.copy(ROOT / "docs" / "gpu-results.md", doc)
+    if marker != "as the doc has it":
+        doc.write_text(gc.RECORD_MARK.sub(gc.RECORD_START, doc.read_text(), count=1))
     before = doc.read_text()
     assert gc.main(["record", str(out), "--doc", str(doc)]) == 0
     after = doc.read_text()
-    assert after.startswith(before.split(gc.RECORD_START)[0])  # what was there stays
+    mark = gc.RECORD_MARK.search(before)
+    assert mark is not None and after.startswith(before[:mark.end()])  # what was there stays
     # earlier runs' rows stay; the new run's rows are the ones the doc did not have
     old_rows = [line for line in before.splitlines() if line.startswith("| 20")]
     rows = [line for line in after.splitlines() if line.startswith("| 20") and line not in old_rows]

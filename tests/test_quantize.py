@@ -3,7 +3,7 @@ disk, loading every method back as generate and serve do, and refusals with the 
 
     pytest -q tests/test_quantize.py
 
-Every model is the debug preset (fp32, CPU); the cuda-marked tests run in scripts/gpu_check.sh.
+Every model is the debug preset (fp32, CPU); the cuda-marked tests run in .ci/gpu_check.sh.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def test_int4_on_an_sm80_gpu_needs_bf16_weights_and_is_refused_before_loading(
 
 
 # ----------------------------------------------------------------------------------------------
-# GPU paths (scripts/gpu_check.sh)
+# GPU paths (.ci/gpu_check.sh)
 
 
 @pytest.mark.cuda

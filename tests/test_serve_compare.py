@@ -1,4 +1,4 @@
-"""scripts/serve_compare.py: the report's figures from canned runs, its refusals, and whole comparisons
+"""benchmarks/serve_compare.py: the report's figures from canned runs, its refusals, and whole comparisons
 against two small fake servers (seconds; no model).
 
     pytest -q tests/test_serve_compare.py
@@ -20,7 +20,7 @@ import pytest
 from conftest import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPT = ROOT / "scripts" / "serve_compare.py"
+SCRIPT = ROOT / "benchmarks" / "serve_compare.py"
 
 
 sc = load_script("serve_compare")
@@ -92,7 +92,7 @@ CANNED = [
 ]
 META = {"date": "2026-12-04 12:00 UTC", "cpu": {"model": "Test CPU @ 2.0GHz", "bf16_flags": ["amx_bf16"],
                                                 "logical_cpus": 2},
-        "command": "python scripts/serve_compare.py --model m ...", "servers": {"a": "a --port {port}",
+        "command": "python benchmarks/serve_compare.py --model m ...", "servers": {"a": "a --port {port}",
                                                                                "b": "b --port {port} {model}"},
         "loadtest": "gptopt loadtest --url http://127.0.0.1:{port} ...", "warmup_requests": 4, "stopped": None}
 
@@ -114,7 +114,7 @@ def test_medians_spread_and_ratios_from_canned_runs() -> None:
 def test_the_report_lists_every_run_then_the_summary() -> None:
     text = sc.render_report(META, CANNED)
     assert "Test CPU @ 2.0GHz, 2 logical CPUs; native bf16: yes (amx_bf16)" in text
-    assert "`python scripts/serve_compare.py --model m ...`" in text and "`b --port {port} {model}`" in text
+    assert "`python benchmarks/serve_compare.py --model m ...`" in text and "`b --port {port} {model}`" in text
     assert "| 16 | 2 | b | 40.0 | 256 | 50.0 | 100.0 | 2.00 | none | 1.5 |" in text
     assert "| 1 | 1 | b | - | - | - | - | 2.00 | no summary: 1 | 1.5 |" in text
     assert "| 16 | a | 3 | 110.0 | 100.0 | 120.0 | 1.20 | 20.0 | 0 |" in text
@@ -180,6 +180,8 @@ def test_two_servers_alternate_and_every_run_is_recorded(tmp_path: Path) -> None
         assert r["output_tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 and r["ready_s"] > 0
         assert (out / r["logs"]["server"]).is_file() and (out / r["logs"]["loadtest"]).is_file()
     assert results["servers"]["nodone"].endswith("--no-done") and results["stopped"] is None
+    # the command as it reruns from the repository's root
+    assert results["command"].startswith("python benchmarks/serve_compare.py --model /models/tiny --runs 1 ")
     assert results["loadtest"] == (f"{LOADTEST} --url http://127.0.0.1:{{port}} --requests 6 --concurrency "
                                    "{concurrency} --max_tokens 4 --prompt_tokens 32 --model /models/tiny --json")
     report = (out / "report.md").read_text()

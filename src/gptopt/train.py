@@ -718,7 +718,7 @@ class Trainer:
 
     def _summary(self, progress: Progress) -> None:
         """The closing lines, and the same figures as run.json's "summary" (and "target") for scripts
-        (scripts/gpu_check.py, bench --mode quality)."""
+        (.ci/gpu_check.py, bench --mode quality)."""
         summary: dict[str, Any] = {"step": progress.step, "best_val_loss": progress.best_val}
         if progress.times:
             peak, peak_source = self.peak, self.peak_source  # the steps' own (_step_mfu)

@@ -1,7 +1,7 @@
 """Where `gptopt serve`'s threads spend their time under load, from py-spy's raw (collapsed) stacks.
 
     py-spy record -p ENGINE_PID -r 200 -f raw --threads --idle -d 12 -o stacks.txt   # while a loadtest runs
-    python scripts/engine_phases.py stacks.txt
+    python benchmarks/engine_phases.py stacks.txt
 
 ENGINE_PID: the server's engine process, `pgrep -P SERVER_PID -f spawn_main` (the HTTP threads are
 the server's own PID); with `gptopt serve --no-engine_process` both are the server's PID.

@@ -1,8 +1,8 @@
 """The sampling step's cost with and without response_format: Generator.sample_next of 16 rows on random
 logits, plain rows against rows constrained by a JSON schema, alternated round by round; medians in ms.
 
-    python scripts/sample_cost.py --vocab 8192 50257            # BPEs trained on the stdlib sources
-    python scripts/sample_cost.py --tokenizer gpt2/tokenizer.json --temperature 1
+    python benchmarks/sample_cost.py --vocab 8192 50257            # BPEs trained on the stdlib sources
+    python benchmarks/sample_cost.py --tokenizer gpt2/tokenizer.json --temperature 1
 
 The model's vocabulary is the tokenizer's padded as inference.check_vocab allows. Needs the serve extra (llguidance).
 """

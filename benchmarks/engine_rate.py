@@ -1,6 +1,6 @@
 """The serving engine's own rate: closed-loop clients submitting straight to it, no HTTP, no streams.
 
-    python scripts/engine_rate.py --model DIR [--clients 16] [--requests 256] [--max_tokens 32]
+    python benchmarks/engine_rate.py --model DIR [--clients 16] [--requests 256] [--max_tokens 32]
         [--prompt_tokens 60] [--max_batch_size 64] [--compile] [--solo_threads N] [--thread]
 
 The engine is built as `gptopt serve` builds it (engine_process.build_engine: the same slots, warm-up

@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """Every GPU path of gptopt, run and measured in one call: the plan, the runner and the record.
 
-    bash scripts/gpu_check.sh DIR                       # the GPU machine: install, then every step
-    python3 scripts/gpu_check.py run DIR --only bench   # again, some steps only (after a fix)
-    python3 scripts/gpu_check.py dry-run DIR            # any machine: the plan, and DIR/results.json of it
-    python3 scripts/gpu_check.py record DIR             # results.json -> the rows of docs/gpu-results.md
+    bash .ci/gpu_check.sh DIR                       # the GPU machine: install, then every step
+    python3 .ci/gpu_check.py run DIR --only bench   # again, some steps only (after a fix)
+    python3 .ci/gpu_check.py dry-run DIR            # any machine: the plan, and DIR/results.json of it
+    python3 .ci/gpu_check.py record DIR             # results.json -> the rows of docs/gpu-results.md
 
 Standard library only: the runner starts before gptopt is installed (its first step installs it),
 and every step is a separate process, so one that crashes, hangs or runs out of memory costs only
@@ -39,12 +39,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parent.parent  # this file is .ci/gpu_check.py
 BUDGET_S = 540  # nine minutes, the install included: a lease is 15 minutes, start-up and one rerun included
 CPU_LIMIT_S = 420  # per step on a CPU: compile alone takes 20-80 s there, and the CPU run checks commands, not speed
 RANDOM_WEIGHTS = "random weights and the stdlib corpus (no network): speed figures are real, text and loss are not"
 
-# What a GPU image may lack, by import name -> the wheels to carry (pip names); see scripts/gpu_check.sh.
+# What a GPU image may lack, by import name -> the wheels to carry (pip names); see .ci/gpu_check.sh.
 NEEDED = {"fastapi": "fastapi starlette pydantic pydantic-core annotated-types typing-inspection",
           "uvicorn": "uvicorn", "torchao": "torchao", "prometheus_client": "prometheus-client",
           "regex": "regex", "httpx": "httpx", "transformers": "transformers", "pynvml": "nvidia-ml-py",
@@ -835,7 +835,10 @@ def _server_memory(url: str) -> dict[str, Any]:
 # Recording: results.json -> rows of docs/gpu-results.md
 
 
-RECORD_START = "<!-- gpu-check rows: `python3 scripts/gpu_check.py record DIR` adds a run here -->"
+RECORD_START = "<!-- gpu-check rows: `python3 .ci/gpu_check.py record DIR` adds a run here -->"
+# The marker is found by its opening words: a doc whose marker names this script where it used to live
+# (scripts/) still takes a run's rows.
+RECORD_MARK = re.compile(r"^<!-- gpu-check rows:.*-->$", re.MULTILINE)
 
 
 def rows(doc: dict[str, Any]) -> list[str]:
@@ -861,12 +864,13 @@ def record(out: Path, doc_path: Path) -> list[str]:
     if not new:
         raise SystemExit(f"{out}/results.json holds no step that ran (a dry run?): nothing to record")
     text = doc_path.read_text()
-    if RECORD_START not in text:
+    mark = RECORD_MARK.search(text)
+    if mark is None:
         raise SystemExit(f"{doc_path} lacks the line {RECORD_START!r} that marks where runs go")
     head = (f"\n#### {doc['started']} — {doc.get('gpu', '?')}; {doc.get('cpu', '')}; commit {doc.get('commit')}, "
             f"{doc.get('seconds', '?')} s of a {doc['budget_s']} s budget\n\n"
             "| date | GPU | step | seconds | result and figures |\n|---|---|---|---|---|\n")
-    write_atomic(doc_path, text.replace(RECORD_START, RECORD_START + "\n" + head + "\n".join(new) + "\n", 1))
+    write_atomic(doc_path, text[:mark.end()] + "\n" + head + "\n".join(new) + "\n" + text[mark.end():])
     return new
 
 

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Every GPU path of gptopt, run and measured in one call of under nine minutes, the install included.
 #
-#   bash scripts/gpu_check.sh DIR [--report SMALL]  # on the GPU machine; SMALL: results.json,
-#                                                   # summary.txt, logs.txt only (DIR gets gigabytes)
-#   bash scripts/gpu_check.sh --dry-run DIR    # anywhere: each step, its command and time limit
-#   python3 scripts/gpu_check.py record DIR    # then: DIR/results.json -> rows of docs/gpu-results.md
+#   bash .ci/gpu_check.sh DIR [--report SMALL]  # on the GPU machine; SMALL: results.json,
+#                                               # summary.txt, logs.txt only (DIR gets gigabytes)
+#   bash .ci/gpu_check.sh --dry-run DIR    # anywhere: each step, its command and time limit
+#   python3 .ci/gpu_check.py record DIR    # then: DIR/results.json -> rows of docs/gpu-results.md
 #
 # The machine needs no network: weights are random, the corpus is Python's stdlib, and the first
 # step installs gptopt over the machine's own CUDA torch (never reinstalling torch):
@@ -30,7 +30,7 @@ cd "$(dirname "$0")/.."
 py=${PYTHON:-python3}
 case "${1:-}" in
   -h|--help) awk 'NR > 1 && /^#/ { sub(/^# ?/, ""); print; next } NR > 1 { exit }' "$0"; exit 0 ;;
-  "") echo "usage: bash scripts/gpu_check.sh DIR [--report SMALL] [--only STEP,...] | --dry-run DIR | --help" >&2; exit 2 ;;
-  --dry-run) shift; exec "$py" scripts/gpu_check.py dry-run "$@" ;;
+  "") echo "usage: bash .ci/gpu_check.sh DIR [--report SMALL] [--only STEP,...] | --dry-run DIR | --help" >&2; exit 2 ;;
+  --dry-run) shift; exec "$py" .ci/gpu_check.py dry-run "$@" ;;
 esac
-exec "$py" scripts/gpu_check.py run "$@"
+exec "$py" .ci/gpu_check.py run "$@"

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Compare OpenAI-compatible servers on this machine: each started in turn, measured with `gptopt loadtest`.
 
-    python scripts/serve_compare.py --model /work/bench/tiny-hf2 --runs 5 --concurrency 16,1 \\
+    python benchmarks/serve_compare.py --model /work/bench/tiny-hf2 --runs 5 --concurrency 16,1 \\
         --requests 64 --max_tokens 32 --output_dir cmp \\
         --server "gptopt=gptopt serve --model {model} --port {port}" \\
         --server "hf=transformers serve --continuous-batching --device cpu --port {port} {model}"
@@ -488,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "cpu": read_cpu_info(),
-        "command": shlex.join(["python", "scripts/serve_compare.py", *(sys.argv[1:] if argv is None else argv)]),
+        "command": shlex.join(["python", "benchmarks/serve_compare.py", *(sys.argv[1:] if argv is None else argv)]),
         "servers": dict(args.servers),
         # placeholders shlex leaves unquoted, so the command reads as the one run, braces and all
         "loadtest": shlex.join(loadtest_argv(args, "@PORT@", "@CONCURRENCY@", args.requests))
