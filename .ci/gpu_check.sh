@@ -2,7 +2,7 @@
 # Every GPU path of gptopt, run and measured in one call of under nine minutes, the install included.
 #
 #   bash .ci/gpu_check.sh DIR [--report SMALL]  # on the GPU machine; SMALL: results.json,
-#                                               # summary.txt, logs.txt only (DIR gets gigabytes)
+#                                               # summary.txt, logs.txt only (DIR also gets checkpoints)
 #   bash .ci/gpu_check.sh --dry-run DIR    # anywhere: each step, its command and time limit
 #   python3 .ci/gpu_check.py record DIR    # then: DIR/results.json -> rows of docs/gpu-results.md
 #

@@ -110,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=16)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--max_tokens", type=int, default=32)
-    ap.add_argument("--prompt_tokens", type=int, default=60, help="60: about loadtest's 32 words of text")
+    ap.add_argument("--prompt_tokens", type=int, default=60, help="prompt length in token ids; the default "
+                    "comes near what loadtest's default prompt (words of a fixed text) tokenizes to")
     ap.add_argument("--max_batch_size", type=int, default=None, help="KV-cache slots; default: serve's")
     ap.add_argument("--compile", action="store_true", help="as `gptopt serve --compile`")
     ap.add_argument("--solo_threads", type=int, default=None, help="as `gptopt serve --solo_threads`")
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before an unfinished run is stopped")
     args = ap.parse_args(argv)
     try:
-        check(args.clients, args.requests)  # before the model loads (minutes with --compile)
+        check(args.clients, args.requests)  # before the model loads (and compiles, with --compile: slow)
         cfg = ServeConfig(model=args.model, device=args.device, compile=args.compile,
                           max_batch_size=args.max_batch_size, solo_threads=args.solo_threads)
         engine = build_engine(cfg)

@@ -69,7 +69,8 @@ def parse_server(spec: str) -> tuple[str, str]:
     name, sep, command = spec.partition("=")
     name, command = name.strip(), command.strip()
     if not sep or not NAME.match(name) or not command:
-        raise argparse.ArgumentTypeError(f"--server wants NAME=COMMAND with NAME of letters, digits, _ . -; got {spec!r}")
+        raise argparse.ArgumentTypeError(f"--server wants NAME=COMMAND with NAME of letters, digits, _ . -; "
+                                         f"got {spec!r}")
     if "{port}" not in command:
         raise argparse.ArgumentTypeError(f"--server {name}: the command must hold {{port}}, where the server is "
                                          "told its port")
@@ -410,7 +411,8 @@ def render_report(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
               "|---:|---:|---|---:|---:|---:|---:|---:|---|---:|"]
     for r in runs:
         lines.append(f"| {r['concurrency']} | {r['run']} | {r['server']} | {_num(r['output_tokens_per_s'], '.1f')} | "
-                     f"{_num(r['output_tokens'], '.0f')} | {_num(r['ttft_p50_s'], '.1f', 1e3)} | {_num(r['ttft_p99_s'], '.1f', 1e3)} | "
+                     f"{_num(r['output_tokens'], '.0f')} | {_num(r['ttft_p50_s'], '.1f', 1e3)} | "
+                     f"{_num(r['ttft_p99_s'], '.1f', 1e3)} | "
                      f"{_num(r['tpot_p50_s'], '.2f', 1e3)} | {_errors(r['errors'])} | {_num(r['ready_s'], '.1f')} |")
     rows = aggregate(runs, servers)
     lines += ["", "## Per concurrency and server", "",

@@ -58,7 +58,8 @@ def test_dry_run_prints_each_step_with_its_command_and_limit_within_nine_minutes
             phases[-1].append(r["limit_s"])
         else:
             phases.append([r["limit_s"]])
-    assert doc["planned_s"] == sum(max(p) for p in phases) < NINE_MINUTES  # the install is the first step: it is inside the budget
+    # the install is the first step: it is inside the budget
+    assert doc["planned_s"] == sum(max(p) for p in phases) < NINE_MINUTES
     assert doc["budget_s"] <= NINE_MINUTES
 
 
@@ -162,7 +163,8 @@ def test_a_failing_or_hanging_step_costs_only_itself(tmp_path: Path, monkeypatch
     assert again["breaks"]["status"] == "ok" and again["hangs"]["status"] == "timeout"
 
 
-def test_a_run_stopped_from_outside_stops_its_steps_and_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_run_stopped_from_outside_stops_its_steps_and_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "child.pid"
     monkeypatch.setattr(gc, "plan", lambda ctx: _fake_plan(marker)[:1] + [
         gc.Step("after", 30, "never starts", [sys.executable, "-c", "pass"])])
@@ -227,7 +229,8 @@ def test_a_folder_of_someone_elses_files_is_refused_before_anything_runs(
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "summary.txt").write_text("my notes")
-    for argv in (["run", str(theirs)], ["dry-run", str(theirs)], ["run", str(tmp_path / "new"), "--report", str(theirs)]):
+    for argv in (["run", str(theirs)], ["dry-run", str(theirs)],
+                 ["run", str(tmp_path / "new"), "--report", str(theirs)]):
         with pytest.raises(SystemExit) as e:
             gc.main(argv)
         assert e.value.code == 2 and "earlier GPU check did not write" in capsys.readouterr().err
@@ -236,7 +239,8 @@ def test_a_folder_of_someone_elses_files_is_refused_before_anything_runs(
     assert gc.main(["dry-run", str(tmp_path / "dry")]) == 0  # its own earlier output is fine
 
 
-def test_unknown_step_names_are_refused_before_anything_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_step_names_are_refused_before_anything_runs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
         gc.main(["run", str(tmp_path / "x"), "--only", "bench,nope"])
     assert e.value.code == 2 and "nope" in capsys.readouterr().err
