@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 from gptopt import cli
-from gptopt.config import DoctorConfig
+from gptopt.config import DoctorConfig, opt
 
 # The option surface grows only on purpose: a new flag must be added here too.
 EXPECTED_OPTIONS = {
@@ -256,10 +257,18 @@ def test_unknown_verb_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown command 'trian'" in capsys.readouterr().err
 
 
+# Old names that keep working (config.opt's aliases), each -> the option it names: pinned as the options are.
+EXPECTED_ALIASES = {
+    "train": {"model_name": "init_from"},
+}
+
+
 @pytest.mark.parametrize("verb", sorted(EXPECTED_OPTIONS))
 def test_option_surface_is_pinned(verb: str) -> None:
     cls = cli._load(cli.COMMANDS[verb].config)
     assert {f.name for f, _, _ in cli.cli_fields(cls)} == EXPECTED_OPTIONS[verb]
+    assert cli.aliases(cls) == EXPECTED_ALIASES.get(verb, {})
+    assert not set(cli.aliases(cls)) & EXPECTED_OPTIONS[verb]  # an old name never shadows another option
 
 
 def test_every_verb_has_help(capsys: pytest.CaptureFixture[str]) -> None:
@@ -346,3 +355,52 @@ def test_int_option_rejects_non_numbers() -> None:
     assert parser.parse_args(["--steps", "5", "--lr", "none"]).lr is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--steps", "five"])
+
+
+@dataclass(kw_only=True)
+class Renamed:
+    compile: bool = opt(False, "compile the model", aliases=("use_compile",))
+    output_dir: str = opt("out", "where the files go", aliases=("output",))
+    steps: int = opt(10, "steps")
+
+
+def _parse_renamed(argv: list[str]) -> Renamed:
+    parser = cli._Parser(prog="gptopt renamed", argument_default=cli.argparse.SUPPRESS, allow_abbrev=False)
+    parser.add_argument("--config")
+    cli.add_options(parser, Renamed)
+    return cli.parse_config("renamed", Renamed, argv, parser)
+
+
+def test_an_options_old_name_is_a_flag_of_the_same_option() -> None:
+    assert _parse_renamed(["--use_compile", "--output", "o"]) == Renamed(compile=True, output_dir="o")
+    assert _parse_renamed(["--compile", "--no-use_compile"]) == Renamed(compile=False)  # the last flag wins
+
+
+def test_an_options_old_name_is_a_toml_key_of_the_same_option(tmp_path: Path) -> None:
+    path = tmp_path / "old.toml"
+    path.write_text('use_compile = true\n[renamed]\noutput = "o"\n')
+    assert _parse_renamed(["--config", str(path)]) == Renamed(compile=True, output_dir="o")
+    assert _parse_renamed(["--config", str(path), "--output_dir", "p"]).output_dir == "p"  # flags still override
+
+
+@pytest.mark.parametrize("text", ['use_compile = true\ncompile = false\n', 'compile = false\nuse_compile = true\n',
+                                  '[renamed]\noutput = "a"\noutput_dir = "b"\n'])
+def test_a_toml_table_giving_an_option_and_its_old_name_is_refused(
+    tmp_path: Path, text: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "both.toml"
+    path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        _parse_renamed(["--config", str(path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    name, old = ("compile", "use_compile") if "compile" in text else ("output_dir", "output")
+    assert len(err.strip().splitlines()) == 1 and f"{name} and {old} are one option" in err
+
+
+def test_help_names_an_option_before_its_old_name(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _parse_renamed(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--compile, --no-compile, --use_compile, --no-use_compile" in out
+    assert "--output_dir STR, --output STR" in out

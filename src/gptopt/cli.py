@@ -6,7 +6,9 @@
 Precedence: dataclass default < --config FILE.toml < flags on the command line. Unknown options,
 bad values (config.check_fields: types, finite floats, ranges) and unknown TOML keys exit 2 with one
 line naming the option and the fix, before the command reads or writes anything. A file the command
-cannot read or write ends it the same way.
+cannot read or write ends it the same way. An option's old names (config.opt's aliases) still work,
+as flags and as TOML keys, so command lines and files written before a rename keep working; a TOML
+table that gives both names of one option is refused.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ COMMANDS: dict[str, Command] = {
     "bench": Command("gptopt.config:BenchConfig", "gptopt.bench.main:main", "measure every optimisation against the naive baseline"),
     "profile": Command("gptopt.config:ProfileConfig", "gptopt.profile:main", "find where the time goes, and what to change"),
     "generate": Command("gptopt.config:GenerateConfig", "gptopt.generate:main", "generate text from a checkpoint, streaming"),
-    "serve": Command("gptopt.config:ServeConfig", "gptopt.serve.app:main", "HTTP API: /generate, OpenAI /v1/completions, /metrics"),
+    "serve": Command("gptopt.config:ServeConfig", "gptopt.serve.server:main", "HTTP API: /generate, OpenAI /v1/completions, /metrics"),
     "loadtest": Command("gptopt.config:LoadtestConfig", "gptopt.loadtest:main", "drive a /v1/completions server; TTFT, TPOT, throughput"),
     "compress": Command("gptopt.config:CompressConfig", "gptopt.compress:main", "quantise or prune a model; measure size, speed and quality against it"),
     "export": Command("gptopt.config:ExportConfig", "gptopt.export:main", "write the model as ONNX (for onnxruntime) or a Hugging Face dir, checked"),
@@ -86,7 +88,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
         if f.metadata.get("positional"):
             parser.add_argument(f.name, nargs="?", help=f"{help_text} (default: {default})")
             continue
-        flags = [f"--{f.name}"] + list(f.metadata.get("aliases", ()))
+        flags = [f"--{name}" for name in (f.name, *f.metadata.get("aliases", ()))]  # the field's own name first
         if kind is bool:
             parser.add_argument(
                 *flags, action=argparse.BooleanOptionalAction, help=f"{help_text} (default: {default})"
@@ -125,18 +127,29 @@ def load_toml(path: str, cls: type, verb: str | None = None) -> dict[str, Any]:
     return {**_check_toml(path, flat, cls), **_check_toml(path, section, cls)}
 
 
+def aliases(cls: type) -> dict[str, str]:
+    """Each old name of cls's options -> the option's name (config.opt's aliases)."""
+    return {alias: f.name for f, _, _ in cli_fields(cls) for alias in f.metadata.get("aliases", ())}
+
+
 def _check_toml(path: str, table: dict[str, Any], cls: type) -> dict[str, Any]:
     fields = {f.name: kind for f, kind, _ in cli_fields(cls)}
+    old_names = aliases(cls)
     values: dict[str, Any] = {}
     for key, value in table.items():
-        if key not in fields:
+        name = old_names.get(key, key)  # files written before a rename keep loading
+        if name not in fields:
             raise ValueError(f"--config {path}: unknown option {key!r}; valid: {', '.join(sorted(fields))}")
-        kind = fields[key]
+        if name in values:  # the same table cannot say which of the two it means
+            alias = key if key != name else next(k for k in table if old_names.get(k) == name)
+            raise ValueError(f"--config {path}: {name} and {alias} are one option ({alias} is its old name): "
+                             f"keep {name} alone")
+        kind = fields[name]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not type_ok(value, kind):
-            raise ValueError(f"--config {path}: {key} must be {kind.__name__}, got {value!r}")
-        values[key] = value
+            raise ValueError(f"--config {path}: {name} must be {kind.__name__}, got {value!r}")
+        values[name] = value
     return values
 
 

@@ -41,14 +41,18 @@ MAX_SECONDS = 7 * 86400.0  # a timeout of a week: larger values overflow event-l
 
 def opt(default: Any, help: str, *, choices: tuple[str, ...] | None = None, cli: bool = True,
         ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-        hint: str | None = None, verbatim: bool = False) -> Any:
+        hint: str | None = None, verbatim: bool = False, aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field with the help text and allowed values (choices, or a range: >= ge, > gt,
     <= le, < lt) that the CLI shows and check_fields enforces; hint: the fix an out-of-range value
     is told, where the range alone does not say it; verbatim: the CLI keeps '' and 'none' as text
-    rather than reading them as None (a secret given as an unset "$VAR" must not vanish)."""
+    rather than reading them as None (a secret given as an unset "$VAR" must not vanish); aliases:
+    other names the CLI accepts for it, as flags and as --config keys (old spellings that command
+    lines and files already written still use; --help names the field first)."""
     extra = {k: v for k, v in dict(ge=ge, gt=gt, le=le, lt=lt, hint=hint).items() if v is not None}
     if verbatim:
         extra["verbatim"] = True
+    if aliases:
+        extra["aliases"] = tuple(aliases)
     return field(default=default, metadata={"help": help, "choices": choices, "cli": cli, **extra})
 
 
@@ -281,14 +285,9 @@ class TrainConfig:
     # None: tiny for a new run; a resumed run keeps its checkpoint's size, and a --preset given for one must match it
     preset: str | None = opt(None, f"model size when training from scratch (default: {DEFAULT_PRESET}): "
                                  + ", ".join(PRESETS))
-    init_from: str = field(
-        default="scratch",
-        metadata={
-            "help": "scratch (random --preset), a GPT-2 name (gpt2, gpt2-medium, ... from the hub), "
-            "or a Hugging Face / gptopt model directory to fine-tune",
-            "aliases": ("--model_name",),  # the playbook's spelling
-        },
-    )
+    init_from: str = opt("scratch", "scratch (random --preset), a GPT-2 name (gpt2, gpt2-medium, ... from the hub), "
+                         "or a Hugging Face / gptopt model directory to fine-tune",
+                         aliases=("model_name",))  # the playbook's spelling
     data_dir: str = opt("data/stdlib", "token shards written by `gptopt prepare` (or nanoGPT train.bin/val.bin)")
     output_dir: str = opt("out", "checkpoints, metrics.jsonl, TensorBoard logs and traces go here")
     seq_len: int | None = opt(None, "tokens per sequence; default: the model's context", ge=1, le=MAX_SEQ_LEN)
