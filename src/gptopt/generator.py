@@ -180,8 +180,9 @@ class _LayerView:
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # Each row writes at its own positions: rows at different lengths share one forward. One
-        # index_copy_ into the cache seen as rows of head_dim: 4-6x faster on a CPU than the equivalent
-        # cache[rows, :, positions] = ..., whose indexing around a slice takes a general scatter.
+        # index_copy_ into the cache seen as rows of head_dim: faster on a CPU than the equivalent
+        # cache[rows, :, positions] = ..., whose indexing around a slice takes a general scatter
+        # (docs/benchmarks.md, where an engine iteration's time goes).
         hs = k.size(-1)
         self.k.view(-1, hs).index_copy_(0, self.flat, k.reshape(-1, hs).to(self.k.dtype))  # k: (B, nh, T, hs)
         self.v.view(-1, hs).index_copy_(0, self.flat, v.reshape(-1, hs).to(self.v.dtype))
@@ -189,7 +190,8 @@ class _LayerView:
 
 
 class KVCache:
-    """Preallocated keys/values for `slots` sequences of up to `max_len` tokens, every layer: (slots, nh, max_len, hs)."""
+    """Preallocated keys/values for `slots` sequences of up to `max_len` tokens, every layer:
+    (slots, nh, max_len, hs)."""
 
     def __init__(self, config: GPTConfig, slots: int, max_len: int, *, device: torch.device | str,
                  dtype: torch.dtype) -> None:
@@ -198,7 +200,8 @@ class KVCache:
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.slots, self.max_len, self.n_head, self.device = slots, max_len, config.n_head, torch.device(device)
 
-    def layers(self, rows: torch.Tensor | slice, positions: torch.Tensor, length: int | None = None) -> list[KVCacheLayer]:
+    def layers(self, rows: torch.Tensor | slice, positions: torch.Tensor,
+               length: int | None = None) -> list[KVCacheLayer]:
         """Per-layer views for one forward. rows: (B,) slot indices, or a slice of consecutive slots (the
         layers then return views of the cache, no gather copy). positions: (B, T) being written.
         length: return only the first `length` positions (more than any written), so fewer keys are attended."""
@@ -227,7 +230,8 @@ class KVCache:
 
 
 class Generator:
-    """Owns the model and one KVCache with max_batch_size slots; the single token generator behind CLI, bench and server.
+    """Owns the model and one KVCache with max_batch_size slots; the single token generator behind CLI, bench
+    and server.
 
     Runs in the weights' dtype (inference.load_for_inference casts them once), so there is no autocast here.
     Not thread-safe: one thread (the server's engine thread) drives it.
@@ -484,7 +488,8 @@ class Generator:
         """One token for each slot, at that slot's own position (its tokens cached so far); logits (B, V)."""
         B = len(slots)
         if not B == len(tokens) == len(positions) > 0 or len(set(slots)) != B:
-            raise ValueError(f"decode needs distinct slots, each with one token and one position: {slots}, {tokens}, {positions}")
+            raise ValueError(f"decode needs distinct slots, each with one token and one position: "
+                             f"{slots}, {tokens}, {positions}")
         for s in slots:
             self._check_slot(s)
         if min(positions) < 0 or max(positions) >= self.max_len:
@@ -540,7 +545,7 @@ class Generator:
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
             keys = self._keys  # a CUDA graph per length would be recorded every step: the whole cache
-        else:  # the positions written so far only, as the eager decode (at 64 rows 1.2x its speed with the whole)
+        else:  # the positions written so far only, as the eager decode: faster at many rows than the whole cache
             keys = self._keys[: max(pos_all) + 1]
             torch._dynamo.maybe_mark_dynamic(keys, 0)
         assert self._step is not None

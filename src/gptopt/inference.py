@@ -150,7 +150,8 @@ def weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
 def _check_quantize(quantize: str, plan: DevicePlan, dtype: torch.dtype) -> None:
     """Refuse what cannot run here before anything is loaded (a TOML config skips argparse's choices)."""
     if quantize not in INFER_QUANTIZE:
-        raise ValueError(f"unknown quantize {quantize!r}; choose {', '.join(INFER_QUANTIZE[:-1])} or {INFER_QUANTIZE[-1]}")
+        raise ValueError(f"unknown quantize {quantize!r}; "
+                         f"choose {', '.join(INFER_QUANTIZE[:-1])} or {INFER_QUANTIZE[-1]}")
     if quantize == "int4-weight":
         problem = int4_unsupported(plan, dtype, "drop --quantize here, or use --quantize int8-weight")
         if problem:
@@ -166,7 +167,8 @@ def prepare(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, quantize: str =
     device. layout: False for a caller that transforms the weights further (gptopt compress)."""
     _check_quantize(quantize, plan, dtype)
     assert not (compression and quantize != "none"), "a compressed model is not quantised again"
-    model = (restore(model, compression, plan, dtype) if compression else model.to(device=plan.device, dtype=dtype)).eval()
+    model = restore(model, compression, plan, dtype) if compression else model.to(device=plan.device, dtype=dtype)
+    model = model.eval()
     if quantize == "int8-weight":
         quantize_int8(model, plan)
     elif quantize == "int4-weight":
@@ -215,13 +217,12 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     weights) whose attention length is symbolic too, and for a step of at most GEMV_MAX_ROWS rows the decode's
     matrix-vector products as fused multiply-sums on row-major weights (gemv_linears): also the 1-row bucket
     of a Generator of more slots when the products of several rows run on oneDNN-packed copies
-    (packed_products), which the row-major layout leaves alone. A tiny Generator of 16 slots, its step at
-    position 70 (medians of 200 steps, two processes each way, alternated; 2-core AMD EPYC with native bf16,
-    torch 2.13): 1 row on 1 thread 0.667-0.714 against 0.820-0.999 ms as a GEMM on column-major weights, and
-    no slower from 2 to 16 rows (16: 2.095-2.268 against 2.202-2.580 ms). Without packed copies (bf16 weights,
-    no oneDNN) a step of more rows gets inference_layout's column-major weights back: on row-major ones its
-    compiled GEMMs ran 0.77x the eager decode at 2 rows (about 0.95x from 4 to 64), and its 1-row bucket is a
-    GEMM too (the layout is the model's; `rows` is the largest bucket).
+    (packed_products), which the row-major layout leaves alone. There the 1-row step runs faster than
+    as a GEMM on column-major weights, and the steps of more rows no slower (docs/benchmarks.md, the
+    one-row step of a many-slot engine). Without packed copies (bf16 weights, no oneDNN) a step of
+    more rows gets inference_layout's column-major weights back: on row-major ones its compiled GEMMs
+    ran slower than the eager decode (docs/benchmarks.md, the compiled decode at every batch size),
+    and its 1-row bucket is a GEMM too (the layout is the model's; `rows` is the largest bucket).
     """
     # One graph per bucket: more than dynamo keeps per function by default once buckets reach 4096 rows
     # (or several generators, as bench --mode infer builds, share the decode's code).
@@ -249,13 +250,13 @@ class GraphedDecode:
     recorded as one CUDA graph per row count B on its first call, and replayed after that.
 
     A GPT-2-class decode step is hundreds of small kernels whose launches, not their arithmetic, set
-    its time on a GPU; a replay launches them all at once. Recording takes well under a second per
-    bucket, where torch.compile's reduce-overhead spent 13 s per bucket on gpt2 (92.7 s for seven
-    buckets on an H200): this is what makes a server ready in seconds. The graphs read their tokens
-    and positions from static buffers, and the KV cache and `keys` (the attended length, the whole
-    cache) must keep their addresses and shapes: the Generator's do. The returned logits are the
-    graph's own buffer in the memory pool the buckets share, so the next replay of any bucket may
-    overwrite them: copy what is kept before the next call (Generator._decode_static does).
+    its time on a GPU; a replay launches them all at once. Recording a bucket is far quicker than
+    torch.compile's reduce-overhead compile of it (docs/gpu-results.md): this is what makes a server
+    ready in seconds. The graphs read their tokens and positions from static buffers, and the KV
+    cache and `keys` (the attended length, the whole cache) must keep their addresses and shapes: the
+    Generator's do. The returned logits are the graph's own buffer in the memory pool the buckets
+    share, so the next replay of any bucket may overwrite them: copy what is kept before the next call
+    (Generator._decode_static does).
     """
 
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
@@ -293,7 +294,8 @@ class GraphedDecode:
             if is_oom(e):
                 raise
             log.warning("could not record the decode of %d rows as a CUDA graph (%s: %s); it runs eagerly. "
-                        "--no-cuda_graphs runs every batch eagerly", rows, type(e).__name__, (str(e).splitlines() or [""])[0])
+                        "--no-cuda_graphs runs every batch eagerly", rows, type(e).__name__,
+                        (str(e).splitlines() or [""])[0])
             return None
         finally:
             self.record_s += time.perf_counter() - t0

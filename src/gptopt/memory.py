@@ -1,7 +1,7 @@
 """Memory before it is allocated: the peak a training step or a generator will need, what the device
 has free, and the check between the two.
 
-    python -c "from gptopt.memory import train_step_bytes; from gptopt.config import preset; print(train_step_bytes(preset('tiny'), 16, 256).describe())"
+    python -c "from gptopt import memory as m, config as c; print(m.train_step_bytes(c.preset('tiny'), 16, 256))"
 
 A run that cannot fit must be refused or reported, never killed: on a CPU the kernel's OOM killer
 ends the process (exit 137) with no report, and a GPU that fills mid-step has already spent the
@@ -30,9 +30,10 @@ from gptopt.flops import non_embedding_params
 
 # Refuse when the estimate is above this share of the free memory. Against the peak measured on a
 # CPU (ru_maxrss growth over two steps; debug and tiny presets, fp32 and bf16, eager and SDPA, with
-# and without checkpointing; steps of 200 MiB and up, below which the allocator's fixed tens of MiB
-# dominate and no refusal is near) the estimate came out 0.92-1.14x: refusing above 90% of what is
-# free keeps a run the estimate understates below the limit, and refuses only runs within a tenth of it.
+# and without checkpointing; steps large enough that the allocator's fixed overhead does not
+# dominate) the estimate came out close to it on both sides, understating by less than this margin:
+# refusing above 90% of what is free keeps a run the estimate understates below the limit, and
+# refuses only runs within a tenth of it.
 REFUSE_ABOVE = 0.9
 
 # Where a container's memory limit is read (cgroup v2, then v1); module constants so tests can point
@@ -119,8 +120,8 @@ def train_step_bytes(config: GPTConfig, batch_size: int, seq_len: int, *, amp_dt
         "logits": logits,
         "batch": 2 * 8 * tokens * accumulation,  # int64 inputs and targets of the whole step
         # Backward's short-lived buffers (an op's input gradient beside its output's, casts) and the
-        # allocator's slack: a quarter of what grows with the batch. Measured on a 2-core AMD EPYC (native
-        # bf16), the sum without it came to 0.78-0.9 of the peak resident growth for bf16 + checkpointing.
+        # allocator's slack: a quarter of what grows with the batch. Without it the sum fell short of
+        # the peak resident growth measured on a CPU for bf16 + checkpointing.
         "temporaries": (activations + scores + logits) // 4,
     }
     return Estimate(parts)

@@ -132,7 +132,8 @@ def int4_group_size(model: GPT) -> int:
     for g in INT4_GROUP_SIZES:
         if all(w % g == 0 for w in widths):
             return g
-    raise ValueError(f"int4-weight needs input widths divisible by one of {INT4_GROUP_SIZES}; this model has {sorted(widths)}")
+    raise ValueError(f"int4-weight needs input widths divisible by one of {INT4_GROUP_SIZES}; "
+                     f"this model has {sorted(widths)}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -198,7 +199,8 @@ def compress_model(model: GPT, quantize: str | None, prune: float | str | None) 
         prune_2_4(model)
     record: dict[str, Any] = {
         "format": FORMAT, "quantize": quantize, "prune": prune,
-        "layers": "every block Linear" + (" and lm_head (stored through wte)" if quantize in ("int8-weight", "int8-dynamic") else ""),
+        "layers": "every block Linear"
+                  + (" and lm_head (stored through wte)" if quantize in ("int8-weight", "int8-dynamic") else ""),
         "versions": {"torch": torch.__version__, "torchao": _version("torchao")},
     }
     if quantize in ("int8-weight", "int8-dynamic"):
@@ -328,24 +330,26 @@ def restore(model: GPT, record: dict[str, Any], plan: DevicePlan, dtype: torch.d
         return quantize_int4(model, plan, dtype, record["int4_group_size"])  # the grid on disk is tinygemm's
     if quantize == "int4-weight":
         log.warning("int4-weight checkpoint on %s: torchao's int4 kernel needs an NVIDIA GPU of compute capability "
-                    "8.0 or newer; running the dequantised weights (same outputs, no int4 speed or memory gain)", _where(plan))
+                    "8.0 or newer; running the dequantised weights (same outputs, no int4 speed or memory gain)",
+                    _where(plan))
     model = model.to(plan.device, dtype)
     if prune == SPARSE_2_4:
         if _sm80(plan) and dtype in (torch.float16, torch.bfloat16):
             log.info("2:4 sparsity: %d Linear layers run torch's semi-structured sparse kernels", sparsify_2_4(model))
         else:
-            log.warning("2:4-pruned checkpoint on %s in %s: semi-structured sparse kernels need an NVIDIA GPU of compute "
-                        "capability 8.0 or newer and fp16/bf16 weights; running dense, with no speed gain",
+            log.warning("2:4-pruned checkpoint on %s in %s: semi-structured sparse kernels need an NVIDIA GPU of "
+                        "compute capability 8.0 or newer and fp16/bf16 weights; running dense, with no speed gain",
                         _where(plan), str(dtype).removeprefix("torch."))
     return model
 
 
 def quantize_int8(model: GPT, plan: DevicePlan) -> GPT:
-    """torchao int8 weight-only on every Linear, on the fly: half of bf16's bytes read per decode step (gpt-fast's int8)."""
+    """torchao int8 weight-only on every Linear, on the fly: half of bf16's bytes read per decode step
+    (gpt-fast's int8)."""
     quant = require("torchao.quantization", "quant", "--quantize int8-weight")
     if plan.device.type == "cpu":
         log.warning("--quantize int8-weight on a CPU: torchao's int8 kernels measured slower than fp32 on CPUs "
-                    "(docs: 2-core AVX-512, torch 2.13); running it as asked, compare tokens/s with --quantize none")
+                    "(docs/benchmarks.md, compression); running it as asked, compare tokens/s with --quantize none")
     quant.quantize_(model, quant.Int8WeightOnlyConfig(set_inductor_config=False))  # see NO_INDUCTOR_CONFIG
     return model
 
