@@ -94,9 +94,9 @@ def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
     inference ladder). Several rows (a batched decode step, a prefill): oneDNN's linear over a weight
     reordered once into its blocked layout (packed_linear), where the BLAS GEMM repacks it every
     call, so each Linear and the compiled decode step of several rows run faster (docs/benchmarks.md,
-    products of several rows on oneDNN-packed weights). The packed copy costs the Linear weights'
-    memory once more. Eager, on several rows, an MLP's GELU runs inside its first product, as
-    oneDNN's post-op (_packed_mlp_forward).
+    serving against transformers serve: products of several rows on oneDNN-packed weights). The
+    packed copy costs the Linear weights' memory once more. Eager, on several rows, an MLP's GELU
+    runs inside its first product, as oneDNN's post-op (_packed_mlp_forward).
 
     GPUs' GEMMs take either layout at full speed, so they are left alone. Inference only: the weights
     must not change or train afterwards (the packed copy would not follow, and the optimizer would see
@@ -130,9 +130,9 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
 # Intel Xeon's compiled decode fell behind the eager one at batch 4 and 8 (issue 17). Putting the
 # weight's rows outermost, (out, rows), read it once, but inside the whole decode graph inductor then
 # vectorised over the 2 rows and ran one kernel over the reduction axis, far slower than the GEMM
-# (docs/benchmarks.md, the compiled decode at every batch size). The weights' layout is the
-# model's: compile_decode applies gemv_linears where the products of several rows do not read it
-# (packed_products), else to a Generator of one slot only.
+# (docs/benchmarks.md, inference ladder: the compiled decode at every batch size). The weights'
+# layout is the model's: compile_decode applies gemv_linears where the products of several rows do
+# not read it (packed_products), else to a Generator of one slot only.
 GEMV_MAX_ROWS = 1
 
 
@@ -225,8 +225,8 @@ def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # One row on column-major weights: the BLAS's matrix-vector path, which reads them fastest. One
     # eager row on row-major ones (a prompt's last position at the lm_head) takes the packed copy: the
     # BLAS's product on them ran slower than oneDNN's on the copy with two threads, over shapes of
-    # tiny's and gpt2's, and slower than on column-major weights too (docs/benchmarks.md, the one-row
-    # step of a many-slot engine).
+    # tiny's and gpt2's, and slower than on column-major weights too (docs/benchmarks.md, serving
+    # against transformers serve: the one-row step of a many-slot engine).
     packed = None if one and not row_major else _packed_for(self, x)
     if packed is None:
         return F.linear(x, self.weight, self.bias)
@@ -239,8 +239,9 @@ def _packed_mlp_forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
     """MLP.forward with the GELU applied by oneDNN inside c_fc's packed product (its tanh GELU post-op),
     eager and for several rows; compiled steps (inductor fuses the GELU itself) and one row keep
     MLP.forward. The separate GELU was a pass of its own over the widest activation, and c_fc with the
-    post-op costs less than the product and the GELU apart (docs/benchmarks.md, the GELU inside the
-    prefill's first product); the values differ in their last bits only."""
+    post-op costs less than the product and the GELU apart (docs/benchmarks.md, serving against
+    transformers serve: the GELU inside the prefill's first product); the values differ in their
+    last bits only."""
     packed = None
     if not torch.compiler.is_compiling() and not _one_row(x):
         packed = _packed_for(self.c_fc, x)
