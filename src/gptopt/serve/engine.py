@@ -38,12 +38,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
 from gptopt.generator import Decoding, Generator, SamplingParams, StopChecker, TokenLogprob
 from gptopt.serve.blocklist import Blocklist, TextFilter
+
+if TYPE_CHECKING:  # a type only: the engine itself never needs prometheus_client
+    from gptopt.serve.metrics import ServeMetrics
 
 log = logging.getLogger(__name__)
 
@@ -233,8 +236,60 @@ class Request:
         return 0 if self.seq is None else self.seq.n_new
 
 
+class Submitted(Protocol):
+    """What submit returns: the handle a client cancels its sequence with (Request, or the engine process's)."""
+
+    def cancel(self) -> None: ...
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """What the HTTP side (serve/app.py, serve/server.py) uses of an engine, and all it may use: Engine
+    here, in this process, or engine_process.EngineProcess, the same engine in a child process.
+
+    Only the client side: the engine's own thread, its model and its Generator stay behind it."""
+
+    # what the routes check a request against
+    @property
+    def tokenizer(self) -> Any: ...
+    @property
+    def blocklist(self) -> Blocklist: ...
+    @property
+    def max_len(self) -> int: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def constrains(self) -> bool: ...
+    @property
+    def max_batch_size(self) -> int: ...
+    @property
+    def max_queue(self) -> int: ...
+    @property
+    def capacity(self) -> int: ...
+
+    # requests in, events out (to the sink), each sequence cancelled through its handle
+    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> Submitted: ...
+
+    # the probes and /metrics
+    @property
+    def alive(self) -> bool: ...
+    @property
+    def draining(self) -> bool: ...
+    @property
+    def failed(self) -> bool: ...
+    def stats(self) -> dict[str, int]: ...
+    @property
+    def metrics(self) -> ServeMetrics: ...
+    def render_metrics(self) -> bytes: ...
+
+    # the server's lifespan
+    def start(self) -> None: ...
+    def begin_drain(self) -> None: ...
+    def shutdown(self, timeout: float | None = None) -> None: ...
+
+
 class Engine:
-    """Continuous-batching scheduler around a Generator; see the module docstring."""
+    """Continuous-batching scheduler around a Generator; see the module docstring. An EngineClient."""
 
     def __init__(self, generator: Generator, tokenizer: Any, *, max_queue: int = 64,
                  request_timeout: float = 120.0, prefill_chunk: int = PREFILL_CHUNK,

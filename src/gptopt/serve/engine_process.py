@@ -290,7 +290,7 @@ class RemoteRequest:
 
 
 class EngineProcess:
-    """engine.Engine's interface to the HTTP side, for an engine running in a child process.
+    """engine.EngineClient, the HTTP side's interface to an engine, for an engine running in a child process.
 
     The parent counts the sequences it has submitted and not yet seen finish, so 429 (QueueFull) and 503
     (Draining) are decided here at once, with the engine's rules; the child's count is never higher."""
@@ -356,7 +356,7 @@ class EngineProcess:
             self._process.kill()
             self._process.join(5)
 
-    # -- engine.Engine's interface --------------------------------------------------------------------
+    # -- engine.EngineClient ------------------------------------------------------------------------
 
     def start(self) -> None:
         self._reader.start()
