@@ -139,8 +139,9 @@ fastapi = pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from gptopt.config import ServeConfig  # noqa: E402
-from gptopt.serve.app import create_app, serve_in_thread  # noqa: E402
+from gptopt.serve.app import create_app  # noqa: E402
 from gptopt.serve.chat_api import CHAT_EXAMPLE_BODY  # noqa: E402
+from gptopt.serve.server import serve_in_thread  # noqa: E402
 
 
 @contextlib.contextmanager

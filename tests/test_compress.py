@@ -142,7 +142,8 @@ def test_serve_loads_a_compressed_checkpoint(trained_out: Path, train_data: Path
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
     from gptopt.config import ServeConfig
-    from gptopt.serve.app import create_app, serve_in_thread
+    from gptopt.serve.app import create_app
+    from gptopt.serve.server import serve_in_thread
 
     out = tmp_path / "served"
     assert cli.main(compress_cli(trained_out, train_data, out, "--quantize", "int8-dynamic")) == 0

@@ -19,7 +19,8 @@ from conftest import last_json_line
 from gptopt.config import LoadtestConfig, ServeConfig, preset  # noqa: E402
 from gptopt.loadtest import MEMORY_METRICS, MemoryTrace, distribution, main, metric_values  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
-from gptopt.serve.app import create_app, serve_in_thread  # noqa: E402
+from gptopt.serve.app import create_app  # noqa: E402
+from gptopt.serve.server import serve_in_thread  # noqa: E402
 
 STATS = {"mean", "p50", "p90", "p99"}
 

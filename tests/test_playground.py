@@ -26,7 +26,8 @@ httpx = pytest.importorskip("httpx")
 from conftest import make_varied_model  # noqa: E402
 
 from gptopt.config import ServeConfig  # noqa: E402
-from gptopt.serve.app import create_app, serve_in_thread  # noqa: E402
+from gptopt.serve.app import create_app  # noqa: E402
+from gptopt.serve.server import serve_in_thread  # noqa: E402
 
 CHROMIUM, CHROMEDRIVER = Path("/usr/bin/chromium"), Path("/usr/bin/chromedriver")
 # Without the background-networking flags Chromium phones home at start, which a closed network refuses.

@@ -32,17 +32,11 @@ from gptopt.config import ServeConfig, preset  # noqa: E402
 from gptopt.device import resolve  # noqa: E402
 from gptopt.generator import Generator, SamplingParams, complete  # noqa: E402
 from gptopt.model import GPT  # noqa: E402
-from gptopt.serve.app import (  # noqa: E402
-    EXAMPLE_BODY,
-    MAX_BODY_BYTES,
-    MAX_PROMPTS,
-    MAX_STOP,
-    MAX_STOP_CHARS,
-    create_app,
-    serve_in_thread,
-)
+from gptopt.serve.app import MAX_BODY_BYTES, create_app  # noqa: E402
 from gptopt.serve.blocklist import Blocklist, CheckTimeout, TextFilter, load_blocklist  # noqa: E402
-from gptopt.serve.engine import Draining  # noqa: E402
+from gptopt.serve.engine import Draining, EngineClient  # noqa: E402
+from gptopt.serve.protocol import EXAMPLE_BODY, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS  # noqa: E402
+from gptopt.serve.server import serve_in_thread  # noqa: E402
 from gptopt.tokenizer import eot_id  # noqa: E402
 
 PROMPT = "def parse_args(self, args=None):"
@@ -1198,7 +1192,7 @@ def test_the_served_connections_send_each_chunk_at_once() -> None:
     import asyncio
     import socket
 
-    from gptopt.serve.app import bind
+    from gptopt.serve.server import bind
 
     async def nodelay() -> int:
         accepted: asyncio.Future[int] = asyncio.get_running_loop().create_future()
@@ -1363,15 +1357,17 @@ def _alive(pid: int | None) -> bool:
 
 
 def test_an_engine_process_serves_what_an_engine_in_the_server_does(model_dir: Path) -> None:
-    """Greedy text, streamed or not, usage and /metrics: the same as the in-process engine's; the child
-    ends with the server."""
+    """Greedy text, streamed or not, usage and /metrics: the same as the in-process engine's, both seen by
+    the routes as one EngineClient; the child ends with the server."""
     from prometheus_client.parser import text_string_to_metric_families
 
     body = {"prompt": [PROMPT, "import os"], "max_tokens": 12, "temperature": 0}
     app = create_app(ServeConfig(model=str(model_dir), device="cpu", max_batch_size=2, engine_process=False))
+    assert isinstance(app.state.engine, EngineClient)  # engine.Engine, in this process
     with serve_in_thread(app) as server:
         expected = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", json=body, timeout=60).json()
     with running_apart(model_dir) as (url, app):
+        assert isinstance(app.state.engine, EngineClient)  # engine_process.EngineProcess
         pid = app.state.engine.pid
         assert _alive(pid)
         got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()

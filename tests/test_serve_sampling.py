@@ -197,7 +197,8 @@ def test_a_tokenizer_constrained_decoding_cannot_read_serves_all_but_response_fo
 
     from gptopt.config import ServeConfig, preset
     from gptopt.model import GPT
-    from gptopt.serve.app import create_app, serve_in_thread
+    from gptopt.serve.app import create_app
+    from gptopt.serve.server import serve_in_thread
 
     words = Tokenizer(models.WordLevel({"a": 0, "b": 1, "<|endoftext|>": 2, "[UNK]": 3}, unk_token="[UNK]"))
     app = create_app(ServeConfig(model="debug", device="cpu", max_batch_size=1), model=GPT(preset("debug")).eval(),

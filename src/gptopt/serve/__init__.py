@@ -1,4 +1,5 @@
-"""Serving: the FastAPI app (app.py), the continuous-batching engine (engine.py), Prometheus metrics.
+"""Serving: the OpenAI protocol (protocol.py), the routes (app.py), the runner (server.py), the
+continuous-batching engine behind engine.EngineClient (engine.py, engine_process.py), Prometheus metrics.
 
     gptopt serve --model out/ --port 8000
 

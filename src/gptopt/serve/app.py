@@ -1,14 +1,15 @@
-"""The HTTP API: the playbook's POST /generate, OpenAI-compatible /v1/completions and /v1/chat/completions
-(chat_api.py), health and metrics.
+"""The HTTP API's routes: the playbook's POST /generate, OpenAI-compatible /v1/completions and
+/v1/chat/completions (chat_api.py), health and metrics, and the playground; create_app builds them.
 
     gptopt serve --model out/ --port 8000
     curl -s 127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
          -d '{"prompt": "def fib(n):", "max_tokens": 32, "stream": true}'
 
 The `openai` Python client works unchanged against base_url=http://HOST:PORT/v1. Every request the
-schema admits gets a 2xx, or a 4xx with OpenAI's error body {"error": {"message", "type", "param",
-"code"}}, checked before any model work; generation itself runs on the engine thread (engine.py), by
-default in a process of its own (engine_process.py).
+schema admits (protocol.py) gets a 2xx, or a 4xx with OpenAI's error body {"error": {"message", "type",
+"param", "code"}}, checked before any model work; generation itself runs on the engine thread
+(engine.py), by default in a process of its own (engine_process.py): the routes see either through
+engine.EngineClient alone. server.py runs the app.
 Nothing a request sends runs unbounded on the event loop: tokenizing and the blocklist check run in
 threads, the blocklist under a time limit. The body is read as JSON whatever its declared content
 type (curl -d sends form-encoded). With --api_key every route but the probes /health and /ready and the
@@ -20,18 +21,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
-import errno
 import hmac
 import json
 import logging
 import os
-import socket
-import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 from gptopt import chat, constrain
 from gptopt.config import ServeConfig
@@ -39,16 +37,12 @@ from gptopt.extras import require
 from gptopt.generator import SamplingParams
 from gptopt.tokenizer import eot_id
 
-for _module in ("fastapi", "uvicorn"):
-    require(_module, "serve", "gptopt serve")
-import uvicorn  # noqa: E402
+require("fastapi", "serve", "gptopt serve")
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError  # noqa: E402
 from fastapi.middleware.cors import CORSMiddleware  # noqa: E402
 from fastapi.openapi.utils import get_openapi  # noqa: E402
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse  # noqa: E402
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field  # noqa: E402
-from pydantic_core import PydanticCustomError  # noqa: E402
 from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa: E402
 
 from gptopt.serve.blocklist import CheckTimeout  # noqa: E402
@@ -56,33 +50,36 @@ from gptopt.serve.chat_api import CHAT_EXAMPLE_BODY, DeltaChoices, message_choic
 from gptopt.serve.engine import (  # noqa: E402
     COMPLETED,
     Draining,
-    Engine,
+    EngineClient,
     Event,
     QueueFull,
+    Submitted,
     asyncio_sink,
     settled_heap,
 )
 from gptopt.serve.engine_process import EngineProcess, build_engine  # noqa: E402
 from gptopt.serve.logprobs import ChatChoice, CompletionChoice, Vocab  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE, ServeMetrics  # noqa: E402
+from gptopt.serve.protocol import (  # noqa: E402
+    EXAMPLE_BODY,
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    ErrorBody,
+    GenerateRequest,
+    GenerateResponse,
+    ResponseFormat,
+    Sampling,
+    json_problem,
+    prompt_list,
+    stop_strings,
+    validation_error,
+)
 
 log = logging.getLogger(__name__)
 
-# Request limits, all checked before any model work.
+# The request limit checked here, before a handler reads the body (the schema's are in protocol.py).
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt that fits a GPT-2 context
-MAX_N = 8  # completions per prompt (best_of too: every candidate is generated in full)
-MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name, as OpenAI allows
-# What bounds a request's sequences (prompts x n) is the engine: beyond --max_batch_size + --max_queue they
-# get a 400 before any tokenizing (check_capacity). This only bounds the list the schema reads, far above
-# the batches clients send (lm-evaluation-harness: --batch_size prompts in one request).
-MAX_PROMPTS = 4096
-# Stop strings: OpenAI allows 4, vLLM any number, and lm-evaluation-harness sends a task's list plus the
-# end-of-text. The per-token check (generate.StopChecker) tries the prefixes of the stop strings that end
-# as the text does; text and stop strings of one repeated character make that every prefix, a cost that
-# grows with their total length squared: that total is bounded too, at what 4 of the longest cost.
-MAX_STOP = 32
-MAX_STOP_CHARS = 256
-MAX_STOP_TOTAL_CHARS = 4 * MAX_STOP_CHARS
 # The playground (static/): a page and its two files, served without the key so that a browser can open
 # it and ask for the key; every request the page makes is an API request, which needs it.
 PAGE = {"/": "index.html", "/static/playground.css": "playground.css", "/static/playground.js": "playground.js"}
@@ -93,174 +90,6 @@ JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")  # the ro
 # Prompt checks at once, in their own pool so they never hold up tokenizing. Each ends within its
 # time limit; enough threads that a burst of slow prompts does not queue the ordinary ones behind it.
 BLOCKLIST_THREADS = 16
-EXAMPLE_BODY = '{"prompt": "def fib(n):", "max_tokens": 32}'
-
-
-class APIError(Exception):
-    """An error with OpenAI's body; raised by handlers, rendered by one exception handler."""
-
-    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None):
-        super().__init__(message)
-        self.status, self.type, self.param, self.code, self.headers = status, type, param, code, headers
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.type, "param": self.param, "code": self.code}}
-
-
-# -- schemas ------------------------------------------------------------------------------------
-
-_STRICT = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")  # unknown OpenAI fields are ignored
-
-
-def _unicode(text: Any) -> Any:
-    """JSON may carry a lone UTF-16 surrogate ("\\ud800"), which is no character: refuse it here, as the
-    tokenizer (and any UTF-8 output) cannot take it. Runs before the type check, which says less."""
-    if not isinstance(text, str):
-        return text  # the type check that follows refuses it
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise PydanticCustomError("invalid_unicode", "contains a lone UTF-16 surrogate ({char}) at index {index}, "
-                                  "which is not text; send valid Unicode",
-                                  {"char": ascii(text[e.start]), "index": e.start}) from None
-    return text
-
-
-def _whole(number: Any) -> Any:
-    """JSON has one kind of number: 5.0 is the integer 5 to JSON Schema's `integer`, and clients send it so.
-    A whole float becomes that int; 1.5, true and "5" go on to the strict check, which refuses them."""
-    if isinstance(number, float) and number.is_integer():
-        return int(number)
-    return number
-
-
-# Every integer field takes a whole JSON number, written either way. Around the whole type (`int | None`
-# included), before any limit: so pydantic documents the field's limits as JSON Schema's minimum and maximum.
-WHOLE = BeforeValidator(_whole)
-Int = Annotated[int, WHOLE]
-IntOrNone = Annotated[int | None, WHOLE]
-Text = Annotated[str, BeforeValidator(_unicode)]
-Prompt = Annotated[str, Field(min_length=1), BeforeValidator(_unicode)]
-StopText = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS), BeforeValidator(_unicode)]
-TokenKey = Annotated[str, Field(pattern=r"^[0-9]{1,9}$")]  # a token id as JSON writes an object's key
-TokenIds = Annotated[list[Annotated[int, Field(ge=0), WHOLE]], Field(min_length=1)]  # a prompt already tokenized
-
-
-class ErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None
-    code: str | None
-
-
-class ErrorBody(BaseModel):
-    """OpenAI's error envelope: every 4xx and 5xx this server sends has this body."""
-
-    error: ErrorDetail
-
-
-class StreamOptions(BaseModel):
-    model_config = _STRICT
-    include_usage: bool = False
-
-
-class ResponseFormat(BaseModel):
-    """OpenAI's response_format: text (no constraint), json_object, or json_schema {name, schema, strict}."""
-
-    model_config = _STRICT
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = Field(None, description="with json_schema: {name, schema, strict}")
-
-
-class Sampling(BaseModel):
-    """The fields /v1/completions and /v1/chat/completions share: sampling, choices, stop, streaming."""
-
-    model_config = _STRICT
-    temperature: float = Field(1.0, ge=0, le=2, description="0 = greedy")
-    top_p: float = Field(1.0, gt=0, le=1)
-    n: Int = Field(1, ge=1, le=MAX_N)
-    stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
-    seed: IntOrNone = Field(None, ge=0, lt=2**63)
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    top_k: IntOrNone = Field(None, ge=1, description="extension: sample from the k most likely tokens")
-    repetition_penalty: float = Field(1.0, gt=0, le=10, description="extension: > 1 discourages repeats")
-    presence_penalty: float = Field(0.0, ge=-2, le=2, description="subtracted from the logit of every token "
-                                    "generated so far (the prompt's do not count)")
-    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="times the number of times a token has been "
-                                     "generated so far, subtracted from its logit")
-    logit_bias: Annotated[dict[TokenKey, Annotated[float, Field(ge=-100, le=100)]],
-                          Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
-        None, description="token id (a string) -> a value from -100 to 100 added to its logit before sampling")
-    response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: every token is "
-                                                   "constrained to keep the reply a prefix of such a document")
-
-
-class CompletionRequest(Sampling):
-    model_config = _STRICT
-    model: Text | None = None
-    prompt: (Prompt | Annotated[list[Prompt], Field(min_length=1, max_length=MAX_PROMPTS)] | TokenIds
-             | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]) = Field(
-        description=f"a string, or a list of 1 to {MAX_PROMPTS} strings (one completion each); or token ids, "
-        f"or a list of 1 to {MAX_PROMPTS} lists of token ids")
-    max_tokens: IntOrNone = Field(16, ge=0, description="tokens to generate; null: up to the context end; 0 (with "
-                                   "echo and logprobs): score the prompt only")
-    echo: bool = False
-    best_of: IntOrNone = Field(None, ge=1, le=MAX_N, description="generate this many completions per prompt and "
-                               "return the n with the highest log-probability per token; not with stream")
-    suffix: Text | None = Field(None, description="not supported: a non-empty suffix is answered 400")
-    logprobs: IntOrNone = Field(None, ge=0, description="per token its log-probability and this many most likely "
-                                 "alternatives (log_softmax of the model's raw logits, before temperature and "
-                                 "top_p); with echo the prompt's tokens too")
-
-
-class ChatContentPart(BaseModel):
-    model_config = _STRICT
-    type: Text = Field(description="text (the only kind of part served)", json_schema_extra={"enum": ["text"]})
-    text: Text | None = None  # optional here, so that an image part is told "only text parts", not "text missing"
-
-
-class ChatMessage(BaseModel):
-    model_config = _STRICT
-    # The enum documents the roles; any other string gets chat.check_messages' 400, which says why.
-    role: Text = Field(description="system, user, assistant, or developer (as system)",
-                       json_schema_extra={"enum": [*chat.ROLES, *chat.ROLE_ALIASES]})
-    content: Text | list[ChatContentPart] = Field(description="a string, or a list of text parts")
-
-
-class ChatRequest(Sampling):
-    """OpenAI's chat completion request; the messages are rendered with the model's chat template."""
-
-    model_config = _STRICT
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    model: Text | None = None
-    max_tokens: IntOrNone = Field(None, ge=1, description="tokens to generate; null: up to the context end")
-    max_completion_tokens: IntOrNone = Field(None, ge=1, description="the same, OpenAI's newer name; wins if both")
-    logprobs: bool = Field(False, description="each reply token's log-probability (choices[].logprobs.content)")
-    top_logprobs: IntOrNone = Field(None, ge=0, description="with logprobs: this many most likely tokens per "
-                                     "position, at most the server's --max_logprobs")
-    # Function calling is not served: a request that offers tools gets a 400 rather than a reply that
-    # silently ignores them.
-    tools: list[Any] | None = Field(None, description="not supported: a non-empty list is answered 400")
-    functions: list[Any] | None = Field(None, description="not supported (tools' older name): answered 400")
-
-
-class GenerateRequest(BaseModel):
-    """The playbook's request: max_length counts the prompt's tokens too, as in Hugging Face generate."""
-
-    model_config = _STRICT
-    prompt: Prompt
-    # As Hugging Face generate, a max_length the prompt already fills is refused: at least 2, since a prompt
-    # is at least one token.
-    max_length: Int = Field(100, ge=2, description="total tokens, prompt included (capped at the context): more "
-                            "than the prompt's tokens, else 400")
-    temperature: float = Field(1.0, ge=0, le=2)
-
-
-class GenerateResponse(BaseModel):
-    generated_text: str  # the prompt followed by its continuation, as HF's decode of the output
-    inference_time: float  # seconds
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -323,7 +152,7 @@ class _Guard:
                     return await JSONResponse(err.body(), 413)(scope, receive, counted_send)
                 if route in JSON_ROUTES:
                     example = CHAT_EXAMPLE_BODY if route == "/v1/chat/completions" else EXAMPLE_BODY
-                    if problem := _json_problem(bytes(body), example):
+                    if problem := json_problem(bytes(body), example):
                         err = APIError(400, problem, code="invalid_json")
                         return await JSONResponse(err.body(), 400)(scope, receive, counted_send)
                     scope = {**scope, "headers": [(k, v) for k, v in scope["headers"] if k != b"content-type"]
@@ -332,27 +161,6 @@ class _Guard:
             await self.app(scope, receive, counted_send)
         finally:
             self.metrics.requests.labels(route, str(status["code"])).inc()
-
-
-def _json_problem(body: bytes, example: str = EXAMPLE_BODY) -> str | None:
-    """Why `body` is not a JSON object, in words, or None. (FastAPI's own parse says only "There was
-    an error parsing the body" for most of these.) At most MAX_BODY_BYTES: a few milliseconds."""
-    fix = f"send a JSON object, e.g. {example}"
-    if not body.strip():
-        return f"the request body is empty; {fix}"
-    try:
-        obj = json.loads(body)
-    except json.JSONDecodeError as e:
-        return f"the request body is not valid JSON ({e.msg} at position {e.pos}); {fix}"
-    except UnicodeDecodeError:
-        return f"the request body is not UTF-8 (or UTF-16/32) text; {fix}"
-    except RecursionError:
-        return f"the request body's JSON nests too deeply; {fix}"
-    except ValueError:  # an integer longer than Python converts (sys.get_int_max_str_digits)
-        return f"the request body's JSON cannot be read (a number has too many digits); {fix}"
-    if not isinstance(obj, dict):
-        return f"the request body is JSON but not an object; {fix}"
-    return None
 
 
 def _replay(body: bytes, receive: Any) -> Any:
@@ -368,7 +176,7 @@ def _replay(body: bytes, receive: Any) -> Any:
     return replay
 
 
-async def _watch_disconnect(request: Request, requests: list[Any]) -> None:
+async def _watch_disconnect(request: Request, requests: list[Submitted]) -> None:
     """Cancel the engine requests when the client goes away, so their slots free up at once."""
     while True:
         message = await request.receive()
@@ -419,12 +227,26 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
     return app
 
 
-def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> Engine | EngineProcess:
+def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> EngineClient:
     """The engine, warmed up and not started yet: in a process of its own (engine_process.py) when the
     model is loaded from cfg.model and cfg.engine_process asks for it, else in this process."""
     if model is None and cfg.engine_process:
         return EngineProcess(cfg)
     return build_engine(cfg, model, tokenizer)
+
+
+def api_key(cfg: ServeConfig) -> str | None:
+    """The key requests must send: --api_key, else $GPTOPT_API_KEY, else None (no authentication).
+    An empty one is refused: it is what an unset shell variable (--api_key "$KEY") gives, and serving
+    without a key because of it would open the server silently."""
+    if cfg.api_key is not None:
+        if not cfg.api_key.strip():
+            raise ValueError("--api_key is empty; give a key or leave the option out")
+        return cfg.api_key
+    key = os.environ.get("GPTOPT_API_KEY")
+    if key is not None and not key.strip():
+        raise ValueError("GPTOPT_API_KEY is set but empty; set it to a key, or unset it to serve without one")
+    return key
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -435,28 +257,12 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(e.body(), e.status, headers=e.headers)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
-        return JSONResponse(_validation_error(list(e.errors())).body(), 400)
+    async def request_validation_error(request: Request, e: RequestValidationError) -> JSONResponse:
+        return JSONResponse(validation_error(list(e.errors())).body(), 400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), e.status_code, headers=e.headers)
-
-
-def _validation_error(errors: list[Any]) -> APIError:
-    """FastAPI's validation errors as one 400 that names the field and the problem."""
-    # A union (prompt: a string or a list) reports one error per alternative; the alternative of the
-    # right type says what is wrong, the others only that the type differs.
-    first = next((x for x in errors if not x["type"].endswith("_type")), errors[0] if errors else None)
-    if first is None:
-        return APIError(400, "invalid request")
-    loc = list(first.get("loc", ()))  # the body itself was checked to be a JSON object (_json_problem)
-    # Keep field names and list indices; drop "body" and pydantic's names of union alternatives.
-    where = ".".join(str(p) for p in loc[1:] if isinstance(p, int) or (p.isidentifier() and p not in _TYPE_TAGS))
-    return APIError(400, f"{where + ': ' if where else ''}{first['msg']}", param=where or None, code=first.get("type"))
-
-
-_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none", "nullable"}
 
 
 _STATUS_DOC = {
@@ -514,22 +320,6 @@ def _no_such_model(name: str, names: tuple[str, ...]) -> APIError:
                     param="model", code="model_not_found")
 
 
-def _prompt_list(prompt: str | list[str] | list[int] | list[list[int]]) -> list[str | list[int]]:
-    """The request's prompts: each a text or a list of token ids."""
-    if isinstance(prompt, str) or isinstance(prompt[0], int):
-        return [prompt]  # type: ignore[list-item]
-    return list(prompt)
-
-
-def _stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
-    """The request's stop strings, at most MAX_STOP_TOTAL_CHARS in all (the schema bounds each and their count)."""
-    strings = (stop,) if isinstance(stop, str) else tuple(stop or ())
-    if sum(map(len, strings)) > MAX_STOP_TOTAL_CHARS:
-        raise APIError(400, f"stop: the stop strings may have at most {MAX_STOP_TOTAL_CHARS} characters in all; "
-                       "send fewer or shorter ones", param="stop")
-    return strings
-
-
 def _check_completion(body: CompletionRequest, prompts: list[str | list[int]], names: tuple[str, ...],
                       max_tokens_limit: int, max_logprobs: int) -> None:
     """The request limits of /v1/completions that need no tokenizer (the schema checked the rest)."""
@@ -557,7 +347,7 @@ class _API:
     """The routes over one engine: request checks that need the model or tokenizer, the way into the
     engine and back (submit, collect), and the handlers."""
 
-    def __init__(self, cfg: ServeConfig, engine: Engine | EngineProcess) -> None:
+    def __init__(self, cfg: ServeConfig, engine: EngineClient) -> None:
         self.cfg, self.engine, self.tokenizer = cfg, engine, engine.tokenizer
         eot = eot_id(self.tokenizer)  # read only: the tokenizer served is the one the model was trained with
         self.stop_ids = () if eot is None else (eot,)
@@ -675,8 +465,9 @@ class _API:
         pairs = tuple((int(token), value) for token, value in (bias or {}).items())
         vocab = self.engine.vocab_size
         if outside := [t for t, _ in pairs if t >= vocab]:
-            raise APIError(400, f"logit_bias: token id {outside[0]} is outside this model's vocabulary (0..{vocab - 1}); "
-                           "send ids of the served model's tokenizer", param="logit_bias", code="invalid_token_id")
+            raise APIError(400, f"logit_bias: token id {outside[0]} is outside this model's vocabulary "
+                           f"(0..{vocab - 1}); send ids of the served model's tokenizer", param="logit_bias",
+                           code="invalid_token_id")
         return pairs
 
     async def grammar(self, response_format: ResponseFormat | None) -> str | None:
@@ -715,7 +506,8 @@ class _API:
                     logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         return seqs, params
 
-    def submit(self, prompts: list[list[int]], params: list[Any]) -> tuple[asyncio.Queue[Event], list[Any]]:
+    def submit(self, prompts: list[list[int]],
+               params: list[SamplingParams]) -> tuple[asyncio.Queue[Event], list[Submitted]]:
         """Every sequence into the engine, or none of them: 429 when it is busy, 503 when it is draining,
         400 when the request is larger than the engine ever holds (check_capacity)."""
         self.check_capacity(len(prompts))
@@ -733,7 +525,7 @@ class _API:
                            headers={"Retry-After": str(e.retry_after)}) from None
         return queue, reqs
 
-    async def collect(self, request: Request, queue: asyncio.Queue[Event], reqs: list[Any]) -> list[Event]:
+    async def collect(self, request: Request, queue: asyncio.Queue[Event], reqs: list[Submitted]) -> list[Event]:
         """Wait for every sequence; the accumulated text (and log-probabilities, if asked) and the last
         event's reason, per sequence."""
         texts, results = [""] * len(reqs), [Event(i, "") for i in range(len(reqs))]
@@ -768,8 +560,8 @@ class _API:
     # -- handlers -------------------------------------------------------------------------------
 
     async def completions(self, body: CompletionRequest, request: Request) -> Any:
-        prompts = _prompt_list(body.prompt)
-        stop = _stop_strings(body.stop)
+        prompts = prompt_list(body.prompt)
+        stop = stop_strings(body.stop)
         _check_completion(body, prompts, self.model_names, self.cfg.max_tokens_limit, self.cfg.max_logprobs)
         copies = body.best_of or body.n  # best_of: every candidate is generated, the n best returned
         # before the prompts are read: refused, they cost nothing
@@ -840,7 +632,7 @@ class _API:
         if not ids:
             raise APIError(400, f"{self.chat.kind} rendered these messages as no text",
                            param="messages", code="chat_template_error")
-        stop = _stop_strings(body.stop)
+        stop = stop_strings(body.stop)
         seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
                                      self.chat.stop_token_ids(self.tokenizer), copies=body.n, grammar=grammar,
                                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
@@ -934,7 +726,7 @@ def _text_choice(index: int, text: str, reason: str | None, logprobs: dict[str, 
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
 
 
-async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Any], head: dict[str, Any],
+async def _sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Submitted], head: dict[str, Any],
                choices: Sequence[CompletionChoice | ChatChoice], prompt_tokens: int, usage: bool, timeout: float,
                shape: Callable[[int, str, str | None, Any], dict[str, Any]] = _text_choice) -> AsyncIterator[bytes]:
     """OpenAI's completion stream: one chunk per text delta, per-choice finish, usage, then [DONE].
@@ -997,96 +789,3 @@ def _static(name: str) -> Any:
         return Response(content, media_type=f"{media}; charset=utf-8", headers=headers)
 
     return page
-
-
-class DrainingServer(uvicorn.Server):
-    """uvicorn that, on SIGTERM/SIGINT, first stops the engine admitting (so /ready turns 503), then lets
-    uvicorn finish the open requests (up to timeout_graceful_shutdown) before the engine stops."""
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        engine = getattr(getattr(self.config.app, "state", None), "engine", None)
-        if engine is not None:
-            engine.begin_drain()
-        super().handle_exit(sig, frame)
-
-
-@contextlib.contextmanager
-def serve_in_thread(app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> Iterator[DrainingServer]:
-    """Run `app` on a real uvicorn server in a background thread (tests, notebooks); `.port` is bound."""
-    server = DrainingServer(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=30))
-    thread = threading.Thread(target=server.run, name="gptopt-uvicorn", daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the server did not start")
-        time.sleep(0.01)
-    server.port = server.servers[0].sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-    server.thread = thread  # type: ignore[attr-defined]
-    try:
-        yield server
-    finally:
-        server.should_exit = True
-        thread.join(timeout=60)
-
-
-def api_key(cfg: ServeConfig) -> str | None:
-    """The key requests must send: --api_key, else $GPTOPT_API_KEY, else None (no authentication).
-    An empty one is refused: it is what an unset shell variable (--api_key "$KEY") gives, and serving
-    without a key because of it would open the server silently."""
-    if cfg.api_key is not None:
-        if not cfg.api_key.strip():
-            raise ValueError("--api_key is empty; give a key or leave the option out")
-        return cfg.api_key
-    key = os.environ.get("GPTOPT_API_KEY")
-    if key is not None and not key.strip():
-        raise ValueError("GPTOPT_API_KEY is set but empty; set it to a key, or unset it to serve without one")
-    return key
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """The listening address, bound now as uvicorn would bind it, so that a port in use or a host that is
-    not this machine's fails with one line before the model loads (uvicorn itself logs and exits 1)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP,
-    # and without it each small streamed chunk waited for the client's delayed ACK (a first token 40 ms
-    # late on a reused connection; docs/benchmarks.md).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        if e.errno == errno.EADDRINUSE:
-            raise ValueError(f"port {port} on {host} is already in use (another server?); stop it, or choose "
-                             "another with --port N (--port 0 picks a free one)") from None
-        if e.errno == errno.EACCES:
-            raise ValueError(f"port {port} on {host} needs privileges to listen on; choose one from 1024 up with "
-                             "--port N") from None
-        if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
-            raise ValueError(f"--host {host} is not an address of this machine; use 127.0.0.1 (this machine only) "
-                             "or 0.0.0.0 (every interface)") from None
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --host or --port") from None
-    return sock
-
-
-def main(cfg: ServeConfig) -> int:
-    """`gptopt serve`: load the model once, warm up, serve until SIGTERM/SIGINT, drain, exit 0."""
-    api_key(cfg)  # before any work
-    if cfg.chat_template is not None:  # a bad one: before loading (the model's own may fail later, as a warning)
-        chat.load_template(cfg.chat_template, chat.template_folders(cfg.model, cfg.tokenizer))
-    sock = bind(cfg.host, cfg.port)  # before the model loads, and before "serving on" is said
-    try:
-        app = create_app(cfg)
-    except BaseException:
-        sock.close()
-        raise
-    engine: Engine | EngineProcess = app.state.engine
-    port = sock.getsockname()[1]  # --port 0: the one picked
-    log.info("serving %s on http://%s:%d (batch %d, queue %d); OpenAI base_url http://%s:%d/v1",
-             app.state.model_name, cfg.host, port, engine.max_batch_size, cfg.max_queue, cfg.host, port)
-    server = DrainingServer(uvicorn.Config(app, host=cfg.host, port=port, log_level="info",
-                                           timeout_graceful_shutdown=int(cfg.request_timeout) + 1))
-    server.run(sockets=[sock])
-    return 0 if server.started else 1

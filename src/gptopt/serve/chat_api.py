@@ -2,8 +2,9 @@
 
     curl -s 127.0.0.1:8000/v1/chat/completions -d '{"messages": [{"role": "user", "content": "Hi"}]}'
 
-The route itself (request model, handler) is in app.py beside /v1/completions, whose machinery it
-shares (checks, submit, collect, the SSE stream); templates and message checks are gptopt.chat's.
+The request model is protocol.py's ChatRequest; the route itself is in app.py beside /v1/completions,
+whose machinery it shares (checks, submit, collect, the SSE stream); templates and message checks are
+gptopt.chat's.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ class DeltaChoices:
     def __init__(self) -> None:
         self.started: set[int] = set()
 
-    def __call__(self, index: int, text: str, reason: str | None, logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    def __call__(self, index: int, text: str, reason: str | None,
+                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
         delta: dict[str, Any] = {}
         if index not in self.started:
             self.started.add(index)
