@@ -15,11 +15,12 @@ wake-up of each client event loop per forward, not one per token.
 On a CPU a decode step of one request alone computes with `solo_threads` torch threads, by default
 every core but one: its arithmetic is so small that the HTTP event loop, the detokenizing and local
 clients are as busy as the model, and the spare core keeps them from preempting the decode's
-threads (on 2 cores, one client's tokens/s 1.27x those of every core; docs/benchmarks.md). A decode
-step of several requests, and every prefill, take every core: at 16 clients one thread cost the
-first token 15 ms. The compiled CPU decode's 1-row graph and its graph of the other batch sizes keep
-the thread count they were compiled under (dynamo guards on it: a step under another count would
-recompile), so the warm-up compiles each under the count its steps run with.
+threads. A decode step of several requests, and every prefill, take every core: there the model is
+the work, and a core fewer delays every client's next token and a new request's first (both measured:
+docs/benchmarks.md, serving against transformers serve: a fourth comparison). The compiled CPU
+decode's 1-row graph and its graph of the other batch sizes keep the thread count they were compiled
+under (dynamo guards on it: a step under another count would recompile), so the warm-up compiles each
+under the count its steps run with.
 
 Only this thread touches the model; other threads (the HTTP event loop) only submit, cancel and
 read stats, under one lock. Text goes back through a `sink`: for asyncio clients,
@@ -71,11 +72,11 @@ def settled_heap(*, give_back: bool = True) -> Iterator[None]:
     survivor moved out of the collector's sight (gc.freeze), so no full collection walks it mid-request.
     On leaving, the last of this process's servers (tests and notebooks run several) hands the heap back
     to the collector; give_back=False keeps it frozen, for a process about to exit (unfrozen, its exit
-    would pay one more full collection of the whole heap: about 200 ms for tiny).
+    would pay one more full collection of the whole heap).
 
-    A compiled warm-up leaves tens of thousands of cyclic objects behind: the engine process of tiny
-    compiled on 2 cores otherwise met them in its first full collection, a 227 ms pause that every
-    request in flight waited through (docs/benchmarks.md)."""
+    A compiled warm-up leaves many cyclic objects behind: otherwise the engine process met them in its
+    first full collection, a pause that every request in flight waited through (docs/benchmarks.md,
+    serving against transformers serve: the start-up heap out of the collector's way)."""
     global _heap_users
     with _heap_lock:
         gc.collect()
@@ -428,8 +429,8 @@ class Engine:
 
     def _use_threads(self, *, rows: int) -> None:
         """torch's thread count for the next forward on a CPU: solo_threads for a decode step of one row,
-        every core for more rows or a prefill (rows=0). Set only on a change: a switch costs tens of
-        microseconds."""
+        every core for more rows or a prefill (rows=0). Set only on a change: a run of steps of one kind
+        pays for no switch."""
         if self._solo_threads is not None:
             n = self._solo_threads if rows == 1 else self._all_threads
             if torch.get_num_threads() != n:
@@ -448,9 +449,9 @@ class Engine:
         libgomp keeps a pool of OpenMP workers for each thread that starts parallel regions, and once two
         threads' pools hold more threads than there are cores, every worker stops spin-waiting and sleeps
         between regions (libgomp's rule: 100 spins, not 300,000), so each of the step's parallel kernels
-        pays a wake-up through the kernel. On a 2-core CPU that cost 70-110 us a kernel, and made tiny's
-        compiled 16-row decode step 2.1x slower (6.3 against 3.0 ms) in a second thread than in the thread
-        that loaded the model."""
+        pays a wake-up through the kernel, and a decode step on a second thread is much slower than on the
+        thread that loaded the model (docs/benchmarks.md, serving against transformers serve: the engine on
+        its process's main thread)."""
         self._claim()
         self._thread = threading.current_thread()
         self._run()

@@ -9,16 +9,17 @@ events come back in one message. The HTTP process keeps the tokenizer, the reque
 streams; the child keeps the model.
 
 Why: the engine thread calls its kernels from Python and takes the GIL back after each one, so in one
-process it waits whenever the event loop runs Python, and the event loop waits for it. Apart, on a
-2-core CPU (docs/benchmarks.md), one streaming client got 1.17x the tokens/s and 16 clients 1.05x.
+process it waits whenever the event loop runs Python, and the event loop waits for it. Apart, neither
+waits for the other (docs/benchmarks.md, serving against transformers serve: the engine in a process
+of its own).
 `--no-engine_process` keeps everything in one process (and `create_app` with a model object always
 does: tests and notebooks hand over a model in memory).
 
 The child runs the engine loop on its main thread, the one that loaded the model and warmed it up
 (Engine.run), and reads the parent's commands on another that does no torch work: a second thread
 starting OpenMP regions gives the process a second pool of workers, and then every worker sleeps
-between kernels instead of spinning (on 2 cores, scripts/engine_rate.py's 16 clients got 3,365.8
-tokens/s on the main thread against 2,418.4 on a thread of its own; docs/benchmarks.md).
+between kernels instead of spinning (engine.Engine.run; docs/benchmarks.md, serving against
+transformers serve: the engine on its process's main thread).
 
 The child is started with "spawn": a forked child would inherit the parent's OpenMP and CUDA state,
 which neither survives a fork. It ignores SIGINT (Ctrl-C reaches the whole process group) and drains
@@ -71,7 +72,7 @@ from gptopt.tokenizer import Tokenizer, eot_id
 
 log = logging.getLogger(__name__)
 
-START_TIMEOUT = 3600.0  # seconds for the child to load and warm up (a cold compile of gpt2-xl's buckets is minutes)
+START_TIMEOUT = 3600.0  # seconds for the child to load and warm up (a cold compile of gpt2-xl's buckets is long)
 METRICS_TIMEOUT = 5.0  # seconds /metrics waits for the child's figures
 
 
@@ -344,8 +345,8 @@ class EngineProcess:
             raise ValueError(f"the engine process was not ready within {timeout:.0f} s")
         if msg == "exited":
             self._process.join(5)
-            raise ValueError(f"the engine process {_how_it_ended(self._process.exitcode)} before it was ready (out of memory, if the kernel killed "
-                             "it; its own lines above say more)")
+            raise ValueError(f"the engine process {_how_it_ended(self._process.exitcode)} before it was ready (out "
+                             "of memory, if the kernel killed it; its own lines above say more)")
         if msg[0] == "failed":
             self._process.join(10)
             raise msg[1]

@@ -18,7 +18,7 @@ from gptopt.extras import require
 prometheus_client = require("prometheus_client", "serve", "gptopt serve")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector  # noqa: E402
 
-# Latency buckets from a tiny CPU model (sub-millisecond steps) up to long generations on a busy GPU.
+# Latency buckets from a tiny CPU model's token steps up to long generations on a busy GPU.
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 REQUEST_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 WAIT_BUCKETS = tuple(sorted(set(TOKEN_BUCKETS + REQUEST_BUCKETS)))  # a wait may be a step or a whole queue
