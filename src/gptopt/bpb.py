@@ -21,7 +21,8 @@ __all__ = ["bits_per_byte", "bytes_per_token"]
 CHUNK = 1 << 16  # tokens decoded at a time: a short list for Python, a few hundred kB of text
 # Tokens decoded at most per split: a split up to this size is decoded whole; a larger one in
 # SAMPLE_TOKENS // CHUNK slices spread evenly over it, which estimates the ratio far closer than the
-# loss itself is measured, and bounds the first evaluation's cost on a large val split (~1 s per 4M tokens).
+# loss itself is measured, and bounds the first evaluation's cost on a large val split, whose whole
+# decoding would take long.
 SAMPLE_TOKENS = 1 << 22
 
 # The ratio of each split, per TokenData: computed once (decoding takes a moment), gone with the data.

@@ -57,14 +57,15 @@ OURS = ("train.bin", "val.bin", META, TOKENIZER)  # what prepare writes there; n
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cpp", ".js", ".ts", ".html", ".css",
                  ".json", ".toml", ".yaml", ".yml", ".csv", ".tex")
 JSONL = ".jsonl"
-# Folders never descended into. For the stdlib corpus the test suites are left out too: they are more
-# than half of the tree (17 of 31 MB on CPython 3.11), mostly assertions, and some distributions ship
-# them apart (Debian), so without them the corpus is the same on every installation.
+# Folders never descended into. For the stdlib corpus the test suites are left out too: they are the
+# larger part of the tree, mostly assertions, and some distributions ship them apart (Debian), so
+# without them the corpus is the same on every installation.
 SKIP_DIRS = frozenset({"__pycache__", "node_modules", "site-packages", "dist-packages"})
 STDLIB_SKIP_DIRS = SKIP_DIRS | {"test", "tests", "idle_test"}
 
 # Encoding goes in chunks of about this many characters: big enough to keep every core busy inside
-# one encode_batch call, small enough that the Encoding objects (ids, tokens, offsets) stay ~100 MB.
+# one encode_batch call, small enough that the Encoding objects (ids, tokens, offsets) of one call
+# stay a modest share of memory.
 CHUNK_CHARS = 4 << 20
 # A longer document is cut into pieces of about this size, so one huge file still encodes in parallel.
 PIECE_CHARS = 1 << 20
@@ -118,7 +119,8 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e}); a .jsonl holds one JSON object a line") from None
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e}); "
+                                 "a .jsonl holds one JSON object a line") from None
             if not isinstance(row, dict) or text_field not in row:
                 keys = sorted(row) if isinstance(row, dict) else []
                 raise ValueError(f"{path}:{lineno}: no {text_field!r} field; pass --text_field, one of {keys}")
@@ -136,7 +138,8 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip: frozenset[str]) -> list[P
 
 
 def stdlib_corpus(max_documents: int | None = None) -> Corpus:
-    """The Python standard library's own .py sources without its tests: ~12 MB of real text on every machine."""
+    """The Python standard library's own .py sources without its tests: megabytes of real text on every
+    machine."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = _walk(root, (".py",), STDLIB_SKIP_DIRS)
     if not files:
@@ -170,7 +173,8 @@ def _load_dataset(config: PrepareConfig) -> Iterable[dict[str, Any]]:
     if local.is_file():
         if local.suffix not in builders:
             raise ValueError(f"--dataset {local}: unknown data file type; use one of {', '.join(builders)}")
-        return datasets.load_dataset(builders[local.suffix], data_files=str(local), split=config.dataset_split, streaming=True)
+        return datasets.load_dataset(builders[local.suffix], data_files=str(local), split=config.dataset_split,
+                                     streaming=True)
     if local.is_dir():
         return datasets.load_dataset(str(local), split=config.dataset_split, streaming=True)
     return datasets.load_dataset(name, config.dataset_config, split=config.dataset_split, streaming=True)
@@ -187,7 +191,8 @@ def dataset_corpus(config: PrepareConfig, spool_dir: Path) -> Corpus:
         with open(spool, "w", encoding="utf-8") as fh, tqdm(desc="download", unit=" doc", file=sys.stderr) as bar:
             for row in rows:
                 if config.text_field not in row:
-                    raise ValueError(f"{what} has no {config.text_field!r} column; pass --text_field, one of {sorted(row)}")
+                    raise ValueError(f"{what} has no {config.text_field!r} column; "
+                                     f"pass --text_field, one of {sorted(row)}")
                 text = row[config.text_field]
                 if isinstance(text, str) and text.strip():
                     fh.write(json.dumps({"text": text}, ensure_ascii=False) + "\n")
@@ -203,7 +208,8 @@ def dataset_corpus(config: PrepareConfig, spool_dir: Path) -> Corpus:
             "that this machine is online, or give local files with --input"
         ) from e
     if count == 0:
-        raise ValueError(f"{what} has no documents with text in {config.text_field!r}; check --text_field and --dataset_split")
+        raise ValueError(f"{what} has no documents with text in {config.text_field!r}; "
+                         "check --text_field and --dataset_split")
     return Corpus(f"dataset {config.dataset}:{config.dataset_split}", [spool])
 
 
@@ -447,7 +453,8 @@ def _prepare(config: PrepareConfig, out: Path) -> Path:
                 log.info("skipped %d files that are not UTF-8 text, e.g. %s", len(corpus.unreadable),
                          min(corpus.unreadable))
             if counts.documents == 0:
-                raise ValueError(f"no text in {corpus.source}: every file is empty or not UTF-8; give --input with text")
+                raise ValueError(f"no text in {corpus.source}: every file is empty or not UTF-8; "
+                                 "give --input with text")
             eot = _shard_eot(tok)
             vocab_size = tok.get_vocab_size(with_added_tokens=True)
             if kind == "bpe" and vocab_size < config.vocab_size:

@@ -142,7 +142,8 @@ class TokenData:
                 try:
                     self._tokenizer = load_tokenizer(path)
                 except ValueError as e:
-                    raise ValueError(f"{e}; re-run `gptopt prepare --overwrite --output_dir {self.directory}`") from None
+                    fix = f"re-run `gptopt prepare --overwrite --output_dir {self.directory}`"
+                    raise ValueError(f"{e}; {fix}") from None
         return self._tokenizer
 
     def tokenized_by(self, tok: Tokenizer) -> bool | None:
@@ -293,7 +294,8 @@ class BatchDataset(torch.utils.data.Dataset):
         n = self.data.num_tokens(split)
         if n < self.seq_len + 1:
             raise ValueError(
-                f"the {split} split of {self.data.directory} has {n} tokens, fewer than seq_len + 1 = {self.seq_len + 1}; "
+                f"the {split} split of {self.data.directory} has {n} tokens, "
+                f"fewer than seq_len + 1 = {self.seq_len + 1}; "
                 "use a shorter --seq_len or more text (a larger --val_fraction for val)"
             )
         return n
@@ -382,6 +384,6 @@ def default_loader_settings(device_type: str) -> dict[str, Any]:
         workers = min(4, _cores_per_process() // 2)
         return dict(num_workers=workers, pin_memory=True, prefetch_factor=2 if workers else None,
                     persistent_workers=workers > 0)
-    # CPU (and MPS): a batch is B slices of a memmap, well under a millisecond, while a worker process
+    # CPU (and MPS): a batch is B slices of a memmap, cheap beside a step, while a worker process
     # would take a core from the matmuls that are the real work; pinned memory only helps CUDA copies.
     return dict(num_workers=0, pin_memory=False, prefetch_factor=None, persistent_workers=False)
