@@ -1,6 +1,6 @@
 """Chat templates: which one a model uses, checking messages, and rendering them into one prompt.
 
-    python -c "from gptopt.chat import load_template; print(load_template('plain', []).render([{'role': 'user', 'content': 'hi'}]))"
+    python -c "import gptopt.chat as c; print(c.load_template('plain', []).render([{'role': 'user', 'content': 'hi'}]))"
 
 The one place for chat templates: `gptopt serve`'s /v1/chat/completions and `gptopt generate --chat`
 both resolve the template here, in this order:
@@ -166,7 +166,8 @@ def _token_text(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def load_template(option: str | None, folders: Sequence[Path], tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
+def load_template(option: str | None, folders: Sequence[Path],
+                  tokenizer: Tokenizer | None = None) -> ChatTemplate | None:
     """The chat template --chat_template names, else the model's own in `folders` (template_folders),
     else None. bos_token / eos_token: the tokenizer_config.json's, else the tokenizer's end-of-text."""
     configs = [(d / TOKENIZER_CONFIG, _read_config(d / TOKENIZER_CONFIG)) for d in folders

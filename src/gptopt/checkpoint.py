@@ -234,7 +234,8 @@ def load_train_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle opcodes, disallowed globals
-        raise ValueError(f"{path}: cannot read the train state ({e}); the checkpoint is corrupt, use an earlier one") from None
+        raise ValueError(f"{path}: cannot read the train state ({e}); "
+                         "the checkpoint is corrupt, use an earlier one") from None
     missing = [k for k in TRAIN_STATE_KEYS if k not in state] if isinstance(state, dict) else list(TRAIN_STATE_KEYS)
     if missing or not all(isinstance(state[k], int) for k in ("step", "tokens_seen")):
         what = f"has no {', '.join(missing)}" if missing else "has a step count that is not a number"

@@ -168,7 +168,8 @@ class OrtDecoder:
 
     def forward(self, ids: np.ndarray, mask: np.ndarray, pos: np.ndarray,
                 past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": pos, **dict(zip(self.past_names, past, strict=True))}
+        feed = {"input_ids": ids, "attention_mask": mask, "position_ids": pos,
+                **dict(zip(self.past_names, past, strict=True))}
         logits, *present = self.session.run(self.output_names, feed)
         return logits, present
 
@@ -285,7 +286,8 @@ def _staged(target: Path, fmt: str, replace: bool) -> Iterator[Path]:
 
 
 def _io(values: list[Any]) -> list[dict[str, Any]]:
-    return [{"name": v.name, "dtype": v.type.removeprefix("tensor(").removesuffix(")"), "shape": v.shape} for v in values]
+    return [{"name": v.name, "dtype": v.type.removeprefix("tensor(").removesuffix(")"), "shape": v.shape}
+            for v in values]
 
 
 def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | None = None, opset: int = 18,

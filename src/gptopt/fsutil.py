@@ -43,9 +43,9 @@ try:
 except ImportError:  # Windows: no flock (lock_output)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["LOCK_FILE", "OWNER_FILE", "Aside", "check_output", "check_writable", "clean_stale", "fsync_dir", "lock_output",
-           "mark", "marked_kind", "recover", "remove", "replace_dir", "replacing", "some", "staged_dir", "staged_file",
-           "staged_files", "write_text_atomic"]
+__all__ = ["LOCK_FILE", "OWNER_FILE", "Aside", "check_output", "check_writable", "clean_stale", "fsync_dir",
+           "lock_output", "mark", "marked_kind", "recover", "remove", "replace_dir", "replacing", "some", "staged_dir",
+           "staged_file", "staged_files", "write_text_atomic"]
 
 log = logging.getLogger("gptopt")
 

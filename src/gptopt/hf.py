@@ -219,7 +219,8 @@ def to_hf_model(model: GPT, attn_implementation: str = "eager") -> Any:
     missing, unexpected = hf.load_state_dict(gptopt_state_to_hf(model), strict=False)
     leftover = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
     if leftover or unexpected:
-        raise ValueError(f"weights do not map onto GPT2LMHeadModel: missing {leftover[:3]}, unexpected {unexpected[:3]}")
+        raise ValueError(f"weights do not map onto GPT2LMHeadModel: missing {leftover[:3]}, "
+                         f"unexpected {unexpected[:3]}")
     hf.tie_weights()
     return hf.to(model.transformer.wte.weight.device)
 

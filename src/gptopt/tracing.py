@@ -11,7 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
 
-def scheduled_profiler(trace_dir: str | Path, device_type: str, *, wait: int = 3, warmup: int = 2, active: int = 3) -> profile:
+def scheduled_profiler(trace_dir: str | Path, device_type: str, *, wait: int = 3, warmup: int = 2,
+                       active: int = 3) -> profile:
     """Started profiler: skip `wait` steps (compile, warm-up), warm up, record `active` steps, then stop.
 
     The caller calls .step() after each training step and .stop() at the end.
