@@ -282,7 +282,8 @@ def test_given_tokenizer_folder_in_gpt2_layout(prepared: Path, corpus: Path, tmp
     assert d.meta["tokenizer"]["kind"] == "file"
     assert d.eot_id == source.token_to_id("<|endoftext|>")
     same = TokenData(prepared)  # same corpus, same tokenizer, same seed: the same shards
-    assert np.array_equal(d.tokens("train"), same.tokens("train")) and np.array_equal(d.tokens("val"), same.tokens("val"))
+    assert np.array_equal(d.tokens("train"), same.tokens("train"))
+    assert np.array_equal(d.tokens("val"), same.tokens("val"))
 
 
 def test_unknown_tokenizer_offline_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -341,7 +342,7 @@ def test_stdlib_corpus_default_vocab(tmp_path: Path) -> None:
     d = TokenData(prepare(PrepareConfig(output_dir=str(tmp_path / "stdlib"))))
     assert d.meta["source"].startswith("stdlib") and d.vocab_size == 8192
     assert d.meta["documents"] > 500 and d.meta["val_documents"] >= 1
-    # ~12 MB of Python at ~3.8 bytes a token (measured: 3.2M tokens on CPython 3.11)
+    # the stdlib's sources are millions of tokens; the bound leaves room for a smaller installation
     assert d.num_tokens("train") > 2_500_000 and d.num_tokens("val") > 1000
     for source in split_documents(d, "val"):  # whole stdlib modules come back, still valid Python
         compile(source, "<val document>", "exec")

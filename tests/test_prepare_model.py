@@ -1,7 +1,7 @@
 """The runtime transforms of prepare_model.py that inference relies on.
 
     pytest -q tests/test_prepare_model.py
-    pytest -q -m slow tests/test_prepare_model.py   # the compiled decode's paths (about 30 s)
+    pytest -q -m slow tests/test_prepare_model.py   # the compiled decode's paths (slow: they compile)
 """
 
 from __future__ import annotations
@@ -161,8 +161,9 @@ def test_a_compiled_cpu_decode_keeps_row_major_weights_where_several_rows_use_th
 
 def test_a_compiled_cpu_decode_without_packed_copies_gets_the_gemm_layout_back() -> None:
     # bench --mode infer sweeps one model through batch 1, 2, 4...: batch 1's multiply-and-sum made
-    # the weights row-major, and on them batch 2's compiled GEMMs ran 0.77x the eager decode. bf16
-    # weights have no packed copy: their GEMMs read the weights themselves.
+    # the weights row-major, and on them batch 2's compiled GEMMs ran slower than the eager decode
+    # (docs/benchmarks.md, inference ladder). bf16 weights have no packed copy: their GEMMs read the
+    # weights themselves.
     _, model = _pair()
     model.to(torch.bfloat16)
     inference_layout(model, "cpu")
@@ -172,7 +173,7 @@ def test_a_compiled_cpu_decode_without_packed_copies_gets_the_gemm_layout_back()
     compile_decode(model, model, [], cpu, rows=GEMV_MAX_ROWS)
     assert all(m.weight.is_contiguous() and m._gemv for m in linears)
     compile_decode(model, model, [], cpu, rows=GEMV_MAX_ROWS + 1)
-    # column-major, and no multiply-and-sum along it (3x slower than along rows)
+    # column-major, and no multiply-and-sum along it (much slower than along rows)
     assert all(m.weight.t().is_contiguous() and not m.weight.is_contiguous() and not m._gemv for m in linears)
 
 
@@ -194,9 +195,9 @@ def _decode_ops(gen: Generator, rows: int) -> set[str]:
 def test_compiled_cpu_decode_multiplies_and_sums_one_row_and_runs_gemms_at_8() -> None:
     """The path each batch size's compiled CPU decode takes, and the tokens it gives.
 
-    The multiply-and-sum at one row, also in a Generator of many slots (a server with one request running; in
-    one of 16 slots on one thread it ran 1.2-1.4x faster than the GEMM); the GEMM at 8 (at 4 and 8 rows the
-    multiply-and-sum made the compiled decode slower than the eager one, issue 17)."""
+    The multiply-and-sum at one row, also in a Generator of many slots (a server with one request running;
+    there it ran faster than the GEMM); the GEMM at 8 (at 4 and 8 rows the multiply-and-sum made the compiled
+    decode slower than the eager one, issue 17)."""
     cpu = resolve("cpu", quiet=True)
     model = make_varied_model(512)
     few = Generator(copy.deepcopy(model), cpu, max_batch_size=GEMV_MAX_ROWS, max_len=32, compile=True)
