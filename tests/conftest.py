@@ -40,7 +40,8 @@ def graph_ops(fn: object, x: torch.Tensor) -> tuple[set[str], torch.Tensor]:
     ops: set[str] = set()
 
     def backend(gm: torch.fx.GraphModule, _inputs: list[torch.Tensor]) -> object:
-        ops.update(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes if n.op in ("call_function", "call_method"))
+        ops.update(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+                   if n.op in ("call_function", "call_method"))
         return gm.forward
 
     torch._dynamo.reset()

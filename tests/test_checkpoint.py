@@ -30,7 +30,8 @@ def test_retention_deletes_only_older_checkpoints_of_the_current_lineage(debug_m
     save(tmp_path, 15, debug_model, first, keep=1)  # a resume from step 10
     assert names(tmp_path) == ["ckpt-0000015", "ckpt-0000020", "ckpt-0000030"]
     assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "ckpt-0000015"
-    assert checkpoint.abandoned_after(tmp_path / "ckpt-0000015") == [tmp_path / "ckpt-0000020", tmp_path / "ckpt-0000030"]
+    assert checkpoint.abandoned_after(tmp_path / "ckpt-0000015") == [tmp_path / "ckpt-0000020",
+                                                                     tmp_path / "ckpt-0000030"]
     assert (tmp_path / checkpoint.LATEST).read_text() == "ckpt-0000015\n"
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging, trash or pointer temp left
 
@@ -46,7 +47,8 @@ def test_latest_falls_back_to_the_largest_step(debug_model: GPT, tmp_path: Path)
     assert checkpoint.latest_checkpoint(tmp_path) == tmp_path / "ckpt-0000001"
 
 
-def test_a_checkpoint_without_a_recorded_lineage_continues_the_steps_beside_it(debug_model: GPT, tmp_path: Path) -> None:
+def test_a_checkpoint_without_a_recorded_lineage_continues_the_steps_beside_it(debug_model: GPT,
+                                                                                tmp_path: Path) -> None:
     for step in (1, 2, 3):
         save(tmp_path, step, debug_model)
     for d in checkpoint.checkpoint_dirs(tmp_path):  # as gptopt wrote them before lineages were recorded

@@ -64,7 +64,8 @@ def test_export_writes_the_graph_its_description_and_the_tokenizer(
     assert outputs["logits"] == ["batch", "sequence", debug_tokenizer.get_vocab_size()]
     assert outputs["present_key_0"] == ["batch", 2, "total_sequence", 32]
     check = meta["check"]
-    assert check["prefill_max_abs_diff"] <= check["allowed_abs_diff"] and check["decode_max_abs_diff"] <= check["allowed_abs_diff"]
+    assert check["prefill_max_abs_diff"] <= check["allowed_abs_diff"]
+    assert check["decode_max_abs_diff"] <= check["allowed_abs_diff"]
     shipped = Tokenizer.from_file(str(onnx_dir / "tokenizer.json"))
     assert shipped.encode("def f(x): return x").ids == debug_tokenizer.encode("def f(x): return x").ids
     assert meta["eot_token_id"] == debug_tokenizer.token_to_id("<|endoftext|>")
@@ -121,7 +122,8 @@ def test_hf_export_loads_in_transformers_with_the_same_logits_and_tokenizer(
     assert transformers.AutoTokenizer.from_pretrained(str(out))(text).input_ids == debug_tokenizer.encode(text).ids
     # an earlier export may be replaced on request, and only then
     assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", str(out)]) == 2
-    assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", str(out), "--overwrite"]) == 0
+    assert cli.main(["export", "--model", str(model_dir), "--format", "hf", "--output_dir", str(out),
+                     "--overwrite"]) == 0
 
 
 def test_a_hugging_face_export_tells_transformers_where_text_ends(

@@ -297,7 +297,8 @@ def test_cli_batch_mode_writes_jsonl_and_refuses_to_overwrite(model_dir: Path, t
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     prompts = ["import os", "def main():", "x", "class A:", "# comment"]
     (tmp_path / "in.txt").write_text("\n".join(prompts) + "\n\n")
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts)))
+    lines = (json.dumps({"prompt": p, "id": i}) + "\n" for i, p in enumerate(prompts))
+    (tmp_path / "in.jsonl").write_text("".join(lines))
     out = tmp_path / "out.jsonl"
     assert cli.main(greedy_cli(model_dir, "--input", str(tmp_path / "in.txt"), "--output", str(out),
                                "--batch_size", "2")) == 0
@@ -351,7 +352,8 @@ def test_generate_refuses_a_tokenizer_of_another_vocabulary_than_the_models(
     # the debug preset's 512 rows against the prepared data's 320 tokens: more apart than padding
     model = checkpoint.save_model(debug_model, tmp_path / "m")
     line = refused(greedy_cli(model, "--tokenizer", str(train_data / "tokenizer.json"), "x"), capsys)
-    assert "the tokenizer has 320 tokens, the model 512" in line and "pass the --tokenizer the model was trained" in line
+    assert "the tokenizer has 320 tokens, the model 512" in line
+    assert "pass the --tokenizer the model was trained" in line
 
 
 def test_output_never_replaces_the_input_or_a_model_file(trained_out: Path, tmp_path: Path,
@@ -521,7 +523,8 @@ def test_compiled_decode_of_any_slots_equals_eager(varied_model: GPT) -> None:
         assert out[compiled] == out[eager], slots
 
 
-def test_loaded_for_inference_on_cpu_in_the_fast_layout_with_the_same_tokens(model_dir: Path, varied_model: GPT) -> None:
+def test_loaded_for_inference_on_cpu_in_the_fast_layout_with_the_same_tokens(model_dir: Path,
+                                                                              varied_model: GPT) -> None:
     model, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU)
     assert model.lm_head.weight.t().is_contiguous() and model.lm_head.weight is model.transformer.wte.weight
     plain = checkpoint.load_model(model_dir).eval()

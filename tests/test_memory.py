@@ -112,7 +112,8 @@ def test_fsdp_shards_and_cpu_offload_take_the_state_off_the_device() -> None:
 
 def test_inference_counts_the_kv_cache_per_slot() -> None:
     cfg = preset("gpt2")
-    one, eight = inference_bytes(cfg, 1, 1024, dtype=torch.bfloat16), inference_bytes(cfg, 8, 1024, dtype=torch.bfloat16)
+    one = inference_bytes(cfg, 1, 1024, dtype=torch.bfloat16)
+    eight = inference_bytes(cfg, 8, 1024, dtype=torch.bfloat16)
     # 2 (k, v) x 12 layers x 1024 positions x 768 x 2 bytes per slot
     assert one.parts["KV cache"] == 2 * 12 * 1024 * 768 * 2
     assert eight.parts["KV cache"] == 8 * one.parts["KV cache"]
@@ -218,7 +219,8 @@ def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest
     free = int(at(5).total / memory.REFUSE_ABOVE) + 2  # 5 fits, 6 does not: 4 is the largest that divides 32
     monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "test RAM"))
     assert memory.largest_batch(at, torch.device("cpu"), 15) == 5
-    with pytest.raises(ValueError, match=r"use --batch_size 4 --gradient_accumulation_steps 8 \(the same global batch\), "
+    with pytest.raises(ValueError, match=r"use --batch_size 4 --gradient_accumulation_steps 8 "
+                                         r"\(the same global batch\), "
                                          r"or --gradient_checkpointing, or --seq_len 32$"):
         memory.require_training(at, torch.device("cpu"), train, 64)
     # not even one sequence fits: the batch is not the fix
