@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from gptopt import cli
-from gptopt.config import DoctorConfig, opt
+from gptopt.config import DoctorConfig, ProfileConfig, TrainConfig, opt
 
 # The option surface grows only on purpose: a new flag must be added here too.
 EXPECTED_OPTIONS = {
@@ -41,6 +41,7 @@ EXPECTED_OPTIONS = {
         "batch_size",
         "beta1",
         "beta2",
+        "compile",
         "compile_fullgraph",
         "compile_mode",
         "cpu_offload",
@@ -83,7 +84,6 @@ EXPECTED_OPTIONS = {
         "target_loss",
         "time_budget",
         "use_amp",
-        "use_compile",
         "vocab_pad_multiple",
         "warmup_steps",
         "weight_decay",
@@ -114,6 +114,7 @@ EXPECTED_OPTIONS = {
         "amp_dtype",
         "attention",
         "batch_size",
+        "compile",
         "compile_mode",
         "data_dir",
         "device",
@@ -128,7 +129,6 @@ EXPECTED_OPTIONS = {
         "row_limit",
         "seq_len",
         "use_amp",
-        "use_compile",
         "wait",
         "warmup",
     },
@@ -259,7 +259,8 @@ def test_unknown_verb_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 
 # Old names that keep working (config.opt's aliases), each -> the option it names: pinned as the options are.
 EXPECTED_ALIASES = {
-    "train": {"model_name": "init_from"},
+    "train": {"model_name": "init_from", "use_compile": "compile"},
+    "profile": {"use_compile": "compile"},
 }
 
 
@@ -404,3 +405,38 @@ def test_help_names_an_option_before_its_old_name(capsys: pytest.CaptureFixture[
     out = " ".join(capsys.readouterr().out.split())
     assert "--compile, --no-compile, --use_compile, --no-use_compile" in out
     assert "--output_dir STR, --output STR" in out
+
+
+@pytest.mark.parametrize("cls", [TrainConfig, ProfileConfig], ids=["train", "profile"])
+def test_use_compile_is_an_old_name_of_compile(cls: type) -> None:
+    verb = "train" if cls is TrainConfig else "profile"
+    for argv, on in ((["--use_compile"], True), (["--compile"], True), (["--compile", "--no-use_compile"], False)):
+        assert cli.parse_config(verb, cls, argv, cli.build_parser(verb, cls)).compile is on
+
+
+# best.toml as `gptopt bench` wrote it before `use_compile` became `compile` (tune.toml had the same keys)
+OLD_BEST_TOML = """# written by `gptopt bench`: the fastest rung whose loss matched the baseline
+# gptopt train --config best.toml
+preset = "debug"
+data_dir = "data/stdlib"
+seq_len = 32
+batch_size = 4
+gradient_accumulation_steps = 1
+attention = "eager"
+use_amp = true
+use_compile = true
+compile_mode = "default"
+fused_optimizer = true
+gradient_checkpointing = false
+num_workers = 0
+amp_dtype = "bf16"
+seed = 1337
+"""
+
+
+def test_a_best_toml_written_before_the_rename_still_trains_compiled(tmp_path: Path) -> None:
+    path = tmp_path / "best.toml"
+    path.write_text(OLD_BEST_TOML)
+    cfg = cli.parse_config("train", TrainConfig, ["--config", str(path)], cli.build_parser("train", TrainConfig))
+    assert cfg == TrainConfig(preset="debug", seq_len=32, batch_size=4, attention="eager", use_amp=True, compile=True,
+                              num_workers=0, amp_dtype="bf16")

@@ -123,7 +123,7 @@ def test_graph_breaks_of_a_compiled_model_are_counted_with_reasons(train_data: P
     monkeypatch.setattr(prepare_model, "compile_model",
                         lambda model, mode="default", fullgraph=False: torch.compile(model, backend="eager"))
     _forward_that_reads_the_loss(monkeypatch)
-    summary, names = profiled(train_data, tmp_path, use_compile=True)
+    summary, names = profiled(train_data, tmp_path, compile=True)
     assert {"graph_breaks", "host_sync"} <= names
     assert summary.graph_breaks and sum(summary.graph_breaks.values()) >= 1
     assert any("item()" in reason for reason in summary.graph_breaks)
@@ -133,7 +133,7 @@ def test_graph_breaks_of_a_compiled_model_are_counted_with_reasons(train_data: P
 
 @pytest.mark.slow
 def test_the_plain_model_compiles_without_graph_breaks(train_data: Path, tmp_path: Path) -> None:
-    summary, names = profiled(train_data, tmp_path, use_compile=True, use_amp=True)
+    summary, names = profiled(train_data, tmp_path, compile=True, use_amp=True)
     assert summary.graph_breaks == {} and "graph_breaks" not in names
 
 
@@ -268,7 +268,7 @@ def synthetic(steps: int = 4, step_ms: float = 10.0, wait_ms: float = 0.1, n: in
     if ops is None:
         ops = [o for i in range(steps) for o in kernels(i, n, kernel_us)]
     base = dict(device_type="cpu", step_s=[step_ms / 1e3] * steps, data_wait_s=[wait_ms / 1e3] * steps, ops=ops,
-                peak_memory_bytes=1 << 30, memory_capacity_bytes=10 << 30, graph_breaks={}, use_compile=True)
+                peak_memory_bytes=1 << 30, memory_capacity_bytes=10 << 30, graph_breaks={}, compile=True)
     return TraceSummary(**{**base, **kw})
 
 
@@ -328,7 +328,7 @@ def test_the_fixes_name_the_flags_that_apply() -> None:
         assert found, rule
         return found[0].fix
 
-    assert "--use_compile" in fix("launch_bound", kernel_us=5.0, use_compile=False)
+    assert "--compile" in fix("launch_bound", kernel_us=5.0, compile=False)
     assert "reduce-overhead" in fix("launch_bound", kernel_us=5.0, device_type="cuda")
     assert "reduce-overhead" not in fix("launch_bound", kernel_us=5.0)  # CUDA graphs need CUDA
     assert "--batch_size 16" in fix("launch_bound", kernel_us=5.0, batch_size=8)

@@ -318,7 +318,7 @@ def test_the_playbook_command_line_parses() -> None:
     parser = cli.build_parser("train", TrainConfig)
     cfg = cli.parse_config("train", TrainConfig, "--model_name gpt2 --batch_size 8 --use_compile --use_amp "
                            "--profile --output_dir ./checkpoints".split(), parser)
-    assert (cfg.init_from, cfg.batch_size, cfg.use_compile, cfg.use_amp, cfg.profile, cfg.output_dir) == (
+    assert (cfg.init_from, cfg.batch_size, cfg.compile, cfg.use_amp, cfg.profile, cfg.output_dir) == (
         "gpt2", 8, True, True, True, "./checkpoints")
 
 
@@ -344,7 +344,7 @@ def test_graph_break_under_fullgraph_is_reported(
         return real_forward(self, idx, targets, **kw)
 
     monkeypatch.setattr(GPT, "forward", forward)
-    code = cli.main(cli_args(train_data, tmp_path / "r", "--max_steps", "2", "--use_compile", "--compile_fullgraph"))
+    code = cli.main(cli_args(train_data, tmp_path / "r", "--max_steps", "2", "--compile", "--compile_fullgraph"))
     assert code == 2
     err = capsys.readouterr().err
     assert "graph break under --compile_fullgraph" in err and "drop --compile_fullgraph" in err
@@ -353,7 +353,7 @@ def test_graph_break_under_fullgraph_is_reported(
 @pytest.mark.slow
 def test_compiled_training_matches_eager(train_data: Path, tmp_path: Path) -> None:
     run(train_data, tmp_path / "eager", max_steps=5)
-    run(train_data, tmp_path / "compiled", max_steps=5, use_compile=True)
+    run(train_data, tmp_path / "compiled", max_steps=5, compile=True)
     eager, compiled = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     for s in eager:
         assert compiled[s] == pytest.approx(eager[s], rel=1e-3)

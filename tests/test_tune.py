@@ -65,7 +65,7 @@ def fake_measurements(monkeypatch: pytest.MonkeyPatch, batch_speed: dict[int, fl
         tps *= 1.05 if s["fused_optimizer"] else 1.0
         tps *= 0.9 if s["gradient_checkpointing"] else 1.0
         tps *= 0.8 if s["hf"] else 1.0
-        if s["use_compile"]:
+        if s["compile"]:
             tps *= {"default": 1.3, "max-autotune-no-cudagraphs": 1.25}[s["compile_mode"]]
         return tps
 
@@ -114,7 +114,7 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     assert [x["name"] for x in compiled] == ["compile default", "bench 'all' rung", "compile max-autotune-no-cudagraphs"]
     best = summary["best"]["settings"]
     assert (best["batch_size"], best["gradient_accumulation_steps"], best["use_amp"], best["attention"]) == (32, 4, True, "eager")
-    assert (best["use_compile"], best["compile_mode"], best["fused_optimizer"]) == (True, "default", True)
+    assert (best["compile"], best["compile_mode"], best["fused_optimizer"]) == (True, "default", True)
     assert summary["gain_vs_defaults"] == pytest.approx(1.5 * 1.2 * 1.3)
     assert summary["gain_vs_hf"] == pytest.approx(1.5 * 1.2 * 1.3 / 0.8 * 1.05)
     # no settings are measured twice (the fp32 eager candidate is the reference itself), except the two
@@ -161,7 +161,7 @@ def test_time_budget_is_honoured_and_the_search_still_ends_with_a_winner(
     over = [x for x in summary["candidates"] if x["status"] == "over budget"]
     assert over and all("of the budget left" in x["note"] for x in over)
     assert all(x["stage"] == "compile" for x in over)  # a compile (about 60 s) no longer fits
-    assert not any(s["use_compile"] for s in calls)
+    assert not any(s["compile"] for s in calls)
     assert summary["best"]["tokens_per_s"] > 0
     write_all(summary, tmp_path / "t")
     assert (tmp_path / "t" / "tune.toml").is_file()
@@ -215,9 +215,10 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
     # tune.toml is a config `gptopt train` takes as it is, with the global batch kept
     cfg = cli.parse_config("train", TrainConfig, ["--config", str(out / "tune.toml")], cli.build_parser("train", TrainConfig))
     best = last["best"]["settings"]
+    assert "compile" in cli.tomllib.loads((out / "tune.toml").read_text())  # the option's name, not its old one
     assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len == 256
-    assert (cfg.batch_size, cfg.use_amp, cfg.attention, cfg.use_compile) == (
-        best["batch_size"], best["use_amp"], best["attention"], best["use_compile"])
+    assert (cfg.batch_size, cfg.use_amp, cfg.attention, cfg.compile) == (
+        best["batch_size"], best["use_amp"], best["attention"], best["compile"])
     assert (cfg.seed, cfg.device, cfg.preset) == (7, "cpu", "debug")  # the winner's run: its weights, batches, device
     assert cli.main(["train", "--config", str(out / "tune.toml"), "--output_dir", str(tmp_path / "train"),
                      "--max_steps", "2", "--sample_tokens", "0", "--eval_interval", "0", "--no-tensorboard"]) == 0

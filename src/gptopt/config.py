@@ -328,7 +328,8 @@ class TrainConfig:
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     use_amp: bool = opt(False, "mixed precision autocast (bf16, or fp16 with GradScaler on older GPUs)")
     amp_dtype: str = opt("auto", "autocast dtype: auto picks by device", choices=("auto", "bf16", "fp16"))
-    use_compile: bool = opt(False, "torch.compile the model (compile time is reported apart from step time)")
+    compile: bool = opt(False, "torch.compile the model (compile time is reported apart from step time)",
+                        aliases=("use_compile",))  # the playbook's spelling
     compile_mode: str = opt("default", "torch.compile mode",
                             choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
     compile_fullgraph: bool = opt(False, "fail on graph breaks instead of splitting the graph (reports the reason)")
@@ -543,7 +544,8 @@ class ProfileConfig:
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     use_amp: bool = opt(False, "profile under autocast")
     amp_dtype: str = opt("auto", "autocast dtype: auto picks by device", choices=("auto", "bf16", "fp16"))
-    use_compile: bool = opt(False, "profile the compiled model (graph breaks are counted and explained)")
+    compile: bool = opt(False, "profile the compiled model (graph breaks are counted and explained)",
+                        aliases=("use_compile",))  # train's old spelling
     compile_mode: str = opt("default", "torch.compile mode", choices=("default", "reduce-overhead", "max-autotune"))
     attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs", choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward")

@@ -65,7 +65,7 @@ def prepare(
     *,
     fsdp: bool = False,
     cpu_offload: bool = False,
-    use_compile: bool = False,
+    compile: bool = False,
     compile_mode: str = "default",
     compile_fullgraph: bool = False,
 ) -> Prepared:
@@ -80,7 +80,7 @@ def prepare(
         model.to(plan.device)
         if info.enabled and info.world_size > 1:
             model = distributed.wrap_ddp(model, plan.device)
-    if use_compile:
+    if compile:
         model = compile_model(model, mode=compile_mode, fullgraph=compile_fullgraph)
     return Prepared(model=model, raw=raw, sharded=fsdp)
 

@@ -2,7 +2,7 @@
 
 A training step is the step `gptopt train` runs (step.TrainStep: clipping, the schedule, AdamW with decay
 on matrices). A generation step is one decode step of the batch by the Generator that `gptopt generate`
-and `gptopt serve` run (with --use_compile its compiled decode step, as `generate --compile`); the
+and `gptopt serve` run (with --compile its compiled decode step, as `generate --compile`); the
 prompts are prefilled once, before the first step, outside the profiled steps.
 
     gptopt profile --preset gpt2 --use_amp                    # table + findings; traces in profile_out/
@@ -121,7 +121,7 @@ class TraceSummary:
     num_workers: int = 0
     pin_memory: bool = False
     use_amp: bool = False
-    use_compile: bool = False
+    compile: bool = False
     compile_mode: str = "default"
     gradient_checkpointing: bool = False
 
@@ -197,9 +197,9 @@ def figures(s: TraceSummary) -> Figures:
 
 def _faster_launches(s: TraceSummary) -> str:
     """The fixes for steps the host cannot launch fast enough, given what this run already uses."""
-    fixes = [] if s.use_compile else ["--use_compile (fuses elementwise ops into fewer, larger kernels)"]
+    fixes = [] if s.compile else ["--compile (fuses elementwise ops into fewer, larger kernels)"]
     if s.device_type == "cuda" and s.compile_mode != "reduce-overhead":
-        fixes.append("--use_compile --compile_mode reduce-overhead (CUDA graphs: one launch replays the whole step)")
+        fixes.append("--compile --compile_mode reduce-overhead (CUDA graphs: one launch replays the whole step)")
     fixes.append(f"a larger batch, e.g. --batch_size {s.batch_size * 2} (the same launches do more work each)")
     return "; ".join(fixes)
 
@@ -366,7 +366,7 @@ def train_config(cfg: ProfileConfig) -> TrainConfig:
     """The TrainConfig of the profiled run: the profile's batch, precision, compile and checkpointing;
     `gptopt train`'s defaults for the rest (learning rate, schedule, clipping, weight decay)."""
     return TrainConfig(preset=cfg.preset, data_dir=cfg.data_dir, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                       device=cfg.device, use_amp=cfg.use_amp, amp_dtype=cfg.amp_dtype, use_compile=cfg.use_compile,
+                       device=cfg.device, use_amp=cfg.use_amp, amp_dtype=cfg.amp_dtype, compile=cfg.compile,
                        compile_mode=cfg.compile_mode, attention=cfg.attention,
                        gradient_checkpointing=cfg.gradient_checkpointing, num_workers=cfg.num_workers,
                        pin_memory=cfg.pin_memory)
@@ -374,7 +374,7 @@ def train_config(cfg: ProfileConfig) -> TrainConfig:
 
 def _train_step(tcfg: TrainConfig, raw: GPT, plan: DevicePlan, batches: Any) -> Callable[[], float]:
     """gptopt train's step on the next batch; it returns the seconds it waited for that batch."""
-    model = prepare(raw, plan, DistInfo(), use_compile=tcfg.use_compile, compile_mode=tcfg.compile_mode).model
+    model = prepare(raw, plan, DistInfo(), compile=tcfg.compile, compile_mode=tcfg.compile_mode).model
     train_step = TrainStep(model, raw, plan, tcfg)
     step = 0
 
@@ -403,7 +403,7 @@ def _generate_step(cfg: ProfileConfig, raw: GPT, plan: DevicePlan, prompts: torc
     raw.to(device=plan.device, dtype=plan.amp_dtype or torch.float32).eval()
     inference_layout(raw, plan.device.type)
     B = prompts.size(0)
-    gen = Generator(raw, plan, max_batch_size=B, max_len=seq_len, compile=cfg.use_compile)
+    gen = Generator(raw, plan, max_batch_size=B, max_len=seq_len, compile=cfg.compile)
     rows = prompts[:, : seq_len - steps].tolist()
     slots = [gen.alloc() for _ in rows]
     greedy = [SamplingParams(temperature=0.0)] * B
@@ -454,7 +454,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     batches = iter(data.make_loader(ds, **loader_opts))
     torch.manual_seed(tcfg.seed)  # the initial weights `gptopt train` starts from
     raw = GPT(model_cfg)
-    if cfg.use_compile:
+    if cfg.compile:
         from torch._dynamo.utils import counters
 
         counters["graph_break"].clear()  # count this model's breaks only
@@ -478,7 +478,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     what = "decode steps (prefilled before them)" if cfg.mode == "generate" else "train steps"
     log.info(f"profiling {what}: {cfg.wait} skipped, {cfg.warmup} warm-up, {cfg.active} recorded "
              f"({cfg.preset}, batch {cfg.batch_size} x {seq_len}, {plan.amp_name}"
-             f"{', compiled' if cfg.use_compile else ''})")
+             f"{', compiled' if cfg.compile else ''})")
     with prof:
         for i in range(total):
             if gpu and i == snapshot_at:
@@ -501,7 +501,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     shutil.copyfile(written, out / "trace.json")
     log.info("reading the trace")
     graph_breaks = None
-    if cfg.use_compile:  # reason (its first line) -> count
+    if cfg.compile:  # reason (its first line) -> count
         graph_breaks = {str(r).strip().splitlines()[0]: n for r, n in counters["graph_break"].items()}
     events = prof.events()
     attach_dtypes(prof, events)
@@ -510,7 +510,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
         peak_memory_bytes=peak_memory_bytes(plan), memory_capacity_bytes=memory.capacity_bytes(plan.device),
         graph_breaks=graph_breaks, amp_speeds_matmuls=amp_speeds_matmuls(plan), mode=cfg.mode,
         batch_size=cfg.batch_size, num_workers=loader_opts["num_workers"], pin_memory=loader_opts["pin_memory"],
-        use_amp=cfg.use_amp, use_compile=cfg.use_compile, compile_mode=cfg.compile_mode,
+        use_amp=cfg.use_amp, compile=cfg.compile, compile_mode=cfg.compile_mode,
         gradient_checkpointing=cfg.gradient_checkpointing,
     )
     # Operators only: Python frames (with_stack) and our own ranges would otherwise lead a CPU table by self time.

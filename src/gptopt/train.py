@@ -1,8 +1,8 @@
 """The training loop: AMP, accumulation, compile, DDP/FSDP2, eval, metrics, checkpoints, faults.
 
-    gptopt train --preset tiny --use_amp --use_compile            # the CPU default, data/stdlib
+    gptopt train --preset tiny --use_amp --compile                # the CPU default, data/stdlib
     gptopt train --model_name gpt2 --batch_size 8 --use_compile --use_amp --profile --output_dir ./checkpoints
-    torchrun --nproc_per_node 8 -m gptopt train --preset gpt2 --use_amp --use_compile
+    torchrun --nproc_per_node 8 -m gptopt train --preset gpt2 --use_amp --compile
     gptopt train --init_from out --output_dir ft --learning_rate 3e-4   # fine-tune out's latest checkpoint
 
 Exactness: batches are a pure function of (seed, micro-step), so a checkpoint needs only the step,
@@ -362,7 +362,7 @@ class Trainer:
         cfg, info, plan, main = self.cfg, self.info, self.plan, self.info.is_main
         memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
         self.prep = prepare(
-            self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, use_compile=cfg.use_compile,
+            self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, compile=cfg.compile,
             compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph,
         )
         self.train_step = TrainStep(self.prep.model, self.raw, plan, cfg, info)

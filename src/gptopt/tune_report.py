@@ -46,7 +46,7 @@ def label(s: dict[str, Any]) -> str:
         parts.append(f"{s['num_workers']}w/prefetch {s.get('prefetch_factor')}")
     if s.get("pin_memory"):
         parts.append("pinned")
-    if s["use_compile"]:
+    if s["compile"]:
         parts.append("compile" if s["compile_mode"] == "default" else f"compile {s['compile_mode']}")
     return " ".join(parts)
 

@@ -239,7 +239,7 @@ class Bench:
     def settings(self, rung: Rung, batch_size: int) -> dict[str, Any]:
         """What a rung trains with, as `gptopt train` options (plus hf: whether it is the HF model)."""
         return dict(attention=self._attention(rung), use_amp=rung.amp, amp_dtype=self._plan(rung).amp_name,
-                    use_compile=rung.compile, compile_mode=rung.compile_mode, fused_optimizer=rung.fused,
+                    compile=rung.compile, compile_mode=rung.compile_mode, fused_optimizer=rung.fused,
                     gradient_checkpointing=rung.checkpointing, batch_size=batch_size,
                     gradient_accumulation_steps=rung.accumulation, hf=rung.hf, **self._loader(rung))
 
@@ -482,7 +482,7 @@ def train_options(s: dict[str, Any], preset: str, seq_len: int, data_dir: str, *
     opts: dict[str, Any] = {
         "preset": preset, "data_dir": data_dir, "seq_len": seq_len, "batch_size": s["batch_size"],
         "gradient_accumulation_steps": s.get("gradient_accumulation_steps", 1),
-        "attention": s["attention"], "use_amp": s["use_amp"], "use_compile": s["use_compile"],
+        "attention": s["attention"], "use_amp": s["use_amp"], "compile": s["compile"],
         "compile_mode": s["compile_mode"], "fused_optimizer": s["fused_optimizer"],
         "gradient_checkpointing": s["gradient_checkpointing"], "num_workers": s["num_workers"],
     }

@@ -89,7 +89,7 @@ def markdown(summary: dict[str, Any], plots: list[str], best_toml: str | None) -
         md.append("No rung finished with a matching loss; see the notes above.")
     else:
         s = best["settings"]
-        flags = ["--use_amp" if s["use_amp"] else "", "--use_compile" if s["use_compile"] else "",
+        flags = ["--use_amp" if s["use_amp"] else "", "--compile" if s["compile"] else "",
                  f"--attention {s['attention']}", f"--batch_size {s['batch_size']}"]
         md.append(f"Fastest rung with a matching loss: **{best['name']}**, {best['tokens_per_s']:,.0f} tokens/s, "
                   f"{best['speedup_vs_baseline']:.2f}x the baseline ({summary['baseline']}), MFU {best['mfu']:.1%}.")
