@@ -20,7 +20,7 @@ from gptopt import cli
 from gptopt.config import GPTConfig, TrainConfig, field_types
 
 # What a verb needs besides the option under test, so the error is about that option.
-BASE_ARGS: dict[str, list[str]] = {"compress": ["--output", "c_out", "--quantize", "int8-dynamic"]}
+BASE_ARGS: dict[str, list[str]] = {"compress": ["--output_dir", "c_out", "--quantize", "int8-dynamic"]}
 
 
 def config_class(verb: str) -> type:
@@ -264,8 +264,8 @@ def test_hf_config_json_of_the_wrong_shape(text: str, needle: str, tmp_path: Pat
 
 WRITERS = {  # verb -> the option naming where it writes
     "prepare": "--output_dir", "train": "--output_dir", "bench": "--output_dir", "profile": "--output_dir",
-    "tune": "--output_dir", "export": "--output_dir", "compress": "--output", "generate": "--output",
-    "eval": "--output",
+    "tune": "--output_dir", "export": "--output_dir", "compress": "--output_dir", "generate": "--output",
+    "eval": "--output_dir",
 }
 
 

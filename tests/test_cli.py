@@ -200,7 +200,7 @@ EXPECTED_OPTIONS = {
         "eval_tokens",
         "json",
         "model",
-        "output",
+        "output_dir",
         "overwrite",
         "prune",
         "quantize",
@@ -208,7 +208,7 @@ EXPECTED_OPTIONS = {
         "tokenizer",
     },
     "export": {"format", "model", "opset", "output_dir", "overwrite", "tokenizer", "tolerance"},
-    "eval": {"batch_size", "data", "device", "dtype", "json", "limit", "model", "output", "overwrite", "task",
+    "eval": {"batch_size", "data", "device", "dtype", "json", "limit", "model", "output_dir", "overwrite", "task",
              "tokenizer"},
     "tune": {
         "axes",
@@ -261,6 +261,8 @@ def test_unknown_verb_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
 EXPECTED_ALIASES = {
     "train": {"model_name": "init_from", "use_compile": "compile"},
     "profile": {"use_compile": "compile"},
+    "compress": {"output": "output_dir"},
+    "eval": {"output": "output_dir"},
 }
 
 

@@ -31,7 +31,7 @@ CPU = resolve("cpu", quiet=True)
 
 def compress_cli(model: Path, data: Path | None, output: Path, *extra: str) -> list[str]:
     """data None: no --data_dir, so compress scores on the data the model was trained on."""
-    return ["compress", "--model", str(model), "--output", str(output), *(["--data_dir", str(data)] if data else []),
+    return ["compress", "--model", str(model), "--output_dir", str(output), *(["--data_dir", str(data)] if data else []),
             "--device", "cpu", "--eval_tokens", "1024", "--repeats", "1", *extra]
 
 
@@ -208,7 +208,7 @@ def test_the_output_is_checked_before_the_model_is_loaded(
     # No model at --model: an output error must come first, so no model loading was needed to reach it.
     (tmp_path / "file").write_text("x")
     assert cli.main(compress_cli(tmp_path / "no-model", None, tmp_path / "file", "--quantize", "int8-dynamic")) == 2
-    assert "--output" in (err := capsys.readouterr().err) and "is a file" in err
+    assert "--output_dir" in (err := capsys.readouterr().err) and "is a file" in err
     real = os.access
     monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if Path(p) == tmp_path else real(p, mode, **kw))
     assert cli.main(compress_cli(tmp_path / "no-model", None, tmp_path / "c", "--quantize", "int8-dynamic")) == 2
@@ -217,9 +217,20 @@ def test_the_output_is_checked_before_the_model_is_loaded(
     assert not (tmp_path / "c").exists()
 
 
+def test_output_still_names_the_output_dir_and_errors_name_output_dir(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --output is --output_dir's old name: command lines written for it still run, and are told the new name
+    (tmp_path / "file").write_text("x")
+    argv = ["compress", "--model", str(tmp_path / "no-model"), "--output", str(tmp_path / "file"),
+            "--quantize", "int8-dynamic", "--device", "cpu"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--output_dir" in err and "is a file" in err and len(err.strip().splitlines()) == 1
+
+
 def test_nothing_to_do_and_a_missing_output_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
-    for argv, message in ([["compress", "--output", "x"], "nothing to do"],
-                          [["compress", "--quantize", "int8-dynamic"], "--output is required"]):
+    for argv, message in ([["compress", "--output_dir", "x"], "nothing to do"],
+                          [["compress", "--quantize", "int8-dynamic"], "--output_dir is required"]):
         with pytest.raises(SystemExit) as e:
             cli.main(argv)
         assert e.value.code == 2 and message in capsys.readouterr().err
@@ -232,7 +243,7 @@ def test_a_compressed_model_is_refused(trained_out: Path, train_data: Path, tmp_
     first = tmp_path / "first"
     assert cli.main(compress_cli(trained_out, train_data, first, "--quantize", "int8-dynamic")) == 0
     with pytest.raises(ValueError, match="already compressed .*compress the original"):
-        compress.main(CompressConfig(model=str(first), output=str(tmp_path / "again"), data_dir=str(train_data),
+        compress.main(CompressConfig(model=str(first), output_dir=str(tmp_path / "again"), data_dir=str(train_data),
                                      quantize="int8-dynamic", device="cpu"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["first"]
 

@@ -137,10 +137,22 @@ def test_scores_equal_a_plain_forward_of_each_ending_alone(model_dir: Path, trai
     assert one["examples"] == 1 and one["correct"] == int(preds[0][0] == labels[0])
 
 
+def test_output_still_names_the_output_dir_and_errors_name_output_dir(
+        model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # --output is --output_dir's old name: command lines written for it still run, and are told the new name
+    data = write_jsonl(tmp_path / "h.jsonl", EXAMPLES[1:], [0, 3])
+    (tmp_path / "file").write_text("x")
+    assert cli.main(eval_cli(model_dir, data, "--output", str(tmp_path / "file"))) == 2
+    err = capsys.readouterr().err
+    assert "--output_dir" in err and "is a file" in err and len(err.strip().splitlines()) == 1
+    assert cli.main(eval_cli(model_dir, data, "--output", str(tmp_path / "out"))) == 0
+    assert (tmp_path / "out" / "results.json").is_file()
+
+
 def test_results_json_and_the_table(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = write_jsonl(tmp_path / "h.jsonl", EXAMPLES[1:], [0, 3])
     out = tmp_path / "eval_out"
-    argv = eval_cli(model_dir, data, "--output", str(out))
+    argv = eval_cli(model_dir, data, "--output_dir", str(out))
     assert cli.main(argv) == 0
     stdout = capsys.readouterr().out
     assert "acc_norm" in stdout and "per byte" in stdout

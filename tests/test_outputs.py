@@ -191,7 +191,7 @@ def test_compress(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture
                   monkeypatch: pytest.MonkeyPatch) -> None:
     out = earlier_output(tmp_path / "run" / "out_int8", "compressed",
                          {"gptopt.json": "{}", "model.safetensors": "weights", "results.json": "{}"})
-    whole_directory(capsys, monkeypatch, out, ["compress", "--model", str(model_dir), "--output", str(out),
+    whole_directory(capsys, monkeypatch, out, ["compress", "--model", str(model_dir), "--output_dir", str(out),
                                                "--quantize", "int8-dynamic", "--device", "cpu"])
 
 
@@ -199,7 +199,7 @@ def test_eval(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str
               monkeypatch: pytest.MonkeyPatch) -> None:
     out = earlier_output(tmp_path / "run" / "eval_out", "eval", {"results.json": "{}"})
     whole_directory(capsys, monkeypatch, out, ["eval", "--model", str(model_dir), "--data", str(tmp_path / "h.jsonl"),
-                                               "--output", str(out), "--device", "cpu"])
+                                               "--output_dir", str(out), "--device", "cpu"])
 
 
 def test_export_hf(model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
@@ -231,12 +231,13 @@ UNWRITABLE = {
                                              "--output_dir", str(out)],
     "tune": lambda d, m, out: ["tune", *DEBUG, "--data_dir", str(d), "--output_dir", str(out)],
     "profile": lambda d, m, out: ["profile", *DEBUG, "--data_dir", str(d), "--output_dir", str(out)],
-    "compress": lambda d, m, out: ["compress", "--model", str(m), "--output", str(out), "--quantize", "int8-dynamic"],
+    "compress": lambda d, m, out: ["compress", "--model", str(m), "--output_dir", str(out), "--quantize",
+                                   "int8-dynamic"],
     "export onnx": lambda d, m, out: ["export", "--model", str(m), "--output_dir", str(out)],
     "export hf": lambda d, m, out: ["export", "--model", str(m), "--format", "hf", "--output_dir", str(out)],
     "generate --output": lambda d, m, out: ["generate", "--model", str(m), "--input", str(d / "tokenizer.json"),
                                             "--output", str(out / "out.jsonl")],
-    "eval": lambda d, m, out: ["eval", "--model", str(m), "--data", str(d / "h.jsonl"), "--output", str(out)],
+    "eval": lambda d, m, out: ["eval", "--model", str(m), "--data", str(d / "h.jsonl"), "--output_dir", str(out)],
 }
 
 

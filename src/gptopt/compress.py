@@ -1,9 +1,9 @@
 """gptopt compress: quantise and/or prune a model into a checkpoint every verb loads, and measure, in
 the same run, what that bought against the original on this device.
 
-    gptopt compress --model out --output out-int8 --quantize int8-dynamic
-    gptopt compress --model out --output out-p50 --prune 0.5 --json
-    gptopt compress --model gpt2 --output gpt2-int8 --quantize int8-weight --compile --data_dir data/gpt2
+    gptopt compress --model out --output_dir out-int8 --quantize int8-dynamic
+    gptopt compress --model out --output_dir out-p50 --prune 0.5 --json
+    gptopt compress --model gpt2 --output_dir gpt2-int8 --quantize int8-weight --compile --data_dir data/gpt2
 
 Perplexity and KL are scored on the val split of the data the model was trained on (its checkpoint
 records it) unless --data_dir names other shards, which must come from the model's own tokenizer.
@@ -133,7 +133,7 @@ KIND = "compressed"  # the fsutil mark of a compress output: the only kind its -
 def _check_output(out: Path, overwrite: bool) -> None:
     # A file, an unwritable folder, or one holding anything but an earlier compress output: refused here,
     # before any model is loaded.
-    check_output(out, kind=KIND, overwrite=overwrite, whole=True, flag="--output")
+    check_output(out, kind=KIND, overwrite=overwrite, whole=True, flag="--output_dir")
 
 
 def _check_source(source: Path | str) -> None:
@@ -261,9 +261,9 @@ def table(results: dict[str, Any]) -> str:
 
 
 def main(cfg: CompressConfig) -> int:
-    assert cfg.output is not None  # CompressConfig refuses a missing --output
-    out = Path(cfg.output).expanduser()
-    with lock_output(out, flag="--output", whole=True):  # one writer, from the checks to the publish
+    assert cfg.output_dir is not None  # CompressConfig refuses a missing --output_dir
+    out = Path(cfg.output_dir).expanduser()
+    with lock_output(out, flag="--output_dir", whole=True):  # one writer, from the checks to the publish
         return _compress(cfg, out)
 
 
@@ -279,7 +279,7 @@ def _compress(cfg: CompressConfig, out: Path) -> int:
                                     layout=False)
     data = _open_eval_data(cfg, source, tok, model.config.vocab_size)
     record = compress_model(model, quantize, prune)
-    # Without --overwrite, an --output that something else filled meanwhile makes the publish fail: it is
+    # Without --overwrite, an --output_dir that something else filled meanwhile makes the publish fail: it is
     # never replaced. With it, the earlier output stays until the new one is complete.
     with staged_dir(out, replace=cfg.overwrite, kind=KIND) as tmp:
         meta = {"compression": record, "compressed_from": str(source), "environment": environment(plan)}
@@ -287,7 +287,7 @@ def _compress(cfg: CompressConfig, out: Path) -> int:
         tok.save(str(tmp / TOKENIZER))  # beside the weights: generate and serve find it there
         del model
         log.info("compress: %s written; measuring it against %s on %s", describe(record), source, plan.device)
-        results = {"model": str(source), "output": str(out), "method": describe(record), "compression": record,
+        results = {"model": str(source), "output_dir": str(out), "method": describe(record), "compression": record,
                    "device": str(plan.device), "device_policy": plan.reason, "compile": cfg.compile,
                    "repeats": cfg.repeats, **measure(cfg, plan, data, source, tmp)}
         results["ratios"] = _ratios(results)

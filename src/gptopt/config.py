@@ -737,8 +737,8 @@ def parse_prune(spec: str | None) -> float | str | None:
 class CompressConfig:
     model: str = opt("out", "the model to compress: a training output dir (its latest checkpoint), a checkpoint, "
                      "a HF GPT-2 dir, or gpt2")
-    output: str | None = opt(None, "the directory to write the compressed checkpoint and its results.json to "
-                             "(new, or empty)")
+    output_dir: str | None = opt(None, "the directory to write the compressed checkpoint and its results.json to "
+                                 "(new, or empty)", aliases=("output",))  # the name it had before
     quantize: str = opt("none", "int8-weight: torchao int8 weight-only; int8-dynamic: int8 weights and activations "
                         "(the CPU path); int4-weight: torchao int4 (NVIDIA GPUs, compute capability 8.0+)",
                         choices=("none", *QUANTIZE_METHODS))
@@ -754,13 +754,13 @@ class CompressConfig:
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     compile: bool = opt(False, "measure with the decode step compiled, as generate and serve run it with --compile")
     json: bool = opt(False, "print results.json as the last line of stdout")
-    overwrite: bool = opt(False, "replace an earlier compress output at --output (only one gptopt wrote, holding "
-                          "nothing else)")
+    overwrite: bool = opt(False, "replace an earlier compress output at --output_dir (only one gptopt wrote, "
+                          "holding nothing else)")
 
     def __post_init__(self) -> None:
         check_fields(self)
-        if not self.output:
-            raise ValueError("--output is required: the new directory the compressed checkpoint goes to")
+        if not self.output_dir:
+            raise ValueError("--output_dir is required: the new directory the compressed checkpoint goes to")
         parse_prune(self.prune)
         if self.quantize == "none" and self.prune is None:
             raise ValueError("nothing to do: give --quantize METHOD and/or --prune FRACTION|2:4")
@@ -787,8 +787,9 @@ class EvalConfig:
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
-    output: str | None = opt(None, "a directory to write results.json to (new, or empty)")
-    overwrite: bool = opt(False, "replace an earlier eval output at --output (only one gptopt wrote, holding "
+    output_dir: str | None = opt(None, "a directory to write results.json to (new, or empty)",
+                                 aliases=("output",))  # the name it had before
+    overwrite: bool = opt(False, "replace an earlier eval output at --output_dir (only one gptopt wrote, holding "
                           "nothing else)")
     json: bool = opt(False, "print the results as JSON, the last line of stdout")
 

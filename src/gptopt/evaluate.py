@@ -262,14 +262,14 @@ def table(results: dict[str, Any]) -> str:
 
 
 def main(cfg: EvalConfig) -> int:
-    out = Path(cfg.output).expanduser() if cfg.output else None
-    with lock_output(out, flag="--output", whole=True) if out is not None else contextlib.nullcontext():
+    out = Path(cfg.output_dir).expanduser() if cfg.output_dir else None
+    with lock_output(out, flag="--output_dir", whole=True) if out is not None else contextlib.nullcontext():
         return _evaluate(cfg, out)
 
 
 def _evaluate(cfg: EvalConfig, out: Path | None) -> int:
     if out is not None:  # refused before the download or the model: nothing read or written
-        check_output(out, kind=KIND, overwrite=cfg.overwrite, whole=True, flag="--output")
+        check_output(out, kind=KIND, overwrite=cfg.overwrite, whole=True, flag="--output_dir")
     if cfg.data:
         path, where = Path(cfg.data).expanduser(), "--data"
     else:
