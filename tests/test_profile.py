@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import Iterator
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from gptopt import cli, data, device, memory, prepare_model, profile
-from gptopt.config import ProfileConfig
+from gptopt.config import ProfileConfig, TrainConfig
 from gptopt.generator import Generator
 from gptopt.model import GPT
 from gptopt.profile import STEP_RANGE, Finding, OpRecord, TraceSummary, diagnose, figures
@@ -371,3 +372,12 @@ def test_the_trace_is_read_where_torch_does_not_flag_python_frames_or_keep_dtype
     assert all(op.dtypes is None for op in bare if op.matmul)  # unknown, not "not float32"
     profile.attach_dtypes(prof, events)
     assert {op.name: op.dtypes for op in profile.trace_ops(events) if op.matmul} == want
+
+
+def test_profile_takes_every_compile_mode_train_takes() -> None:
+    # a tune.toml's or best.toml's mode is one a profile of those settings can compile with too
+    modes = next(f for f in dataclasses.fields(TrainConfig) if f.name == "compile_mode").metadata["choices"]
+    assert "max-autotune-no-cudagraphs" in modes  # the mode tune measures on CPUs
+    parser = cli.build_parser("profile", ProfileConfig)
+    for mode in modes:
+        assert cli.parse_config("profile", ProfileConfig, ["--compile", "--compile_mode", mode], parser).compile_mode == mode

@@ -272,6 +272,13 @@ def check_loader(num_workers: int | None, prefetch_factor: int | None, persisten
                          "or --no-persistent_workers")
 
 
+# torch.compile's modes: one list for train, profile, and bench's and tune's rungs (each a TrainConfig), so
+# a mode that tune.toml or best.toml names is one that train and profile take. reduce-overhead records CUDA
+# graphs (GPUs); max-autotune searches kernel configurations and, on GPUs, records CUDA graphs too;
+# max-autotune-no-cudagraphs searches without recording them.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 # --optimizer muon's default peak learning rate, as a multiple of --learning_rate (Muon's update is
 # scaled to AdamW's RMS, optim.MUON_ADJUST_LR, so the two share a scale). Measured on tiny: after 200
 # steps 3x beat 1x, 2x and 6x, and AdamW (docs/benchmarks.md, "Muon"); the GPT-2 sizes take the same
@@ -330,8 +337,7 @@ class TrainConfig:
     amp_dtype: str = opt("auto", "autocast dtype: auto picks by device", choices=("auto", "bf16", "fp16"))
     compile: bool = opt(False, "torch.compile the model (compile time is reported apart from step time)",
                         aliases=("use_compile",))  # the playbook's spelling
-    compile_mode: str = opt("default", "torch.compile mode",
-                            choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    compile_mode: str = opt("default", "torch.compile mode (with --compile)", choices=COMPILE_MODES)
     compile_fullgraph: bool = opt(False, "fail on graph breaks instead of splitting the graph (reports the reason)")
     attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs (measured faster there)",
                          choices=("auto", "sdpa", "eager"))
@@ -546,7 +552,7 @@ class ProfileConfig:
     amp_dtype: str = opt("auto", "autocast dtype: auto picks by device", choices=("auto", "bf16", "fp16"))
     compile: bool = opt(False, "profile the compiled model (graph breaks are counted and explained)",
                         aliases=("use_compile",))  # train's old spelling
-    compile_mode: str = opt("default", "torch.compile mode", choices=("default", "reduce-overhead", "max-autotune"))
+    compile_mode: str = opt("default", "torch.compile mode (with --compile)", choices=COMPILE_MODES)
     attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs", choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward")
     num_workers: int | None = opt(None, "DataLoader workers feeding the profiled steps; default: as `gptopt train` picks",
