@@ -340,7 +340,8 @@ def test_generate_chat_answers_turns_and_keeps_the_conversation(
     assert len(prompts) == 2 and err.count("you> ") == 3  # two turns, then the end of input
     first = out.splitlines()[0].strip()
     assert debug_tokenizer.decode(prompts[0]) == "System: Be brief.\nUser: hi\nAssistant:"
-    assert debug_tokenizer.decode(prompts[1]) == f"System: Be brief.\nUser: hi\nAssistant: {first}\nUser: and?\nAssistant:"
+    assert debug_tokenizer.decode(prompts[1]) == (f"System: Be brief.\nUser: hi\nAssistant: {first}\nUser: and?\n"
+                                                  "Assistant:")
     assert "dropped" not in err
 
 
@@ -442,4 +443,5 @@ def test_transformers_generation_blocks_render_their_text(tmp_path: Path) -> Non
         "{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}A: {{ m.content }}{% endgeneration %}"
         "{% else %}U: {{ m.content }}{% endif %}\n{% endfor %}"))
     messages = [*HI, {"role": "assistant", "content": "hello"}]
-    assert chat.load_template(None, [model]).render(messages) == "U: hiA: hello"  # trim_blocks drops the newline after a tag
+    # trim_blocks drops the newline after a tag
+    assert chat.load_template(None, [model]).render(messages) == "U: hiA: hello"

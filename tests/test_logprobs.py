@@ -317,7 +317,8 @@ def test_lm_eval_local_completions_scores_a_task_through_the_server(debug_tokeni
     (tasks / "tiny.yaml").write_text(
         "task: gptopt_tiny\ndataset_path: json\n"
         f"dataset_kwargs:\n  data_files:\n    test: {tasks / 'tiny.jsonl'}\n"
-        "test_split: test\noutput_type: multiple_choice\ntarget_delimiter: ''\ndoc_to_text: '{{q}}'\ndoc_to_choice: '{{choices}}'\n"
+        "test_split: test\noutput_type: multiple_choice\ntarget_delimiter: ''\ndoc_to_text: '{{q}}'\n"
+        "doc_to_choice: '{{choices}}'\n"
         "doc_to_target: '{{gold}}'\nmetric_list:\n  - metric: acc\n")
     with running(debug_tokenizer, max_batch_size=4) as (url, app):
         results = lm_eval.simple_evaluate(

@@ -295,7 +295,8 @@ def test_chat_mode_holds_the_conversation_and_each_reply_is_the_routes_greedy_re
 
     open_page(driver, chat_server, key=None)
     console_errors(driver)  # only what follows counts
-    assert driver.find_element(By.ID, "mode").is_displayed() and not driver.find_element(By.ID, "chat-note").is_displayed()
+    assert driver.find_element(By.ID, "mode").is_displayed()
+    assert not driver.find_element(By.ID, "chat-note").is_displayed()
     assert driver.find_element(By.ID, "prompt-label").text == "Message"
     messages: list[dict[str, str]] = []
     for turn in ("Hi", "Again"):  # short: the debug model reads 64 tokens, the plain template about a byte each

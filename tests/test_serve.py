@@ -447,7 +447,8 @@ def test_hostile_completion_fields_never_get_a_5xx(url: str, body: dict[str, Any
 
 
 @pytest.mark.parametrize("raw", [b'{"prompt": "x", "temperature": Infinity}', b'{"prompt": "x", "top_p": -Infinity}',
-                                 b'{"prompt": "x", "repetition_penalty": NaN}', b'{"prompt": "x", "temperature": 1e999}',
+                                 b'{"prompt": "x", "repetition_penalty": NaN}',
+                                 b'{"prompt": "x", "temperature": 1e999}',
                                  b'{"prompt": "x", "max_tokens": 1.5e0}', b'{"prompt": "x"} trailing', b"\xff\xfe",
                                  b'"just a string"', b"null", b""])
 def test_non_numbers_and_non_objects_get_400(url: str, raw: bytes) -> None:
@@ -790,8 +791,8 @@ def test_full_queue_gets_429_with_retry_after(debug_tokenizer: Any) -> None:
 def test_client_disconnect_frees_the_slot(debug_tokenizer: Any) -> None:
     with running(debug_tokenizer, max_batch_size=2, decode_delay=0.02) as (url, app):
         engine = app.state.engine
-        with httpx.Client(timeout=30) as client, client.stream(
-                "POST", f"{url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}) as r:
+        body = {"prompt": PROMPT, "max_tokens": 40, "temperature": 0, "stream": True}
+        with httpx.Client(timeout=30) as client, client.stream("POST", f"{url}/v1/completions", json=body) as r:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     break
@@ -1112,7 +1113,8 @@ def test_openai_client_round_trip(url: str) -> None:
 def hostile_server(debug_tokenizer: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     path = tmp_path_factory.mktemp("blocklist") / "hostile.txt"
     path.write_text(HOSTILE_BLOCKLIST, encoding="utf-8")
-    with running(debug_tokenizer, max_batch_size=4, max_queue=4, blocklist=str(path), chat_template="plain") as (url, _):
+    with running(debug_tokenizer, max_batch_size=4, max_queue=4, blocklist=str(path),
+                 chat_template="plain") as (url, _):
         yield url
 
 
@@ -1188,7 +1190,7 @@ def test_a_port_in_use_or_a_foreign_host_is_refused_before_serving(capsys: pytes
 
 def test_the_served_connections_send_each_chunk_at_once() -> None:
     """The socket `gptopt serve` listens on gives its connections TCP_NODELAY, as uvicorn's own would: with
-    Nagle's algorithm a streamed token waited for the client's delayed ACK, up to 40 ms."""
+    Nagle's algorithm a streamed token waited for the client's delayed ACK (Linux's timer: 40 ms at least)."""
     import asyncio
     import socket
 
@@ -1283,7 +1285,8 @@ def end_of_text_after(gen: Generator, monkeypatch: pytest.MonkeyPatch, prompt_le
     """The engine's sampler picks end-of-text as the n-th new token (as a model that ends there would)."""
     real = Generator._pick
 
-    def pick(logits: torch.Tensor, params: Any, histories: list[list[int]], generators: Any, *rest: Any) -> torch.Tensor:
+    def pick(logits: torch.Tensor, params: Any, histories: list[list[int]], generators: Any,
+             *rest: Any) -> torch.Tensor:
         t = real(gen, logits, params, histories, generators, *rest)
         at_end = torch.tensor([len(h) - prompt_len >= n - 1 for h in histories])
         return torch.where(at_end, torch.full_like(t, eot), t)
