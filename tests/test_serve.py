@@ -40,7 +40,7 @@ from gptopt.serve.server import serve_in_thread  # noqa: E402
 from gptopt.tokenizer import eot_id  # noqa: E402
 
 PROMPT = "def parse_args(self, args=None):"
-README = Path(__file__).resolve().parents[1] / "README.md"
+COMMANDS_DOC = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
 # Rules no server may let freeze it: regular expressions that backtrack exponentially (their repeats
 # bounded, as every rule's must be), and such text as a plain term (matched literally, so harmless).
 HOSTILE_BLOCKLIST = ("re:(a|a){1,60}$\nre:(a{1,20}){1,20}$\nre:(x{1,20}x{1,20}){1,20}y\nre:(.{0,20}a){20}\n"
@@ -68,7 +68,7 @@ def running(tokenizer: Any, decode_delay: float = 0.0, **overrides: Any) -> Iter
 
 @pytest.fixture(scope="module")
 def server(debug_tokenizer: Any) -> Iterator[tuple[str, Any]]:
-    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:  # plain: the README's chat curl
+    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:  # plain: the chat curl of docs/commands.md
         yield s
 
 
@@ -479,14 +479,14 @@ def test_a_body_that_is_not_json_is_told_so_whatever_its_content_type(url: str) 
     assert r.status_code == 200, r.text
 
 
-def readme_curl_lines() -> list[str]:
-    """The curl commands of the README's serve section, as written."""
-    section = README.read_text(encoding="utf-8").split("### serve", 1)[1].split("\n### ", 1)[0]
+def documented_curl_lines() -> list[str]:
+    """The curl commands of the command reference's serve section, as written."""
+    section = COMMANDS_DOC.read_text(encoding="utf-8").split("\n## serve", 1)[1].split("\n## ", 1)[0]
     return [line for line in section.splitlines() if line.startswith("curl ")]
 
 
-def test_the_readme_curl_examples_work_as_written(url: str) -> None:
-    lines = readme_curl_lines()
+def test_the_documented_curl_examples_work_as_written(url: str) -> None:
+    lines = documented_curl_lines()
     assert len(lines) >= 2
     if shutil.which("curl") is None:
         pytest.skip("curl is not installed")
