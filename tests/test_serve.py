@@ -68,7 +68,7 @@ def running(tokenizer: Any, decode_delay: float = 0.0, **overrides: Any) -> Iter
 
 @pytest.fixture(scope="module")
 def server(debug_tokenizer: Any) -> Iterator[tuple[str, Any]]:
-    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:  # plain: the chat curl of docs/commands.md
+    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:  # plain: the documented chat curl
         yield s
 
 
