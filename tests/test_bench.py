@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -120,7 +121,7 @@ def test_bench_writes_the_contract_and_a_best_toml_train_accepts(
     parser = cli.build_parser("train", TrainConfig)
     cfg = cli.parse_config("train", TrainConfig, ["--config", str(out / "best.toml")], parser)
     best = next(r for r in results["rungs"] if r["name"] == results["best"])
-    assert (cfg.use_amp, cfg.attention, cfg.batch_size) == (best["settings"]["use_amp"], best["settings"]["attention"], 4)
+    assert (cfg.use_amp, cfg.attention, cfg.batch_size) == (best["config"]["use_amp"], best["config"]["attention"], 4)
     assert results["best"] != "hf"  # the baseline is never the recommendation
     assert cli.main(["train", "--config", str(out / "best.toml"), "--output_dir", str(tmp_path / "t"),
                      "--max_steps", "2", "--sample_tokens", "0", "--no-tensorboard"]) == 0
@@ -143,6 +144,30 @@ def test_best_toml_is_the_config_the_winning_rung_trained_under(
     assert loaded == winner
     assert (loaded.preset, loaded.data_dir, loaded.seq_len, loaded.seed, loaded.device) == \
         ("debug", str(train_data), 32, 7, "cpu")
+
+
+def test_a_rung_trains_under_every_train_option_it_overrides_and_best_toml_keeps_them(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rung is TrainConfig fields over the bench's base: any of train's options, carried under its own name."""
+    trained: list[TrainConfig] = []
+    real_step = ladder.TrainStep
+    monkeypatch.setattr(ladder, "TrainStep", lambda model, raw, plan, cfg, *a: (trained.append(cfg),
+                                                                              real_step(model, raw, plan, cfg, *a))[1])
+    cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
+                      output_dir=str(tmp_path / "b"))
+    bench = Bench(cfg)
+    rung = ladder.Rung("no_decay", "no weight decay, a short warmup",
+                       {**ladder.NAIVE, "weight_decay": 0.0, "warmup_steps": 5, "grad_clip": 0.5})
+    summary = bench.run([rung])
+    (ran,) = trained
+    assert ran == dataclasses.replace(bench.base, **rung.overrides, persistent_workers=False)
+    out = tmp_path / "b"
+    out.mkdir()
+    report.write_all(summary, out, ladder.best_train_config(summary))
+    loaded = cli.parse_config("train", TrainConfig, ["--config", str(out / "best.toml")],
+                              cli.build_parser("train", TrainConfig))
+    assert loaded == ran and (loaded.weight_decay, loaded.warmup_steps, loaded.grad_clip) == (0.0, 5, 0.5)
 
 
 def test_no_rung_claims_more_than_the_peak(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -237,7 +262,7 @@ def test_the_all_rung_takes_the_device_attention_unless_its_rung_failed(train_da
 
     def after(**status: str) -> str:
         bench.results = [SimpleNamespace(name=name, status=s) for name, s in status.items()]
-        return bench._attention(all_rung)
+        return bench.config(all_rung).attention
 
     assert after(eager="ok", sdpa="ok") == default_attention("cpu") == "eager"
     assert after(eager="oom", sdpa="ok") == "sdpa"  # the policy's kernel did not fit: the other one
@@ -263,15 +288,14 @@ def test_a_rung_estimated_not_to_fit_is_reported_before_it_allocates_and_the_ben
     cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
                       output_dir=str(tmp_path / "b"), rungs="eager,sdpa")
     bench = Bench(cfg)
-    eager, sdpa = (bench.memory_estimate(r, 4).total for r in select_rungs("eager,sdpa"))
+    eager, sdpa = (bench.memory_estimate(bench.config(r)).total for r in select_rungs("eager,sdpa"))
     assert sdpa < eager  # eager attention keeps its scores
     # free memory between the two: eager's estimate is over it, sdpa's under
     free = int((sdpa + eager) / 2 / memory.REFUSE_ABOVE)
     monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "available RAM"))
     built: list[str] = []
     real_build = Bench._build
-    monkeypatch.setattr(Bench, "_build", lambda self, rung, attention: (built.append(rung.name),
-                                                                         real_build(self, rung, attention))[1])
+    monkeypatch.setattr(Bench, "_build", lambda self, rung, cfg: (built.append(rung.name), real_build(self, rung, cfg))[1])
     summary = bench.run(select_rungs(cfg.rungs))
     rungs = {r["name"]: r for r in summary["rungs"]}
     assert built == ["sdpa"]  # the refused rung allocated nothing

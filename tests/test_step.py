@@ -31,10 +31,10 @@ def test_benchs_all_rung_and_train_with_its_best_toml_take_the_same_steps(
     cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
                       output_dir=str(out))
     summary = Bench(cfg).run([r for r in LADDER if r.name == "all"])
-    report.write_all(summary, out, best_train_config(summary, cfg.data_dir))
+    report.write_all(summary, out, best_train_config(summary))
     (bench_all,) = summary["rungs"]
     assert summary["best"] == "all"
-    assert bench_all["settings"]["compile"] and bench_all["settings"]["fused_optimizer"]
+    assert bench_all["config"]["compile"] and bench_all["config"]["fused_optimizer"]
     written = cli.tomllib.loads((out / "best.toml").read_text())
     assert written["compile"] is True and "use_compile" not in written  # the option's name, not its old one
 

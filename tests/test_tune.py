@@ -9,6 +9,7 @@ measurement (settings -> tokens/s) and a fake clock, so no assertion depends on 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -70,18 +71,17 @@ def fake_measurements(monkeypatch: pytest.MonkeyPatch, batch_speed: dict[int, fl
         return tps
 
     def run_rung(self: Bench, rung: Rung, batch_size: int | None = None, *, stop: Any = None) -> RungResult:
-        B = rung.batch_size
-        s = self.settings(rung, B)
+        cfg = self.config(rung, batch_size)
+        s = {**dataclasses.asdict(cfg), "hf": rung.hf}
         calls.append(s)
         if clock is not None:
-            clock.t += 60.0 if rung.compile else 10.0
+            clock.t += 60.0 if cfg.compile else 10.0
         mem = int((memory_mib(s) if memory_mib else 1) * 2**20)
         tps = speed(s)
-        st = B * rung.accumulation * self.seq_len / tps
-        return RungResult(name=rung.name, what=rung.what, batch_size=B, settings=s, compile_s=2 * st, step_time_s=st,
-                          step_time_p10_s=st, step_time_p90_s=st, step_times_s=[st] * self.steps, tokens_per_s=tps,
-                          mfu=tps * self.fpt / self.peak, peak_mem_bytes=mem, reserved_mem_bytes=mem,
-                          data_wait_frac=0.001, loss=7.0)
+        st = cfg.batch_size * cfg.gradient_accumulation_steps * self.seq_len / tps
+        return self.result(rung, cfg, compile_s=2 * st, step_time_s=st, step_time_p10_s=st, step_time_p90_s=st,
+                           step_times_s=[st] * self.steps, tokens_per_s=tps, mfu=tps * self.fpt / self.peak,
+                           peak_mem_bytes=mem, reserved_mem_bytes=mem, data_wait_frac=0.001, loss=7.0)
 
     monkeypatch.setattr(Bench, "run_rung", run_rung)
     return calls
@@ -101,8 +101,8 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     c = by_name(summary)
     stages = [x["stage"] for x in summary["candidates"]]
     assert stages == sorted(stages, key=STAGES.index)  # eager axes, then micro-batch, then compile
-    assert c["defaults"]["settings"]["batch_size"] == 16 and c["defaults"]["settings"]["gradient_accumulation_steps"] == 8
-    assert not c["defaults"]["settings"]["use_amp"] and c["defaults"]["loss_ok"] is True
+    assert c["defaults"]["config"]["batch_size"] == 16 and c["defaults"]["config"]["gradient_accumulation_steps"] == 8
+    assert not c["defaults"]["config"]["use_amp"] and c["defaults"]["loss_ok"] is True
     # micro-batch grows while faster (32), stops at the first slower one (64), and the next is pruned
     assert c["micro-batch 32"]["status"] == "ok" and c["micro-batch 64"]["status"] == "ok"
     assert c["micro-batch 128"]["status"] == "pruned" and "already slower than 32" in c["micro-batch 128"]["note"]
@@ -112,7 +112,7 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     # compile modes on the best eager settings, bench's `all` rung among them; no CUDA graphs on a CPU
     compiled = [x for x in summary["candidates"] if x["stage"] == "compile"]
     assert [x["name"] for x in compiled] == ["compile default", "bench 'all' rung", "compile max-autotune-no-cudagraphs"]
-    best = summary["best"]["settings"]
+    best = summary["best"]["config"]
     assert (best["batch_size"], best["gradient_accumulation_steps"], best["use_amp"], best["attention"]) == (32, 4, True, "eager")
     assert (best["compile"], best["compile_mode"], best["fused_optimizer"]) == (True, "default", True)
     assert summary["gain_vs_defaults"] == pytest.approx(1.5 * 1.2 * 1.3)
@@ -146,7 +146,7 @@ def test_checkpointing_only_where_memory_runs_out_and_it_buys_a_faster_micro_bat
     assert c["micro-batch 64"]["status"] == "oom" and "over the memory budget" in c["micro-batch 64"]["note"]
     assert c["checkpointing, micro-batch 64"]["status"] == "ok"
     assert c["checkpointing, micro-batch 128"]["status"] == "ok"  # measured, and slower: the growth stops there
-    best = summary["best"]["settings"]
+    best = summary["best"]["config"]
     assert (best["gradient_checkpointing"], best["batch_size"], best["gradient_accumulation_steps"]) == (True, 64, 2)
 
 
@@ -202,7 +202,7 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
     out = tmp_path / "t"
     assert cli.main(tune_args(train_data, out, "--axes", "amp", "--json", "--seed", "7")) == 0
     last = last_json_line(capsys.readouterr().out)
-    assert last["best"]["tokens_per_s"] > 0 and last["best"]["settings"]["preset"] == "debug"
+    assert last["best"]["tokens_per_s"] > 0 and last["best"]["config"]["preset"] == "debug"
     statuses = {"ok", "rejected", "oom", "pruned", "over budget", "failed", "skipped"}
     assert last["candidates"] and all(c["status"] in statuses for c in last["candidates"])
     assert last["candidates"][0]["name"] == "defaults" and last["candidates"][0]["loss_ok"] is True
@@ -214,7 +214,7 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
     assert "## Every candidate" in report and all(c["name"] in report for c in last["candidates"])
     # tune.toml is a config `gptopt train` takes as it is, with the global batch kept
     cfg = cli.parse_config("train", TrainConfig, ["--config", str(out / "tune.toml")], cli.build_parser("train", TrainConfig))
-    best = last["best"]["settings"]
+    best = last["best"]["config"]
     assert "compile" in cli.tomllib.loads((out / "tune.toml").read_text())  # the option's name, not its old one
     assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len == 256
     assert (cfg.batch_size, cfg.use_amp, cfg.attention, cfg.compile) == (
@@ -276,7 +276,7 @@ def test_out_of_memory_candidates_are_recorded_and_the_search_goes_on(
     assert status[:3] == [("reference", 8, "oom"), ("reference", 4, "oom"), ("reference", 2, "ok")]
     assert "out of memory at micro-batch 8" in summary["candidates"][0]["note"]
     assert ("checkpointing", 4, "oom") in status
-    best = summary["best"]["settings"]
+    best = summary["best"]["config"]
     assert (best["batch_size"], best["gradient_accumulation_steps"]) == (2, 4)  # the largest that fits
     write_all(summary, out)
     cfg = cli.parse_config("train", TrainConfig, ["--config", str(out / "tune.toml")], cli.build_parser("train", TrainConfig))
@@ -289,9 +289,9 @@ def test_a_candidate_that_corrupts_the_loss_is_rejected_and_never_wins(
 ) -> None:
     real_build = Bench._build
 
-    def build(self: Bench, rung: Rung, attention: str) -> torch.nn.Module:
-        model = real_build(self, rung, attention)
-        if rung.amp:  # a "fast" setting that silently computes something else
+    def build(self: Bench, rung: Rung, cfg: TrainConfig) -> torch.nn.Module:
+        model = real_build(self, rung, cfg)
+        if cfg.use_amp:  # a "fast" setting that silently computes something else
             with torch.no_grad():
                 model.transformer.wte.weight.mul_(30.0)
         return model
@@ -302,7 +302,7 @@ def test_a_candidate_that_corrupts_the_loss_is_rejected_and_never_wins(
     bf16 = by_name(summary)["eager bf16"]
     assert bf16["status"] == "rejected" and bf16["loss_ok"] is False
     assert "departs from the fp32 reference" in bf16["note"]
-    assert summary["best"]["settings"]["use_amp"] is False
+    assert summary["best"]["config"]["use_amp"] is False
 
 
 @pytest.mark.parametrize(("extra", "message"), [
@@ -352,5 +352,5 @@ def test_benchs_all_rung_is_measured_in_full_however_slow_its_first_steps(
     monkeypatch.setattr(Bench, "run_rung", run_rung)
     tuner = Tuner(tune_config(train_data, tmp_path / "t", warmup=1))
     tuner.best = (Rung("b", ""), RungResult(name="b", what="", step_time_s=1.0, step_time_p90_s=1.0))
-    tuner.measure("compile", Rung("slow start", "", compile=True, amp=True, batch_size=4), prunable=prunable)
+    tuner.measure("compile", Rung("slow start", "", {"compile": True, "use_amp": True, "batch_size": 4}), prunable=prunable)
     assert (verdicts[0] is not None and verdicts[0][0] == "pruned") is prunable

@@ -43,7 +43,7 @@ from gptopt.generator import Generator, SamplingParams
 from gptopt.model import GPT
 from gptopt.monitor import peak_memory_bytes
 from gptopt.prepare_model import inference_layout, prepare
-from gptopt.step import READOUT_RANGE, TrainStep
+from gptopt.step import READOUT_RANGE, TrainStep, loader_options
 
 log = logging.getLogger("gptopt")
 
@@ -448,8 +448,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
                    plan.device, f"profiling {cfg.mode} steps at batch {cfg.batch_size} x {seq_len} tokens",
                    "use a smaller --batch_size or --seq_len" + ("" if cfg.gradient_checkpointing or cfg.mode != "train"
                                                                 else ", or --gradient_checkpointing"))
-    loader_opts = data.default_loader_settings(plan.device.type)  # what gptopt train would feed the steps
-    loader_opts.update({k: getattr(cfg, k) for k in ("num_workers", "pin_memory") if getattr(cfg, k) is not None})
+    loader_opts = loader_options(tcfg, plan.device.type)  # what gptopt train would feed the steps
     ds = data.BatchDataset(tokens, "train", cfg.batch_size, seq_len, seed=tcfg.seed)
     batches = iter(data.make_loader(ds, **loader_opts))
     torch.manual_seed(tcfg.seed)  # the initial weights `gptopt train` starts from

@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
-from gptopt import distributed
+from gptopt import data, distributed
 from gptopt.config import TrainConfig
 from gptopt.device import DevicePlan
 from gptopt.distributed import DistInfo
@@ -33,6 +34,20 @@ READOUT_RANGE = "gptopt::readout"
 
 # (micro-step index) -> (inputs, targets) already on the device; the caller times its own data waits
 NextBatch = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
+
+
+LOADER_FIELDS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")  # TrainConfig's DataLoader
+
+
+def loader_options(cfg: TrainConfig, device_type: str) -> dict[str, Any]:
+    """The DataLoader settings a TrainConfig trains with (train, bench, tune and profile feed the step alike):
+    the fields it gives, the device's defaults (data.default_loader_settings) for those it leaves None. Without
+    worker processes nothing is prefetched or kept alive, as DataLoader (and TrainConfig) require."""
+    opts = data.default_loader_settings(device_type)
+    opts.update({k: getattr(cfg, k) for k in LOADER_FIELDS if getattr(cfg, k) is not None})
+    if not opts["num_workers"]:
+        opts.update(prefetch_factor=None, persistent_workers=False)
+    return opts
 
 
 def is_oom(e: BaseException) -> bool:

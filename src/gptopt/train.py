@@ -41,7 +41,7 @@ from gptopt.inference import model_source
 from gptopt.model import GPT
 from gptopt.monitor import Monitor, peak_memory_bytes
 from gptopt.prepare_model import Prepared, prepare
-from gptopt.step import StepResult, TrainStep, is_oom
+from gptopt.step import StepResult, TrainStep, is_oom, loader_options
 from gptopt.tokenizer import TOKENIZER
 from gptopt.tracing import scheduled_profiler
 
@@ -367,7 +367,7 @@ class Trainer:
         )
         self.train_step = TrainStep(self.prep.model, self.raw, plan, cfg, info)
         progress = self._restore(Progress(last_good=self.resume_dir))
-        loader_opts = self._loader_options()
+        loader_opts = loader_options(self.cfg, self.plan.device.type)
         ds = data.BatchDataset(self.data, "train", cfg.batch_size, self.seq_len, cfg.seed, info.rank, info.world_size,
                                align=cfg.align_documents)
         start_micro = progress.step * cfg.gradient_accumulation_steps
@@ -408,13 +408,6 @@ class Trainer:
         if self.info.is_main:
             log.info(f"resumed from {self.resume_dir} at step {progress.step} ({progress.tokens_seen:,} tokens)")
         return progress
-
-    def _loader_options(self) -> dict[str, Any]:
-        opts = {**data.default_loader_settings(self.plan.device.type)}
-        for key in ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers"):
-            if getattr(self.cfg, key) is not None:
-                opts[key] = getattr(self.cfg, key)
-        return opts
 
     def _peak(self) -> tuple[float, str]:
         """The MFU peak of the whole job (every rank brings its own device) and where it comes from."""

@@ -5,13 +5,13 @@ and a memory budget, and write the winner as a config `gptopt train` takes.
     gptopt tune --preset gpt2 --seq_len 1024 --global_batch_tokens 524288 --time_budget 20m
     gptopt train --config tune_out/tune.toml       # train with the winner
 
-Every candidate is a bench rung (bench/ladder.py), trained by the step `gptopt train` runs under the
-TrainConfig its tune.toml gives train: the same initial weights and the same batches,
-each step's whole global batch split into micro-batches, so its loss after the timed steps is
-checked against the fp32 reference's (gptopt's defaults) whatever its micro-batch. Cheap axes are
-settled first, measured eagerly (attention and precision, the fused optimizer, data loading), then
-the micro-batch (grown until memory runs out, with checkpointing only where it buys a faster one),
-then torch.compile modes, whose compiles cost the most.
+Every candidate is a bench rung (bench/ladder.py): TrainConfig fields over the bench's base config,
+trained by the step `gptopt train` runs under the TrainConfig that tune.toml then gives train. All start
+from the same initial weights and train on the same batches, each step's whole global batch split into
+micro-batches, so a candidate's loss after the timed steps is checked against the fp32 reference's
+(gptopt's defaults) whatever its micro-batch. Cheap axes are settled first, measured eagerly (attention
+and precision, the fused optimizer, data loading), then the micro-batch (grown until memory runs out,
+with checkpointing only where it buys a faster one), then torch.compile modes, whose compiles cost the most.
 """
 
 from __future__ import annotations
@@ -29,11 +29,12 @@ import psutil
 import torch
 
 from gptopt import data, memory
-from gptopt.bench.ladder import Bench, Rung, RungResult, StopHook, loss_matches, train_options
+from gptopt.bench.ladder import ALL, Bench, Rung, RungResult, StopHook, loss_matches, toml_options
 from gptopt.config import BenchConfig, TrainConfig, TuneConfig
 from gptopt.device import cpu_has_fast_bf16, default_attention, environment
 from gptopt.fsutil import lock_output
 from gptopt.optim import fused_available
+from gptopt.step import LOADER_FIELDS
 
 log = logging.getLogger("gptopt")
 
@@ -88,8 +89,8 @@ def _cpu_seconds() -> float:
 _wall = time.perf_counter
 
 
-def _loader_key(opts: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted(opts.items()))
+# A candidate's identity: the Hugging Face model or not, host memory reuse, and its resolved TrainConfig's values
+Key = tuple[bool, bool, tuple[Any, ...]]
 
 
 class Tuner:
@@ -112,13 +113,12 @@ class Tuner:
         self.global_batch = tokens // T  # sequences per optimizer step
         self.sizes = [d for d in range(1, self.global_batch + 1) if self.global_batch % d == 0]
         self.memory_limit = self._memory_limit()
-        self.default_loader = _loader_key(data.default_loader_settings(self.device_type))
         self.entries: list[tuple[str, RungResult]] = []
-        self.measured: dict[Rung, RungResult] = {}
+        self.measured: dict[Key, tuple[Rung, RungResult]] = {}
         self.reference: RungResult | None = None
         self.best: tuple[Rung, RungResult] | None = None
         self.best_cost = 0.0  # wall seconds the best eager candidate took to measure
-        self.costs: dict[Rung, float] = {}
+        self.costs: dict[Key, float] = {}
         self.compile_costs: list[float] = []
         self.bench_all: RungResult | None = None
 
@@ -132,12 +132,16 @@ class Tuner:
     # -- measuring one candidate -------------------------------------------------------------
 
     def _at(self, rung: Rung, b: int, name: str | None = None) -> Rung:
-        return dataclasses.replace(rung, name=name or f"micro-batch {b}", what=f"micro-batch {b} x accumulation "
-                                   f"{self.global_batch // b}", batch_size=b, accumulation=self.global_batch // b)
+        a = self.global_batch // b
+        return rung.but(name or f"micro-batch {b}", f"micro-batch {b} x accumulation {a}", batch_size=b,
+                        gradient_accumulation_steps=a)
 
-    @staticmethod
-    def _key(rung: Rung) -> Rung:
-        return dataclasses.replace(rung, name="", what="")  # the settings alone
+    def _config(self, rung: Rung) -> TrainConfig:
+        return self.bench.config(rung)
+
+    def _key(self, rung: Rung) -> Key:
+        """The settings alone, as they run: two candidates whose TrainConfigs resolve alike are one."""
+        return rung.hf, rung.reuse_memory, dataclasses.astuple(self._config(rung))
 
     def _larger(self, b: int) -> int | None:
         return next((d for d in self.sizes if d >= 2 * b), None)  # doubling, where the global batch allows
@@ -148,10 +152,11 @@ class Tuner:
     def _estimate(self, rung: Rung) -> float:
         """Seconds a candidate will take. An eager one changes one setting of the best, so it costs about
         what the best did (a slower one is pruned after two timed steps, and the deadline ends any one)."""
-        if not rung.compile:
+        cfg = self._config(rung)
+        if not cfg.compile:
             return self.best_cost
         first = self.compile_costs[0] if self.compile_costs else COMPILE_PRIOR_S.get(self.device_type, 90.0) + self.best_cost
-        return first * COMPILE_COST.get(rung.compile_mode, 3.0)
+        return first * COMPILE_COST.get(cfg.compile_mode, 3.0)
 
     def _stop_hook(self, prune: bool, deadline: bool, share: list[float]) -> StopHook:
         """Ends a candidate at the deadline, or once it cannot win; appends to `share` the CPU share of
@@ -181,10 +186,8 @@ class Tuner:
 
     def _record(self, stage: str, rung: Rung, status: str, note: str) -> RungResult:
         """A candidate that is not run: it still gets a row, with the reason (once: the budget only shrinks)."""
-        b = rung.batch_size or 1
-        res = RungResult(name=rung.name, what=rung.what, status=status, note=note, batch_size=b,
-                         settings=self.bench.settings(rung, b))
-        self.measured[self._key(rung)] = res
+        res = self.bench.result(rung, self._config(rung), status=status, note=note)
+        self.measured[self._key(rung)] = rung, res
         self.entries.append((stage, res))
         self._log(stage, res)
         return res
@@ -197,12 +200,12 @@ class Tuner:
         end even when its first steps look slow."""
         key = self._key(rung)
         if key in self.measured and not again:
-            return self.measured[key]
+            return self.measured[key][1]
         left = self.deadline - self.clock()
         est = self.costs[key] if again else self._estimate(rung)
         if not forced and est > left:
             if again:  # the first measurement stands; no row for what was not run
-                return self.measured[key]
+                return self.measured[key][1]
             return self._record(stage, rung, "over budget", f"needs about {est:.0f} s; {max(0.0, left):.0f} s of the budget left")
         t0 = self.clock()
         # the reference and the baseline run to the end: everything else is judged against them
@@ -214,16 +217,17 @@ class Tuner:
             res.note = (res.note + "; " if res.note else "") + (
                 f"measured on a busy machine: this process had {share[-1]:.0%} of its {torch.get_num_threads()} "
                 "threads' time")
-        if rung.compile and not again:
+        compiled = self._config(rung).compile
+        if compiled and not again:
             self.compile_costs.append(cost)
         self._check(res)
         if not again:
-            self.measured[key], self.costs[key] = res, cost
+            self.measured[key], self.costs[key] = (rung, res), cost
         self.entries.append((stage, res))
         if res.status == "ok" and (res.loss_ok or forced) and not rung.hf and (
                 self.best is None or res.tokens_per_s > self.best[1].tokens_per_s):
             self.best = (rung, res)
-            if not rung.compile:
+            if not compiled:
                 self.best_cost = cost
         self._log(stage, res)
         return res
@@ -283,9 +287,10 @@ class Tuner:
         defaults = TrainConfig()
         attention = default_attention(self.device_type)
         b = max(d for d in self.sizes if d <= defaults.batch_size)
+        # train's defaults as they resolve here (bench.config): the device's attention and DataLoader settings
         base = Rung("defaults", f"gptopt train's defaults here: fp32, {attention} attention, fused AdamW, default "
-                    "DataLoader", attention=attention, fused=defaults.fused_optimizer and fused_available(self.device_type),
-                    loader=self.default_loader, reuse_memory=True)
+                    "DataLoader", {"fused_optimizer": defaults.fused_optimizer and fused_available(self.device_type)},
+                    reuse_memory=True)
         while True:
             res = self.measure("reference", self._at(base, b, "defaults"), forced=True)
             if res.status == "ok":
@@ -302,10 +307,10 @@ class Tuner:
         """The Hugging Face model as the naive script trains it, for the report's gain; not a candidate."""
         assert self.best is not None
         ref_rung = self.best[0]
-        hf = dataclasses.replace(ref_rung, name="hf", what="Hugging Face GPT2LMHeadModel, eager attention, fp32, "
-                                 "for-each AdamW: the naive script's model", hf=True, attention="eager", fused=False,
-                                 reuse_memory=False)
-        b = hf.batch_size
+        hf = dataclasses.replace(ref_rung.but("hf", "Hugging Face GPT2LMHeadModel, eager attention, fp32, for-each "
+                                              "AdamW: the naive script's model", attention="eager", fused_optimizer=False),
+                                 hf=True, reuse_memory=False)
+        b: int | None = self._config(hf).batch_size
         while b is not None:
             res = self.measure("baseline", self._at(hf, b, "hf"))
             if res.status != "oom":
@@ -316,31 +321,32 @@ class Tuner:
         """Measured together: which attention kernel is faster depends on the dtype (SDPA's CPU kernels)."""
         assert self.best is not None
         base = self.best[0]
-        other = "eager" if base.attention == "sdpa" else "sdpa"
-        attentions = [base.attention, other] if "attention" in axes else [base.attention]
+        current = self._config(base).attention
+        other = "eager" if current == "sdpa" else "sdpa"
+        attentions = [current, other] if "attention" in axes else [current]
         for dtype in amp_choices(self.device_type) if "amp" in axes else ["fp32"]:
             for attention in attentions:
                 amp = dtype != "fp32"
-                self.measure("precision", dataclasses.replace(
-                    base, name=f"{attention} {dtype}", what=f"{attention} attention, {dtype}", attention=attention,
-                    amp=amp, amp_dtype=dtype if amp else None))
+                self.measure("precision", base.but(f"{attention} {dtype}", f"{attention} attention, {dtype}",
+                                                   attention=attention, use_amp=amp, amp_dtype=dtype if amp else "auto"))
 
     def _fused(self) -> None:
         assert self.best is not None
         rung = self.best[0]
-        if not fused_available(self.device_type) and not rung.fused:
+        fused = self._config(rung).fused_optimizer
+        if not fused_available(self.device_type) and not fused:
             return
-        self.measure("optimizer", dataclasses.replace(rung, name="AdamW " + ("for-each" if rung.fused else "fused"),
-                                                      what="the other AdamW implementation", fused=not rung.fused))
+        self.measure("optimizer", rung.but("AdamW " + ("for-each" if fused else "fused"),
+                                           "the other AdamW implementation", fused_optimizer=not fused))
 
     def _loader(self) -> None:
         assert self.best is not None
         rung, res = self.best
-        variants = [v for v in loader_variants(self.device_type) if _loader_key(v) != rung.loader]
-        for v in variants:
-            cand = dataclasses.replace(rung, name=f"loader {v['num_workers']} workers" + (" pinned" if v["pin_memory"] else "")
-                                       + (f" prefetch {v['prefetch_factor']}" if v["prefetch_factor"] else ""),
-                                       what=f"DataLoader {v}", loader=_loader_key(v))
+        cfg = self._config(rung)
+        current = {k: getattr(cfg, k) for k in LOADER_FIELDS}
+        for v in [v for v in loader_variants(self.device_type) if v != current]:
+            cand = rung.but(f"loader {v['num_workers']} workers" + (" pinned" if v["pin_memory"] else "")
+                            + (f" prefetch {v['prefetch_factor']}" if v["prefetch_factor"] else ""), f"DataLoader {v}", **v)
             wait = res.data_wait_frac
             if wait is not None and wait < LOADER_MIN_WAIT:
                 self._record("loader", cand, "pruned", f"cannot win: the best candidate waits for batches {wait:.1%} "
@@ -353,7 +359,8 @@ class Tuner:
         faster; back off when it does not. Returns the first size that ran out of memory, if any."""
         assert self.best is not None
         rung, prev = self.best
-        b0, b = rung.batch_size, self._larger(rung.batch_size)
+        b0 = self._config(rung).batch_size
+        b = self._larger(b0)
         grew = False
         while b is not None:
             res = self.measure("micro-batch", self._at(rung, b))
@@ -381,17 +388,17 @@ class Tuner:
         """Recomputing activations only pays where it lets a larger micro-batch fit that is faster."""
         assert self.best is not None
         rung = self.best[0]
+        recomputing = rung.but("checkpointing", "activation checkpointing", gradient_checkpointing=True)
         if hit_oom is None:
-            why = ("micro-batch {b} is the whole global batch" if rung.batch_size == self.global_batch else
+            b0 = self._config(rung).batch_size
+            why = ("micro-batch {b} is the whole global batch" if b0 == self.global_batch else
                    "larger micro-batches fit without it" if searched else "the micro-batch was not searched")
-            cand = dataclasses.replace(rung, name="checkpointing", what="activation checkpointing", checkpointing=True)
-            self._record("checkpointing", cand, "pruned",
-                         f"cannot win: {why.format(b=rung.batch_size)}; recomputing activations only adds time")
+            self._record("checkpointing", recomputing, "pruned",
+                         f"cannot win: {why.format(b=b0)}; recomputing activations only adds time")
             return
         prev, b = self.best[1], hit_oom
         while b is not None:
-            res = self.measure("checkpointing", self._at(dataclasses.replace(rung, checkpointing=True), b,
-                                                         f"checkpointing, micro-batch {b}"))
+            res = self.measure("checkpointing", self._at(recomputing, b, f"checkpointing, micro-batch {b}"))
             if res.status != "ok" or res.tokens_per_s <= prev.tokens_per_s:
                 break
             prev, b = res, self._larger(b)
@@ -400,27 +407,23 @@ class Tuner:
         """Compile modes on the best eager settings, and bench's `all` rung, which the winner must match."""
         assert self.best is not None and self.reference is not None
         eager_best = self.best[0]
-        self.measure("compile", dataclasses.replace(eager_best, name="compile default", what="torch.compile, default "
-                                                    "mode, on the best eager settings", compile=True))
+        compiled = eager_best.but("compile default", "torch.compile, default mode, on the best eager settings",
+                                  compile=True)
+        self.measure("compile", compiled)
         # never pruned: its first compiled steps can be slow for reasons of their own (allocator, page
         # faults), and the winner is judged against it, so it must be measured in full
         self.bench_all = self.measure("compile", self._bench_all(), prunable=False)  # maybe the first's settings
-        base = self.best[0] if self.best[0].compile else dataclasses.replace(eager_best, compile=True)
+        base = self.best[0] if self._config(self.best[0]).compile else compiled
         modes = ["max-autotune-no-cudagraphs"] + (["reduce-overhead"] if self.device_type == "cuda" else [])
         for mode in modes:
-            self.measure("compile", dataclasses.replace(base, name=f"compile {mode}", what=f"torch.compile mode {mode}",
-                                                        compile_mode=mode))
+            self.measure("compile", base.but(f"compile {mode}", f"torch.compile mode {mode}", compile_mode=mode))
 
     def _bench_all(self) -> Rung:
         """`gptopt bench`'s `all` rung at the reference's micro-batch: compile + the policy's autocast +
-        fused AdamW + the default DataLoader + the device's default attention."""
-        ref = self.measured_rung(self.reference)
-        attention = default_attention(self.device_type)
-        amp = self.bench.plan.amp_dtype is not None
-        return dataclasses.replace(ref, name="bench 'all' rung", what="gptopt bench's `all` rung: compile + autocast + "
-                                   "fused AdamW + default DataLoader + the device's attention", attention=attention,
-                                   amp=amp, amp_dtype=self.bench.plan.amp_name if amp else None, compile=True,
-                                   fused=fused_available(self.device_type), loader=self.default_loader)
+        fused AdamW + the default DataLoader + the device's default attention (the reference's, train's)."""
+        return self.measured_rung(self.reference).but(
+            "bench 'all' rung", "gptopt bench's `all` rung: compile + autocast + fused AdamW + default DataLoader + "
+            "the device's attention", **ALL)
 
     def _confirm(self) -> None:
         """The two fastest valid candidates once more, back to back: on a shared machine one run in a
@@ -429,13 +432,13 @@ class Tuner:
         for _, i in ranked[::-1][:2] if len(ranked) >= 2 else []:
             first = self.entries[i][1]
             rung = self.measured_rung(first)
-            again = self.measure("confirm", dataclasses.replace(rung, name=f"{first.name} (again)",
-                                                                what=f"{first.what}, measured again"), again=True)
+            again = self.measure("confirm", rung.but(f"{first.name} (again)", f"{first.what}, measured again"),
+                                 again=True)
             if again is not first:
                 first.note = (first.note + "; " if first.note else "") + f"measured again as #{len(self.entries)}"
 
     def summary(self) -> dict[str, Any]:
-        """Everything the report, tune_results.json and `--json` show; `best` holds the winner's train options."""
+        """Everything the report, tune_results.json and `--json` show; `train_config`: what tune.toml holds."""
         assert self.reference is not None
         bench, cfg = self.bench, self.cfg
         candidates = [{"index": i, "stage": stage, **dataclasses.asdict(r)} for i, (stage, r) in enumerate(self.entries, 1)]
@@ -443,20 +446,19 @@ class Tuner:
         latest: dict[str, dict[str, Any]] = {}  # settings measured twice (the confirmation) rank by the second figure
         for c, r in pairs:
             if self.valid(r):
-                latest[json.dumps(c["settings"], sort_keys=True)] = c
+                latest[json.dumps(c["config"], sort_keys=True)] = c
 
         def last(res: Any) -> dict[str, Any] | None:
             c = next((c for c, r in pairs if r is res), None)
-            return latest.get(json.dumps(c["settings"], sort_keys=True), c) if c else None
+            return latest.get(json.dumps(c["config"], sort_keys=True), c) if c else None
 
         win = max(latest.values(), key=lambda c: c["tokens_per_s"])  # the reference is always valid
         ref = last(self.reference)
-        hf = next((c for c, r in pairs if c["settings"]["hf"] and r.tokens_per_s and r.status in ("ok", "rejected")), None)
-        hf_note = next((c["note"] for c in candidates if c["settings"]["hf"]), "not measured")
+        hf = next((c for c, r in pairs if c["hf"] and r.tokens_per_s and r.status in ("ok", "rejected")), None)
+        hf_note = next((c["note"] for c in candidates if c["hf"]), "not measured")
         bench_all = last(self.bench_all) if self.bench_all is not None and self.valid(self.bench_all) else None
         # the winner's run as it was measured: its seed (weights, batches) and device too
-        opts = train_options(win["settings"], bench.preset, bench.seq_len, cfg.data_dir, seed=cfg.seed,
-                             device=cfg.device)
+        opts = toml_options(win["config"])
         return {
             "preset": bench.preset, "seq_len": bench.seq_len, "global_batch": self.global_batch,
             "global_batch_tokens": self.global_batch * bench.seq_len, "steps": cfg.steps, "warmup": cfg.warmup,
@@ -466,7 +468,7 @@ class Tuner:
             "loss_tolerance": cfg.loss_tolerance, "model": bench.model_config.to_dict(), "params": bench.params,
             "flops_per_token": bench.fpt, "peak_flops": bench.peak, "peak_source": bench.peak_source,
             "device_policy": bench.plan.reason, "environment": environment(bench.plan),
-            "best": {**{k: win[k] for k in PICK}, "settings": opts},
+            "best": {**{k: win[k] for k in PICK}, "config": win["config"]},
             "defaults": {k: ref[k] for k in PICK},
             "hf": {k: hf[k] for k in PICK} if hf else None, "hf_note": hf["note"] if hf else hf_note,
             "bench_all": {k: bench_all[k] for k in PICK} if bench_all else None,
@@ -478,10 +480,10 @@ class Tuner:
     @staticmethod
     def valid(r: RungResult) -> bool:
         """May win: measured to the end, loss matching, and not the Hugging Face baseline."""
-        return r.status == "ok" and bool(r.loss_ok) and not r.settings["hf"]
+        return r.status == "ok" and bool(r.loss_ok) and not r.hf
 
     def measured_rung(self, res: RungResult | None) -> Rung:
-        return next(rung for rung, r in self.measured.items() if r is res)
+        return next(rung for rung, r in self.measured.values() if r is res)
 
 
 def main(cfg: TuneConfig) -> int:

@@ -34,9 +34,11 @@ def _head(summary: dict[str, Any]) -> list[str]:
     return [("RSS MiB" if h == "peak MiB" and summary["memory_column"] == "reserved_mem_bytes" else h) for h in HEAD]
 
 
-def label(s: dict[str, Any]) -> str:
-    """A candidate's settings in one short line: attention dtype micro-batch x accumulation, then the switches."""
-    parts = ["hf" if s["hf"] else s["attention"], s["amp_dtype"] if s["use_amp"] else "fp32",
+def label(c: dict[str, Any]) -> str:
+    """A candidate's settings (its TrainConfig, and the model) in one short line: attention dtype micro-batch x
+    accumulation, then the switches."""
+    s = c["config"]
+    parts = ["hf" if c["hf"] else s["attention"], s["amp_dtype"] if s["use_amp"] else "fp32",
              f"{s['batch_size']}x{s['gradient_accumulation_steps']}"]
     if s["fused_optimizer"]:
         parts.append("fused")
@@ -59,7 +61,7 @@ def rows(summary: dict[str, Any]) -> list[list[str]]:
     win = summary["best"]["index"]
     out = []
     for c in summary["candidates"]:
-        out.append([str(c["index"]) + (" *" if c["index"] == win else ""), c["stage"], c["name"], label(c["settings"]),
+        out.append([str(c["index"]) + (" *" if c["index"] == win else ""), c["stage"], c["name"], label(c),
                     fmt(c["tokens_per_s"], "int"), fmt(c["step_time_s"], "ms"), fmt(c["compile_s"], "s"),
                     fmt(c["mfu"], "pct"), fmt(c[summary["memory_column"]], "mib"), fmt(c["loss"], "f"), _loss_check(c),
                     fmt(c["speedup_vs_baseline"], "x"), c["status"]])
@@ -111,7 +113,7 @@ def markdown(summary: dict[str, Any], plot_file: str | None, tune_toml: str) -> 
           f"- budgets: {s['time_budget_s']:.0f} s of wall time ({s['elapsed_s']:.0f} s used); memory "
           f"{s['memory_budget']:.0%} ({s['memory_limit_bytes'] / 2**20:,.0f} MiB); axes searched: {', '.join(s['axes'])}",
           "", "## Winner", "",
-          f"**#{best['index']} {best['name']}** ({label(win['settings'])}): "
+          f"**#{best['index']} {best['name']}** ({label(win)}): "
           f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, peak {fmt(win[s['memory_column']], 'mib')} MiB.", ""]
     md += [f"- {g}" for g in _gains(s)]
     md += ["", "Train with it: `gptopt train --config tune.toml`", "", "```toml", tune_toml.rstrip(), "```",
@@ -186,8 +188,7 @@ def _write(summary: dict[str, Any], out: Path) -> None:
         w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         for c in summary["candidates"]:
-            w.writerow({**c, "settings": label(c["settings"]),
-                        "gradient_accumulation_steps": c["settings"]["gradient_accumulation_steps"]})
+            w.writerow({**c, "settings": label(c), "gradient_accumulation_steps": c["config"]["gradient_accumulation_steps"]})
     tune_toml = toml_text(summary["train_config"], TUNE_TOML_HEADER)
     (out / "tune.toml").write_text(tune_toml)
     (out / "tune_report.md").write_text(markdown(summary, plot(summary, out), tune_toml))

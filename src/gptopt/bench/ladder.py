@@ -5,9 +5,10 @@
 
 Every rung starts from the same weights and trains on the same batches, so its loss after the timed
 steps can be compared with the baseline's: a rung that is faster at computing something else fails.
-Each rung trains with the step `gptopt train` runs (step.TrainStep), under the TrainConfig its best.toml
-would give train: AdamW with decay on matrices only, gradient clipping, the warmup schedule. A rung whose
-settings, once the device policy has resolved them, are an earlier rung's is not measured again.
+A rung is TrainConfig fields over the bench's base config (Rung.overrides); it trains with the step
+`gptopt train` runs (step.TrainStep) under that TrainConfig, which its best.toml gives train field by field:
+AdamW with decay on matrices only, gradient clipping, the warmup schedule. A rung whose config, once the
+device policy has resolved it, is an earlier rung's is not measured again.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import logging
 import statistics
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,49 +40,57 @@ from gptopt.measure import STOPPED
 from gptopt.model import GPT
 from gptopt.monitor import Monitor, format_summary
 from gptopt.prepare_model import compile_model
-from gptopt.step import TrainStep, is_oom
+from gptopt.step import LOADER_FIELDS, TrainStep, is_oom, loader_options
 from gptopt.tables import to_json
 
 log = logging.getLogger("gptopt")
 
 
+# A rung's settings are TrainConfig fields over the bench's base config (Bench.base: the bench's model, data,
+# length, micro-batch and seed, train's defaults for the rest). The naive script's: fp32 (train's default),
+# the SDPA kernel, the for-each AdamW, batches read in the training process, unpinned.
+NAIVE: dict[str, Any] = {"attention": "sdpa", "fused_optimizer": False, "num_workers": 0, "pin_memory": False}
+# `all` is train's defaults (fused AdamW, the device's attention kernel and DataLoader settings) with autocast
+# and torch.compile: `gptopt train --use_amp --compile`.
+ALL: dict[str, Any] = {"use_amp": True, "compile": True}
+
+
 @dataclass(frozen=True)
 class Rung:
+    """One setting of the ladder (or a tune candidate): its TrainConfig is the bench's base with the overrides
+    (Bench.config). Two switches are the bench's alone, since `gptopt train` has no option for them: the Hugging
+    Face model in place of gptopt's (the naive script's), and host memory reuse, which train always does on CPUs
+    (off in the naive rungs, so `all` shows what it buys)."""
+
     name: str
     what: str  # the one change this rung makes, for the report
+    overrides: Mapping[str, Any] = field(default_factory=dict)  # TrainConfig field -> value
     hf: bool = False
-    attention: str = "sdpa"  # "auto": the device's default, as `gptopt train` picks it
-    amp: bool = False
-    compile: bool = False
-    compile_mode: str = "default"
-    fused: bool = False
-    tuned_loader: bool = False
-    checkpointing: bool = False
     reuse_memory: bool = False  # on CPUs, freed host memory kept for the next tensor, as `gptopt train` runs
-    batch_size: int | None = None  # None: the bench's batch
-    # what `gptopt tune` varies beyond the ladder's switches; the defaults are the ladder's behaviour
-    amp_dtype: str | None = None  # with amp: "bf16" or "fp16"; None: the device policy's dtype
-    accumulation: int = 1  # micro-batches per optimizer step: the step trains on batch_size x this sequences
-    loader: tuple[tuple[str, Any], ...] | None = None  # DataLoader settings; None: chosen by tuned_loader
+
+    def but(self, name: str, what: str, **overrides: Any) -> Rung:
+        """This rung under another name, with more overrides (over its own)."""
+        return dataclasses.replace(self, name=name, what=what, overrides={**self.overrides, **overrides})
 
 
 LADDER: list[Rung] = [
-    Rung("hf", "Hugging Face GPT2LMHeadModel, eager attention, fp32: the naive script", hf=True, attention="eager"),
-    Rung("eager", "gptopt's model, eager attention, fp32", attention="eager"),
-    Rung("sdpa", "+ scaled_dot_product_attention (flash / memory-efficient kernels)"),
-    Rung("amp", "+ autocast mixed precision", amp=True),
-    Rung("compile", "+ torch.compile, fp32", compile=True),
-    Rung("compile_amp", "torch.compile + autocast", compile=True, amp=True),
+    Rung("hf", "Hugging Face GPT2LMHeadModel, eager attention, fp32: the naive script", {**NAIVE, "attention": "eager"},
+         hf=True),
+    Rung("eager", "gptopt's model, eager attention, fp32", {**NAIVE, "attention": "eager"}),
+    Rung("sdpa", "+ scaled_dot_product_attention (flash / memory-efficient kernels)", NAIVE),
+    Rung("amp", "+ autocast mixed precision", {**NAIVE, "use_amp": True}),
+    Rung("compile", "+ torch.compile, fp32", {**NAIVE, "compile": True}),
+    Rung("compile_amp", "torch.compile + autocast", {**NAIVE, "compile": True, "use_amp": True}),
     Rung("all", "compile + autocast + fused AdamW + tuned DataLoader + the device's attention + host memory reuse",
-         attention="auto", compile=True, amp=True, fused=True, tuned_loader=True, reuse_memory=True),
+         ALL, reuse_memory=True),
 ]
 OPTIONAL: list[Rung] = [
-    Rung("ckpt", "'all' + activation checkpointing (memory against time)", attention="auto", compile=True, amp=True,
-         fused=True, tuned_loader=True, checkpointing=True, reuse_memory=True),
-    Rung("reduce_overhead", "'all' with compile mode reduce-overhead (CUDA graphs)", attention="auto", compile=True,
-         amp=True, fused=True, tuned_loader=True, compile_mode="reduce-overhead", reuse_memory=True),
-    Rung("max_autotune", "'all' with compile mode max-autotune", attention="auto", compile=True, amp=True, fused=True,
-         tuned_loader=True, compile_mode="max-autotune", reuse_memory=True),
+    Rung("ckpt", "'all' + activation checkpointing (memory against time)", {**ALL, "gradient_checkpointing": True},
+         reuse_memory=True),
+    Rung("reduce_overhead", "'all' with compile mode reduce-overhead (CUDA graphs)",
+         {**ALL, "compile_mode": "reduce-overhead"}, reuse_memory=True),
+    Rung("max_autotune", "'all' with compile mode max-autotune", {**ALL, "compile_mode": "max-autotune"},
+         reuse_memory=True),
 ]
 SWEEP = "batch_sweep"  # expands to 'all' at doubling micro-batches until one does not fit
 
@@ -127,7 +136,8 @@ class RungResult:
     status: str = "ok"  # ok | oom | skipped | failed | identical (to the rung `same_as`: not measured again)
     note: str = ""
     same_as: str | None = None  # the earlier rung whose effective settings this rung's are
-    settings: dict[str, Any] = field(default_factory=dict)
+    hf: bool = False  # the Hugging Face model (Rung.hf): a baseline, never the recommendation
+    config: dict[str, Any] = field(default_factory=dict)  # the TrainConfig it trained under, field by field
     batch_size: int = 0
     compile_s: float | None = None  # the first (warm-up) step: compile, autotune, caches
     step_time_s: float | None = None  # median
@@ -193,6 +203,10 @@ class Bench:
         self.params = init.num_params()
         self.init_state = {k: v.clone() for k, v in init.state_dict().items()}
         self.peak, self.peak_source = peak_flops(self.plan)
+        # every rung's TrainConfig starts here; train's defaults fill the rest (learning rate, warmup, schedule,
+        # weight decay, betas, gradient clipping), so best.toml trains what the rung measured
+        self.base = TrainConfig(preset=self.preset, data_dir=cfg.data_dir, seq_len=self.seq_len,
+                                batch_size=self.batch_size, seed=cfg.seed, device=cfg.device)
         self.results: list[RungResult] = []
         self.stopped = False  # Ctrl-C ended the ladder early
         self._effective: dict[str, dict[str, Any]] = {}  # rung name -> its effective settings (self.effective)
@@ -200,19 +214,30 @@ class Bench:
 
     # -- one rung --------------------------------------------------------------------------
 
-    def _attention(self, rung: Rung) -> str:
-        if rung.attention != "auto":
-            return rung.attention
+    def config(self, rung: Rung, batch_size: int | None = None) -> TrainConfig:
+        """The TrainConfig a rung trains under: the base with the rung's overrides (and a sweep's micro-batch),
+        its attention kernel, autocast and DataLoader settings as this device resolves them (autocast that the
+        policy leaves at fp32 is off), so the config, and best.toml written from it, names what ran."""
+        cfg = dataclasses.replace(self.base, **{**rung.overrides, **({"batch_size": batch_size} if batch_size else {})})
+        amp = self._plan(cfg).amp_name
+        return dataclasses.replace(cfg, attention=self._attention(cfg.attention), use_amp=amp != "fp32",
+                                   amp_dtype="auto" if amp == "fp32" else amp,
+                                   **loader_options(cfg, self.plan.device.type))
+
+    def _attention(self, choice: str) -> str:
+        if choice != "auto":
+            return choice
         # Not the faster of the fp32 `eager` and `sdpa` rungs: that ranking does not carry over to
         # compiled autocast steps (on CPUs SDPA wins in eager fp32 and loses compiled in bf16).
-        choice = default_attention(self.plan.device.type)
-        other = "sdpa" if choice == "eager" else "eager"
+        default = default_attention(self.plan.device.type)
+        other = "sdpa" if default == "eager" else "eager"
         status = {r.name: r.status for r in self.results}
-        return other if status.get(choice, "ok") != "ok" and status.get(other) == "ok" else choice
+        return other if status.get(default, "ok") != "ok" and status.get(other) == "ok" else default
 
-    def _build(self, rung: Rung, attention: str) -> nn.Module:
-        cfg = dataclasses.replace(self.model_config, attention=attention, gradient_checkpointing=rung.checkpointing)
-        model = GPT(cfg)
+    def _build(self, rung: Rung, cfg: TrainConfig) -> nn.Module:
+        model_cfg = dataclasses.replace(self.model_config, attention=cfg.attention,
+                                        gradient_checkpointing=cfg.gradient_checkpointing)
+        model = GPT(model_cfg)
         model.load_state_dict(self.init_state)
         if rung.hf:
             from gptopt.hf import to_hf_model
@@ -220,48 +245,34 @@ class Bench:
             return HFLoss(to_hf_model(model).train()).to(self.plan.device)
         return model.to(self.plan.device)
 
-    def _plan(self, rung: Rung) -> DevicePlan:
-        """The device plan a rung trains under: the policy's, fp32, or the dtype the rung names."""
-        if not rung.amp:
+    def _plan(self, cfg: TrainConfig) -> DevicePlan:
+        """The device plan a rung trains under: fp32, the policy's autocast dtype, or the dtype it names."""
+        if not cfg.use_amp:
             return dataclasses.replace(self.plan, amp_dtype=None, use_grad_scaler=False)
-        if rung.amp_dtype is None:
+        if cfg.amp_dtype == "auto":
             return self.plan
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[rung.amp_dtype]
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[cfg.amp_dtype]
         # fp16 needs loss scaling on CUDA; bf16 has fp32's exponent range and does not
         return dataclasses.replace(self.plan, amp_dtype=dtype,
-                                   use_grad_scaler=rung.amp_dtype == "fp16" and self.plan.device.type == "cuda")
+                                   use_grad_scaler=cfg.amp_dtype == "fp16" and self.plan.device.type == "cuda")
 
-    def _loader(self, rung: Rung) -> dict[str, Any]:
-        if rung.loader is not None:
-            return dict(rung.loader)
-        return data.default_loader_settings(self.plan.device.type) if rung.tuned_loader else dict(num_workers=0)
-
-    def settings(self, rung: Rung, batch_size: int) -> dict[str, Any]:
-        """What a rung trains with, as `gptopt train` options (plus hf: whether it is the HF model)."""
-        return dict(attention=self._attention(rung), use_amp=rung.amp, amp_dtype=self._plan(rung).amp_name,
-                    compile=rung.compile, compile_mode=rung.compile_mode, fused_optimizer=rung.fused,
-                    gradient_checkpointing=rung.checkpointing, batch_size=batch_size,
-                    gradient_accumulation_steps=rung.accumulation, hf=rung.hf, **self._loader(rung))
-
-    def train_config(self, settings: dict[str, Any]) -> TrainConfig:
-        """The TrainConfig `gptopt train` gets from a rung's best.toml; its defaults fill the rest
-        (learning rate, warmup, schedule, weight decay, betas, gradient clipping)."""
-        return TrainConfig(**train_options(settings, self.preset, self.seq_len, self.cfg.data_dir,
-                                           seed=self.cfg.seed, device=self.cfg.device))
+    def result(self, rung: Rung, cfg: TrainConfig, **fields: Any) -> RungResult:
+        """A rung's row, before any figure: what it is and the config it trains under."""
+        return RungResult(**{"name": rung.name, "what": rung.what, "hf": rung.hf, "batch_size": cfg.batch_size,
+                             "config": dataclasses.asdict(cfg), **fields})
 
     def effective(self, rung: Rung, batch_size: int | None = None) -> dict[str, Any]:
-        """What a rung runs once the device policy has resolved it: `use_amp` drops out (amp_dtype is the
-        autocast dtype it resolves to, fp32 for none) and host memory reuse counts only on CPUs."""
-        B = batch_size or rung.batch_size or self.batch_size
-        s = {k: v for k, v in self.settings(rung, B).items() if k != "use_amp"}
-        return {**s, "reuse_memory": rung.reuse_memory and self.plan.device.type == "cpu"}
+        """What a rung runs once the device policy has resolved it: its config, the model, and host memory
+        reuse, which counts only on CPUs."""
+        return {**dataclasses.asdict(self.config(rung, batch_size)), "hf": rung.hf,
+                "reuse_memory": rung.reuse_memory and self.plan.device.type == "cpu"}
 
-    def memory_estimate(self, rung: Rung, batch_size: int) -> memory.Estimate:
-        """The peak memory of a rung's step at a micro-batch, as memory.train_step_bytes counts it."""
-        cfg = dataclasses.replace(self.model_config, attention=self._attention(rung),
-                                  gradient_checkpointing=rung.checkpointing)
-        return memory.train_step_bytes(cfg, batch_size, self.seq_len, amp_dtype=self._plan(rung).amp_dtype,
-                                       accumulation=rung.accumulation)
+    def memory_estimate(self, cfg: TrainConfig) -> memory.Estimate:
+        """The peak memory of a rung's step, as memory.train_step_bytes counts it."""
+        model_cfg = dataclasses.replace(self.model_config, attention=cfg.attention,
+                                        gradient_checkpointing=cfg.gradient_checkpointing)
+        return memory.train_step_bytes(model_cfg, cfg.batch_size, self.seq_len, amp_dtype=self._plan(cfg).amp_dtype,
+                                       accumulation=cfg.gradient_accumulation_steps)
 
     def identical_to(self, rung: Rung) -> RungResult | None:
         """The earlier measured rung this one would repeat, if any."""
@@ -271,32 +282,29 @@ class Bench:
 
     def run_rung(self, rung: Rung, batch_size: int | None = None, *, stop: StopHook | None = None) -> RungResult:
         cfg, plan = self.cfg, self.plan
-        B = batch_size or rung.batch_size or self.batch_size
-        accum = rung.accumulation
-        attention = self._attention(rung)
-        res = RungResult(name=rung.name if batch_size is None else f"{rung.name}_b{B}", what=rung.what, batch_size=B)
-        res.settings = self.settings(rung, B)
+        tcfg = self.config(rung, batch_size)
+        B, accum = tcfg.batch_size, tcfg.gradient_accumulation_steps
+        res = self.result(rung, tcfg, name=rung.name if batch_size is None else f"{rung.name}_b{B}")
         if rung.hf and not has("transformers"):
             res.status, res.note = "skipped", "needs the 'hf' extra: pip install 'gptopt[hf]'"
             return res
-        short = memory.shortfall(self.memory_estimate(rung, B), plan.device)
+        short = memory.shortfall(self.memory_estimate(tcfg), plan.device)
         if short is not None:  # reported before anything is allocated: a CPU would otherwise be OOM-killed
             res.status, res.note = "oom", f"out of memory at micro-batch {B} (estimated, not run): it {short}"
             log.warning(f"rung {res.name}: {res.note}")
             return res
-        rplan = self._plan(rung)
-        loader_opts = self._loader(rung)
+        rplan = self._plan(tcfg)
         model = train_step = None
         reused = rung.reuse_memory and plan.device.type == "cpu" and reuse_host_memory()
         try:
-            model = self._build(rung, attention)
-            step_model = compile_model(model, mode=rung.compile_mode) if rung.compile else model
-            # train's step under train's config: the HF baseline too (its settings turn the fused kernel off)
-            train_step = TrainStep(step_model, model, rplan, self.train_config(res.settings))
+            model = self._build(rung, tcfg)
+            step_model = compile_model(model, mode=tcfg.compile_mode) if tcfg.compile else model
+            # train's step under the rung's TrainConfig: the HF baseline too (its config turns the fused kernel off)
+            train_step = TrainStep(step_model, model, rplan, tcfg)
             # Each step's whole batch (B x accum sequences) is one item, split into micro-batches here:
             # every way of splitting it trains on the same sequences, so losses compare across micro-batches.
             ds = data.BatchDataset(self.data, "train", B * accum, self.seq_len, cfg.seed)
-            batches = iter(data.make_loader(ds, 0, **loader_opts))
+            batches = iter(data.make_loader(ds, 0, **loader_options(tcfg, plan.device.type)))
             times, waits = [], []
             rss0 = psutil.Process().memory_info().rss
             rss_peak = rss0
@@ -414,18 +422,17 @@ class Bench:
 
     def _identical(self, rung: Rung, same: RungResult) -> RungResult:
         """A rung that would repeat an earlier one: a row that says so, with no figures and no speedup."""
-        B = rung.batch_size or self.batch_size
-        settings = self.settings(rung, B)
-        why = (f"autocast resolves to {settings['amp_dtype']}" if settings["use_amp"] != same.settings["use_amp"]
+        cfg = self.config(rung)
+        why = ("autocast resolves to fp32" if rung.overrides.get("use_amp") and not cfg.use_amp
                else "the same settings once the device policy resolves them")
-        return RungResult(name=rung.name, what=rung.what, status="identical", same_as=same.name, batch_size=B,
-                          settings=settings, note=f"identical to {same.name} on this device ({why})")
+        return self.result(rung, cfg, status="identical", same_as=same.name,
+                           note=f"identical to {same.name} on this device ({why})")
 
     def _sweep(self) -> list[RungResult]:
         base = next(r for r in LADDER if r.name == "all")
         out, b = [], 1
         while b <= 4096:
-            res = self.run_rung(dataclasses.replace(base, name="sweep", what=f"'all' at micro-batch {b}"), batch_size=b)
+            res = self.run_rung(base.but("sweep", f"'all' at micro-batch {b}"), batch_size=b)
             out.append(res)
             if res.status != "ok" or (self.plan.device.type == "cpu" and b >= 2 * self.batch_size):
                 break  # on a CPU nothing runs out of memory soon: stop past the bench's batch
@@ -448,7 +455,7 @@ class Bench:
             prev = r
 
     def best(self) -> RungResult | None:
-        good = [r for r in self.results if r.status == "ok" and r.loss_ok is not False and not r.settings.get("hf")]
+        good = [r for r in self.results if r.status == "ok" and r.loss_ok is not False and not r.hf]
         return max(good, key=lambda r: r.tokens_per_s) if good else None
 
     def summary(self) -> dict[str, Any]:
@@ -465,35 +472,24 @@ class Bench:
         }
 
 
-def best_train_config(summary: dict[str, Any], data_dir: str) -> dict[str, Any] | None:
-    """The winning rung as `gptopt train` options (what best.toml holds): the config it trained under
-    (Bench.train_config), so `gptopt train --config best.toml` is that rung's run."""
+def best_train_config(summary: dict[str, Any]) -> dict[str, Any] | None:
+    """What best.toml holds: the winning rung's TrainConfig (toml_options), so `gptopt train --config best.toml`
+    is that rung's run."""
     best = next((r for r in summary["rungs"] if r["name"] == summary["best"]), None)
-    if best is None:
-        return None
-    return train_options(best["settings"], summary["preset"], summary["seq_len"], data_dir,
-                         seed=summary["seed"], device=summary["device"])
+    return None if best is None else toml_options(best["config"])
 
 
-def train_options(s: dict[str, Any], preset: str, seq_len: int, data_dir: str, *, seed: int | None = None,
-                  device: str | None = None) -> dict[str, Any]:
-    """A rung's settings (RungResult.settings) as the options of `gptopt train`; with the seed (the rung's
-    weights and batches) and the device the rung trained with, where given."""
-    opts: dict[str, Any] = {
-        "preset": preset, "data_dir": data_dir, "seq_len": seq_len, "batch_size": s["batch_size"],
-        "gradient_accumulation_steps": s.get("gradient_accumulation_steps", 1),
-        "attention": s["attention"], "use_amp": s["use_amp"], "compile": s["compile"],
-        "compile_mode": s["compile_mode"], "fused_optimizer": s["fused_optimizer"],
-        "gradient_checkpointing": s["gradient_checkpointing"], "num_workers": s["num_workers"],
-    }
-    if s["use_amp"] and s.get("amp_dtype") in ("bf16", "fp16"):
-        opts["amp_dtype"] = s["amp_dtype"]
-    for key in ("pin_memory", "prefetch_factor", "persistent_workers"):
-        if s.get(key) is not None:
-            opts[key] = s[key]
-    # "auto" is train's default: left out, as an option nobody chose
-    return {**opts, **({"seed": seed} if seed is not None else {}),
-            **({"device": device} if device and device != "auto" else {})}
+# What a TOML of a rung's TrainConfig always names: the run (model, data, length, seed) and the step's settings,
+# which a reader of best.toml or tune.toml looks for; any other field only where it is not train's default.
+NAMED = ("preset", "data_dir", "seq_len", "seed", "batch_size", "gradient_accumulation_steps", "attention", "use_amp",
+         "amp_dtype", "compile", "compile_mode", "fused_optimizer", "gradient_checkpointing", *LOADER_FIELDS)
+
+
+def toml_options(config: dict[str, Any]) -> dict[str, Any]:
+    """A rung's TrainConfig (RungResult.config) as the flat options of best.toml or tune.toml, under the
+    fields' own names. A value of None is left out, as train's default (toml_text writes no None)."""
+    defaults = dataclasses.asdict(TrainConfig())
+    return {k: v for k, v in config.items() if k in NAMED or v != defaults[k]}
 
 
 def main(cfg: BenchConfig) -> int:
@@ -511,7 +507,7 @@ def main(cfg: BenchConfig) -> int:
              f"{cfg.warmup} warm-up + {cfg.steps} timed steps per rung, {len(rungs)} rungs")
     summary = bench.run(rungs)
     out = Path(cfg.output_dir).expanduser()  # the folder bench/main.py checked
-    report.write_all(summary, out, best_train_config(summary, cfg.data_dir))
+    report.write_all(summary, out, best_train_config(summary))
     print(report.table(summary))
     best = summary["best"]
     print(f"\nreport: {out / 'report.md'}" + (f"; best rung '{best}' -> {out / 'best.toml'}" if best else ""))

@@ -88,7 +88,7 @@ def markdown(summary: dict[str, Any], plots: list[str], best_toml: str | None) -
     if best is None:
         md.append("No rung finished with a matching loss; see the notes above.")
     else:
-        s = best["settings"]
+        s = best["config"]
         flags = ["--use_amp" if s["use_amp"] else "", "--compile" if s["compile"] else "",
                  f"--attention {s['attention']}", f"--batch_size {s['batch_size']}"]
         md.append(f"Fastest rung with a matching loss: **{best['name']}**, {best['tokens_per_s']:,.0f} tokens/s, "
