@@ -73,7 +73,8 @@ def test_a_seq_len_beyond_the_models_context_is_refused_before_any_work(
                      *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     n, c = argv[argv.index("--seq_len") + 1], context.split()[0]
-    assert len(err) == 1 and err[0].endswith(f"--seq_len {n} exceeds the model's context {context}: use --seq_len {c} or less")
+    said = f"--seq_len {n} exceeds the model's context {context}: use --seq_len {c} or less"
+    assert len(err) == 1 and err[0].endswith(said)
     assert not out.exists() and not (tmp_path / "no_data").exists()  # nothing written, no data read or prepared
 
 
@@ -295,7 +296,8 @@ def test_a_rung_estimated_not_to_fit_is_reported_before_it_allocates_and_the_ben
     monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "available RAM"))
     built: list[str] = []
     real_build = Bench._build
-    monkeypatch.setattr(Bench, "_build", lambda self, rung, cfg: (built.append(rung.name), real_build(self, rung, cfg))[1])
+    monkeypatch.setattr(Bench, "_build", lambda self, rung, cfg: (built.append(rung.name),
+                                                                   real_build(self, rung, cfg))[1])
     summary = bench.run(select_rungs(cfg.rungs))
     rungs = {r["name"]: r for r in summary["rungs"]}
     assert built == ["sdpa"]  # the refused rung allocated nothing

@@ -114,7 +114,7 @@ def test_without_the_hf_extra_hf_is_skipped_and_kv_is_the_baseline(
 
 
 def test_each_rung_gets_the_same_weights_with_lm_head_tied_to_the_embedding(bench: InferBench) -> None:
-    """Built without init work (gpt2-xl's takes ~30 s on a CPU): the stored weights, tied as GPT-2 ties
+    """Built without init work (slow for gpt2-xl on a CPU): the stored weights, tied as GPT-2 ties
     them, so the embedding is read, and counted in bytes per token, once."""
     a, b = bench._model(torch.float32), bench._model(torch.float32)
     for model in (a, b):
@@ -182,7 +182,8 @@ def test_int4_runs_on_an_sm80_gpu(train_data: Path, tmp_path: Path) -> None:
     assert [p["batch_size"] for p in res.batch_sweep] == [1, 2] and res.bytes_per_token > 0
 
 
-def test_bf16_is_skipped_where_the_device_has_no_native_bf16(bench: InferBench, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bf16_is_skipped_where_the_device_has_no_native_bf16(bench: InferBench,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     no_bf16 = dataclasses.replace(bench.plan, amp_dtype=None, reason="device cpu: CPU without native bf16 matmul")
     monkeypatch.setattr(bench, "plan", no_bf16)
     res = bench.run_rung(RUNG["bf16"])
@@ -245,7 +246,8 @@ def test_the_default_ladder_runs_end_to_end_with_its_compiled_rungs(
             assert 0 <= r["tokens_match"] <= 1 and r["max_logit_diff"] > 0 and r["decode_tokens_per_s"] > 0
 
 
-def test_ctrl_c_keeps_the_rungs_measured_so_far(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_ctrl_c_keeps_the_rungs_measured_so_far(train_data: Path, tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """Stopped by Ctrl-C (or a time limit's SIGINT) mid-sweep: the report still holds the batch sizes done."""
     pytest.importorskip("transformers")
     real = GptoptRunner.generate
@@ -355,7 +357,8 @@ def test_batch_sizes_choose_the_sweep_and_batch_1_is_always_in_it(train_data: Pa
     results = json.loads((out / "infer_results.json").read_text())
     assert results["batch_sizes"] == [1, 3]  # batch 1's figures head every rung
     assert [row["batch_size"] for row in results["rungs"][0]["batch_sweep"]] == [1, 3]
-    for bad, says in ((["--batch_sizes", "0,8"], "1..65536"), (["--batch_sizes", "8", "--batch_size", "8"], "not both")):
+    for bad, says in ((["--batch_sizes", "0,8"], "1..65536"),
+                      (["--batch_sizes", "8", "--batch_size", "8"], "not both")):
         with pytest.raises(SystemExit) as e:
             cli.main(sweep_args(tmp_path / "c", *bad))
         assert e.value.code == 2 and says in capsys.readouterr().err

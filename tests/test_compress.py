@@ -31,8 +31,9 @@ CPU = resolve("cpu", quiet=True)
 
 def compress_cli(model: Path, data: Path | None, output: Path, *extra: str) -> list[str]:
     """data None: no --data_dir, so compress scores on the data the model was trained on."""
-    return ["compress", "--model", str(model), "--output_dir", str(output), *(["--data_dir", str(data)] if data else []),
-            "--device", "cpu", "--eval_tokens", "1024", "--repeats", "1", *extra]
+    return ["compress", "--model", str(model), "--output_dir", str(output),
+            *(["--data_dir", str(data)] if data else []), "--device", "cpu", "--eval_tokens", "1024", "--repeats", "1",
+            *extra]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,7 +44,8 @@ def test_mean_kl_of_known_distributions() -> None:
     p, r = torch.tensor([[0.5, 0.5]]), torch.tensor([[0.9, 0.1]])
     expected = 0.5 * math.log(0.5 / 0.9) + 0.5 * math.log(0.5 / 0.1)
     assert mean_kl(p.log(), r.log()).item() == pytest.approx(expected, rel=1e-6)
-    assert mean_kl(p.log() + 3.0, r.log() - 1.0).item() == pytest.approx(expected, rel=1e-6)  # logits, not probabilities
+    # logits, not probabilities
+    assert mean_kl(p.log() + 3.0, r.log() - 1.0).item() == pytest.approx(expected, rel=1e-6)
 
 
 def test_a_model_against_itself_scores_kl_0_and_its_own_perplexity(trained_out: Path, train_data: Path) -> None:

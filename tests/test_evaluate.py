@@ -29,7 +29,8 @@ from gptopt.model import GPT
 # context is longer than the debug model's 64 tokens, so it is cut from the left.
 LONG = "The quick brown fox jumps over the lazy dog. " * 12
 EXAMPLES = [
-    (LONG + "Then the fox", ["ran away into the woods.", "sat.", "jumped over the moon and back again twice.", "slept"]),
+    (LONG + "Then the fox",
+     ["ran away into the woods.", "sat.", "jumped over the moon and back again twice.", "slept"]),
     ("def fib(n):\n    return", [" n if n < 2 else fib(n - 1)", "None", "fib", "the end of the function body"]),
     ("import os, sys", ["print('hello, world')", "os.path.join('a', 'b')", "x = 1", "sys.exit(0)"]),
 ]

@@ -119,8 +119,8 @@ def test_host_reads_in_the_step_are_found_and_counted(train_data: Path, tmp_path
 
 def test_graph_breaks_of_a_compiled_model_are_counted_with_reasons(train_data: Path, tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    # Dynamo finds the breaks before any backend runs: the eager backend skips Inductor's 20-50 s of
-    # code generation on a CPU and breaks in exactly the same places.
+    # Dynamo finds the breaks before any backend runs: the eager backend skips Inductor's slow code
+    # generation on a CPU and breaks in exactly the same places.
     monkeypatch.setattr(prepare_model, "compile_model",
                         lambda model, mode="default", fullgraph=False: torch.compile(model, backend="eager"))
     _forward_that_reads_the_loss(monkeypatch)
@@ -219,7 +219,8 @@ def test_a_sequence_longer_than_the_context_is_refused(train_data: Path, tmp_pat
         profiled(train_data, tmp_path, seq_len=65)
 
 
-def test_cli_writes_traces_and_the_diagnosis(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_writes_traces_and_the_diagnosis(train_data: Path, tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "prof"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
@@ -254,7 +255,8 @@ def test_cli_writes_traces_and_the_diagnosis(train_data: Path, tmp_path: Path, c
 # The rules on synthetic summaries: each fires above its threshold and stays quiet below it
 
 
-def kernels(step: int, n: int, us: float, *, dtype: str = "c10::BFloat16", matmul_every: int = 10) -> Iterator[OpRecord]:
+def kernels(step: int, n: int, us: float, *, dtype: str = "c10::BFloat16",
+            matmul_every: int = 10) -> Iterator[OpRecord]:
     """n back-to-back kernels of `us` each; every matmul_every-th one a matmul of the given dtype."""
     for k in range(n):
         mm = k % matmul_every == 0
@@ -319,7 +321,8 @@ def test_one_sync_in_any_step_is_found() -> None:
 
 def test_nested_busy_ops_are_not_counted_twice() -> None:
     # An op and its child (linear around addmm) cover 3 ms of a 10 ms step, not 5 ms.
-    ops = [OpRecord("aten::linear", 0, 1000.0, 3000.0, busy=True), OpRecord("aten::addmm", 0, 1500.0, 2000.0, busy=True)]
+    ops = [OpRecord("aten::linear", 0, 1000.0, 3000.0, busy=True),
+           OpRecord("aten::addmm", 0, 1500.0, 2000.0, busy=True)]
     assert figures(synthetic(steps=1, wait_ms=0.0, ops=ops)).idle_share == pytest.approx(0.7)
 
 
@@ -380,4 +383,5 @@ def test_profile_takes_every_compile_mode_train_takes() -> None:
     assert "max-autotune-no-cudagraphs" in modes  # the mode tune measures on CPUs
     parser = cli.build_parser("profile", ProfileConfig)
     for mode in modes:
-        assert cli.parse_config("profile", ProfileConfig, ["--compile", "--compile_mode", mode], parser).compile_mode == mode
+        cfg = cli.parse_config("profile", ProfileConfig, ["--compile", "--compile_mode", mode], parser)
+        assert cfg.compile_mode == mode

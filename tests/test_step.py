@@ -24,7 +24,7 @@ def _no_compile(model: torch.nn.Module, *args: object, **kwargs: object) -> torc
 def test_benchs_all_rung_and_train_with_its_best_toml_take_the_same_steps(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Compiling costs a minute here: both sides run eagerly, while best.toml still says compile = true,
+    # Compiling is slow on a CPU: both sides run eagerly, while best.toml still says compile = true,
     # so the very settings the bench measured are the ones train reads back.
     monkeypatch.setattr(torch, "compile", _no_compile)
     out = tmp_path / "b"

@@ -120,7 +120,8 @@ def samples(out: Path) -> dict[int, str]:
 def test_resume_is_bitwise_exact(train_data: Path, tmp_path: Path, optimizer: str) -> None:
     # dropout on, so the RNG state must be restored too, not only weights and optimizer; eval samples
     # on, so sampling must leave training's RNG stream alone (the first leg samples at step 5 too)
-    kw = dict(optimizer=optimizer, dropout=0.1, save_interval=5, max_steps=10, eval_interval=3, eval_iters=2, sample_tokens=8)
+    kw = dict(optimizer=optimizer, dropout=0.1, save_interval=5, max_steps=10, eval_interval=3, eval_iters=2,
+              sample_tokens=8)
     assert run(train_data, tmp_path / "straight", **kw) == 0
     # the first leg stops after 5 steps of the same 10-step schedule (as a crash or a signal would)
     assert run(train_data, tmp_path / "split", max_tokens=5 * 4 * 32, **kw) == 0
@@ -370,7 +371,8 @@ def test_missing_or_empty_data_dir(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "gptopt prepare" in capsys.readouterr().err
 
 
-def test_token_ids_beyond_the_model_vocabulary(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_token_ids_beyond_the_model_vocabulary(train_data: Path, tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
     small = GPT(preset("debug", vocab_size=100))
     checkpoint.save_model(small, tmp_path / "small")
     assert cli.main(cli_args(train_data, tmp_path / "o", "--init_from", str(tmp_path / "small"))) == 2
@@ -409,7 +411,8 @@ def test_resume_refuses_a_preset_chosen_for_another_shape_than_the_checkpoints(
     capsys.readouterr()
     assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "3", "--preset", "gpt2")) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("gptopt train: error: --preset gpt2 does not apply to a resumed run") and "the run's debug model" in err
+    assert err.startswith("gptopt train: error: --preset gpt2 does not apply to a resumed run")
+    assert "the run's debug model" in err
     assert "n_layer 2" in err and "drop --preset" in err and "another --output_dir" in err
     assert sorted(p.name for p in out.iterdir()) == before and checkpoint.latest_checkpoint(out).name == "ckpt-0000002"
 

@@ -111,9 +111,11 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     assert loaders and all(x["status"] == "pruned" and "waits for batches" in x["note"] for x in loaders)
     # compile modes on the best eager settings, bench's `all` rung among them; no CUDA graphs on a CPU
     compiled = [x for x in summary["candidates"] if x["stage"] == "compile"]
-    assert [x["name"] for x in compiled] == ["compile default", "bench 'all' rung", "compile max-autotune-no-cudagraphs"]
+    assert [x["name"] for x in compiled] == ["compile default", "bench 'all' rung",
+                                             "compile max-autotune-no-cudagraphs"]
     best = summary["best"]["config"]
-    assert (best["batch_size"], best["gradient_accumulation_steps"], best["use_amp"], best["attention"]) == (32, 4, True, "eager")
+    assert (best["batch_size"], best["gradient_accumulation_steps"], best["use_amp"], best["attention"]) == (
+        32, 4, True, "eager")
     assert (best["compile"], best["compile_mode"], best["fused_optimizer"]) == (True, "default", True)
     assert summary["gain_vs_defaults"] == pytest.approx(1.5 * 1.2 * 1.3)
     assert summary["gain_vs_hf"] == pytest.approx(1.5 * 1.2 * 1.3 / 0.8 * 1.05)
@@ -121,7 +123,8 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     # fastest: the confirmation round measures them again, back to back
     keys = [json.dumps(s, sort_keys=True) for s in calls]
     assert len(keys[:-2]) == len(set(keys[:-2])) and set(keys[-2:]) <= set(keys[:-2])
-    assert [x["name"] for x in summary["candidates"][-2:]] == ["compile default (again)", "compile max-autotune-no-cudagraphs (again)"]
+    assert [x["name"] for x in summary["candidates"][-2:]] == ["compile default (again)",
+                                                               "compile max-autotune-no-cudagraphs (again)"]
     assert summary["best"]["name"] == "compile default (again)"
 
 
@@ -139,9 +142,11 @@ def test_checkpointing_only_where_memory_runs_out_and_it_buys_a_faster_micro_bat
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     speeds = {**BATCH_SPEED, 64: 1.5}  # 64 would be fastest, but needs 64 MiB without checkpointing
-    fake_measurements(monkeypatch, speeds, memory_mib=lambda s: s["batch_size"] / (4 if s["gradient_checkpointing"] else 1))
+    fake_measurements(monkeypatch, speeds,
+                      memory_mib=lambda s: s["batch_size"] / (4 if s["gradient_checkpointing"] else 1))
     monkeypatch.setattr(Tuner, "_memory_limit", lambda self: 40 * 2**20)
-    summary = Tuner(tune_config(train_data, tmp_path / "t", global_batch_tokens=128 * 32, axes="amp,batch,checkpointing")).run()
+    summary = Tuner(tune_config(train_data, tmp_path / "t", global_batch_tokens=128 * 32,
+                                axes="amp,batch,checkpointing")).run()
     c = by_name(summary)
     assert c["micro-batch 64"]["status"] == "oom" and "over the memory budget" in c["micro-batch 64"]["note"]
     assert c["checkpointing, micro-batch 64"]["status"] == "ok"
@@ -167,7 +172,8 @@ def test_time_budget_is_honoured_and_the_search_still_ends_with_a_winner(
     assert (tmp_path / "t" / "tune.toml").is_file()
 
 
-def test_a_tiny_budget_still_measures_the_reference(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_tiny_budget_still_measures_the_reference(train_data: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     clock = FakeClock()
     calls = fake_measurements(monkeypatch, clock=clock)
     summary = Tuner(tune_config(train_data, tmp_path / "t", time_budget="5s"), clock=clock).run()
@@ -213,7 +219,8 @@ def test_tune_writes_a_toml_train_accepts_a_report_and_the_json_line(
     report = (out / "tune_report.md").read_text()
     assert "## Every candidate" in report and all(c["name"] in report for c in last["candidates"])
     # tune.toml is a config `gptopt train` takes as it is, with the global batch kept
-    cfg = cli.parse_config("train", TrainConfig, ["--config", str(out / "tune.toml")], cli.build_parser("train", TrainConfig))
+    cfg = cli.parse_config("train", TrainConfig, ["--config", str(out / "tune.toml")],
+                           cli.build_parser("train", TrainConfig))
     best = last["best"]["config"]
     assert "compile" in cli.tomllib.loads((out / "tune.toml").read_text())  # the option's name, not its old one
     assert cfg.batch_size * cfg.gradient_accumulation_steps * cfg.seq_len == 256
@@ -279,7 +286,8 @@ def test_out_of_memory_candidates_are_recorded_and_the_search_goes_on(
     best = summary["best"]["config"]
     assert (best["batch_size"], best["gradient_accumulation_steps"]) == (2, 4)  # the largest that fits
     write_all(summary, out)
-    cfg = cli.parse_config("train", TrainConfig, ["--config", str(out / "tune.toml")], cli.build_parser("train", TrainConfig))
+    cfg = cli.parse_config("train", TrainConfig, ["--config", str(out / "tune.toml")],
+                           cli.build_parser("train", TrainConfig))
     assert (cfg.batch_size, cfg.gradient_accumulation_steps) == (2, 4)
 
 
@@ -318,7 +326,8 @@ def test_bad_options_exit_2(extra: list[str], message: str, tmp_path: Path, caps
     assert message in capsys.readouterr().err
 
 
-def test_global_batch_must_be_whole_sequences(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_global_batch_must_be_whole_sequences(train_data: Path, tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(tune_args(train_data, tmp_path / "o", "--global_batch_tokens", "100")) == 2
     assert "not a multiple of the sequence length 32: use 96" in capsys.readouterr().err
 
@@ -352,5 +361,6 @@ def test_benchs_all_rung_is_measured_in_full_however_slow_its_first_steps(
     monkeypatch.setattr(Bench, "run_rung", run_rung)
     tuner = Tuner(tune_config(train_data, tmp_path / "t", warmup=1))
     tuner.best = (Rung("b", ""), RungResult(name="b", what="", step_time_s=1.0, step_time_p90_s=1.0))
-    tuner.measure("compile", Rung("slow start", "", {"compile": True, "use_amp": True, "batch_size": 4}), prunable=prunable)
+    tuner.measure("compile", Rung("slow start", "", {"compile": True, "use_amp": True, "batch_size": 4}),
+                  prunable=prunable)
     assert (verdicts[0] is not None and verdicts[0][0] == "pruned") is prunable

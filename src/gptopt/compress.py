@@ -177,7 +177,8 @@ def _disk_bytes(source: Path | str, model: nn.Module) -> int:
     return sum(t.numel() * 4 for k, t in model.state_dict().items() if k != "lm_head.weight")
 
 
-def measure(cfg: CompressConfig, plan: DevicePlan, data: TokenData, source: Path | str, directory: Path) -> dict[str, Any]:
+def measure(cfg: CompressConfig, plan: DevicePlan, data: TokenData, source: Path | str,
+            directory: Path) -> dict[str, Any]:
     """Load the original and the compressed checkpoint as generate does, and measure both."""
     original, _ = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan)
     compressed, _ = load_for_inference(str(directory), tokenizer=None, plan=plan)
@@ -196,8 +197,8 @@ def measure(cfg: CompressConfig, plan: DevicePlan, data: TokenData, source: Path
              "compressed": ((directory / checkpoint.WEIGHTS).stat().st_size, memory_bytes(compressed))}
     per_token = bytes_per_token(data, "val")  # None for nanoGPT data: no tokenizer to count bytes with
     res: dict[str, Any] = {"prompt_len": prompt_len, "new_tokens": new_tokens,
-                           "eval": {"split": "val", "data_dir": str(data.directory.resolve()), "tokens": quality["tokens"],
-                                    "window": seq_len, "bytes_per_token": per_token},
+                           "eval": {"split": "val", "data_dir": str(data.directory.resolve()),
+                                    "tokens": quality["tokens"], "window": seq_len, "bytes_per_token": per_token},
                            "dtype": str(original.transformer.wte.weight.dtype).removeprefix("torch.")}
     for name in models:
         res[name] = {"disk_bytes": sizes[name][0], "memory_bytes": sizes[name][1], **speed[name]}

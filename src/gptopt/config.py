@@ -138,7 +138,8 @@ class GPTConfig:
     bias: bool = opt(True, "biases in Linear and LayerNorm layers, as in GPT-2")
     layer_norm_epsilon: float = opt(1e-5, "LayerNorm epsilon (GPT-2 uses 1e-5)", gt=0.0, lt=1.0)
     attention: str = opt("sdpa", "attention kernel: sdpa (flash / mem-efficient) or eager", choices=("sdpa", "eager"))
-    gradient_checkpointing: bool = opt(False, "recompute each block in backward: less memory, ~30% more compute")
+    gradient_checkpointing: bool = opt(False, "recompute each block in backward: less memory, one more forward of "
+                                       "each block")
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="")  # stored in gptopt.json, so named as there, not as flags
@@ -222,7 +223,8 @@ class DoctorConfig:
 
 @dataclass(kw_only=True)
 class PrepareConfig:
-    input: str | None = opt(None, "text file or folder to tokenize (*.txt, *.md, *.py, ...); default: the stdlib corpus")
+    input: str | None = opt(None, "text file or folder to tokenize (*.txt, *.md, *.py, ...); default: the stdlib "
+                                  "corpus")
     dataset: str | None = opt(None, "Hugging Face dataset name instead of --input (needs the 'data' extra, online)")
     dataset_config: str | None = opt(None, "the dataset's configuration name, if it has several")
     dataset_split: str = opt("train", "which split of the dataset to read")
@@ -239,8 +241,8 @@ class PrepareConfig:
     output_dir: str = opt("data/stdlib", "where train.bin, val.bin, meta.json and tokenizer.json go")
     num_workers: int = opt(0, "tokenizer threads; 0 = every core", ge=0, le=MAX_WORKERS)
     seed: int = opt(1337, "seed of the document shuffle that makes the train/val split", ge=0, le=MAX_SEED)
-    overwrite: bool = opt(False, "replace the train.bin, val.bin, meta.json and tokenizer.json an earlier prepare wrote "
-                                 "in output_dir (other files there are never touched)")
+    overwrite: bool = opt(False, "replace the train.bin, val.bin, meta.json and tokenizer.json an earlier prepare "
+                                 "wrote in output_dir (other files there are never touched)")
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -266,7 +268,8 @@ def check_loader(num_workers: int | None, prefetch_factor: int | None, persisten
     """DataLoader's own rule, checked before any work: prefetching and persistence need worker processes.
     num_workers None (the device's default) is settled later; data.make_loader drops both without workers."""
     if num_workers == 0 and prefetch_factor is not None:
-        raise ValueError("--prefetch_factor needs worker processes: give --num_workers 1 or more, or drop --prefetch_factor")
+        raise ValueError("--prefetch_factor needs worker processes: give --num_workers 1 or more, or drop "
+                         "--prefetch_factor")
     if num_workers == 0 and persistent_workers:
         raise ValueError("--persistent_workers needs worker processes: give --num_workers 1 or more, "
                          "or --no-persistent_workers")
@@ -280,9 +283,9 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 
 # --optimizer muon's default peak learning rate, as a multiple of --learning_rate (Muon's update is
-# scaled to AdamW's RMS, optim.MUON_ADJUST_LR, so the two share a scale). Measured on tiny: after 200
-# steps 3x beat 1x, 2x and 6x, and AdamW (docs/benchmarks.md, "Muon"); the GPT-2 sizes take the same
-# multiple, unmeasured.
+# scaled to AdamW's RMS, optim.MUON_ADJUST_LR, so the two share a scale): the multiple that trained tiny
+# furthest among those tried (docs/benchmarks.md, "Muon against AdamW"); the GPT-2 sizes take the same
+# multiple, untried.
 MUON_LR_SCALE = 3.0
 
 
@@ -305,7 +308,8 @@ class TrainConfig:
     batch_size: int = opt(16, "micro-batch: sequences per forward/backward on each device", ge=1, le=MAX_BATCH)
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step (global batch = this x batch x ranks)",
                                            ge=1, le=MAX_BATCH)
-    auto_batch_size: bool = opt(False, "find the largest micro-batch that fits and raise accumulation to keep the global batch")
+    auto_batch_size: bool = opt(False, "find the largest micro-batch that fits and raise accumulation to keep the "
+                                "global batch")
     align_documents: bool = opt(False, "start every training window at a document's start (an end-of-text "
                                 "boundary) instead of anywhere")
     max_steps: int = opt(600, "optimizer steps to run", ge=1, le=MAX_STEPS)
@@ -326,10 +330,10 @@ class TrainConfig:
     beta2: float = opt(0.95, "AdamW beta2", ge=0.0, lt=1.0)
     grad_clip: float = opt(1.0, "clip the global gradient norm to this (0 disables)", ge=0.0)
     fused_optimizer: bool = opt(True, "the fused AdamW kernel where torch has it")
-    optimizer: str = opt("adamw", "adamw; or muon: Muon for the blocks' weight matrices, AdamW for embeddings, the tied "
-                         "head, biases and LayerNorm (one process or DDP; not --fsdp)", choices=("adamw", "muon"))
+    optimizer: str = opt("adamw", "adamw; or muon: Muon for the blocks' weight matrices, AdamW for embeddings, the "
+                         "tied head, biases and LayerNorm (one process or DDP; not --fsdp)", choices=("adamw", "muon"))
     muon_lr: float | None = opt(None, "--optimizer muon: Muon's peak learning rate (same warmup + cosine, on AdamW's "
-                                f"scale); default: learning_rate x {MUON_LR_SCALE:g} (measured on tiny)", gt=0.0, le=1.0)
+                                f"scale); default: learning_rate x {MUON_LR_SCALE:g} (chosen on tiny)", gt=0.0, le=1.0)
     muon_momentum: float = opt(0.95, "--optimizer muon: Muon's (Nesterov) momentum", ge=0.0, lt=1.0)
     # speed
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
@@ -347,8 +351,8 @@ class TrainConfig:
                                   ge=0, le=MAX_WORKERS)
     pin_memory: bool | None = opt(None, "page-locked host batches for async copies; default: on with CUDA")
     # >= 1: a worker with nothing to prepare ahead deadlocks, so DataLoader refuses 0
-    prefetch_factor: int | None = opt(None, "batches each worker prepares ahead (needs workers); default 2 with workers",
-                                      ge=1, le=1024)
+    prefetch_factor: int | None = opt(None, "batches each worker prepares ahead (needs workers); default 2 with "
+                                      "workers", ge=1, le=1024)
     persistent_workers: bool | None = opt(None, "keep workers alive between epochs/evals (needs workers); "
                                           "default: on with workers")
     # several devices
@@ -390,8 +394,8 @@ class TrainConfig:
             # Newton-Schulz works on whole matrices. torch.optim.Muon does step FSDP2's shards (DTensor), but
             # only by an all-reduce inside every iteration (11 per matrix per step, torch 2.13), and the
             # sharded checkpoint path (distributed.full_state_dicts) covers one torch optimizer.
-            raise ValueError("--optimizer muon is not supported with --fsdp (Muon orthogonalises whole weight matrices; "
-                             "FSDP2 shards them): drop --fsdp (DDP), or use --optimizer adamw")
+            raise ValueError("--optimizer muon is not supported with --fsdp (Muon orthogonalises whole weight "
+                             "matrices; FSDP2 shards them): drop --fsdp (DDP), or use --optimizer adamw")
         if self.optimizer == "muon":
             import torch  # here, not at the top: building options and help needs no torch
 
@@ -472,7 +476,8 @@ class BenchConfig:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
         if self.batch_sizes is not None:
             if self.mode != "infer":
-                raise ValueError("--batch_sizes is the decode sweep of --mode infer; the training ladder takes --batch_size")
+                raise ValueError("--batch_sizes is the decode sweep of --mode infer; the training ladder takes "
+                                 "--batch_size")
             if self.batch_size is not None:
                 raise ValueError("give --batch_sizes (the sweep's sizes) or --batch_size (its largest), not both")
             self.sweep()  # refused here, before any work, if malformed
@@ -507,14 +512,14 @@ class TuneConfig:
         None, "tokens per optimizer step, a multiple of seq_len, kept fixed by gradient accumulation; "
         "default: 16 sequences on a CPU, 64 on a GPU", ge=1, le=MAX_BATCH * MAX_SEQ_LEN)
     time_budget: str = opt("10m", "wall time for the whole search, e.g. 90s, 10m, 1h; it always ends with a winner")
-    memory_budget: float = opt(0.9, "share of device memory a candidate may use (GPU: its memory; CPU: RAM free at start + this process's)",
-                               gt=0.0, le=1.0)
+    memory_budget: float = opt(0.9, "share of device memory a candidate may use (GPU: its memory; CPU: RAM free at "
+                               "start + this process's)", gt=0.0, le=1.0)
     axes: str = opt("all", "comma-separated axes to search: " + ", ".join(TUNE_AXES) + "; or all")
     # >= 3: a median, and two steps before a slow candidate is pruned
     steps: int = opt(5, "timed steps per candidate (after warm-up); its median step time ranks it", ge=3, le=100_000)
     warmup: int = opt(2, "untimed steps per candidate before timing (compile happens in the first)", ge=1, le=100_000)
-    loss_tolerance: float = opt(0.02, "a candidate whose loss departs from the fp32 reference's by more than this share is rejected",
-                                gt=0.0, lt=1.0)
+    loss_tolerance: float = opt(0.02, "a candidate whose loss departs from the fp32 reference's by more than this "
+                                "share is rejected", gt=0.0, lt=1.0)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
     output_dir: str = opt("tune_out", "tune.toml, tune_report.md, tune_results.json / .csv and tune.png go here")
@@ -553,10 +558,11 @@ class ProfileConfig:
     compile: bool = opt(False, "profile the compiled model (graph breaks are counted and explained)",
                         aliases=("use_compile",))  # train's old spelling
     compile_mode: str = opt("default", "torch.compile mode (with --compile)", choices=COMPILE_MODES)
-    attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs", choices=("auto", "sdpa", "eager"))
+    attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs",
+                         choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward")
-    num_workers: int | None = opt(None, "DataLoader workers feeding the profiled steps; default: as `gptopt train` picks",
-                                  ge=0, le=MAX_WORKERS)
+    num_workers: int | None = opt(None, "DataLoader workers feeding the profiled steps; default: as `gptopt train` "
+                                  "picks", ge=0, le=MAX_WORKERS)
     pin_memory: bool | None = opt(None, "page-locked host batches; default: on with CUDA, as `gptopt train` picks")
     data_dir: str = opt("data/stdlib", "token shards; the default corpus is prepared on first use")
     # a trace of more than 1000 steps is gigabytes that no viewer opens
@@ -565,7 +571,8 @@ class ProfileConfig:
     active: int = opt(4, "recorded steps", ge=1, le=1000)
     row_limit: int = opt(15, "rows of the operator table", ge=1, le=100_000)
     output_dir: str = opt("profile_out", "TensorBoard traces, Chrome trace, memory snapshot, diagnosis.json")
-    overwrite: bool = opt(False, "replace the traces an earlier profile wrote in output_dir (other files there are kept)")
+    overwrite: bool = opt(False, "replace the traces an earlier profile wrote in output_dir (other files there are "
+                          "kept)")
     json: bool = opt(False, "print the diagnosis JSON as the last line of stdout")
 
     def __post_init__(self) -> None:
@@ -582,8 +589,8 @@ class SamplingConfig:
     temperature: float = opt(0.8, "softmax temperature; 0 = greedy", ge=0.0)
     top_k: int | None = opt(50, "sample from the k most likely tokens (none = all)", ge=1, le=MAX_VOCAB)
     top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches p", gt=0.0, le=1.0)
-    repetition_penalty: float = opt(1.0, "divide the logits of tokens already present by this (> 1 discourages repeats)",
-                                    gt=0.0)
+    repetition_penalty: float = opt(1.0, "divide the logits of tokens already present by this (> 1 discourages "
+                                    "repeats)", gt=0.0)
     seed: int | None = opt(None, "seed: the same seed and prompt give the same sample", ge=0, le=MAX_SEED)
     stop: str | None = opt(None, "stop when this text appears (\\n escapes allowed); it is not included")
 
@@ -597,7 +604,8 @@ INFER_QUANTIZE = ("none", "int8-weight", "int4-weight")
 
 @dataclass(kw_only=True)
 class GenerateConfig(SamplingConfig):
-    prompt: str | None = field(default=None, metadata={"help": "the prompt; '-' or none reads stdin", "positional": True})
+    prompt: str | None = field(default=None, metadata={"help": "the prompt; '-' or none reads stdin",
+                                                       "positional": True})
     model: str = opt("out", "a training output dir (its latest checkpoint), a checkpoint, a HF GPT-2 dir, or gpt2")
     tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the checkpoint was trained with")
     input: str | None = opt(None, "batch mode: a file of prompts, one per line (or .jsonl with a 'prompt' field)")
@@ -609,7 +617,7 @@ class GenerateConfig(SamplingConfig):
                      choices=("auto", "bf16", "fp16", "fp32"))
     compile: bool = opt(False, "compile the decode step (reduce-overhead: CUDA graphs on GPUs)")
     cuda_graphs: bool = opt(True, "GPUs, without --compile: record the eager decode step as a CUDA graph per "
-                            "batch size (a second or so), replayed after that")
+                            "batch size, replayed after that")
     quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
                         "int4-weight, torchao int4 weight-only (NVIDIA GPUs, compute capability 8.0+, bf16)",
                         choices=INFER_QUANTIZE)
@@ -641,7 +649,8 @@ class ServeConfig:
     prefill_chunk: int = opt(512, "prompt tokens one prefill forward takes: prompts that arrive together share "
                              "it, a longer prompt is prefilled in chunks between decode steps", ge=1, le=MAX_SEQ_LEN)
     # a queue of a million waiting requests is a client bug, not a workload
-    max_queue: int = opt(64, "requests waiting beyond the running ones; more get 429 with Retry-After", ge=0, le=1 << 20)
+    max_queue: int = opt(64, "requests waiting beyond the running ones; more get 429 with Retry-After",
+                         ge=0, le=1 << 20)
     max_tokens_limit: int = opt(1024, "the largest max_tokens a request may ask for", ge=1, le=MAX_NEW_TOKENS)
     # vLLM's default too: lm-evaluation-harness asks for 1, OpenAI's legacy API allowed 5
     max_logprobs: int = opt(20, "the most alternatives per token a request's logprobs may ask for", ge=0,
@@ -650,8 +659,8 @@ class ServeConfig:
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
-    compile: bool = opt(False, "compile the decode step (reduce-overhead: CUDA graphs on GPUs; gpt2's seven "
-                        "buckets took 93 s on an H200)")
+    compile: bool = opt(False, "compile the decode step (reduce-overhead: CUDA graphs on GPUs), once per batch "
+                        "bucket at start-up: a slower start for faster steps (docs/benchmarks.md)")
     cuda_graphs: bool = opt(True, "GPUs, without --compile: record the eager decode step as a CUDA graph per "
                             "batch bucket at start-up (seconds), replayed after that")
     quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
@@ -661,8 +670,7 @@ class ServeConfig:
                                    "default: every core but one, left to the HTTP server and tokenizer (prefill "
                                    "and batches of requests use every core)", ge=1, le=MAX_THREADS)
     engine_process: bool = opt(True, "run the model in a process of its own, apart from the HTTP server, so the "
-                               "two never wait for each other's Python (on 2 CPU cores: 1.12x the tokens/s of 16 "
-                               "clients, 1.17x of one; docs/benchmarks.md)")
+                               "two never wait for each other's Python (docs/benchmarks.md, serving)")
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)", verbatim=True)
     cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
     blocklist: str | None = opt(None, "file of rules, one a line, refused in prompts and cut from output: a plain term "
@@ -684,11 +692,12 @@ class ExportConfig:
     format: str = opt("onnx", "onnx: model.onnx with KV-cache inputs/outputs for onnxruntime; "
                       "hf: a directory transformers' GPT2LMHeadModel.from_pretrained loads", choices=("onnx", "hf"))
     output_dir: str | None = opt(None, "the directory to write; default: export_onnx or export_hf (by --format)")
-    tokenizer: str | None = opt(None, "tokenizer.json or dir to ship beside the model; default: the model's own, if any")
+    tokenizer: str | None = opt(None, "tokenizer.json or dir to ship beside the model; default: the model's own, "
+                                "if any")
     # opsets count ONNX releases (23 in 2025): a three-digit one is a typo
     opset: int = opt(18, "ONNX opset version, 18 or newer (18 is the exporter's own; older ones come out invalid)",
                      le=99)
-    # Relative, because logits of trained GPT-2s reach |100|: fp32 rounding grows with them.
+    # Relative, because a trained GPT-2's logits grow large, and fp32 rounding grows with them.
     tolerance: float = opt(1e-4, "the export fails if a logit differs from PyTorch's by more than this "
                            "times the largest |logit| (at least 1)", gt=0.0, lt=1.0)
     overwrite: bool = opt(False, "replace an output_dir that holds an earlier export")

@@ -11,11 +11,11 @@ cut from the left where context and ending outgrow the model's context window):
   acc       the ending with the highest summed log-likelihood is the model's choice
   acc_norm  the ending with the highest log-likelihood per byte of its text (UTF-8, without the space)
 
-acc is llm.c's (dev/data/hellaswag.py: GPT-2 124M scores 0.2859 on the 10,042 val examples). acc_norm
-is lm-eval's length normalisation (it divides by the ending's characters: the same as its bytes for
-HellaSwag's ASCII text), not llm.c's, which divides by the ending's token count (GPT-2 124M: 0.2955):
-per byte, a tokenizer that cuts text into fewer tokens gains nothing. lm-eval's own 0.3114 for GPT-2
-124M also rewrites the context (the activity label first), which this does not.
+acc is llm.c's (dev/data/hellaswag.py). acc_norm is lm-eval's length normalisation (it divides by the
+ending's characters: the same as its bytes for HellaSwag's ASCII text), not llm.c's, which divides by the
+ending's token count: per byte, a tokenizer that cuts text into fewer tokens gains nothing. lm-eval's own
+scores also rewrite the context (the activity label first), which this does not; the published GPT-2
+scores of each way are in docs/commands.md (eval).
 
 The examples are read and checked before the model loads: a bad line is one error naming its number.
 """

@@ -51,7 +51,7 @@ log = logging.getLogger("gptopt")
 DATA_WAIT_SHARE = 0.10  # of step time spent waiting for the next batch: the device has nothing to do then
 DATA_WAIT_MIN_MS = 1.0  # median wait below this is the DataLoader's own bookkeeping, which workers do not remove
 IDLE_SHARE = 0.20  # of step time the device is idle besides data waits (CUDA: between kernels; CPU: outside ops)
-LAUNCH_KERNEL_US = 10.0  # median kernel shorter than one eager launch costs on the host (~5-10 us) ...
+LAUNCH_KERNEL_US = 10.0  # median kernel no longer than the host takes to launch one eagerly ...
 LAUNCH_MIN_KERNELS = 100  # ... this many of them a step ...
 LAUNCH_KERNEL_SHARE = 0.5  # ... and all kernels together fill less of the step: the host's launches set the pace
 FP32_MATMUL_SHARE = 0.50  # of matmul time in fp32 where bf16/fp16 tensor cores (or AMX / AVX512-BF16) exist
@@ -225,9 +225,10 @@ def diagnose(s: TraceSummary) -> list[Finding]:
     if (f.median_kernel_us is not None and f.median_kernel_us < LAUNCH_KERNEL_US
             and f.kernels_per_step >= LAUNCH_MIN_KERNELS and f.kernel_share < LAUNCH_KERNEL_SHARE):
         what = "kernels" if gpu else "compute ops (aten ops doing their own work)"
-        out.append(Finding("launch_bound", f"{f.kernels_per_step:.0f} {what} per step, median {f.median_kernel_us:.1f} us, "
-                           f"together {f.kernel_share:.0%} of the step: launching them, not running them, sets the pace",
-                           _faster_launches(s), f.median_kernel_us, LAUNCH_KERNEL_US))
+        out.append(Finding("launch_bound", f"{f.kernels_per_step:.0f} {what} per step, median "
+                           f"{f.median_kernel_us:.1f} us, together {f.kernel_share:.0%} of the step: launching them, "
+                           "not running them, sets the pace", _faster_launches(s), f.median_kernel_us,
+                           LAUNCH_KERNEL_US))
     if f.fp32_matmul_share is not None and f.fp32_matmul_share > FP32_MATMUL_SHARE and s.amp_speeds_matmuls:
         tf32 = " (TF32 on tensor cores, still half bf16's rate)" if gpu else ""
         fix = ("--use_amp (bf16 autocast: matmuls at the low-precision rate, half the activation memory)"
@@ -392,12 +393,14 @@ def _train_step(tcfg: TrainConfig, raw: GPT, plan: DevicePlan, batches: Any) -> 
     return run
 
 
-def _generate_step(cfg: ProfileConfig, raw: GPT, plan: DevicePlan, prompts: torch.Tensor, steps: int) -> Callable[[], float]:
+def _generate_step(cfg: ProfileConfig, raw: GPT, plan: DevicePlan, prompts: torch.Tensor,
+                   steps: int) -> Callable[[], float]:
     """One greedy decode step of the whole batch by the Generator, after the prompts' prefill (done here,
     before any profiled step). The sequences grow to seq_len tokens: the prompts are `steps` shorter."""
     seq_len = prompts.size(1)
     if seq_len - steps < 1:
-        raise ValueError(f"--seq_len {seq_len} leaves no prompt for {steps} decode steps: use --seq_len {steps + 1} or more")
+        raise ValueError(f"--seq_len {seq_len} leaves no prompt for {steps} decode steps: use --seq_len {steps + 1} "
+                         "or more")
     # Generation runs in the weights' dtype, without autocast (load_for_inference casts them once):
     # --use_amp gives the weights the autocast dtype the device policy resolves to.
     raw.to(device=plan.device, dtype=plan.amp_dtype or torch.float32).eval()
@@ -444,7 +447,8 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     if seq_len > model_cfg.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds the model's context {model_cfg.block_size}")
     memory.require(memory.train_step_bytes(model_cfg, cfg.batch_size, seq_len, amp_dtype=plan.amp_dtype)
-                   if cfg.mode == "train" else memory.inference_bytes(model_cfg, cfg.batch_size, seq_len, dtype=plan.amp_dtype),
+                   if cfg.mode == "train"
+                   else memory.inference_bytes(model_cfg, cfg.batch_size, seq_len, dtype=plan.amp_dtype),
                    plan.device, f"profiling {cfg.mode} steps at batch {cfg.batch_size} x {seq_len} tokens",
                    "use a smaller --batch_size or --seq_len" + ("" if cfg.gradient_checkpointing or cfg.mode != "train"
                                                                 else ", or --gradient_checkpointing"))
@@ -467,7 +471,8 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     if gpu:
         torch.cuda.reset_peak_memory_stats(plan.device)
         torch.cuda.memory._record_memory_history(max_entries=100_000)
-    prof = profile(activities=activities, schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
+    prof = profile(activities=activities,
+                   schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
                    on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out / "tensorboard")),
                    record_shapes=True, profile_memory=True, with_stack=True)
     first_active = cfg.wait + cfg.warmup

@@ -84,7 +84,9 @@ def forward_backward(
 class StepResult:
     loss: float  # mean loss over the global batch (all micro-steps, all ranks)
     grad_norm: float  # the global gradient norm before clipping
-    finite: bool  # False: the step was skipped as non-finite (under fp16 the GradScaler skips overflow steps itself: True, inf grad_norm)
+    # False: the step was skipped as non-finite (under fp16 the GradScaler skips overflow steps itself: True, inf
+    # grad_norm)
+    finite: bool
 
 
 class TrainStep:
@@ -133,7 +135,8 @@ class TrainStep:
         opt, scaler, cfg = self.optimizer, self.scaler, self.cfg
         if scaler is not None:
             scaler.unscale_(opt)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), cfg.grad_clip if cfg.grad_clip > 0 else math.inf)
+        max_norm = cfg.grad_clip if cfg.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.raw.parameters(), max_norm)
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
         loss_sum = distributed.all_reduce_mean(loss_sum, self.info)

@@ -62,9 +62,11 @@ def oom_advice(cfg: TrainConfig, plan: DevicePlan) -> str:
         free, total = torch.cuda.mem_get_info(plan.device)
         figures = (
             f" (allocated {torch.cuda.memory_allocated(plan.device) / 2**30:.1f} GiB, reserved "
-            f"{torch.cuda.memory_reserved(plan.device) / 2**30:.1f} GiB, free {free / 2**30:.1f} of {total / 2**30:.1f} GiB)"
+            f"{torch.cuda.memory_reserved(plan.device) / 2**30:.1f} GiB, free {free / 2**30:.1f} of "
+            f"{total / 2**30:.1f} GiB)"
         )
-    fixes = [f"--batch_size {max(1, cfg.batch_size // 2)} --gradient_accumulation_steps {cfg.gradient_accumulation_steps * 2}"]
+    fixes = [f"--batch_size {max(1, cfg.batch_size // 2)} "
+             f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps * 2}"]
     if not cfg.gradient_checkpointing:
         fixes.append("--gradient_checkpointing")
     if not cfg.use_amp:
@@ -252,7 +254,9 @@ class Trainer:
         # A pretrained model's own context, known only once it is loaded: gpt2's 1024, a debug model's 64.
         self.seq_len = cfg.seq_len or self.model_config.block_size
         if self.seq_len > self.model_config.block_size:
-            raise ValueError(f"--seq_len {self.seq_len} exceeds the model's context {self.model_config.block_size}: use --seq_len {self.model_config.block_size} or less")
+            context = self.model_config.block_size
+            raise ValueError(f"--seq_len {self.seq_len} exceeds the model's context {context}: use --seq_len {context} "
+                             "or less")
         self.data.check_vocab(self.model_config.vocab_size)
         self.state: dict[str, Any] = checkpoint.load_train_state(self.resume_dir) if self.resume_dir else {}
         self.lineage = self._lineage(self.resume_dir)
@@ -272,15 +276,15 @@ class Trainer:
         # A run of gptopt's is marked, or (from before marks) has its checkpoints. Files of a run's names that
         # are not one are the user's: neither --resume nor --overwrite writes over them, so that is said now.
         if found and fsutil.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
-            raise ValueError(f"--output_dir {out} holds {fsutil.some(found)}, which gptopt did not write (no run of its own is "
-                             "there); nothing was written, and neither --resume nor --overwrite would write over them: "
-                             "move them out, or choose another --output_dir")
+            raise ValueError(f"--output_dir {out} holds {fsutil.some(found)}, which gptopt did not write (no run of "
+                             "its own is there); nothing was written, and neither --resume nor --overwrite would write "
+                             "over them: move them out, or choose another --output_dir")
         if cfg.resume:
             return []
         if found and not cfg.overwrite:
-            raise ValueError(f"--output_dir {out} holds a training run ({fsutil.some(found)}); nothing was written: pass --resume "
-                             "auto to continue it, --overwrite to replace it (kept until the new run saves its first "
-                             "checkpoint), or choose another --output_dir")
+            raise ValueError(f"--output_dir {out} holds a training run ({fsutil.some(found)}); nothing was written: "
+                             "pass --resume auto to continue it, --overwrite to replace it (kept until the new run "
+                             "saves its first checkpoint), or choose another --output_dir")
         if not found or not main:
             return []
         return fsutil.check_output(out, kind=RUN_KIND, overwrite=True, ours=RUN_ENTRIES, contents=RUN_CONTENTS)
@@ -313,7 +317,8 @@ class Trainer:
         if cfg.resume:
             path = Path(cfg.resume)
             if not (path / checkpoint.TRAIN_STATE).is_file():
-                what = "no such directory" if not path.exists() else f"not a training checkpoint (no {checkpoint.TRAIN_STATE})"
+                what = ("no such directory" if not path.exists()
+                        else f"not a training checkpoint (no {checkpoint.TRAIN_STATE})")
                 raise ValueError(f"--resume {cfg.resume}: {what}; pass --resume auto or a ckpt-* directory of a run")
             return path
         return None
@@ -327,8 +332,8 @@ class Trainer:
             self._check_resumed_shape(stored, meta.get("train_config") or {}, resume_dir)
             return self._with_config(checkpoint.load_model(resume_dir), dataclasses.replace(stored, **runtime))
         if cfg.init_from == "scratch":
-            return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, self.data.model_vocab_size, vocab_pad_multiple=cfg.vocab_pad_multiple,
-                                       **runtime))
+            return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, self.data.model_vocab_size,
+                                       vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime))
         if cfg.init_from in ("debug", "tiny"):
             raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
         try:  # what `gptopt generate --model` takes: a training output dir means its latest checkpoint
@@ -386,7 +391,8 @@ class Trainer:
                 f"(micro-batch {cfg.batch_size} x {self.seq_len} x accumulation {cfg.gradient_accumulation_steps} x "
                 f"{info.world_size} ranks); MFU against {self.peak_source}"
             )
-        self.profiler = scheduled_profiler(self.out / "logs" / "profile", plan.device.type) if cfg.profile and main else None
+        self.profiler = (scheduled_profiler(self.out / "logs" / "profile", plan.device.type) if cfg.profile and main
+                         else None)
         self.monitor = Monitor(plan.device.index if plan.device.type == "cuda" else None).start() if main else None
         return progress
 
@@ -441,7 +447,8 @@ class Trainer:
                             lambda b: memory.shortfall(self._memory_estimate(b), plan.device) is None)
         if b != cfg.batch_size:
             cfg.batch_size, cfg.gradient_accumulation_steps = b, global_batch // b
-            log.info(f"auto batch size: micro-batch {b} x accumulation {cfg.gradient_accumulation_steps} (global batch {global_batch})")
+            log.info(f"auto batch size: micro-batch {b} x accumulation {cfg.gradient_accumulation_steps} "
+                     f"(global batch {global_batch})")
 
     # -- the loop ------------------------------------------------------------------------------
 
@@ -527,8 +534,8 @@ class Trainer:
             progress.bad_steps = 0
         else:
             progress.bad_steps += 1
-            log.warning(f"step {progress.step}: non-finite loss {result.loss} / grad norm {result.grad_norm}: optimizer "
-                        f"step skipped ({progress.bad_steps}/{cfg.max_bad_steps})")
+            log.warning(f"step {progress.step}: non-finite loss {result.loss} / grad norm {result.grad_norm}: "
+                        f"optimizer step skipped ({progress.bad_steps}/{cfg.max_bad_steps})")
         progress.step += 1
         progress.tokens_seen += self.tokens_per_step
         progress.train_s += dt
@@ -554,8 +561,8 @@ class Trainer:
         step_mfu = self._step_mfu(tps, progress.step)
         mem = peak_memory_bytes(self.plan)
         # the step's own figures, then the count: an update that redraws the bar shows this step, not the last
-        bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{step_mfu:.0%}", mem=f"{mem / 2**30:.2f}G",
-                        refresh=False)
+        bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{step_mfu:.0%}",
+                        mem=f"{mem / 2**30:.2f}G", refresh=False)
         bar.update(1)
         step, interval = progress.step, self.cfg.log_interval
         if (interval and step % interval == 0) or step == 1:
@@ -579,7 +586,8 @@ class Trainer:
             if self.peak_source == self.measured_source:
                 log.warning(f"step {step} achieved {achieved / 1e12:.3g} TFLOP/s, above the {self.measured_source}: "
                             "that measurement was low; MFU is stated against the fastest step from here on")
-            self.peak, self.peak_source = at_least(self.peak, self.measured_source, achieved, f"the fastest step, {step}")
+            self.peak, self.peak_source = at_least(self.peak, self.measured_source, achieved,
+                                                   f"the fastest step, {step}")
         return mfu(tokens_per_s, self.fpt, self.peak)
 
     # -- stop conditions ------------------------------------------------------------------------
@@ -602,7 +610,8 @@ class Trainer:
                 log.info(f"signal {signal.Signals(stop_signal[0]).name}: the run --overwrite was replacing is put back "
                          f"in {self.out} (this run had no checkpoint before the signal)")
             elif main:
-                log.info(f"signal {signal.Signals(stop_signal[0]).name}: saved {progress.last_good}; resume with --resume auto")
+                log.info(f"signal {signal.Signals(stop_signal[0]).name}: saved {progress.last_good}; resume with "
+                         "--resume auto")
             return EXIT_CODES.get(stop_signal[0], 1)
         if main:
             log.info(f"time budget {self.cfg.time_budget} reached at step {progress.step}: saved {progress.last_good}")
@@ -667,7 +676,8 @@ class Trainer:
             ppl = math.exp(min(val, 50.0))
             bpb = bits_per_byte(val, bytes_per_token(self.data, "val"))  # None for nanoGPT data (no tokenizer)
             tqdm.write(f"step {step}: val loss {val:.4f}, perplexity {ppl:.2f}"
-                       + (f", {bpb:.4f} bits/byte" if bpb is not None else "") + (f"\n  sample: {text!r}" if text else ""))
+                       + (f", {bpb:.4f} bits/byte" if bpb is not None else "")
+                       + (f"\n  sample: {text!r}" if text else ""))
             self.metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "val_bpb": bpb, "sample": text,
                                 "train_s": train_s})
         return val
@@ -737,7 +747,8 @@ class Trainer:
                          f"(compile); val loss {target['val_loss']:.4f}")
             else:
                 best = "none measured" if progress.best_val is None else f"{progress.best_val:.4f}"
-                log.info(f"target val loss {target['loss']}: not reached in {progress.step} steps; best val loss {best}")
+                log.info(f"target val loss {target['loss']}: not reached in {progress.step} steps; best val loss "
+                         f"{best}")
         if self.run_info is not None:
             extra = {"summary": summary, **({"target": target} if target is not None else {})}
             fsutil.write_text_atomic(self.out / "run.json",

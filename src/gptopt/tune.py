@@ -46,15 +46,15 @@ PICK = ("name", "stage", "index", "status", "tokens_per_s", "step_time_s", "mfu"
 PRUNE_SLOWER = 1.25
 # Below this share of the step spent fetching batches, better loading cannot win more than noise.
 LOADER_MIN_WAIT = 0.02
-# The first compile's cost before one is measured (25-80 s for tiny on a 2-core CPU with a cold
-# inductor cache, about a minute for gpt2 on a GPU); other modes cost this many times the default's.
+# The first compile's cost before one is measured: a cold inductor cache's, with room to spare
+# (docs/benchmarks.md, "Tuning"); other modes cost this many times the default's.
 COMPILE_PRIOR_S = {"cpu": 80.0, "cuda": 90.0, "mps": 90.0}
 COMPILE_COST = {"default": 1.0, "reduce-overhead": 1.3, "max-autotune-no-cudagraphs": 3.0}
 # On a CPU, below this share of its threads' time the process was not getting the cores (another
 # process was using them): a slow step then says nothing about the candidate, so it is not pruned.
 MIN_CPU_SHARE = 0.7
-# Of the budget, kept for what the clock does not see: start-up (importing torch, about 3 s here) and
-# writing the report at the end.
+# Of the budget, kept for what the clock does not see: start-up (importing torch) and writing the report
+# at the end.
 RESERVE_S = 10.0
 
 
@@ -155,7 +155,8 @@ class Tuner:
         cfg = self._config(rung)
         if not cfg.compile:
             return self.best_cost
-        first = self.compile_costs[0] if self.compile_costs else COMPILE_PRIOR_S.get(self.device_type, 90.0) + self.best_cost
+        first = (self.compile_costs[0] if self.compile_costs
+                 else COMPILE_PRIOR_S.get(self.device_type, 90.0) + self.best_cost)
         return first * COMPILE_COST.get(cfg.compile_mode, 3.0)
 
     def _stop_hook(self, prune: bool, deadline: bool, share: list[float]) -> StopHook:
@@ -206,11 +207,13 @@ class Tuner:
         if not forced and est > left:
             if again:  # the first measurement stands; no row for what was not run
                 return self.measured[key][1]
-            return self._record(stage, rung, "over budget", f"needs about {est:.0f} s; {max(0.0, left):.0f} s of the budget left")
+            return self._record(stage, rung, "over budget",
+                                f"needs about {est:.0f} s; {max(0.0, left):.0f} s of the budget left")
         t0 = self.clock()
         # the reference and the baseline run to the end: everything else is judged against them
         share: list[float] = []
-        hook = self._stop_hook(prune=prunable and not (forced or rung.hf or again), deadline=not (forced or rung.hf), share=share)
+        hook = self._stop_hook(prune=prunable and not (forced or rung.hf or again), deadline=not (forced or rung.hf),
+                               share=share)
         res = self.bench.run_rung(rung, stop=hook)
         cost = self.clock() - t0
         if share and share[-1] < MIN_CPU_SHARE:  # the last share covers all but the last timed step
@@ -307,9 +310,9 @@ class Tuner:
         """The Hugging Face model as the naive script trains it, for the report's gain; not a candidate."""
         assert self.best is not None
         ref_rung = self.best[0]
-        hf = dataclasses.replace(ref_rung.but("hf", "Hugging Face GPT2LMHeadModel, eager attention, fp32, for-each "
-                                              "AdamW: the naive script's model", attention="eager", fused_optimizer=False),
-                                 hf=True, reuse_memory=False)
+        naive = ref_rung.but("hf", "Hugging Face GPT2LMHeadModel, eager attention, fp32, for-each AdamW: the naive "
+                             "script's model", attention="eager", fused_optimizer=False)
+        hf = dataclasses.replace(naive, hf=True, reuse_memory=False)
         b: int | None = self._config(hf).batch_size
         while b is not None:
             res = self.measure("baseline", self._at(hf, b, "hf"))
@@ -328,7 +331,8 @@ class Tuner:
             for attention in attentions:
                 amp = dtype != "fp32"
                 self.measure("precision", base.but(f"{attention} {dtype}", f"{attention} attention, {dtype}",
-                                                   attention=attention, use_amp=amp, amp_dtype=dtype if amp else "auto"))
+                                                   attention=attention, use_amp=amp,
+                                                   amp_dtype=dtype if amp else "auto"))
 
     def _fused(self) -> None:
         assert self.best is not None
@@ -345,8 +349,9 @@ class Tuner:
         cfg = self._config(rung)
         current = {k: getattr(cfg, k) for k in LOADER_FIELDS}
         for v in [v for v in loader_variants(self.device_type) if v != current]:
-            cand = rung.but(f"loader {v['num_workers']} workers" + (" pinned" if v["pin_memory"] else "")
-                            + (f" prefetch {v['prefetch_factor']}" if v["prefetch_factor"] else ""), f"DataLoader {v}", **v)
+            name = (f"loader {v['num_workers']} workers" + (" pinned" if v["pin_memory"] else "")
+                    + (f" prefetch {v['prefetch_factor']}" if v["prefetch_factor"] else ""))
+            cand = rung.but(name, f"DataLoader {v}", **v)
             wait = res.data_wait_frac
             if wait is not None and wait < LOADER_MIN_WAIT:
                 self._record("loader", cand, "pruned", f"cannot win: the best candidate waits for batches {wait:.1%} "
@@ -441,7 +446,8 @@ class Tuner:
         """Everything the report, tune_results.json and `--json` show; `train_config`: what tune.toml holds."""
         assert self.reference is not None
         bench, cfg = self.bench, self.cfg
-        candidates = [{"index": i, "stage": stage, **dataclasses.asdict(r)} for i, (stage, r) in enumerate(self.entries, 1)]
+        candidates = [{"index": i, "stage": stage, **dataclasses.asdict(r)}
+                      for i, (stage, r) in enumerate(self.entries, 1)]
         pairs = list(zip(candidates, (r for _, r in self.entries), strict=True))
         latest: dict[str, dict[str, Any]] = {}  # settings measured twice (the confirmation) rank by the second figure
         for c, r in pairs:

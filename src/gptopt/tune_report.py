@@ -1,6 +1,6 @@
 """`gptopt tune` output: the terminal table, tune_report.md, tune_results.json / .csv, tune.png and tune.toml.
 
-    python -c "import json; from gptopt.tune_report import table; print(table(json.load(open('tune_out/tune_results.json'))))"
+    python -c "import json, gptopt.tune_report as r; print(r.table(json.load(open('tune_out/tune_results.json'))))"
 """
 
 from __future__ import annotations
@@ -79,10 +79,12 @@ def _notes(summary: dict[str, Any]) -> list[str]:
 
 def _gains(summary: dict[str, Any]) -> list[str]:
     best, ref = summary["best"], summary["defaults"]
-    lines = [f"{summary['gain_vs_defaults']:.2f}x gptopt's defaults (#{ref['index']}, {ref['tokens_per_s']:,.0f} tokens/s)"]
+    lines = [f"{summary['gain_vs_defaults']:.2f}x gptopt's defaults (#{ref['index']}, "
+             f"{ref['tokens_per_s']:,.0f} tokens/s)"]
     if summary["hf"]:
         hf = summary["hf"]
-        lines.append(f"{summary['gain_vs_hf']:.2f}x the Hugging Face baseline (#{hf['index']}, {hf['tokens_per_s']:,.0f} tokens/s)")
+        lines.append(f"{summary['gain_vs_hf']:.2f}x the Hugging Face baseline (#{hf['index']}, "
+                     f"{hf['tokens_per_s']:,.0f} tokens/s)")
     else:
         lines.append(f"the Hugging Face baseline was not measured: {summary['hf_note']}")
     if summary["bench_all"]:
@@ -111,10 +113,12 @@ def markdown(summary: dict[str, Any], plot_file: str | None, tune_toml: str) -> 
           f"(median), device-synchronised; its loss after them within {s['loss_tolerance']:.0%} of the fp32 "
           "reference's (gptopt's defaults), or it is rejected",
           f"- budgets: {s['time_budget_s']:.0f} s of wall time ({s['elapsed_s']:.0f} s used); memory "
-          f"{s['memory_budget']:.0%} ({s['memory_limit_bytes'] / 2**20:,.0f} MiB); axes searched: {', '.join(s['axes'])}",
+          f"{s['memory_budget']:.0%} ({s['memory_limit_bytes'] / 2**20:,.0f} MiB); axes searched: "
+          f"{', '.join(s['axes'])}",
           "", "## Winner", "",
           f"**#{best['index']} {best['name']}** ({label(win)}): "
-          f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, peak {fmt(win[s['memory_column']], 'mib')} MiB.", ""]
+          f"{best['tokens_per_s']:,.0f} tokens/s, MFU {best['mfu']:.1%}, "
+          f"peak {fmt(win[s['memory_column']], 'mib')} MiB.", ""]
     md += [f"- {g}" for g in _gains(s)]
     md += ["", "Train with it: `gptopt train --config tune.toml`", "", "```toml", tune_toml.rstrip(), "```",
            "", "## Every candidate", "", _title(s) + "; * marks the winner.", "", *md_table(_head(s), rows(s)), ""]
@@ -156,7 +160,8 @@ def plot(summary: dict[str, Any], out: Path) -> str | None:
     bars = ax.barh(names, [c["tokens_per_s"] for c in ran][::-1],
                    color=["#185" if c["index"] == win else colour.get(c["status"], "#888") for c in ran][::-1])
     for b, c in zip(bars, ran[::-1], strict=True):
-        ax.annotate(f" {c['status']}" + (" (winner)" if c["index"] == win else ""), (b.get_width(), b.get_y() + b.get_height() / 2), va="center", fontsize=7)
+        ax.annotate(f" {c['status']}" + (" (winner)" if c["index"] == win else ""),
+                    (b.get_width(), b.get_y() + b.get_height() / 2), va="center", fontsize=7)
     ax.axvline(summary["defaults"]["tokens_per_s"], color="#47a", ls="--", lw=1, label="gptopt defaults")
     if summary["hf"]:
         ax.axvline(summary["hf"]["tokens_per_s"], color="#a47", ls=":", lw=1, label="Hugging Face baseline")
@@ -188,7 +193,8 @@ def _write(summary: dict[str, Any], out: Path) -> None:
         w = csv.DictWriter(fh, fieldnames=CSV_FIELDS, extrasaction="ignore")
         w.writeheader()
         for c in summary["candidates"]:
-            w.writerow({**c, "settings": label(c), "gradient_accumulation_steps": c["config"]["gradient_accumulation_steps"]})
+            w.writerow({**c, "settings": label(c),
+                        "gradient_accumulation_steps": c["config"]["gradient_accumulation_steps"]})
     tune_toml = toml_text(summary["train_config"], TUNE_TOML_HEADER)
     (out / "tune.toml").write_text(tune_toml)
     (out / "tune_report.md").write_text(markdown(summary, plot(summary, out), tune_toml))

@@ -182,7 +182,7 @@ class InferBench:
         self.base_dtype = weights_dtype("auto", self.plan)  # the device's inference dtype, as generate and serve load
         self.prompts = self._prompts(self.batch_sizes[-1])
         torch.manual_seed(cfg.seed)
-        # initialised where it runs: gpt2-xl's init took 28 s on a 2-core AMD EPYC CPU
+        # initialised where it runs: a GPU initialises gpt2-xl far sooner than the host's CPU would
         with torch.device(self.plan.device):
             init = GPT(self.model_config)
         # GPT-2's 0.02 init makes a random model repeat its last prompt token, so any two

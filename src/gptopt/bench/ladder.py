@@ -415,7 +415,8 @@ class Bench:
         measured = [r for r in results if r.tokens_per_s]
         if measured:
             fastest = max(measured, key=lambda r: r.tokens_per_s or 0.0)
-            self.peak, self.peak_source = at_least(self.peak, self.peak_source, (fastest.tokens_per_s or 0.0) * self.fpt,
+            self.peak, self.peak_source = at_least(self.peak, self.peak_source,
+                                                   (fastest.tokens_per_s or 0.0) * self.fpt,
                                                    f"the fastest rung, {fastest.name}")
         for r in measured:
             r.mfu = mfu(r.tokens_per_s or 0.0, self.fpt, self.peak)
@@ -464,7 +465,8 @@ class Bench:
         baseline = next((r for r in self.results if r.status == "ok"), None)
         return {
             "preset": self.preset, "seq_len": self.seq_len, "batch_size": self.batch_size, "steps": self.cfg.steps,
-            "warmup": self.cfg.warmup, "seed": self.cfg.seed, "device": self.cfg.device, "model": self.model_config.to_dict(), "params": self.params,
+            "warmup": self.cfg.warmup, "seed": self.cfg.seed, "device": self.cfg.device,
+            "model": self.model_config.to_dict(), "params": self.params,
             "flops_per_token": self.fpt, "peak_flops": peak, "peak_source": source, "device_policy": self.plan.reason,
             "baseline": baseline.name if baseline else None, "best": best.name if best else None,
             "environment": environment(self.plan), "rungs": [dataclasses.asdict(r) for r in self.results],

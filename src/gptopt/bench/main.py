@@ -27,7 +27,8 @@ def main(cfg: BenchConfig) -> int:
 
 
 def _ladder(cfg: BenchConfig) -> int:
-    # imported by mode: one ladder's dependencies (the inference ladder's ONNX, quantisation) stay unloaded for the other
+    # imported by mode: one ladder's dependencies (the inference ladder's ONNX, quantisation) stay unloaded for the
+    # other
     if cfg.mode == "infer":
         from gptopt.bench.infer import main as infer_main
 

@@ -21,8 +21,8 @@ Recipes, each one change to AdamW (train's default):
             measured for it on tiny (docs/benchmarks.md, "The ladder at train's step settings")
   aligned   --align_documents (windows start at document boundaries)
   schedule  the learning-rate schedule tuned for the target: the cosine decay ends where AdamW's runs
-            reached the target (median steps), train's warmup kept (half the decay at most). A warmup
-            of 5% of it took 1.83x AdamW's steps on tiny (docs/benchmarks.md, Time to quality)
+            reached the target (median steps), train's warmup kept (half the decay at most): a short
+            warmup cost tiny steps (docs/benchmarks.md, "Time to quality")
   best      every change above that beat AdamW's time significantly (Welch, p < 0.05; with one seed,
             the mean), together (the decay ending where the fastest of them reached the target);
             AdamW again if none did
@@ -66,8 +66,8 @@ CHANGES: dict[str, tuple[str, dict[str, Any]]] = {  # the fixed recipes: what ea
     "adamw": ("train's defaults: AdamW, warmup 100 steps, cosine decay over max_steps", {}),
     # Muon's rates and warmup, measured for it: steps to tiny's 4.2 at 16 x 256 tokens (seed 1337),
     # docs/benchmarks.md "The ladder at train's step settings"
-    "muon": ("--optimizer muon at the rates measured for it on tiny: Muon 3e-3 on the blocks' weight matrices, AdamW 4e-3 "
-             "on the rest (embeddings, tied head, biases, LayerNorm), warmup 10 steps",
+    "muon": ("--optimizer muon at the rates measured for it on tiny: Muon 3e-3 on the blocks' weight matrices, AdamW "
+             "4e-3 on the rest (embeddings, tied head, biases, LayerNorm), warmup 10 steps",
              {"optimizer": "muon", "muon_lr": 3e-3, "learning_rate": 4e-3, "warmup_steps": 10}),
     "aligned": ("--align_documents: every window starts at a document boundary", {"align_documents": True}),
 }
@@ -75,9 +75,9 @@ DERIVED = {
     "schedule": "the cosine decay ends at the median step where AdamW reached the target; train's warmup kept",
     "best": "every change that beat AdamW's time significantly (Welch, p < 0.05), together",
 }
-# The embedded default: tiny on the stdlib corpus at train's step settings (16 x 256 tokens), to the val loss
-# AdamW reaches after about 115 steps, some 110 s of training on a 2-core AMD EPYC (4.32 at step 105, 4.14 at
-# 115); and the cosine horizon (and step cap) of every run.
+# The embedded default: tiny on the stdlib corpus at train's step settings (16 x 256 tokens), to a val loss
+# AdamW reaches early in a run, so the ladder takes minutes on a CPU (docs/benchmarks.md, "Time to quality");
+# and the cosine horizon (and step cap) of every run.
 DEFAULT_TARGET = {"tiny": 4.2}
 DEFAULT_MAX_STEPS = 600
 GIVE_UP = 1.5  # a recipe's step cap: this many times AdamW's steps to the target on the same seed
@@ -90,8 +90,8 @@ TRAIN_WARMUP: int = TrainConfig.__dataclass_fields__["warmup_steps"].default
 
 
 def _schedule(steps: int, warmup: int = TRAIN_WARMUP) -> dict[str, Any]:
-    """The decay ends at `steps`; the recipe's warmup stays (with AdamW a short one cost tiny 1.83x the
-    steps), at most half the decay."""
+    """The decay ends at `steps`; the recipe's warmup stays (with AdamW a short one cost tiny steps:
+    docs/benchmarks.md, "Time to quality"), at most half the decay."""
     return {"lr_decay_steps": steps, **({"warmup_steps": max(1, steps // 2)} if warmup > steps // 2 else {})}
 
 
@@ -242,9 +242,9 @@ class Ladder:
             log.warning(f"{run.recipe}, seed {run.seed}: {run.error}")
             return
         read_run(run)
+        cap = f" in {run.cap} steps ({GIVE_UP}x AdamW's)" if run.cap else ""
         log.info(f"{run.recipe}, seed {run.seed}: " + (f"target reached at step {run.steps} in {run.time_s:.1f} s"
-                                                       if run.reached else "target not reached"
-                                                       + (f" in {run.cap} steps ({GIVE_UP}x AdamW's)" if run.cap else "")))
+                                                       if run.reached else "target not reached" + cap))
 
     def _derive(self, name: str) -> dict[str, Any] | None:
         if name == "schedule":
@@ -254,7 +254,7 @@ class Ladder:
                 return None
             return _schedule(steps)
         # best: the changes that beat AdamW's time significantly, together. A mean ahead by noise is left
-        # out: a schedule 3% ahead of AdamW at p = 0.66 once ended Muon's decay early and cost it 1.3x the steps.
+        # out: a schedule ahead of AdamW by noise alone once ended Muon's decay early and cost it steps.
         if self._times(BASELINE) is None:
             self.notes[name] = "not run: AdamW did not reach the target in every seed"
             return None
@@ -379,7 +379,8 @@ def best_toml(summary: dict[str, Any]) -> str | None:
             if k not in NOT_RECIPE and (k in ALWAYS or v != defaults.get(k))}
     return toml_text(opts, (f"# written by `gptopt bench --mode quality`: recipe '{best['recipe']}', "
                             f"{best['vs_adamw']:.2f}x AdamW's time to val loss {summary['target_loss']}",
-                            f"# its run with seed {run['seed']} as that `gptopt train` ran it (flags override any of it)",
+                            f"# its run with seed {run['seed']} as that `gptopt train` ran it "
+                            "(flags override any of it)",
                             "# gptopt train --config quality_best.toml"))
 
 

@@ -1,7 +1,7 @@
 """Bench output: the terminal table, report.md, results.json / .csv, PNG plots and best.toml; and the
 same for the inference ladder (`--mode infer`): infer_report.md, infer_results.json / .csv, a sweep plot.
 
-    python -c "import json; from gptopt.bench.report import table; print(table(json.load(open('bench_out/results.json'))))"
+    python -c "import json, gptopt.bench.report as r; print(r.table(json.load(open('bench_out/results.json'))))"
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ CSV_FIELDS = ["name", "status", "batch_size", "tokens_per_s", "step_time_s", "st
 
 # What each ladder writes into --output_dir: on --overwrite these, and only these, are replaced. Each mode
 # replaces only its own, so bench_out holds both ladders' reports side by side.
-TRAIN_FILES = ("results.json", "results.csv", "best.toml", "report.md", "throughput.png", "memory.png", "step_times.png")
+TRAIN_FILES = ("results.json", "results.csv", "best.toml", "report.md", "throughput.png", "memory.png",
+               "step_times.png")
 INFER_FILES = ("infer_results.json", "infer_results.csv", "infer_report.md", "infer_batch_sweep.png")
 QUALITY_FILES = ("quality_results.json", "quality_report.md", "quality.png", "quality_best.toml")
 KIND = "bench"  # the fsutil mark of a folder bench wrote into
@@ -51,7 +52,8 @@ def rows(summary: dict[str, Any]) -> list[list[str]]:
         for _, key, kind in COLUMNS:
             if kind == "range":
                 row.append("-" if r["step_time_s"] is None else
-                           f"{r['step_time_s'] * 1e3:,.1f} ({r['step_time_p10_s'] * 1e3:,.0f}-{r['step_time_p90_s'] * 1e3:,.0f})")
+                           f"{r['step_time_s'] * 1e3:,.1f} "
+                           f"({r['step_time_p10_s'] * 1e3:,.0f}-{r['step_time_p90_s'] * 1e3:,.0f})")
             else:
                 row.append(fmt(r[key], kind))
         out.append(row)
@@ -62,7 +64,10 @@ def table(summary: dict[str, Any]) -> str:
     head = [c[0] for c in COLUMNS]
     body = rows(summary)
     widths = [max(len(h), *(len(r[i]) for r in body)) if body else len(h) for i, h in enumerate(head)]
-    line = lambda cells: "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))  # noqa: E731
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
+
     notes = [f"  {r['name']}: {r['note']}" for r in summary["rungs"] if r.get("note")]
     title = (f"{summary['preset']} @ {summary['seq_len']} tokens x {summary['batch_size']}; MFU against "
              f"{summary['peak_source']}")

@@ -2,7 +2,7 @@
 way from a BenchConfig: the device plan, the preset, the data, the model config, the sequence length;
 the recipe ladder (bench/quality.py) takes the preset from here too.
 
-    python -c "from gptopt.bench.setup import Setup; from gptopt.config import BenchConfig; print(Setup.from_config(BenchConfig()))"
+    python -c "import gptopt.bench.setup as s, gptopt.config as c; print(s.Setup.from_config(c.BenchConfig()))"
 """
 
 from __future__ import annotations
@@ -35,7 +35,8 @@ class Setup:
         gpu = plan.device.type == "cuda"
         tokens = data.open_data(cfg.data_dir)
         # the vocabulary padded as `gptopt train` pads it: best.toml then trains this very model
-        model_config = preset_for_data(name, tokens.model_vocab_size, vocab_pad_multiple=TrainConfig().vocab_pad_multiple)
+        model_config = preset_for_data(name, tokens.model_vocab_size,
+                                       vocab_pad_multiple=TrainConfig().vocab_pad_multiple)
         tokens.check_vocab(model_config.vocab_size)
         seq_len = cfg.seq_len or min(1024 if gpu else 256, model_config.block_size)  # a default fits the model
         return cls(plan, name, tokens, model_config, seq_len)
