@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -158,11 +157,15 @@ def test_a_rung_trains_under_every_train_option_it_overrides_and_best_toml_keeps
     cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
                       output_dir=str(tmp_path / "b"))
     bench = Bench(cfg)
-    rung = ladder.Rung("no_decay", "no weight decay, a short warmup",
-                       {**ladder.NAIVE, "weight_decay": 0.0, "warmup_steps": 5, "grad_clip": 0.5})
+    rung = ladder.Rung("no_decay", "no weight decay, a short warmup, another learning rate",
+                       {**ladder.NAIVE, "weight_decay": 0.0, "warmup_steps": 5, "grad_clip": 0.5,
+                        "learning_rate": 2e-3})
     summary = bench.run([rung])
     (ran,) = trained
-    assert ran == dataclasses.replace(bench.base, **rung.overrides, persistent_workers=False)
+    # what train makes of those options: min_lr too follows the rung's learning rate
+    assert ran == TrainConfig(preset="debug", data_dir=str(train_data), seq_len=32, batch_size=4, seed=cfg.seed,
+                              device="cpu", **rung.overrides, persistent_workers=False)
+    assert ran.min_lr == pytest.approx(2e-4)
     out = tmp_path / "b"
     out.mkdir()
     report.write_all(summary, out, ladder.best_train_config(summary))

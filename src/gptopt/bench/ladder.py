@@ -218,7 +218,10 @@ class Bench:
         """The TrainConfig a rung trains under: the base with the rung's overrides (and a sweep's micro-batch),
         its attention kernel, autocast and DataLoader settings as this device resolves them (autocast that the
         policy leaves at fp32 is off), so the config, and best.toml written from it, names what ran."""
-        cfg = dataclasses.replace(self.base, **{**rung.overrides, **({"batch_size": batch_size} if batch_size else {})})
+        # what TrainConfig derives (min_lr, muon_lr) is derived again, from the rung's learning rate and optimizer
+        derived = {"min_lr": None, "muon_lr": None}
+        cfg = dataclasses.replace(self.base, **{**derived, **rung.overrides,
+                                                **({"batch_size": batch_size} if batch_size else {})})
         amp = self._plan(cfg).amp_name
         return dataclasses.replace(cfg, attention=self._attention(cfg.attention), use_amp=amp != "fp32",
                                    amp_dtype="auto" if amp == "fp32" else amp,
