@@ -144,7 +144,7 @@ def plan(ctx: Ctx) -> list[Step]:
         # train runs at bench's model, batch and length: bench's compiled rungs then find inductor's cache warm,
         # so bench's budget goes to measuring rather than compiling
         Step("train", 60, f"train {s.model} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: tokens/s, "
-             "MFU against the table peak", g("train", *train, "--batch_size", s.batch, "--use_amp", "--use_compile",
+             "MFU against the table peak", g("train", *train, "--batch_size", s.batch, "--use_amp", "--compile",
                                             "--max_steps", s.train_steps, "--log_interval", 10, "--output_dir",
                                             p("train"))),
         Step("train_fp16", 40, "fp16 autocast + GradScaler (loss_scale logged)",
@@ -176,13 +176,13 @@ def plan(ctx: Ctx) -> list[Step]:
              g("generate", "--model", "MODEL", "--compile", "--max_new_tokens", s.new_tokens, "--temperature", 0,
                "def fib(n):"), model=True),
         Step("compress_int8", 15, "compress int8-weight (torchao): size, decode speed, perplexity and KL",
-             g("compress", *compress, "--quantize", "int8-weight", "--output", p("compress_int8")), model=True,
+             g("compress", *compress, "--quantize", "int8-weight", "--output_dir", p("compress_int8")), model=True,
              stdout="compress_int8.json"),
         Step("compress_int4", 15, "compress int4-weight (torchao tinygemm): size, decode speed, quality",
-             g("compress", *compress, "--quantize", "int4-weight", "--output", p("compress_int4")), model=True,
+             g("compress", *compress, "--quantize", "int4-weight", "--output_dir", p("compress_int4")), model=True,
              stdout="compress_int4.json", cpu=False),
         Step("compress_2_4", 15, "compress --prune 2:4 (semi-structured sparse kernels): size, speed, quality",
-             g("compress", *compress, "--prune", "2:4", "--output", p("compress_2_4")), model=True,
+             g("compress", *compress, "--prune", "2:4", "--output_dir", p("compress_2_4")), model=True,
              stdout="compress_2_4.json", cpu=False),
         Step("serve", 55, "serve with its defaults (on the GPU the eager decode recorded as a CUDA graph per batch "
              f"bucket before /ready), loadtest at {', '.join(map(str, s.clients))} clients: start to /ready, TTFT, "

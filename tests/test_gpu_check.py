@@ -70,7 +70,7 @@ def test_the_plan_runs_every_gpu_path(dry_run: tuple[str, dict]) -> None:
     assert "doctor --smoke --json" in cmds["doctor"]
     assert "-m cuda" in cmds["cuda_tests"]
     train = cmds["train"]
-    assert all(f in train for f in ("--preset gpt2 ", "--seq_len 1024", "--use_amp", "--use_compile", "--max_steps 40"))
+    assert all(f in train for f in ("--preset gpt2 ", "--seq_len 1024", "--use_amp", "--compile ", "--max_steps 40"))
     assert "--amp_dtype fp16" in cmds["train_fp16"]
     assert "torch.distributed.run" in cmds["train_ddp"] and "--nproc_per_node 1" in cmds["train_ddp"]
     assert "--fsdp" in cmds["train_fsdp"] and "torch.distributed.run" in cmds["train_fsdp"]

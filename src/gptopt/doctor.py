@@ -350,7 +350,7 @@ def checks(facts: Facts, preset_name: str) -> list[Check]:
 
     if f.os_name == "Windows":
         add(Check("os", "warn", f.os_detail or "Windows", "torch.compile needs Triton, which official "
-                  "Windows builds lack: use WSL2 or Linux, or train without --use_compile"))
+                  "Windows builds lack: use WSL2 or Linux, or train without --compile"))
     else:
         add(Check("os", "ok", f.os_detail or f.os_name))
     add(Check("python", "ok", f.python))

@@ -5,7 +5,7 @@ compressed checkpoint format from which the loader rebuilds the quantised module
 (inference.py) sees a checkpoint's `compression` record and calls `restore`, so generate and serve
 load a compressed directory like any other.
 
-    gptopt compress --model out --output out-int8 --quantize int8-dynamic
+    gptopt compress --model out --output_dir out-int8 --quantize int8-dynamic
     python -c "import torch; from gptopt.quantize import mask_2_4; print(mask_2_4(torch.randn(2, 8)))"
 
 On disk (model.safetensors) a quantised layer's `weight` holds the integers and `weight_scale` (for
