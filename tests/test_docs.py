@@ -6,6 +6,7 @@ command reference names exists, its options tables are the program's, and every 
 
 from __future__ import annotations
 
+import importlib
 import re
 import shlex
 from pathlib import Path
@@ -79,6 +80,36 @@ def test_the_readme_shows_the_playbooks_own_training_command_line() -> None:
     assert playbook.split() in _command_lines(README)
     cfg = _parse(playbook.split())
     assert (cfg.init_from, cfg.batch_size, cfg.compile, cfg.use_amp, cfg.profile) == ("gpt2", 8, True, True, True)
+
+
+def _python_names(page: Path) -> set[str]:
+    """The dotted gptopt names a page gives users: `gptopt.x.y` in its text, `from gptopt.x import a, b` in its code."""
+    text = page.read_text(encoding="utf-8")
+    names = {n for n in re.findall(r"`(gptopt(?:\.\w+)+)", text) if not n.endswith(".json")}  # gptopt.json: a file
+    for module, imported in re.findall(r"^from (gptopt(?:\.\w+)*) import ([\w, ]+)$", text, re.M):
+        names |= {f"{module}.{name.strip()}" for name in imported.split(",")}
+    return names
+
+
+def _resolves(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes down from it
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+@pytest.mark.parametrize("page", [README, COMMANDS_DOC, ROOT / "docs" / "design.md"], ids=lambda p: p.name)
+def test_every_python_name_a_page_gives_users_imports(page: Path) -> None:
+    names = _python_names(page)
+    assert not [name for name in sorted(names) if not _resolves(name)]
 
 
 def _sections(text: str) -> dict[str, str]:
