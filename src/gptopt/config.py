@@ -284,8 +284,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 
 # --optimizer muon's default peak learning rate, as a multiple of --learning_rate (Muon's update is
 # scaled to AdamW's RMS, optim.MUON_ADJUST_LR, so the two share a scale): the multiple that trained tiny
-# furthest among those tried (docs/benchmarks.md, "Muon against AdamW"); the GPT-2 sizes take the same
-# multiple, untried.
+# furthest among those tried (benchmarks/2026-12-04-muon.md, "Muon: `gptopt train --optimizer muon` against
+# AdamW"); the GPT-2 sizes take the same multiple, untried.
 MUON_LR_SCALE = 3.0
 
 

@@ -16,7 +16,8 @@ Two halves, because `gptopt serve` runs them in two processes:
 End of text is allowed exactly when the text so far is a whole document. Ids the tokenizer does not have
 (the model's padded rows) are never allowed. llguidance was chosen over xgrammar and outlines-core for
 its small install, its quick first mask of a new schema, and because it refuses schema keywords it cannot
-enforce instead of letting output through that breaks them (docs/benchmarks.md has the comparison).
+enforce instead of letting output through that breaks them (the comparison:
+benchmarks/2026-12-05-constrained-decoding.md).
 """
 
 from __future__ import annotations

@@ -205,7 +205,8 @@ def default_attention(device_type: str) -> str:
 
     CUDA/MPS: SDPA (flash / memory-efficient kernels). CPU: the eager path, by measurement: the
     compiled bf16 training step ran faster with the two-block eager attention than with SDPA's CPU
-    flash kernel (docs/benchmarks.md, training ladder: what changed).
+    flash kernel (benchmarks/2026-12-02-training-ladder.md, "Code of 2026-12-03, before the shared
+    training step": what changed).
     """
     return "eager" if device_type == "cpu" else "sdpa"
 
@@ -220,7 +221,8 @@ def reuse_host_memory(enable: bool = True) -> bool:
 
     glibc serves every block above 128 KiB-32 MiB with a fresh mmap and unmaps it on free, so each CPU
     training step page-faults its large activations in again: the tiny preset's lm_head matmul and the
-    whole compiled bf16 step run faster with this (docs/benchmarks.md, training ladder: what changed).
+    whole compiled bf16 step run faster with this (benchmarks/2026-12-02-training-ladder.md, "Code of
+    2026-12-03, before the shared training step": what changed).
     The cost: the process keeps its peak heap (returned above 1 GiB of free space at the top, and all
     of it when this is turned off again). Returns whether the setting was applied (False on other C
     libraries, where nothing changes).
@@ -285,8 +287,9 @@ def measured_matmul_flops(device: str, dtype: torch.dtype, *, remeasure: bool = 
     """Best FLOP/s of a square matmul on the device: a short measurement, cached for the process.
 
     remeasure: measure again and keep the better figure. A shared VM's speed drifts within minutes
-    (docs/benchmarks.md, training ladder); a run that measures at its start and its end states its
-    MFU against the faster of the two moments, never against one slow second.
+    (benchmarks/2026-12-02-training-ladder.md, "Code of 2026-12-03, before the shared training step":
+    its 17:24 run); a run that measures at its start and its end states its MFU against the faster of the
+    two moments, never against one slow second.
     """
     key = (device, dtype)
     if key not in _MEASURED or remeasure:

@@ -182,7 +182,7 @@ class _LayerView:
         # Each row writes at its own positions: rows at different lengths share one forward. One
         # index_copy_ into the cache seen as rows of head_dim: faster on a CPU than the equivalent
         # cache[rows, :, positions] = ..., whose indexing around a slice takes a general scatter
-        # (docs/benchmarks.md, serving against transformers serve: where an engine iteration's time goes).
+        # (benchmarks/2026-12-04-serving-vs-transformers.md, "Where an engine iteration's time goes").
         hs = k.size(-1)
         self.k.view(-1, hs).index_copy_(0, self.flat, k.reshape(-1, hs).to(self.k.dtype))  # k: (B, nh, T, hs)
         self.v.view(-1, hs).index_copy_(0, self.flat, v.reshape(-1, hs).to(self.v.dtype))

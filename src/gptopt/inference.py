@@ -218,12 +218,12 @@ def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: t
     matrix-vector products as fused multiply-sums on row-major weights (gemv_linears): also the 1-row bucket
     of a Generator of more slots when the products of several rows run on oneDNN-packed copies
     (packed_products), which the row-major layout leaves alone. There the 1-row step runs faster than
-    as a GEMM on column-major weights, and the steps of more rows no slower (docs/benchmarks.md,
-    serving against transformers serve: the one-row step of a many-slot engine). Without packed
-    copies (bf16 weights, no oneDNN) a step of more rows gets inference_layout's column-major weights
-    back: on row-major ones its compiled GEMMs ran slower than the eager decode (docs/benchmarks.md,
-    inference ladder: the compiled decode at every batch size), and its 1-row bucket is a GEMM too
-    (the layout is the model's; `rows` is the largest bucket).
+    as a GEMM on column-major weights, and the steps of more rows no slower
+    (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
+    Without packed copies (bf16 weights, no oneDNN) a step of more rows gets inference_layout's
+    column-major weights back: on row-major ones its compiled GEMMs ran slower than the eager decode
+    (benchmarks/2026-12-02-inference-ladder.md, "The compiled decode at every batch size"), and its
+    1-row bucket is a GEMM too (the layout is the model's; `rows` is the largest bucket).
     """
     # One graph per bucket: more than dynamo keeps per function by default once buckets reach 4096 rows
     # (or several generators, as bench --mode infer builds, share the decode's code).

@@ -231,10 +231,10 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
     # only servers with /metrics paid.
     connector = aiohttp.TCPConnector(limit=in_flight + 1)
     # aiohttp, not httpx: the clients share the machine with the server they measure, and httpx took
-    # more of its CPU per streamed token (docs/benchmarks.md, serving: where the 16-client server's
-    # time went). read_bufsize: a stream's line (a chunk with log-probabilities) may be long; lines up
-    # to twice it are read. total=None: wait_for in one_request bounds each whole request, and
-    # aiohttp's own 300 s would cut a longer --timeout short.
+    # more of its CPU per streamed token (benchmarks/2026-12-04-serving-vs-transformers.md, "Where the
+    # 16-client server's time went, and the load generator's share"). read_bufsize: a stream's line (a
+    # chunk with log-probabilities) may be long; lines up to twice it are read. total=None: wait_for in
+    # one_request bounds each whole request, and aiohttp's own 300 s would cut a longer --timeout short.
     session = aiohttp.ClientSession(headers=headers, connector=connector, read_bufsize=2**20,
                                     timeout=aiohttp.ClientTimeout(total=None))
     samples: list[Sample] = []

@@ -78,7 +78,8 @@ class CausalSelfAttention(nn.Module):
             # The first half of the queries sees only the first half of the keys: computing that
             # quarter of the score matrix, all masked, is skipped (flash attention's block skipping,
             # at two blocks). Same values as one block, and faster forward and backward in bf16 on
-            # CPUs (docs/benchmarks.md, training ladder: what changed).
+            # CPUs (benchmarks/2026-12-02-training-ladder.md, "Code of 2026-12-03, before the shared
+            # training step": what changed).
             h = T // 2
             y = torch.cat([self._eager(q[:, :, :h], k[:, :, :h], v[:, :, :h], _causal_mask(h, h, 0, x.device)),
                            self._eager(q[:, :, h:], k, v, _causal_mask(T - h, T, h, x.device))], dim=2)
@@ -101,8 +102,9 @@ class TanhGELU(nn.Module):
 
     Compiled, it is written as x * sigmoid(2z): the same function, since 0.5 (1 + tanh(z)) equals
     sigmoid(2z), but inductor's CPU code vectorises exp far better than tanh, so forward and
-    backward run faster (docs/benchmarks.md, training ladder: what changed). Eager keeps F.gelu:
-    one kernel where the rewrite would launch five.
+    backward run faster (benchmarks/2026-12-02-training-ladder.md, "Code of 2026-12-03, before the
+    shared training step": what changed). Eager keeps F.gelu: one kernel where the rewrite would
+    launch five.
     """
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -51,7 +51,7 @@ _KEPT_MODULE_GUARDS = frozenset({"TENSOR_MATCH", "TYPE_MATCH", "DUPLICATE_INPUT"
 def _inference_guards(entries: list) -> list[bool]:
     # Dropped: the per-call checks of every module's hooks, attribute dict and constants, which an
     # inference model does not change, and which made a small model's decode step slow to look its
-    # graph up (docs/benchmarks.md, inference ladder: after the fused multiply-and-sum decode).
+    # graph up (benchmarks/2026-12-02-inference-ladder.md, "After the fused multiply-and-sum decode").
     # Dropping every module guard would be quicker still, but would also run one model's graph on
     # another model's tensors of a different dtype or kind.
     return [not e.orig_guard.source.is_unspecialized_nn_module() or e.guard_type in _KEPT_MODULE_GUARDS
@@ -90,13 +90,14 @@ def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
     copy for products of several rows. Same values, same parameters and state dict.
 
     One row (a batch-1 decode step): F.linear multiplies by weight.T; with this layout that operand
-    is contiguous, and the CPU BLAS's matrix-vector path runs much faster on it (docs/benchmarks.md,
-    inference ladder). Several rows (a batched decode step, a prefill): oneDNN's linear over a weight
-    reordered once into its blocked layout (packed_linear), where the BLAS GEMM repacks it every
-    call, so each Linear and the compiled decode step of several rows run faster (docs/benchmarks.md,
-    serving against transformers serve: products of several rows on oneDNN-packed weights). The
-    packed copy costs the Linear weights' memory once more. Eager, on several rows, an MLP's GELU
-    runs inside its first product, as oneDNN's post-op (_packed_mlp_forward).
+    is contiguous, and the CPU BLAS's matrix-vector path runs much faster on it
+    (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
+    Several rows (a batched decode step, a prefill): oneDNN's linear over a weight reordered once into
+    its blocked layout (packed_linear), where the BLAS GEMM repacks it every call, so each Linear and
+    the compiled decode step of several rows run faster (benchmarks/2026-12-04-serving-vs-transformers.md,
+    "Products of several rows on oneDNN-packed weights"). The packed copy costs the Linear weights'
+    memory once more. Eager, on several rows, an MLP's GELU runs inside its first product, as
+    oneDNN's post-op (_packed_mlp_forward).
 
     GPUs' GEMMs take either layout at full speed, so they are left alone. Inference only: the weights
     must not change or train afterwards (the packed copy would not follow, and the optimizer would see
@@ -130,7 +131,7 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
 # Intel Xeon's compiled decode fell behind the eager one at batch 4 and 8 (issue 17). Putting the
 # weight's rows outermost, (out, rows), read it once, but inside the whole decode graph inductor then
 # vectorised over the 2 rows and ran one kernel over the reduction axis, far slower than the GEMM
-# (docs/benchmarks.md, inference ladder: the compiled decode at every batch size). The weights'
+# (benchmarks/2026-12-02-inference-ladder.md, "The compiled decode at every batch size"). The weights'
 # layout is the model's: compile_decode applies gemv_linears where the products of several rows do
 # not read it (packed_products), else to a Generator of one slot only.
 GEMV_MAX_ROWS = 1
@@ -142,8 +143,8 @@ def gemv_linears(model: nn.Module) -> nn.Module:
 
     Inductor fuses that into one vectorised, multi-threaded pass over the weight with the bias in its
     epilogue, where the BLAS's matrix-vector path reads the weight at a fraction of this CPU's memory
-    bandwidth and leaves the second thread idle (docs/benchmarks.md, inference ladder: after the fused
-    multiply-and-sum decode). Larger batches keep inference_layout's packed product (or F.linear), and
+    bandwidth and leaves the second thread idle (benchmarks/2026-12-02-inference-ladder.md, "After the fused
+    multiply-and-sum decode"). Larger batches keep inference_layout's packed product (or F.linear), and
     so do eager one-row calls where there is a packed copy (F.linear otherwise). The weights go back to
     row-major (the sum runs along memory; inference_layout's column-major order made it much slower).
     Inference only, like inference_layout; quantised weights are left as they are. The model's type,
@@ -225,8 +226,8 @@ def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # One row on column-major weights: the BLAS's matrix-vector path, which reads them fastest. One
     # eager row on row-major ones (a prompt's last position at the lm_head) takes the packed copy: the
     # BLAS's product on them ran slower than oneDNN's on the copy with two threads, over shapes of
-    # tiny's and gpt2's, and slower than on column-major weights too (docs/benchmarks.md, serving
-    # against transformers serve: the one-row step of a many-slot engine).
+    # tiny's and gpt2's, and slower than on column-major weights too
+    # (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
     packed = None if one and not row_major else _packed_for(self, x)
     if packed is None:
         return F.linear(x, self.weight, self.bias)
@@ -239,9 +240,8 @@ def _packed_mlp_forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
     """MLP.forward with the GELU applied by oneDNN inside c_fc's packed product (its tanh GELU post-op),
     eager and for several rows; compiled steps (inductor fuses the GELU itself) and one row keep
     MLP.forward. The separate GELU was a pass of its own over the widest activation, and c_fc with the
-    post-op costs less than the product and the GELU apart (docs/benchmarks.md, serving against
-    transformers serve: the GELU inside the prefill's first product); the values differ in their
-    last bits only."""
+    post-op costs less than the product and the GELU apart (benchmarks/2026-12-04-serving-vs-transformers.md,
+    "The GELU inside the prefill's first product"); the values differ in their last bits only."""
     packed = None
     if not torch.compiler.is_compiling() and not _one_row(x):
         packed = _packed_for(self.c_fc, x)

@@ -18,11 +18,12 @@ no recipe's step is cheaper than AdamW's, so by then it is at least 1.5x slower,
 Recipes, each one change to AdamW (train's default):
   adamw     train's defaults
   muon      --optimizer muon (Muon on the blocks' weight matrices, AdamW on the rest) at the rates
-            measured for it on tiny (docs/benchmarks.md, "The ladder at train's step settings")
+            measured for it on tiny (benchmarks/2026-12-04-time-to-quality.md, "The ladder at train's
+            step settings")
   aligned   --align_documents (windows start at document boundaries)
   schedule  the learning-rate schedule tuned for the target: the cosine decay ends where AdamW's runs
             reached the target (median steps), train's warmup kept (half the decay at most): a short
-            warmup cost tiny steps (docs/benchmarks.md, "Time to quality")
+            warmup cost tiny steps (benchmarks/2026-12-04-time-to-quality.md, "Time to quality")
   best      every change above that beat AdamW's time significantly (Welch, p < 0.05; with one seed,
             the mean), together (the decay ending where the fastest of them reached the target);
             AdamW again if none did
@@ -65,7 +66,7 @@ DEFAULT_RECIPES = ("adamw", "muon", "aligned", "schedule", "best")
 CHANGES: dict[str, tuple[str, dict[str, Any]]] = {  # the fixed recipes: what each changes, as train options
     "adamw": ("train's defaults: AdamW, warmup 100 steps, cosine decay over max_steps", {}),
     # Muon's rates and warmup, measured for it: steps to tiny's 4.2 at 16 x 256 tokens (seed 1337),
-    # docs/benchmarks.md "The ladder at train's step settings"
+    # benchmarks/2026-12-04-time-to-quality.md, "The ladder at train's step settings"
     "muon": ("--optimizer muon at the rates measured for it on tiny: Muon 3e-3 on the blocks' weight matrices, AdamW "
              "4e-3 on the rest (embeddings, tied head, biases, LayerNorm), warmup 10 steps",
              {"optimizer": "muon", "muon_lr": 3e-3, "learning_rate": 4e-3, "warmup_steps": 10}),
@@ -91,7 +92,7 @@ TRAIN_WARMUP: int = TrainConfig.__dataclass_fields__["warmup_steps"].default
 
 def _schedule(steps: int, warmup: int = TRAIN_WARMUP) -> dict[str, Any]:
     """The decay ends at `steps`; the recipe's warmup stays (with AdamW a short one cost tiny steps:
-    docs/benchmarks.md, "Time to quality"), at most half the decay."""
+    benchmarks/2026-12-04-time-to-quality.md, "Time to quality"), at most half the decay."""
     return {"lr_decay_steps": steps, **({"warmup_steps": max(1, steps // 2)} if warmup > steps // 2 else {})}
 
 

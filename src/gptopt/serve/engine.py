@@ -17,10 +17,10 @@ every core but one: its arithmetic is so small that the HTTP event loop, the det
 clients are as busy as the model, and the spare core keeps them from preempting the decode's
 threads. A decode step of several requests, and every prefill, take every core: there the model is
 the work, and a core fewer delays every client's next token and a new request's first (both measured:
-docs/benchmarks.md, serving against transformers serve: a fourth comparison). The compiled CPU
-decode's 1-row graph and its graph of the other batch sizes keep the thread count they were compiled
-under (dynamo guards on it: a step under another count would recompile), so the warm-up compiles each
-under the count its steps run with.
+benchmarks/2026-12-04-serving-vs-transformers.md, "A fourth comparison: a core left to the HTTP side").
+The compiled CPU decode's 1-row graph and its graph of the other batch sizes keep the thread count they
+were compiled under (dynamo guards on it: a step under another count would recompile), so the warm-up
+compiles each under the count its steps run with.
 
 Only this thread touches the model; other threads (the HTTP event loop) only submit, cancel and
 read stats, under one lock. Text goes back through a `sink`: for asyncio clients,
@@ -75,8 +75,8 @@ def settled_heap(*, give_back: bool = True) -> Iterator[None]:
     would pay one more full collection of the whole heap).
 
     A compiled warm-up leaves many cyclic objects behind: otherwise the engine process met them in its
-    first full collection, a pause that every request in flight waited through (docs/benchmarks.md,
-    serving against transformers serve: the start-up heap out of the collector's way)."""
+    first full collection, a pause that every request in flight waited through
+    (benchmarks/2026-12-04-serving-vs-transformers.md, "The start-up heap out of the collector's way")."""
     global _heap_users
     with _heap_lock:
         gc.collect()
@@ -450,8 +450,8 @@ class Engine:
         threads' pools hold more threads than there are cores, every worker stops spin-waiting and sleeps
         between regions (libgomp's rule: 100 spins, not 300,000), so each of the step's parallel kernels
         pays a wake-up through the kernel, and a decode step on a second thread is much slower than on the
-        thread that loaded the model (docs/benchmarks.md, serving against transformers serve: the engine on
-        its process's main thread)."""
+        thread that loaded the model (benchmarks/2026-12-04-serving-vs-transformers.md, "The engine on its
+        process's main thread")."""
         self._claim()
         self._thread = threading.current_thread()
         self._run()

@@ -10,16 +10,15 @@ streams; the child keeps the model.
 
 Why: the engine thread calls its kernels from Python and takes the GIL back after each one, so in one
 process it waits whenever the event loop runs Python, and the event loop waits for it. Apart, neither
-waits for the other (docs/benchmarks.md, serving against transformers serve: the engine in a process
-of its own).
+waits for the other (benchmarks/2026-12-04-serving-vs-transformers.md, "The engine in a process of its own").
 `--no-engine_process` keeps everything in one process (and `create_app` with a model object always
 does: tests and notebooks hand over a model in memory).
 
 The child runs the engine loop on its main thread, the one that loaded the model and warmed it up
 (Engine.run), and reads the parent's commands on another that does no torch work: a second thread
 starting OpenMP regions gives the process a second pool of workers, and then every worker sleeps
-between kernels instead of spinning (engine.Engine.run; docs/benchmarks.md, serving against
-transformers serve: the engine on its process's main thread).
+between kernels instead of spinning (engine.Engine.run; benchmarks/2026-12-04-serving-vs-transformers.md,
+"The engine on its process's main thread").
 
 The child is started with "spawn": a forked child would inherit the parent's OpenMP and CUDA state,
 which neither survives a fork. It ignores SIGINT (Ctrl-C reaches the whole process group) and drains

@@ -72,8 +72,8 @@ def bind(host: str, port: int) -> socket.socket:
     not this machine's fails with one line before the model loads (uvicorn itself logs and exits 1)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     # IPPROTO_TCP named, not left 0: asyncio sets TCP_NODELAY only on connections whose socket says TCP,
-    # and without it each small streamed chunk waited for the client's delayed ACK (docs/benchmarks.md,
-    # serving: streamed tokens held by Nagle's algorithm).
+    # and without it each small streamed chunk waited for the client's delayed ACK
+    # (benchmarks/2026-12-04-serving-vs-transformers.md, "Streamed tokens held by Nagle's algorithm").
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
