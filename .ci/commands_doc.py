@@ -47,9 +47,10 @@ def options_table(verb: str) -> str:
             choices = f.metadata.get("choices")
             value = "{" + ",".join(map(str, choices)) + "}" if choices else kind.__name__.upper()
             name = f"`--{f.name} {value}`"
-        aliases = f.metadata.get("aliases", ())  # spelled as on the command line: "--model_name"
+        aliases = f.metadata.get("aliases", ())  # bare field names, as config.opt takes them: "use_compile"
         if aliases:
-            name += " (also " + ", ".join(f"`{a}`" for a in aliases) + ")"
+            spell = (lambda a: f"`--{a}` / `--no-{a}`") if kind is bool else (lambda a: f"`--{a}`")
+            name += " (also " + ", ".join(spell(a) for a in aliases) + ")"
         rows.append(f"| {_cell(name)} | {_cell(_default(default))} | {_cell(f.metadata.get('help', ''))} |")
     return "\n".join(rows) + "\n"
 

@@ -50,7 +50,11 @@ def _gptopt_argv(line: str) -> list[str] | None:
 
 
 def _command_lines(page: Path) -> list[list[str]]:
-    found = [argv for line in _shell_lines(page.read_text(encoding="utf-8")) if (argv := _gptopt_argv(line))]
+    text = page.read_text(encoding="utf-8")
+    lines = _shell_lines(text)
+    if page == README:  # its headline table's commands too, each the whole command that reproduces a figure
+        lines += re.findall(r"`(gptopt [^`]+)`", FENCE.sub("", text))
+    found = [argv for line in lines if (argv := _gptopt_argv(line))]
     return [argv for argv in found if argv and argv[0] in cli.COMMANDS and "..." not in argv]  # ...: elided
 
 
@@ -146,6 +150,16 @@ def test_every_option_the_command_reference_names_in_its_text_is_an_option_of_th
             unknown += [f"{verb}: `{span}` ({flag} is no option of gptopt {owner})"
                         for flag in sorted(flags - _option_strings(owner) - FOREIGN_FLAGS)]
     assert not unknown, "\n".join(unknown)
+
+
+def test_each_options_table_names_every_spelling_the_command_takes() -> None:
+    text = COMMANDS_DOC.read_text(encoding="utf-8")
+    missing = []
+    for verb in cli.COMMANDS:
+        table = text.split(f"<!-- options: {verb} -->", 1)[1].split("<!-- /options -->", 1)[0]
+        named = set(re.findall(r"`(--[a-z][\w-]*)[ `]", table))
+        missing += [f"{verb}: {s}" for s in sorted(_option_strings(verb) - named - {"-h", "--help"})]
+    assert not missing, ", ".join(missing)
 
 
 def test_the_command_references_options_tables_are_the_programs_options() -> None:

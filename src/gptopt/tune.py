@@ -136,12 +136,9 @@ class Tuner:
         return rung.but(name or f"micro-batch {b}", f"micro-batch {b} x accumulation {a}", batch_size=b,
                         gradient_accumulation_steps=a)
 
-    def _config(self, rung: Rung) -> TrainConfig:
-        return self.bench.config(rung)
-
     def _key(self, rung: Rung) -> Key:
         """The settings alone, as they run: two candidates whose TrainConfigs resolve alike are one."""
-        return rung.hf, rung.reuse_memory, dataclasses.astuple(self._config(rung))
+        return rung.hf, rung.reuse_memory, dataclasses.astuple(self.bench.config(rung))
 
     def _larger(self, b: int) -> int | None:
         return next((d for d in self.sizes if d >= 2 * b), None)  # doubling, where the global batch allows
@@ -152,7 +149,7 @@ class Tuner:
     def _estimate(self, rung: Rung) -> float:
         """Seconds a candidate will take. An eager one changes one setting of the best, so it costs about
         what the best did (a slower one is pruned after two timed steps, and the deadline ends any one)."""
-        cfg = self._config(rung)
+        cfg = self.bench.config(rung)
         if not cfg.compile:
             return self.best_cost
         first = (self.compile_costs[0] if self.compile_costs
@@ -187,7 +184,7 @@ class Tuner:
 
     def _record(self, stage: str, rung: Rung, status: str, note: str) -> RungResult:
         """A candidate that is not run: it still gets a row, with the reason (once: the budget only shrinks)."""
-        res = self.bench.result(rung, self._config(rung), status=status, note=note)
+        res = self.bench.result(rung, self.bench.config(rung), status=status, note=note)
         self.measured[self._key(rung)] = rung, res
         self.entries.append((stage, res))
         self._log(stage, res)
@@ -220,7 +217,7 @@ class Tuner:
             res.note = (res.note + "; " if res.note else "") + (
                 f"measured on a busy machine: this process had {share[-1]:.0%} of its {torch.get_num_threads()} "
                 "threads' time")
-        compiled = self._config(rung).compile
+        compiled = self.bench.config(rung).compile
         if compiled and not again:
             self.compile_costs.append(cost)
         self._check(res)
@@ -313,7 +310,7 @@ class Tuner:
         naive = ref_rung.but("hf", "Hugging Face GPT2LMHeadModel, eager attention, fp32, for-each AdamW: the naive "
                              "script's model", attention="eager", fused_optimizer=False)
         hf = dataclasses.replace(naive, hf=True, reuse_memory=False)
-        b: int | None = self._config(hf).batch_size
+        b: int | None = self.bench.config(hf).batch_size
         while b is not None:
             res = self.measure("baseline", self._at(hf, b, "hf"))
             if res.status != "oom":
@@ -324,7 +321,7 @@ class Tuner:
         """Measured together: which attention kernel is faster depends on the dtype (SDPA's CPU kernels)."""
         assert self.best is not None
         base = self.best[0]
-        current = self._config(base).attention
+        current = self.bench.config(base).attention
         other = "eager" if current == "sdpa" else "sdpa"
         attentions = [current, other] if "attention" in axes else [current]
         for dtype in amp_choices(self.device_type) if "amp" in axes else ["fp32"]:
@@ -337,7 +334,7 @@ class Tuner:
     def _fused(self) -> None:
         assert self.best is not None
         rung = self.best[0]
-        fused = self._config(rung).fused_optimizer
+        fused = self.bench.config(rung).fused_optimizer
         if not fused_available(self.device_type) and not fused:
             return
         self.measure("optimizer", rung.but("AdamW " + ("for-each" if fused else "fused"),
@@ -346,7 +343,7 @@ class Tuner:
     def _loader(self) -> None:
         assert self.best is not None
         rung, res = self.best
-        cfg = self._config(rung)
+        cfg = self.bench.config(rung)
         current = {k: getattr(cfg, k) for k in LOADER_FIELDS}
         for v in [v for v in loader_variants(self.device_type) if v != current]:
             name = (f"loader {v['num_workers']} workers" + (" pinned" if v["pin_memory"] else "")
@@ -364,7 +361,7 @@ class Tuner:
         faster; back off when it does not. Returns the first size that ran out of memory, if any."""
         assert self.best is not None
         rung, prev = self.best
-        b0 = self._config(rung).batch_size
+        b0 = self.bench.config(rung).batch_size
         b = self._larger(b0)
         grew = False
         while b is not None:
@@ -395,7 +392,7 @@ class Tuner:
         rung = self.best[0]
         recomputing = rung.but("checkpointing", "activation checkpointing", gradient_checkpointing=True)
         if hit_oom is None:
-            b0 = self._config(rung).batch_size
+            b0 = self.bench.config(rung).batch_size
             why = ("micro-batch {b} is the whole global batch" if b0 == self.global_batch else
                    "larger micro-batches fit without it" if searched else "the micro-batch was not searched")
             self._record("checkpointing", recomputing, "pruned",
@@ -418,7 +415,7 @@ class Tuner:
         # never pruned: its first compiled steps can be slow for reasons of their own (allocator, page
         # faults), and the winner is judged against it, so it must be measured in full
         self.bench_all = self.measure("compile", self._bench_all(), prunable=False)  # maybe the first's settings
-        base = self.best[0] if self._config(self.best[0]).compile else compiled
+        base = self.best[0] if self.bench.config(self.best[0]).compile else compiled
         modes = ["max-autotune-no-cudagraphs"] + (["reduce-overhead"] if self.device_type == "cuda" else [])
         for mode in modes:
             self.measure("compile", base.but(f"compile {mode}", f"torch.compile mode {mode}", compile_mode=mode))
@@ -463,7 +460,7 @@ class Tuner:
         hf = next((c for c, r in pairs if c["hf"] and r.tokens_per_s and r.status in ("ok", "rejected")), None)
         hf_note = next((c["note"] for c in candidates if c["hf"]), "not measured")
         bench_all = last(self.bench_all) if self.bench_all is not None and self.valid(self.bench_all) else None
-        # the winner's run as it was measured: its seed (weights, batches) and device too
+        # the winner's TrainConfig as it was measured: its run (model, data, seed) and step settings
         opts = toml_options(win["config"])
         return {
             "preset": bench.preset, "seq_len": bench.seq_len, "global_batch": self.global_batch,

@@ -2,7 +2,7 @@
 
     pytest -q tests/test_logprobs.py
 
-The numbers come from the Generator (generate.TokenLogprob: log_softmax of the model's raw logits,
+The numbers come from the Generator (generator.TokenLogprob: log_softmax of the model's raw logits,
 before penalty, temperature, top-k and top-p). This module only names the tokens and places them in
 the text: `Vocab` gives a token's text and bytes, `CompletionLogprobs` builds one choice's `tokens`,
 `token_logprobs`, `top_logprobs` and `text_offset` as its tokens arrive, `chat_content` the entries
