@@ -184,9 +184,9 @@ def plan(ctx: Ctx) -> list[Step]:
         Step("compress_2_4", 15, "compress --prune 2:4 (semi-structured sparse kernels): size, speed, quality",
              g("compress", *compress, "--prune", "2:4", "--output_dir", p("compress_2_4")), model=True,
              stdout="compress_2_4.json", cpu=False),
-        Step("serve", 55, "serve with its defaults (on the GPU the eager decode recorded as a CUDA graph per batch "
-             f"bucket before /ready), loadtest at {', '.join(map(str, s.clients))} clients: start to /ready, TTFT, "
-             "TPOT, output tokens/s, errors, memory",
+        Step("serve", 55, f"serve on a free port with its defaults but --max_batch_size {max(s.clients)} (on the GPU "
+             "the eager decode recorded as a CUDA graph per batch bucket before /ready), loadtest at "
+             f"{', '.join(map(str, s.clients))} clients: start to /ready, TTFT, TPOT, output tokens/s, errors, memory",
              g("serve", "--model", "MODEL", "--host", "127.0.0.1", "--port", "PORT", "--max_batch_size",
                max(s.clients)), model=True, serve=True),
         Step("profile", 25, f"profile --preset {s.model} --use_amp: where the time goes, and the fix",
