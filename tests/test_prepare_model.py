@@ -162,7 +162,7 @@ def test_a_compiled_cpu_decode_keeps_row_major_weights_where_several_rows_use_th
 def test_a_compiled_cpu_decode_without_packed_copies_gets_the_gemm_layout_back() -> None:
     # bench --mode infer sweeps one model through batch 1, 2, 4...: batch 1's multiply-and-sum made
     # the weights row-major, and on them batch 2's compiled GEMMs ran slower than the eager decode
-    # (docs/benchmarks.md, inference ladder). bf16 weights have no packed copy: their GEMMs read the
+    # (benchmarks/2026-12-02-inference-ladder.md). bf16 weights have no packed copy: their GEMMs read the
     # weights themselves.
     _, model = _pair()
     model.to(torch.bfloat16)

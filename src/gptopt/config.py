@@ -660,7 +660,7 @@ class ServeConfig:
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
     compile: bool = opt(False, "compile the decode step (reduce-overhead: CUDA graphs on GPUs), once per batch "
-                        "bucket at start-up: a slower start for faster steps (docs/benchmarks.md)")
+                        "bucket at start-up: a slower start for faster steps (docs/benchmarks.md, GPU)")
     cuda_graphs: bool = opt(True, "GPUs, without --compile: record the eager decode step as a CUDA graph per "
                             "batch bucket at start-up (seconds), replayed after that")
     quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
@@ -670,7 +670,8 @@ class ServeConfig:
                                    "default: every core but one, left to the HTTP server and tokenizer (prefill "
                                    "and batches of requests use every core)", ge=1, le=MAX_THREADS)
     engine_process: bool = opt(True, "run the model in a process of its own, apart from the HTTP server, so the "
-                               "two never wait for each other's Python (docs/benchmarks.md, serving)")
+                               "two never wait for each other's Python "
+                               "(benchmarks/2026-12-04-serving-vs-transformers.md)")
     api_key: str | None = opt(None, "require 'Authorization: Bearer KEY' (or set GPTOPT_API_KEY)", verbatim=True)
     cors_origin: str | None = opt(None, "allow browser requests from this origin (CORS is off otherwise)")
     blocklist: str | None = opt(None, "file of rules, one a line, refused in prompts and cut from output: a plain term "

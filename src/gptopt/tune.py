@@ -47,7 +47,7 @@ PRUNE_SLOWER = 1.25
 # Below this share of the step spent fetching batches, better loading cannot win more than noise.
 LOADER_MIN_WAIT = 0.02
 # The first compile's cost before one is measured: a cold inductor cache's, with room to spare
-# (docs/benchmarks.md, "Tuning"); other modes cost this many times the default's.
+# (benchmarks/2026-12-02-tuning.md, the cold cache); other modes cost this many times the default's.
 COMPILE_PRIOR_S = {"cpu": 80.0, "cuda": 90.0, "mps": 90.0}
 COMPILE_COST = {"default": 1.0, "reduce-overhead": 1.3, "max-autotune-no-cudagraphs": 3.0}
 # On a CPU, below this share of its threads' time the process was not getting the cores (another
