@@ -122,3 +122,11 @@ def test_no_import_cycles() -> None:
         lines.append(" <-> ".join(component))
         lines += [f"    {a} -> {b}  ({graph[a][b]})" for a in component for b in component if b in graph[a]]
     assert not found, "import cycles (each with the imports that close it):\n" + "\n".join(lines)
+
+
+def test_nothing_below_the_command_line_imports_it() -> None:
+    # Dependencies point one way, cli -> commands -> library: only `python -m gptopt` starts from the CLI.
+    graph = import_graph()
+    importers = sorted(f"{name} ({edges['gptopt.cli']})" for name, edges in graph.items()
+                       if "gptopt.cli" in edges and name != "gptopt.__main__")
+    assert not importers, "gptopt.cli imported by: " + ", ".join(importers)

@@ -17,7 +17,6 @@ import argparse
 import dataclasses
 import errno
 import importlib
-import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -26,6 +25,7 @@ from typing import Any, NoReturn
 from gptopt import __version__
 from gptopt.config import field_types, type_ok
 from gptopt.extras import MissingExtra
+from gptopt.logs import setup_logging
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -216,28 +216,6 @@ def top_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"gptopt {__version__}")
     parser.add_argument("command", nargs="?", help=argparse.SUPPRESS)
     return parser
-
-
-class _StderrHandler(logging.Handler):
-    """Writes to whatever sys.stderr is at the time (test runners and tqdm swap it)."""
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            print(self.format(record), file=sys.stderr)
-        except Exception:
-            self.handleError(record)
-
-
-def setup_logging() -> None:
-    """gptopt's log lines on stderr as 'gptopt: MESSAGE', INFO and up (serve's engine process calls it too)."""
-    # Our logger only: configuring the root logger would print every library's INFO chatter too.
-    logger = logging.getLogger("gptopt")
-    if not logger.handlers:
-        handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("gptopt: %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(logging.INFO)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

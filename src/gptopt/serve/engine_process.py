@@ -43,13 +43,13 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from gptopt import memory
-from gptopt.cli import setup_logging
 from gptopt.config import ServeConfig
 from gptopt.constrain import Grammars
 from gptopt.device import resolve
 from gptopt.extras import has
 from gptopt.generator import Generator, SamplingParams
 from gptopt.inference import load_for_inference
+from gptopt.logs import setup_logging
 from gptopt.serve.blocklist import Blocklist, load_blocklist
 from gptopt.serve.engine import (
     COMPLETED,
