@@ -191,6 +191,7 @@ EXPECTED_OPTIONS = {
         "seed",
         "temperature",
         "timeout",
+        "tokenizer",
         "url",
     },
     "compress": {

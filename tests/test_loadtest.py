@@ -334,3 +334,107 @@ def test_a_request_that_outlasts_the_timeout_is_a_timeout(capsys: pytest.Capture
         cfg = LoadtestConfig(url=f"http://127.0.0.1:{server.port}", requests=2, concurrency=2, timeout=0.5, json=True)
         assert main(cfg) == 1
     assert last_json_line(capsys.readouterr().out)["errors"] == {"timeout": 2}
+
+
+def _prompt_server(prompts: list[str]) -> Any:
+    """A server that records each request's prompt and answers it with one finished chunk."""
+    from fastapi import FastAPI
+    from fastapi.responses import StreamingResponse
+
+    fake = FastAPI()
+
+    @fake.post("/v1/completions")
+    async def complete(request: dict[str, Any]) -> StreamingResponse:  # a dict: the JSON body
+        prompts.append(request["prompt"])
+
+        async def body() -> Any:
+            yield f"data: {_chunk(text='a', finish_reason='length')}\n\ndata: [DONE]\n\n".encode()
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    return fake
+
+
+def _sent_prompts(capsys: pytest.CaptureFixture[str], **options: Any) -> tuple[list[str], dict[str, Any]]:
+    """The prompts one loadtest run sends (one client: in the order made), and its --json summary."""
+    prompts: list[str] = []
+    with serve_in_thread(_prompt_server(prompts)) as server:
+        cfg = LoadtestConfig(url=f"http://127.0.0.1:{server.port}", concurrency=1, json=True, **options)
+        assert main(cfg) == 0
+    return prompts, last_json_line(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 64, 300])
+def test_with_a_tokenizer_every_prompt_is_exactly_prompt_tokens_of_it_and_no_special_token(
+        n: int, train_data: Any, debug_tokenizer: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from gptopt.tokenizer import eot_id
+
+    path = str(train_data / "tokenizer.json")
+    special = {i for i, t in debug_tokenizer.get_added_tokens_decoder().items() if t.special}
+    assert eot_id(debug_tokenizer) in special
+    for seed in (0, 1, 2):
+        prompts, summary = _sent_prompts(capsys, requests=6, prompt_tokens=n, tokenizer=path, seed=seed)
+        assert len(prompts) == 6 and len(set(prompts)) > 1  # random tokens: requests differ
+        for prompt in prompts:
+            ids = debug_tokenizer.encode(prompt).ids  # as gptopt serve encodes a prompt
+            assert len(ids) == n and not special & set(ids), (seed, prompt)
+        assert summary["prompt"] == {"kind": "tokens", "length": n, "tokenizer": path}
+
+
+def test_token_prompts_are_served_without_errors(url: str, train_data: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """Random tokens decode to any text (control characters included): gptopt serve takes it as a prompt."""
+    cfg = LoadtestConfig(url=url, requests=4, concurrency=2, prompt_tokens=24, max_tokens=4, json=True,
+                         tokenizer=str(train_data / "tokenizer.json"))
+    assert main(cfg) == 0
+    out = capsys.readouterr().out
+    assert last_json_line(out)["errors"] == {} and f"prompts      24 tokens of {train_data / 'tokenizer.json'}" in out
+
+
+def test_token_prompts_follow_the_seed(train_data: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    path = str(train_data / "tokenizer.json")
+    first, _ = _sent_prompts(capsys, requests=4, prompt_tokens=16, tokenizer=path, seed=7)
+    again, _ = _sent_prompts(capsys, requests=4, prompt_tokens=16, tokenizer=path, seed=7)
+    other, _ = _sent_prompts(capsys, requests=4, prompt_tokens=16, tokenizer=path, seed=8)
+    assert first == again and set(first).isdisjoint(other)
+
+
+@pytest.mark.parametrize("model", ["model_dir", "trained_out"])
+def test_a_model_directory_gives_its_tokenizer_as_the_tokenizer_json_does(
+        model: str, train_data: Any, request: pytest.FixtureRequest, capsys: pytest.CaptureFixture[str]) -> None:
+    """--tokenizer takes the served model's directory as serve's --model does, its tokenizer found as generate
+    and serve find it: a model dir whose checkpoint records it, a training output dir (its latest checkpoint's)."""
+    where = request.getfixturevalue(model)
+    assert not (where / "tokenizer.json").exists()
+    by_file, _ = _sent_prompts(capsys, requests=3, prompt_tokens=12, tokenizer=str(train_data / "tokenizer.json"))
+    by_model, summary = _sent_prompts(capsys, requests=3, prompt_tokens=12, tokenizer=str(where))
+    assert by_model == by_file and summary["prompt"]["tokenizer"] == str(where)
+
+
+def test_without_a_tokenizer_prompts_are_words_of_the_fixed_text_as_before(capsys: pytest.CaptureFixture[str]) -> None:
+    prompts, summary = _sent_prompts(capsys, requests=3, prompt_tokens=5, seed=0)
+    assert prompts == ["into one file tests prove", "prove behaviour numbers are measured", "over the lazy dog while"]
+    assert summary["prompt"] == {"kind": "words", "length": 5, "tokenizer": None}
+
+
+@pytest.mark.parametrize("where, problem", [("missing.json", "no such file or folder"),
+                                            ("empty_folder", "no tokenizer.json in this folder")])
+def test_a_bad_tokenizer_is_refused_in_one_line_with_exit_2(where: str, problem: str, tmp_path: Any,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    from gptopt import cli
+
+    (tmp_path / "empty_folder").mkdir()
+    prompts: list[str] = []
+    with serve_in_thread(_prompt_server(prompts)) as server:
+        rc = cli.main(["loadtest", "--url", f"http://127.0.0.1:{server.port}", "--requests", "2",
+                       "--tokenizer", str(tmp_path / where)])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and prompts == []  # refused before a request is sent
+    assert len(err.splitlines()) == 1 and f"--tokenizer {tmp_path / where}: {problem}" in err
+
+
+def test_the_help_says_prompt_tokens_are_words_without_a_tokenizer(capsys: pytest.CaptureFixture[str]) -> None:
+    from gptopt import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["loadtest", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--tokenizer" in out and "without it, this many words of a fixed text" in out and "approximately" in out

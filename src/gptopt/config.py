@@ -717,7 +717,10 @@ class LoadtestConfig:
     # one socket each: a client machine runs out of ports (~28k) long before 10000
     concurrency: int = opt(16, "requests in flight at once (closed loop); ignored with --rate", ge=1, le=10_000)
     rate: float | None = opt(None, "open loop: Poisson arrivals at this many requests per second", gt=0.0, le=1e6)
-    prompt_tokens: int = opt(32, "approximate prompt length in tokens (words of a fixed text)", ge=1, le=MAX_SEQ_LEN)
+    prompt_tokens: int = opt(32, "prompt length: exactly this many tokens of --tokenizer; without it, this many words "
+                             "of a fixed text, which is only approximately as many tokens", ge=1, le=MAX_SEQ_LEN)
+    tokenizer: str | None = opt(None, "the served model's tokenizer.json, or its model directory: each prompt is "
+                                "then random tokens of it (as vLLM's random data set), exactly --prompt_tokens long")
     max_tokens: int = opt(64, "max_tokens of each request", ge=1, le=MAX_NEW_TOKENS)
     temperature: float = opt(0.0, "temperature of each request", ge=0.0)
     model: str | None = opt(None, "the model field of each request")

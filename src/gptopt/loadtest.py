@@ -2,6 +2,7 @@
 
     gptopt loadtest --url http://127.0.0.1:8000 --requests 200 --concurrency 16 --json
     gptopt loadtest --rate 5 --requests 100          # open loop: Poisson arrivals, 5 per second
+    gptopt loadtest --tokenizer out --prompt_tokens 128 --max_tokens 128   # prompts of exactly 128 tokens
 
 Closed loop (--concurrency) keeps that many requests in flight, which measures capacity; open loop
 (--rate) sends on a Poisson schedule whatever the server's speed, which shows queueing. Reported:
@@ -10,6 +11,12 @@ first (TPOT), the gaps between streamed chunks (ITL), and errors by HTTP status 
 'connect', 'stream'). Only cfg.url is contacted; every request ends within cfg.timeout seconds.
 A stream succeeds at `data: [DONE]`, or where the server closes it once every choice has its finish_reason
 (transformers serve sends no [DONE]); one that ends before that, or sends an error, is a 'stream' error.
+
+Prompts: with --tokenizer, random token ids of that tokenizer decoded to text, as vLLM's `bench serve
+--dataset-name random` makes them, then made exact (TokenPrompts): each encodes to exactly
+--prompt_tokens tokens, none of them special, so runs against servers on different machines send the
+same load, token for token. Without it, windows of a fixed text, one word per requested token: only
+approximately as many tokens, and how many depends on the tokenizer.
 
 Where the server's /metrics has `process_resident_memory_bytes` (gptopt serve does, on Linux), its
 resident memory is sampled through the run: growth after the warm-up tenth of the requests is how a
@@ -27,12 +34,17 @@ import re
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from tqdm import tqdm
 
 from gptopt.config import LoadtestConfig
+from gptopt.tokenizer import eot_id, load_tokenizer
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 # Prompts are windows of this text, one word per requested token: every request differs, none is empty.
 TEXT = (
@@ -106,6 +118,91 @@ class MemoryTrace:
 def make_prompt(rng: random.Random, n_words: int) -> str:
     start = rng.randrange(len(TEXT))
     return " ".join(TEXT[(start + i) % len(TEXT)] for i in range(n_words))
+
+
+# Rounds of re-encoding and cutting or extending one prompt before the run is refused (vLLM's retries)
+PROMPT_TRIES = 10
+
+
+def prompt_tokenizer(path: str) -> Tokenizer:
+    """--tokenizer: a tokenizer.json, a folder holding one, or a model directory as --model takes it (its
+    tokenizer found as generate and serve find it: inference.find_tokenizer)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise ValueError(f"--tokenizer {path}: no such file or folder; give the served model's tokenizer.json or "
+                         "its model directory")
+    if p.is_file():
+        return load_tokenizer(p)
+    from gptopt.inference import find_tokenizer, has_tokenizer, model_source
+
+    if has_tokenizer(p):
+        return load_tokenizer(p)
+    try:
+        source = model_source(str(p))
+    except ValueError:
+        raise ValueError(f"--tokenizer {path}: no tokenizer.json in this folder, and no model whose tokenizer it "
+                         "could be; give the served model's tokenizer.json or its model directory") from None
+    return find_tokenizer(source)
+
+
+class TokenPrompts:
+    """Prompts of exactly n tokens of `tok`, none special: random ids decoded to text (vLLM's random data set),
+    then re-encoded and cut or extended until the text encodes to n tokens.
+
+    Decoded ids need not encode back to themselves: a lone byte of a multi-byte character decodes to U+FFFD
+    (so only ids that decode to text on their own are drawn), neighbours merge, and pieces may spell a
+    special token. Counted without the tokenizer's added BOS/EOS, as vLLM counts."""
+
+    def __init__(self, tok: Tokenizer, rng: np.random.Generator) -> None:
+        self.tok, self.rng = tok, rng
+        eot = eot_id(tok)
+        self.special = {i for i, t in tok.get_added_tokens_decoder().items() if t.special} | (
+            set() if eot is None else {eot})
+        ids = [i for i in range(tok.get_vocab_size()) if i not in self.special]
+        pieces = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
+        self.ids = np.asarray([i for i, piece in zip(ids, pieces, strict=True) if piece and "\ufffd" not in piece])
+        if not len(self.ids):
+            raise ValueError("no token of it decodes to text on its own; give the served model's tokenizer.json")
+
+    def _draw(self, n: int) -> str:
+        return self.tok.decode(self.rng.choice(self.ids, n).tolist(), skip_special_tokens=False)
+
+    def __call__(self, n: int) -> str:
+        text = self._draw(n)
+        for _ in range(PROMPT_TRIES):
+            enc = self.tok.encode(text, add_special_tokens=False)
+            ids, offsets = enc.ids, enc.offsets
+            special = next((k for k, i in enumerate(ids) if i in self.special), None)
+            if special is not None:  # the pieces spelled a special token: keep the text before it
+                text = text[:offsets[special][0]]
+            elif len(ids) == n:
+                return text
+            elif len(ids) > n:
+                # Cut before token n+1, and without trailing whitespace: a pre-tokenizer splits a run of
+                # spaces one way at the end of a text and another before what is appended next.
+                text = text[:offsets[n][0]].rstrip()
+            else:
+                text += self._draw(n - len(ids))
+        raise ValueError(f"no text of exactly {n} of its tokens in {PROMPT_TRIES} tries of random tokens; try "
+                         "another --prompt_tokens or --seed")
+
+
+def make_prompts(cfg: LoadtestConfig, rng: random.Random) -> list[str]:
+    """cfg.requests prompts: exactly cfg.prompt_tokens tokens of cfg.tokenizer, or as many words of TEXT."""
+    if cfg.tokenizer is None:
+        return [make_prompt(rng, cfg.prompt_tokens) for _ in range(cfg.requests)]
+    tok = prompt_tokenizer(cfg.tokenizer)
+    try:
+        prompt = TokenPrompts(tok, np.random.default_rng(cfg.seed))
+        return [prompt(cfg.prompt_tokens) for _ in range(cfg.requests)]
+    except ValueError as e:
+        raise ValueError(f"--tokenizer {cfg.tokenizer}: {e}") from None
+
+
+def prompt_kind(cfg: LoadtestConfig) -> dict[str, Any]:
+    """What --prompt_tokens counted: tokens of --tokenizer (exact), or words (approximate tokens)."""
+    return {"kind": "words" if cfg.tokenizer is None else "tokens", "length": cfg.prompt_tokens,
+            "tokenizer": cfg.tokenizer}
 
 
 async def one_request(client: Any, cfg: LoadtestConfig, prompt: str, url: str) -> Sample:
@@ -204,6 +301,7 @@ def summarize(samples: list[Sample], wall: float, cfg: LoadtestConfig,
     tokens = sum(s.tokens for s in ok)
     return {
         "url": cfg.url, "mode": f"rate {cfg.rate}/s" if cfg.rate else f"concurrency {cfg.concurrency}",
+        "prompt": prompt_kind(cfg),
         "requests": len(samples), "completed": len(ok), "duration_s": wall, "output_tokens": tokens,
         "requests_per_s": len(ok) / wall, "output_tokens_per_s": tokens / wall,
         "ttft_s": distribution([s.ttft for s in ok if s.ttft is not None]),
@@ -222,7 +320,7 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
     import aiohttp
 
     rng = random.Random(cfg.seed)
-    prompts = [make_prompt(rng, cfg.prompt_tokens) for _ in range(cfg.requests)]
+    prompts = make_prompts(cfg, rng)
     headers = {"Authorization": f"Bearer {cfg.api_key}"} if cfg.api_key else {}
     in_flight = cfg.concurrency if cfg.rate is None else min(cfg.requests, 1000)
     base = cfg.url.rstrip("/")
@@ -305,6 +403,9 @@ def main(cfg: LoadtestConfig) -> int:
     summary = asyncio.run(run(cfg))
     print(f"{cfg.url}: {summary['completed']}/{summary['requests']} requests in {summary['duration_s']:.2f} s "
           f"({summary['mode']})")
+    prompt = summary["prompt"]
+    print(f"  prompts      {prompt['length']} " + (f"tokens of {prompt['tokenizer']}" if prompt["tokenizer"] else
+                                                    "words (approximate tokens; --tokenizer makes them exact)"))
     print(f"  throughput   {summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tokens/s")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "latency")):
         print(f"  {name:<12} ms: {_fmt(summary[key])}")
