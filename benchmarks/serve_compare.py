@@ -2,7 +2,7 @@
 """Compare OpenAI-compatible servers on this machine: each started in turn, measured with `gptopt loadtest`.
 
     python benchmarks/serve_compare.py --model /work/bench/tiny-hf2 --runs 5 --concurrency 16,1 \\
-        --requests 64 --max_tokens 32 --output_dir cmp \\
+        --requests 64 --max_tokens 32 --tokenizer /work/bench/tiny-hf2 --output_dir cmp \\
         --server "gptopt=gptopt serve --model {model} --port {port}" \\
         --server "hf=transformers serve --continuous-batching --device cpu --port {port} {model}"
 
@@ -117,7 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=positive_int, default=64, help="requests of each measured run (default 64)")
     p.add_argument("--max_tokens", type=positive_int, default=32, help="max_tokens of each request (default 32)")
     p.add_argument("--prompt_tokens", type=positive_int, default=32, help="prompt length of each request "
-                   "(default 32)")
+                   "(default 32): tokens of --tokenizer, else words (approximately as many tokens)")
+    p.add_argument("--tokenizer", help="the served model's tokenizer.json, or its model directory, passed to every "
+                   "loadtest: each prompt is then exactly --prompt_tokens of its tokens")
     p.add_argument("--warmup_requests", type=int, default=16, help="requests of the unrecorded warm-up "
                    "before each measured run, at its concurrency (default 16; 0: none)")
     p.add_argument("--loadtest", default="gptopt loadtest", help="the loadtest command (default: gptopt "
@@ -146,6 +148,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         refuse_output_dir(Path(args.output_dir))
     except ValueError as e:
         p.error(str(e))
+    if args.tokenizer is not None and not Path(args.tokenizer).expanduser().exists():
+        p.error(f"--tokenizer {args.tokenizer}: no such file or folder; give the served model's tokenizer.json or "
+                "its model directory")
     if not shlex.split(args.loadtest):
         p.error("--loadtest is empty; give the loadtest command, e.g. 'gptopt loadtest'")
     return args
@@ -292,7 +297,8 @@ def _group_alive(pgid: int) -> bool:
 def loadtest_argv(args: argparse.Namespace, port: int | str, concurrency: int | str, requests: int | str) -> list[str]:
     return [*shlex.split(args.loadtest), "--url", f"http://127.0.0.1:{port}", "--requests", str(requests),
             "--concurrency", str(concurrency), "--max_tokens", str(args.max_tokens),
-            "--prompt_tokens", str(args.prompt_tokens), "--model", args.model, "--json"]
+            "--prompt_tokens", str(args.prompt_tokens), *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
+            "--model", args.model, "--json"]
 
 
 def last_json(stdout: str) -> dict[str, Any] | None:
@@ -398,7 +404,10 @@ def render_report(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
              f"- CPU: {cpu['model']}, {cpu['logical_cpus']} logical CPUs; native bf16: {bf16}",
              f"- command: `{meta['command']}`"]
     lines += [f"- server {name}: `{template}`" for name, template in meta["servers"].items()]
+    tokens = meta["tokenizer"]
     lines += [f"- measured with: `{meta['loadtest']}`",
+              f"- prompts: {meta['prompt_tokens']} " + (f"tokens each, of `{tokens}`" if tokens else
+                                                         "words each (approximately as many tokens; no --tokenizer)"),
               f"- each run: start, GET /v1/models until 200 (ready s), warm-up of {meta['warmup_requests']} "
               "requests (not recorded), the measured loadtest, stop; servers alternate run by run"]
     if meta.get("stopped"):
@@ -496,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
         "loadtest": shlex.join(loadtest_argv(args, "@PORT@", "@CONCURRENCY@", args.requests))
         .replace("@PORT@", "{port}").replace("@CONCURRENCY@", "{concurrency}"),
         "model": args.model, "runs_each": args.runs, "concurrency": args.concurrency, "requests": args.requests,
-        "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "warmup_requests": args.warmup_requests,
+        "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "tokenizer": args.tokenizer,
+        "warmup_requests": args.warmup_requests,
         "stopped": None,
     }
     runs: list[dict[str, Any]] = []

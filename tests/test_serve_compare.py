@@ -94,7 +94,8 @@ META = {"date": "2026-12-04 12:00 UTC", "cpu": {"model": "Test CPU @ 2.0GHz", "b
                                                 "logical_cpus": 2},
         "command": "python benchmarks/serve_compare.py --model m ...", "servers": {"a": "a --port {port}",
                                                                                "b": "b --port {port} {model}"},
-        "loadtest": "gptopt loadtest --url http://127.0.0.1:{port} ...", "warmup_requests": 4, "stopped": None}
+        "loadtest": "gptopt loadtest --url http://127.0.0.1:{port} ...", "warmup_requests": 4, "stopped": None,
+        "prompt_tokens": 32, "tokenizer": None}
 
 
 def test_medians_spread_and_ratios_from_canned_runs() -> None:
@@ -120,6 +121,9 @@ def test_the_report_lists_every_run_then_the_summary() -> None:
     assert "| 16 | a | 3 | 110.0 | 100.0 | 120.0 | 1.20 | 20.0 | 0 |" in text
     assert "| 16 | a / b = 2.20 |" in text and "| 1 | a / b = - |" in text
     assert "Incomplete" not in text
+    assert "- prompts: 32 words each (approximately as many tokens; no --tokenizer)" in text
+    exact = sc.render_report({**META, "tokenizer": "m/tokenizer.json"}, CANNED)
+    assert "- prompts: 32 tokens each, of `m/tokenizer.json`" in exact
     assert "**Incomplete: stopped by SIGINT after 8 runs**" in sc.render_report(
         {**META, "stopped": "stopped by SIGINT after 8 runs"}, CANNED)
 
@@ -218,3 +222,27 @@ def test_ctrl_c_stops_the_current_server_and_keeps_what_was_measured(tmp_path: P
     assert results["stopped"] == "stopped by SIGINT after 1 run"
     with pytest.raises(ProcessLookupError):  # the hanging server went with the comparison
         os.kill(int(pidfile.read_text()), 0)
+
+
+def test_a_missing_tokenizer_is_refused_before_any_server_starts(tmp_path: Path) -> None:
+    p = _script("--model", "m", "--server", f"a={_fake(tmp_path)}", "--tokenizer", str(tmp_path / "nope.json"),
+                "--output_dir", str(tmp_path / "out"), cwd=tmp_path)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 2 and f"--tokenizer {tmp_path / 'nope.json'}: no such file" in err.splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_tokenizer_reaches_every_loadtest_and_the_report_names_the_prompts(tmp_path: Path,
+                                                                               train_data: Path) -> None:
+    out, tok = tmp_path / "cmp", str(train_data / "tokenizer.json")
+    p = _script("--model", "m", "--runs", "1", "--concurrency", "1", "--requests", "2", "--max_tokens", "4",
+                "--prompt_tokens", "8", "--warmup_requests", "1", "--loadtest", LOADTEST, "--tokenizer", tok,
+                "--server", f"a={_fake(tmp_path)}", "--output_dir", str(out), cwd=tmp_path)
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0, err
+    results = json.loads((out / "results.json").read_text())
+    assert results["tokenizer"] == tok and f"--prompt_tokens 8 --tokenizer {tok} " in results["loadtest"]
+    (run,) = results["runs"]
+    assert run["errors"] == {} and run["summary"]["prompt"] == {"kind": "tokens", "length": 8, "tokenizer": tok}
+    assert f"--tokenizer {tok}" in (out / "c1-run1-a.warmup.log").read_text().splitlines()[0]  # the warm-up's too
+    assert f"- prompts: 8 tokens each, of `{tok}`" in (out / "report.md").read_text()
