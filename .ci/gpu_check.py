@@ -51,7 +51,9 @@ NEEDED = {"fastapi": "fastapi starlette pydantic pydantic-core annotated-types t
           "uvicorn": "uvicorn", "torchao": "torchao", "prometheus_client": "prometheus-client",
           "regex": "regex", "httpx": "httpx", "transformers": "transformers", "pynvml": "nvidia-ml-py",
           "aiohttp": "aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna",
-          "psutil": "psutil", "tqdm": "tqdm", "pytest": "pytest"}
+          "psutil": "psutil", "tqdm": "tqdm", "pytest": "pytest",
+          # transformers serve, the serve step's peer: its serving extra's client types import openai's client
+          "openai": "openai httpx2 httpcore2 truststore jiter sniffio"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,17 +71,23 @@ class Sizes:
     infer_seq: int
     new_tokens: int
     eval_tokens: int
-    clients: tuple[int, ...]
-    serve_tokens: int
+    clients: tuple[int, ...]  # serve's loadtests; the decode beside them runs at the same batch sizes
+    prompt_tokens: int  # serve's prompts, exactly this many tokens of the model's tokenizer
+    serve_tokens: int  # new tokens of each request, and of the decode beside them
+    peer_clients: tuple[int, ...]  # transformers serve's loadtests: some of `clients`, so the ratios pair up
+    # The bench rung whose decode stands beside serve's: on a GPU, graphs is serve's own (the eager decode
+    # recorded as CUDA graphs); a CPU has no CUDA graphs, and kv is the same decode without them.
+    decode_rung: str
 
 
 SIZES = {
     "gpu": Sizes(model="gpt2", large="gpt2-xl", seq=1024, batch=16, train_steps=40, few_steps=4,
                  bench_warmup=2, infer_batches="1,64", infer_seq=256, new_tokens=128, eval_tokens=16384,
-                 clients=(1, 16, 64), serve_tokens=64),
+                 clients=(1, 16, 64, 256), prompt_tokens=128, serve_tokens=128, peer_clients=(16, 64),
+                 decode_rung="graphs"),
     "cpu": Sizes(model="debug", large="debug", seq=64, batch=4, train_steps=4, few_steps=2,
                  bench_warmup=1, infer_batches="1,2", infer_seq=64, new_tokens=16, eval_tokens=1024,
-                 clients=(1, 2, 4), serve_tokens=8),
+                 clients=(1, 2, 4), prompt_tokens=8, serve_tokens=8, peer_clients=(1, 2), decode_rung="kv"),
 }
 
 
@@ -94,6 +102,8 @@ class Step:
     stdout: str | None = None  # keep stdout in DIR/<this> (a JSON document), the log gets stderr
     model: bool = False  # runs on the model the training steps saved (the first of MODEL_FROM that has one)
     serve: bool = False  # argv is the server's; the runner drives it with loadtest
+    decode: list[str] | None = None  # serve: the bench run first, whose decode rates stand beside serve's
+    peer: list[str] | None = None  # serve: another server run after it (never beside it), driven alike
 
 
 @dataclasses.dataclass
@@ -147,18 +157,23 @@ def plan(ctx: Ctx) -> list[Step]:
              "MFU against the table peak", g("train", *train, "--batch_size", s.batch, "--use_amp", "--compile",
                                             "--max_steps", s.train_steps, "--log_interval", 10, "--output_dir",
                                             p("train"))),
-        Step("train_fp16", 40, "fp16 autocast + GradScaler (loss_scale logged)",
+        Step("train_fp16", 30, "fp16 autocast + GradScaler (loss_scale logged)",
              g("train", *few, "--amp_dtype", "fp16", "--output_dir", p("train_fp16"), "--log_interval", 1),
              cpu=False, group="paths"),
-        Step("train_ckpt", 40, "--gradient_checkpointing",
+        Step("train_ckpt", 30, "--gradient_checkpointing",
              g("train", *few, "--gradient_checkpointing", "--output_dir", p("train_ckpt")), group="paths"),
-        Step("train_auto_batch", 40, "--auto_batch_size: the largest micro-batch that fits, accumulation to match",
+        Step("train_auto_batch", 30, "--auto_batch_size: the largest micro-batch that fits, accumulation to match",
              g("train", *few, "--auto_batch_size", "--gradient_accumulation_steps", 4,
                "--output_dir", p("train_auto_batch")), group="paths"),
-        Step("train_ddp", 40, "torchrun, one process: NCCL process group, distributed sampler, rank-0 saves",
+        Step("train_ddp", 30, "torchrun, one process: NCCL process group, distributed sampler, rank-0 saves",
              [*torchrun, "train", *map(str, few), "--output_dir", p("train_ddp")], group="paths"),
-        Step("train_fsdp", 40, "torchrun --fsdp, one process: FSDP2 sharding, mixed-precision policy, sharded save",
+        Step("train_fsdp", 30, "torchrun --fsdp, one process: FSDP2 sharding, mixed-precision policy, sharded save",
              [*torchrun, "train", *map(str, few), "--fsdp", "--output_dir", p("train_fsdp")], group="paths"),
+        # CPU work, so it starts with the path checks: the Hugging Face folder transformers serve needs
+        Step("serve_export", 30, "export --format hf: the served checkpoint as a Hugging Face folder for the serve "
+             "step's transformers serve, its logits checked against transformers'",
+             g("export", "--model", "MODEL", "--format", "hf", "--output_dir", p("serve_hf"), "--overwrite"),
+             model=True, group="paths"),
         Step("bench", 80, f"bench: the default ladder on {s.model} at {s.seq} tokens, each rung against the HF "
              "baseline",
              g("bench", "--preset", s.model, *data, "--batch_size", s.batch, "--seq_len", s.seq, "--steps",
@@ -184,11 +199,26 @@ def plan(ctx: Ctx) -> list[Step]:
         Step("compress_2_4", 15, "compress --prune 2:4 (semi-structured sparse kernels): size, speed, quality",
              g("compress", *compress, "--prune", "2:4", "--output_dir", p("compress_2_4")), model=True,
              stdout="compress_2_4.json", cpu=False),
-        Step("serve", 55, f"serve on a free port with its defaults but --max_batch_size {max(s.clients)} (on the GPU "
+        # The limit holds, in this order: bench's decode, serve's start and its loadtests, then transformers serve's
+        # start and loadtests. The peer comes last and is what a short limit cuts: its figures are a comparison,
+        # gptopt's are the step's. In the whole run the limits add up to the budget and the peer gets what the
+        # steps before leave unused; a call of the serving steps alone (--only train,serve) leaves it the budget.
+        Step("serve", 69, f"serve on a free port with its defaults but --max_batch_size {max(s.clients)} (on the GPU "
              "the eager decode recorded as a CUDA graph per batch bucket before /ready), loadtest at "
-             f"{', '.join(map(str, s.clients))} clients: start to /ready, TTFT, TPOT, output tokens/s, errors, memory",
+             f"{', '.join(map(str, s.clients))} clients, {s.prompt_tokens}-token prompts, {s.serve_tokens} new "
+             f"tokens: start to /ready, TTFT, TPOT, output tokens/s, errors, memory; each beside bench's "
+             f"{s.decode_rung} decode at that batch (share); then transformers serve --continuous-batching on the "
+             f"same weights at {', '.join(map(str, s.peer_clients))} clients (vs_transformers)",
              g("serve", "--model", "MODEL", "--host", "127.0.0.1", "--port", "PORT", "--max_batch_size",
-               max(s.clients)), model=True, serve=True),
+               max(s.clients)), model=True, serve=True,
+             # bench's prompt is half of --seq_len (at most 128 tokens), its completion the rest: with
+             # prompt_tokens == serve_tokens it decodes the shapes serve's requests do
+             decode=g("bench", "--preset", s.model, "--mode", "infer", *data, "--seq_len",
+                      s.prompt_tokens + s.serve_tokens, "--steps", 10, "--warmup", 1, "--rungs", s.decode_rung,
+                      "--batch_sizes", ",".join(map(str, s.clients)), "--output_dir", p("serve_decode"), "--json",
+                      "--overwrite"),
+             peer=[ctx.python, "-m", "transformers.cli.transformers", "serve", "--continuous-batching", "--dtype",
+                   "bfloat16", "--host", "127.0.0.1", "--port", "PORT", p("serve_hf")]),
         Step("profile", 25, f"profile --preset {s.model} --use_amp: where the time goes, and the fix",
              g("profile", "--preset", s.model, "--use_amp", *data, "--output_dir", p("profile"), "--json",
                "--overwrite"),
@@ -196,10 +226,14 @@ def plan(ctx: Ctx) -> list[Step]:
     ]
 
 
-def loadtests(ctx: Ctx, url: str) -> list[tuple[int, list[str]]]:
+def loadtests(ctx: Ctx, url: str, clients: tuple[int, ...] | None = None,
+              model: str = "MODEL") -> list[tuple[int, list[str]]]:
+    """loadtest at each client count (the sizes' `clients` by default): prompts of exactly prompt_tokens tokens
+    of the served model's tokenizer, so every server gets the same requests, token for token."""
     s = ctx.sizes
     return [(c, ctx.gptopt("loadtest", "--url", url, "--concurrency", c, "--requests", max(4 * c, 8),
-                           "--max_tokens", s.serve_tokens, "--json")) for c in s.clients]
+                           "--tokenizer", model, "--prompt_tokens", s.prompt_tokens, "--max_tokens", s.serve_tokens,
+                           "--json")) for c in (clients or s.clients)]
 
 
 def phases(steps: list[Step]) -> list[list[Step]]:
@@ -386,6 +420,49 @@ def fig_profile(out: Path, _log: str) -> dict[str, Any]:
 # serve's log line after its warm-up (serve/engine.py): "compiled the decode for batches of 1, 2, 4 in S s",
 # or without --compile on a GPU "recorded CUDA graphs of the decode for batches of ..."
 DECODE_GRAPHS = re.compile(r"(?:compiled|recorded CUDA graphs of) the decode for batches of ([\d, ]+) in ([\d.]+) s")
+
+
+def decode_rates(doc: Any, rung: str) -> dict[str, Any]:
+    """bench --mode infer's JSON -> the rung's status and its decode tokens/s at each batch size of its sweep."""
+    if not isinstance(doc, dict):
+        return {"status": "failed", "note": "bench wrote no results"}
+    r = next((r for r in doc.get("rungs") or [] if r.get("name") == rung), None)
+    if r is None:
+        return {"status": "failed", "note": f"bench's results hold no rung {rung}"}
+    out: dict[str, Any] = {"rung": rung, "status": r.get("status"), "prompt_tokens": doc.get("prompt_len"),
+                           "new_tokens": doc.get("max_new_tokens"),
+                           "tokens_per_s": {str(b["batch_size"]): _r(b["tokens_per_s"], 1)
+                                            for b in r.get("batch_sweep") or []}}
+    if r.get("note"):
+        out["note"] = r["note"][:160]
+    return out
+
+
+def compared(figures: dict[str, Any]) -> dict[str, Any]:
+    """The serve step's figures with issue 35's comparisons added (a new dict; `figures` is left as it was):
+    beside each client count C, bench's decode tokens/s at batch C and the share (serve's output tokens/s over
+    it); and at each client count the peer ran, gptopt's output tokens/s over transformers serve's
+    (vs_transformers). A comparison whose either side is missing is left out."""
+    out = dict(figures)
+    decode = (figures.get("decode") or {}).get("tokens_per_s") or {}
+    peer = figures.get("peer_transformers") or {}
+    ratios = {}
+    for key, row in figures.items():
+        if not key.startswith("clients_") or not isinstance(row, dict):
+            continue
+        ours = row.get("output_tokens_per_s")
+        if not isinstance(ours, (int, float)):
+            continue
+        rate = decode.get(key.removeprefix("clients_"))
+        if isinstance(rate, (int, float)) and rate > 0:
+            out[key] = {**row, "decode_tokens_per_s": rate, "share": round(ours / rate, 3)}
+        theirs = (peer.get(key) or {}).get("output_tokens_per_s")
+        if isinstance(theirs, (int, float)) and theirs > 0:
+            ratios[key] = round(ours / theirs, 2)
+    if ratios:
+        out["vs_transformers"] = ratios
+    return out
+
 
 FIGURES: dict[str, Callable[[Path, str], dict[str, Any]]] = {
     "doctor": fig_doctor, "prepare": fig_prepare, "cuda_tests": fig_pytest, "bench": fig_bench,
@@ -603,30 +680,83 @@ class Runner:
         _say(f"   {step.name}: {status} (rc {rc}) in {seconds:.1f}s {json.dumps(res.get('figures', {}))[:300]}")
 
     def run_serve(self, step: Step, limit: float) -> None:
-        """The server in the background; /ready polled; loadtest at each client count; /metrics; stopped."""
+        """bench's decode at the loadtests' batch sizes; the server in the background, /ready polled, loadtest at
+        each client count, /metrics; stopped; then the peer server alike. One process of them at a time."""
+        res = self.results[step.name]
+        start = time.monotonic()
+        deadline = start + limit
+        figures: dict[str, Any] = {}
+        res["figures"] = figures
+        for name in ("serve.log", "serve_loadtest.log", "serve_decode.log", "serve_peer.log"):
+            (self.ctx.out / name).unlink(missing_ok=True)
+        _say(f"== {step.name} (limit {limit:.0f}s)")
+        status, note, rc = "ok", "", None
+        try:
+            if step.decode:
+                # at most half the limit: a bench that hangs must leave the server its time
+                figures["decode"] = self._decode(step.decode, min(deadline, start + limit / 2))
+            status, note, rc = self._serve(step, deadline, figures)
+            if step.peer and status == "failed":
+                figures["peer_transformers"] = {"status": "skipped", "note": "gptopt serve failed: nothing to compare"}
+            elif step.peer:
+                figures["peer_transformers"] = peer = self._peer(step, deadline)
+                if peer["status"] not in ("ok", "skipped"):
+                    note = "; ".join(filter(None, [note, f"transformers serve: {peer['status']}: {peer.get('note')}"]))
+        except CutOff:  # run() stops the steps in self.live; the servers and the bench are this method's own
+            res["figures"] = compared(figures)
+            self.finish(step, "cut off", None, time.monotonic() - start, "the run was stopped from outside")
+            raise
+        res["figures"] = compared(figures)
+        self.finish(step, status, rc, time.monotonic() - start, note)
+
+    def _decode(self, argv: list[str], deadline: float) -> dict[str, Any]:
+        """bench --mode infer, its JSON on DIR/serve_decode.json: the decode rung's tokens/s per batch size."""
+        _say(f"   decode: {shlex.join(argv)}")
+        t0 = time.monotonic()
+        out = self.ctx.out / "serve_decode.json"
+        try:
+            proc = _start(argv, self.ctx.out / "serve_decode.log", out)
+        except OSError as e:
+            return {"status": "failed", "note": f"could not start: {e}"}
+        try:
+            proc.wait(max(deadline - t0, 1.0))
+            stopped = False
+        except subprocess.TimeoutExpired:
+            _stop(proc)  # SIGINT first: bench writes the batch sizes it measured
+            stopped = True
+        except BaseException:
+            _killpg(proc.pid, signal.SIGKILL)
+            raise
+        _killpg(proc.pid, signal.SIGKILL)  # its leftovers
+        rung = self.ctx.sizes.decode_rung
+        fig = decode_rates(_json(self.ctx.out / "serve_decode" / "infer_results.json") or _json(out), rung)
+        fig["seconds"] = round(time.monotonic() - t0, 1)
+        if stopped:
+            fig["note"] = "; ".join(filter(None, [f"stopped at its limit of {deadline - t0:.0f}s", fig.get("note")]))
+        elif proc.returncode != 0:
+            fig.update(status="failed", rc=proc.returncode, tail=_tail(self.ctx.out / "serve_decode.log", 5)[-400:])
+        return fig
+
+    def _serve(self, step: Step, deadline: float, figures: dict[str, Any]) -> tuple[str, str, int | None]:
+        """gptopt serve: start to /ready, the decode's warm-up line, memory, loadtest at each client count."""
         res, log = self.results[step.name], self.ctx.out / f"{step.name}.log"
         start = time.monotonic()
         port = _free_port()
         url = f"http://127.0.0.1:{port}"
         argv = resolve(step.argv, res.get("model"), port)
-        _say(f"== {step.name} (limit {limit:.0f}s): {shlex.join(argv)}")
-        figures: dict[str, Any] = {}
-        res["figures"] = figures
-        log.unlink(missing_ok=True)
-        (self.ctx.out / "serve_loadtest.log").unlink(missing_ok=True)
+        _say(f"   server: {shlex.join(argv)}")
         try:
             server = _start(argv, log)
         except OSError as e:
-            self.finish(step, "failed", None, 0.0, f"could not start: {e}")
-            return
+            return "failed", f"could not start: {e}", None
         status, note = "ok", ""
         try:
             while _get(f"{url}/ready") != 200:
                 if server.poll() is not None:
                     status, note = "failed", f"the server exited with {server.returncode} before /ready"
                     break
-                if time.monotonic() - start > limit:
-                    status, note = "timeout", f"not ready within {limit:.0f}s"
+                if time.monotonic() > deadline:
+                    status, note = "timeout", f"not ready within {deadline - start:.0f}s"
                     break
                 time.sleep(0.25)
             else:
@@ -635,8 +765,8 @@ class Runner:
                 if graphs:  # the engine's warm-up line: the compiled decode's buckets and their build time
                     figures["decode_buckets"], figures["decode_graphs_s"] = graphs[1], float(graphs[2])
                 figures["memory_at_ready"] = _server_memory(url)
-                for clients, lt in loadtests(self.ctx, url):
-                    left = limit - (time.monotonic() - start)
+                for clients, lt in loadtests(self.ctx, url, model=res.get("model") or "MODEL"):
+                    left = deadline - time.monotonic()
                     if left < 3:
                         status, note = "timeout", f"no time left for {clients} clients"
                         break
@@ -644,21 +774,76 @@ class Runner:
                     if figures[f"clients_{clients}"].get("status") != "ok":
                         status = "failed"
                 figures["memory_at_end"] = _server_memory(url)
-        except CutOff:  # run() stops the steps in self.live; the server is this method's own
+        except BaseException:
             _killpg(server.pid, signal.SIGKILL)
-            self.finish(step, "cut off", None, time.monotonic() - start, "the run was stopped from outside")
             raise
         _stop(server)
-        self.finish(step, status, server.returncode, time.monotonic() - start, note)
+        _gone(server.pid)  # its device memory is the peer's next
+        return status, note, server.returncode
 
-    def _loadtest(self, argv: list[str], limit: float, clients: int) -> dict[str, Any]:
-        _say(f"   loadtest {clients} clients: {shlex.join(argv)}")
+    def _peer(self, step: Step, deadline: float) -> dict[str, Any]:
+        """transformers serve on serve_export's folder: start to GET /v1/models, a warm-up loadtest (its engine
+        and cache are made at the first request), then loadtest at each of peer_clients; stopped. Skipped, with
+        the reason, where it cannot run here (its serving extra missing) or the folder is missing."""
+        assert step.peer is not None
+        folder = Path(step.peer[-1])
+        if not (folder / "config.json").is_file():
+            return {"status": "skipped", "note": f"no Hugging Face folder at {folder} (the serve_export step's)"}
+        missing = _peer_missing(self.ctx.python)
+        if missing:
+            return {"status": "skipped", "note": missing}
+        start = time.monotonic()
+        port = _free_port()
+        url = f"http://127.0.0.1:{port}"
+        argv = resolve(step.peer, None, port)
+        log = self.ctx.out / "serve_peer.log"
+        _say(f"   peer: {shlex.join(argv)}")
+        out: dict[str, Any] = {"status": "ok", "command": shlex.join(argv)}
+        if deadline - start < 10:
+            return {**out, "status": "timeout", "note": "no time left in the step's limit"}
+        try:
+            server = _start(argv, log)
+        except OSError as e:
+            return {**out, "status": "failed", "note": f"could not start: {e}"}
+        try:
+            while _get(f"{url}/v1/models") != 200:
+                if server.poll() is not None:
+                    return {**out, **_peer_exit(server.returncode, _tail(log, 40))}
+                if time.monotonic() > deadline:
+                    return {**out, "status": "timeout", "note": f"no answer on /v1/models in {deadline - start:.0f}s"}
+                time.sleep(0.25)
+            out["ready_s"] = round(time.monotonic() - start, 1)
+            model = self.results[step.name].get("model") or "MODEL"
+            [(c, warm)] = loadtests(self.ctx, url, (min(self.ctx.sizes.peer_clients),), model)
+            warm[warm.index("--requests") + 1] = str(c)  # one request per client: the engine made, not measured
+            t0 = time.monotonic()
+            row = self._loadtest(warm, max(deadline - t0, 1.0), c, "transformers serve warm-up")
+            out["warmup_s"] = round(time.monotonic() - t0, 1)
+            if row.get("status") != "ok":
+                return {**out, "status": "failed", "note": f"the warm-up: {row}"[:300]}
+            for clients, lt in loadtests(self.ctx, url, self.ctx.sizes.peer_clients, model):
+                left = deadline - time.monotonic()
+                if left < 3:
+                    out.update(status="timeout", note=f"no time left for {clients} clients")
+                    break
+                out[f"clients_{clients}"] = row = self._loadtest(lt, left, clients, "transformers serve")
+                if row.get("status") != "ok":
+                    out["status"] = "failed"
+            return out
+        finally:  # nothing of it is needed after the loadtests: no graceful stop to wait for
+            _killpg(server.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                server.wait(10)
+            _gone(server.pid)
+
+    def _loadtest(self, argv: list[str], limit: float, clients: int, server: str = "gptopt serve") -> dict[str, Any]:
+        _say(f"   loadtest {clients} clients ({server}): {shlex.join(argv)}")
         try:
             done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, timeout=limit)
         except subprocess.TimeoutExpired:
             return {"status": "timeout"}
         with open(self.ctx.out / "serve_loadtest.log", "ab") as f:
-            f.write(b"\n--- loadtest %d clients\n" % clients + done.stderr + done.stdout)
+            f.write(b"\n--- loadtest %d clients, %s\n" % (clients, server.encode()) + done.stderr + done.stdout)
         summary = None
         for line in reversed(done.stdout.decode(errors="replace").splitlines()):
             try:
@@ -668,8 +853,8 @@ class Runner:
                 continue
         if done.returncode != 0 or not isinstance(summary, dict):
             return {"status": "failed", "rc": done.returncode, "tail": done.stderr.decode(errors="replace")[-400:]}
-        keep = ("requests", "errors", "requests_per_s", "output_tokens_per_s", "ttft_s", "tpot_s", "server_memory",
-                "server_device_memory")
+        keep = ("requests", "errors", "output_tokens", "requests_per_s", "output_tokens_per_s", "ttft_s", "tpot_s",
+                "server_memory", "server_device_memory")
         row: dict[str, Any] = {"status": "ok"}
         for k in keep:
             v = summary.get(k)
@@ -726,8 +911,14 @@ def planned(step: Step, ctx: Ctx) -> dict[str, Any]:
         res["group"] = step.group
     if step.model:
         res["model_from"] = list(MODEL_FROM)
+    if step.decode:
+        res["decode"] = shlex.join(step.decode)
     if step.serve:
         res["loadtests"] = [shlex.join(a) for _, a in loadtests(ctx, "http://127.0.0.1:PORT")]
+    if step.peer:
+        res["peer"] = shlex.join(step.peer)
+        res["peer_loadtests"] = [shlex.join(a) for _, a in loadtests(ctx, "http://127.0.0.1:PORT",
+                                                                     ctx.sizes.peer_clients)]
     return res
 
 
@@ -818,6 +1009,68 @@ def _get(url: str, timeout: float = 2.0) -> int | None:
             return int(r.status)
     except Exception:  # not up yet: refused, reset, 503
         return None
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether process group `pgid` has a process that is not a zombie (a zombie holds no memory, and one
+    whose parent is gone may wait long for init to reap it)."""
+    try:
+        stats = [f.read_text() for f in Path("/proc").glob("[0-9]*/stat")]
+    except OSError:
+        stats = []
+    if not stats:  # no /proc: the group's existence, zombies included
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return False
+        return True
+    for stat in stats:
+        fields = stat.rsplit(")", 1)[-1].split()  # after the name, which may hold spaces: state, ppid, pgrp
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            return True
+    return False
+
+
+def _gone(pgid: int, timeout: float = 10.0) -> None:
+    """Wait until process group `pgid` has ended, so the next server finds its device memory free."""
+    end = time.monotonic() + timeout
+    while _group_alive(pgid) and time.monotonic() < end:
+        time.sleep(0.1)
+
+
+# What transformers serve needs beyond transformers: its serving extra, and accelerate for its model loading
+# (a device map). A GPU image may have transformers without them: the peer is then skipped, with the reason.
+PEER_NEEDS = ("fastapi", "uvicorn", "pydantic", "openai", "accelerate")
+# Lines of a peer's log that say it exited for something missing here, not for a fault of its own
+PEER_MISSING = ("No module named", "Missing dependencies", "requires `accelerate`")
+PEER_PROBE = """import importlib.util as u, json, sys
+missing = [m for m in sys.argv[1:] if u.find_spec(m) is None]
+if "transformers" not in missing and u.find_spec("transformers.cli.transformers") is None:
+    missing.append("transformers.cli.transformers (a transformers with `transformers serve`)")
+print(json.dumps(missing))"""
+
+
+def _peer_missing(python: str) -> str | None:
+    """Why transformers serve cannot run under `python`, or None (also where the probe itself fails: the
+    server's start then says why)."""
+    try:
+        done = subprocess.run([python, "-c", PEER_PROBE, "transformers", *PEER_NEEDS], capture_output=True,
+                              text=True, timeout=60, env=_env())
+        missing = json.loads(done.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+    if not missing:
+        return None
+    return (f"transformers serve cannot run here: {', '.join(missing)} missing "
+            "(pip install 'transformers[serving]' accelerate)")
+
+
+def _peer_exit(rc: int | None, tail: str) -> dict[str, Any]:
+    """A peer that exited before it answered: skipped where its log names something missing here, else failed."""
+    why = next((line.strip() for line in reversed(tail.splitlines()) if any(m in line for m in PEER_MISSING)), None)
+    if why:
+        return {"status": "skipped", "note": f"transformers serve cannot run here: {why}"[:300]}
+    return {"status": "failed", "note": f"exited with {rc} before /v1/models answered", "tail": tail[-400:]}
 
 
 def _server_memory(url: str) -> dict[str, Any]:
@@ -921,6 +1174,8 @@ def main(argv: list[str] | None = None) -> int:
     if only and args.target == "gpu":
         # a rerun on a fresh machine (a lease's machine goes back when idle) needs gptopt and the data again
         only |= {"install"} | ({"prepare"} if not (ctx.out / "data" / "meta.json").is_file() else set())
+    if "serve" in only:  # the Hugging Face folder its peer serves, made from this call's checkpoint
+        only |= {"serve_export"}
     steps = [s for s in steps if (not only or s.name in only) and s.name not in skip
              and (args.target == "gpu" or s.cpu or s.name in only)]
     for folder, flag in ((ctx.out, "DIR"), (args.report, "--report")):
@@ -935,9 +1190,10 @@ def main(argv: list[str] | None = None) -> int:
                 others = ", ".join(s.name for s in phase if s is not step)
                 together = f" [starts with: {others}]" if others else ""
                 _say(f"{step.name:<17} {runner.results[step.name]['limit_s']:>4}s  {step.what}{together}")
-                _say(f"{'':<17}        $ {runner.results[step.name]['command']}")
-                for lt in runner.results[step.name].get("loadtests", []):
-                    _say(f"{'':<17}        $ {lt}")
+                r = runner.results[step.name]
+                for line in filter(None, [r.get("decode"), r["command"], *r.get("loadtests", []), r.get("peer"),
+                                          *r.get("peer_loadtests", [])]):
+                    _say(f"{'':<17}        $ {line}")
         _say(f"planned: {runner.header['planned_s']}s of a {budget_s}s budget, {len(steps)} steps -> "
              f"{ctx.out / 'results.json'}")
         runner.save()

@@ -42,7 +42,8 @@ def dry_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict]:
 
 
 def _commands(doc: dict) -> dict[str, str]:
-    return {r["name"]: " ".join([r["command"], *r.get("loadtests", [])]) for r in doc["steps"]}
+    return {r["name"]: " ".join([r["command"], *r.get("loadtests", []), r.get("decode", ""), r.get("peer", ""),
+                                 *r.get("peer_loadtests", [])]) for r in doc["steps"]}
 
 
 def test_dry_run_prints_each_step_with_its_command_and_limit_within_nine_minutes(dry_run: tuple[str, dict]) -> None:
@@ -83,7 +84,21 @@ def test_the_plan_runs_every_gpu_path(dry_run: tuple[str, dict]) -> None:
     assert "--compile" in cmds["generate"]
     assert "int8-weight" in cmds["compress_int8"] and "int4-weight" in cmds["compress_int4"]
     assert "--prune 2:4" in cmds["compress_2_4"]
-    assert all(f"--concurrency {c} " in cmds["serve"] for c in (1, 16, 64))
+    serve = next(r for r in dry_run[1]["steps"] if r["name"] == "serve")
+    assert "--max_batch_size 256" in serve["command"]
+    # issue 35: 1 to 256 clients, prompts of exactly 128 tokens of the served model's tokenizer, 128 new tokens
+    assert [lt.split("--concurrency ")[1].split()[0] for lt in serve["loadtests"]] == ["1", "16", "64", "256"]
+    assert all("--tokenizer MODEL --prompt_tokens 128 --max_tokens 128 " in lt for lt in serve["loadtests"])
+    # beside them, bench's CUDA-graph decode at the same batch sizes, 128-token prompts and 128 new tokens
+    decode = serve["decode"]
+    assert all(f in decode for f in ("bench --preset gpt2 --mode infer", "--rungs graphs ",
+                                     "--batch_sizes 1,16,64,256 ", "--seq_len 256 "))
+    # the peer: transformers serve with continuous batching, in bf16, on the exported folder, same loadtests
+    assert "transformers.cli.transformers serve --continuous-batching --dtype bfloat16" in serve["peer"]
+    assert serve["peer"].endswith("/serve_hf") and "--output_dir " + serve["peer"].split()[-1] in cmds["serve_export"]
+    assert "export --model MODEL --format hf" in cmds["serve_export"]
+    assert serve["peer_loadtests"] == [lt for lt in serve["loadtests"] if any(
+        f"--concurrency {c} " in lt for c in (16, 64))]
     assert all(f in cmds["profile"] for f in ("--preset gpt2 ", "--use_amp", "--json"))
     # nothing is downloaded: models come from presets (random weights), data from the stdlib corpus
     assert "--init_from" not in every and "--model_name" not in every and "--input" not in cmds["prepare"]
@@ -97,7 +112,8 @@ def test_every_gptopt_command_of_the_plan_parses(target: str, tmp_path: Path) ->
     for step in gc.plan(ctx):
         argvs.append(gc.resolve(step.argv, str(tmp_path / "model"), 8000))
         if step.serve:
-            argvs += [argv for _, argv in gc.loadtests(ctx, "http://127.0.0.1:8000")]
+            argvs += [argv for _, argv in gc.loadtests(ctx, "http://127.0.0.1:8000", model=str(tmp_path / "model"))]
+        argvs += [step.decode] if step.decode else []
     parsed = 0
     for argv in argvs:
         if "gptopt" not in argv:
@@ -277,6 +293,69 @@ def test_record_adds_a_runs_rows_to_the_results_doc(
     assert doc.read_text() == after
 
 
+# bench --mode infer's JSON as it prints it (the keys the serve step reads), and serve's figures as the runner
+# gathers them: output tokens/s at 1, 16, 64 and 256 clients, the peer at 16 and 64
+BENCH_INFER = {"prompt_len": 128, "max_new_tokens": 128, "rungs": [
+    {"name": "graphs", "status": "ok", "note": "", "batch_sweep": [
+        {"batch_size": 1, "tokens_per_s": 1000.04}, {"batch_size": 16, "tokens_per_s": 16000.0},
+        {"batch_size": 64, "tokens_per_s": 50000.0}, {"batch_size": 256, "tokens_per_s": 80000.0}]}]}
+SERVE = {"ready_s": 14.0, "clients_1": {"status": "ok", "output_tokens_per_s": 500.0},
+         "clients_16": {"status": "ok", "output_tokens_per_s": 4000.0},
+         "clients_64": {"status": "ok", "output_tokens_per_s": 20000.0},
+         "clients_256": {"status": "failed", "rc": 1},
+         "peer_transformers": {"status": "ok", "clients_16": {"status": "ok", "output_tokens_per_s": 1600.0},
+                               "clients_64": {"status": "timeout"}}}
+
+
+def test_the_serve_steps_figures_set_each_client_count_beside_the_decode_at_that_batch_and_the_peer() -> None:
+    decode = gc.decode_rates(BENCH_INFER, "graphs")
+    assert decode["status"] == "ok" and decode["prompt_tokens"] == decode["new_tokens"] == 128
+    assert decode["tokens_per_s"] == {"1": 1000.0, "16": 16000.0, "64": 50000.0, "256": 80000.0}
+    before = json.dumps(SERVE)
+    out = gc.compared({**SERVE, "decode": decode})
+    assert json.dumps(SERVE) == before  # the figures given are left as they were
+    # share: serve's output tokens/s over the decode's at the batch of its client count
+    assert [(out[k]["decode_tokens_per_s"], out[k]["share"]) for k in ("clients_1", "clients_16", "clients_64")] == [
+        (1000.0, 0.5), (16000.0, 0.25), (50000.0, 0.4)]
+    assert "share" not in out["clients_256"]  # its loadtest failed: no figure to set beside the decode's
+    # vs_transformers: at the client counts both servers measured
+    assert out["vs_transformers"] == {"clients_16": 2.5}
+    # without the decode's figures or the peer's, the serve figures stay as they are
+    alone = gc.compared({k: v for k, v in SERVE.items() if k != "peer_transformers"})
+    assert "vs_transformers" not in alone and all("share" not in alone[k] for k in alone if k.startswith("clients_"))
+    assert gc.decode_rates(None, "graphs")["status"] == "failed"
+    assert "no rung graphs" in gc.decode_rates({"rungs": [{"name": "kv"}]}, "graphs")["note"]
+
+
+def test_a_peer_that_cannot_run_here_is_skipped_with_the_reason_and_one_that_breaks_fails() -> None:
+    missing = gc._peer_exit(1, "Traceback ...\nImportError: Missing dependencies for serving. Install with "
+                               "`pip install transformers[serving]`\n")
+    assert missing["status"] == "skipped" and "transformers[serving]" in missing["note"]
+    assert gc._peer_exit(1, "ValueError: ... requires `accelerate`. You can install it")["status"] == "skipped"
+    broken = gc._peer_exit(1, "RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert broken["status"] == "failed" and "illegal memory access" in broken["tail"]
+
+
+def test_a_run_of_the_serve_step_alone_makes_its_peers_folder_too(tmp_path: Path) -> None:
+    assert gc.main(["dry-run", str(tmp_path / "dry"), "--only", "serve"]) == 0
+    names = [r["name"] for r in json.loads((tmp_path / "dry" / "results.json").read_text())["steps"]]
+    assert names == ["install", "prepare", "serve_export", "serve"]
+
+
+def test_a_recorded_serve_row_holds_the_shares_and_the_ratios(tmp_path: Path) -> None:
+    doc = {"started": "2026-12-06T10:00:00+00:00", "target": "gpu", "gpu": "NVIDIA H200, 143771 MiB", "budget_s": 540,
+           "steps": [{"name": "serve", "what": "serve", "status": "ok", "limit_s": 69, "seconds": 60.0,
+                      "figures": gc.compared({**SERVE, "decode": gc.decode_rates(BENCH_INFER, "graphs")})}]}
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "results.json").write_text(json.dumps(doc))
+    target = tmp_path / "gpu-results.md"
+    target.write_text(f"# GPU results\n\n{gc.RECORD_START}\n")
+    [row] = gc.record(out, target)
+    assert '"share": 0.25' in row and '"vs_transformers": {"clients_16": 2.5}' in row and '"peer_transformers"' in row
+    assert '"share": 0.25' in gc.summary_text({**doc, "planned_s": 539, "weights": gc.RANDOM_WEIGHTS})
+
+
 @pytest.mark.slow
 def test_every_step_with_a_cpu_meaning_runs_on_the_cpu(tmp_path: Path) -> None:
     """The rehearsal: the same commands with the debug preset, end to end, figures read back."""
@@ -300,9 +379,23 @@ def test_every_step_with_a_cpu_meaning_runs_on_the_cpu(tmp_path: Path) -> None:
     assert by["compress_int8"]["figures"]["disk_ratio"] < 1
     serve = by["serve"]["figures"]
     assert serve["ready_s"] > 0 and serve["memory_at_end"]["process_resident_memory_gib"] > 0
-    for clients in gc.SIZES["cpu"].clients:
+    cpu = gc.SIZES["cpu"]
+    assert serve["decode"]["status"] == "ok" and serve["decode"]["rung"] == cpu.decode_rung
+    assert serve["decode"]["prompt_tokens"] == cpu.prompt_tokens and serve["decode"]["new_tokens"] == cpu.serve_tokens
+    for clients in cpu.clients:
         row = serve[f"clients_{clients}"]
         assert row["status"] == "ok" and row["requests"] > 0 and not row["errors"], row
+        assert row["decode_tokens_per_s"] > 0 and row["share"] > 0, row
+    # the peer runs where transformers serve can (its serving extra and accelerate installed), else says why not
+    peer = serve["peer_transformers"]
+    if peer["status"] == "skipped":
+        assert "transformers serve cannot run here" in peer["note"], peer
+    else:
+        assert peer["status"] == "ok" and peer["ready_s"] > 0, peer
+        for clients in cpu.peer_clients:
+            assert peer[f"clients_{clients}"]["status"] == "ok" and not peer[f"clients_{clients}"]["errors"]
+        assert set(serve["vs_transformers"]) == {f"clients_{c}" for c in cpu.peer_clients}
+    assert (tmp_path / "serve_hf" / "config.json").is_file()
     assert by["profile"]["figures"]["figures"]["steps"] > 0
     assert shlex.split(by["doctor"]["command"])[-3:] == ["doctor", "--smoke", "--json"]
     assert by["doctor"]["figures"]["smoke"]["passed"] is True
