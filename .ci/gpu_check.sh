@@ -19,7 +19,8 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 \
 #     -d .whl fastapi starlette pydantic pydantic-core annotated-types typing-inspection uvicorn torchao==0.18.0 \
 #     opentelemetry-api annotated-doc importlib-metadata zipp \
-#     aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna
+#     aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna \
+#     openai httpx2 httpcore2 truststore jiter sniffio   # transformers serve, the serve step's peer
 # and the install step installs them with gptopt when GPTOPT_WHEELS names their folder (default: .whl).
 #
 # Each step runs with its own time limit and the run never stops early: a failing step keeps its
