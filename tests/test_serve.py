@@ -694,13 +694,15 @@ def _count_in_a_new_thread() -> int:
 
 
 def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_every_core(
-        varied_model: GPT, debug_tokenizer: Any) -> None:
+        varied_model: GPT, debug_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """serve --solo_threads: a decode step of one request alone computes with that many torch threads; a
     prefill and a decode step of two requests with all the process had (2 here); after the warm-up and
     after shutdown the process has its count back for whatever else it runs. The greedy tokens are the
-    one-at-a-time path's."""
+    one-at-a-time path's. (The debug model stands for one above SMALL_MODEL_FLOPS here.)"""
+    from gptopt.serve import engine as engine_module
     from gptopt.serve.engine import Engine
 
+    monkeypatch.setattr(engine_module, "SMALL_MODEL_FLOPS", 0)
     first, second = [5, 17, 99], [8, 4, 200, 31]
     had = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -721,12 +723,44 @@ def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_ev
         torch.set_num_threads(had)
 
 
-def test_a_compiled_cpu_engine_never_recompiles_for_its_solo_threads(varied_model: GPT,
-                                                                      debug_tokenizer: Any) -> None:
-    """A request left alone in slot 1 (slot 0's finished first) runs the compiled 2-row graph: under every
-    core, as compiled, not solo_threads (dynamo guards on the count: that would recompile mid-serving).
+def test_a_cpu_engine_runs_every_forward_of_a_model_too_small_to_share_on_its_solo_threads(
+        varied_model: GPT, debug_tokenizer: Any) -> None:
+    """A model under SMALL_MODEL_FLOPS a token (the debug model) gains nothing from a second core, which the
+    HTTP side needs: its prefills and decode steps of two requests run on solo_threads too. The greedy
+    tokens are the one-at-a-time path's."""
+    from gptopt.flops import flops_per_token
+    from gptopt.serve.engine import SMALL_MODEL_FLOPS
+
+    assert flops_per_token(varied_model.config, 0, training=False) < SMALL_MODEL_FLOPS
+    first, second = [5, 17, 99], [8, 4, 200, 31]
+    had = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        alone = complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [second],
+                         SamplingParams(temperature=0, max_new_tokens=12))[0][0]
+        threads: list[tuple[str, int]] = []
+        tokens, _ = engine_run(varied_model, debug_tokenizer, [second], slots=2, chunk=512, before=[first],
+                               solo_threads=1, threads=threads)
+        counts = {kind: {n for k, n in threads if k == kind} for kind, _ in threads}
+        assert counts == {"prefill 1": {1}, "decode 1": {1}, "decode 2": {1}}, threads
+        assert tokens == [alone]
+    finally:
+        torch.set_num_threads(had)
+
+
+@pytest.mark.parametrize("small", [False, True], ids=["a model above SMALL_MODEL_FLOPS", "one under it"])
+def test_a_compiled_cpu_engine_never_recompiles_for_its_solo_threads(varied_model: GPT, debug_tokenizer: Any,
+                                                                      monkeypatch: pytest.MonkeyPatch,
+                                                                      small: bool) -> None:
+    """A request left alone in slot 1 (slot 0's finished first) runs the compiled 2-row graph under the count
+    it was compiled under, not solo_threads (dynamo guards on the count: that would recompile mid-serving):
+    every core for a model above SMALL_MODEL_FLOPS, solo_threads for every step of one under it.
     Greedy tokens equal the eager one-at-a-time path's."""
+    from gptopt.serve import engine as engine_module
     from gptopt.serve.engine import Engine
+
+    if not small:
+        monkeypatch.setattr(engine_module, "SMALL_MODEL_FLOPS", 0)
 
     short, long = [5, 17, 99], [8, 4, 200, 31]
     params = SamplingParams(temperature=0, max_new_tokens=12)

@@ -666,9 +666,10 @@ class ServeConfig:
     quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
                         "int4-weight, torchao int4 weight-only (NVIDIA GPUs, compute capability 8.0+, bf16)",
                         choices=INFER_QUANTIZE)
-    solo_threads: int | None = opt(None, "CPUs: torch threads of a decode step that runs one request alone; "
-                                   "default: every core but one, left to the HTTP server and tokenizer (prefill "
-                                   "and batches of requests use every core)", ge=1, le=MAX_THREADS)
+    solo_threads: int | None = opt(None, "CPUs: torch threads of a decode step that runs one request alone (and "
+                                   "of every forward of a model too small to gain from more); default: every "
+                                   "core but one, left to the HTTP server and tokenizer (prefill and batches of "
+                                   "requests use every core)", ge=1, le=MAX_THREADS)
     engine_process: bool = opt(True, "run the model in a process of its own, apart from the HTTP server, so the "
                                "two never wait for each other's Python "
                                "(benchmarks/2026-12-04-serving-vs-transformers.md)")

@@ -18,6 +18,9 @@ clients are as busy as the model, and the spare core keeps them from preempting 
 threads. A decode step of several requests, and every prefill, take every core: there the model is
 the work, and a core fewer delays every client's next token and a new request's first (both measured:
 benchmarks/2026-12-04-serving-vs-transformers.md, "A fourth comparison: a core left to the HTTP side").
+A model too small for that (under SMALL_MODEL_FLOPS a token) runs every forward on `solo_threads`: its
+steps gain next to nothing from another core, and the HTTP side, which caps such a server, needs it
+(benchmarks/2026-12-05-serving-stack-ceiling.md).
 The compiled CPU decode's 1-row graph and its graph of the other batch sizes keep the thread count they
 were compiled under (dynamo guards on it: a step under another count would recompile), so the warm-up
 compiles each under the count its steps run with.
@@ -43,6 +46,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
+from gptopt.flops import flops_per_token
 from gptopt.generator import Decoding, Generator, SamplingParams, StopChecker, TokenLogprob
 from gptopt.serve.blocklist import Blocklist, TextFilter
 
@@ -60,6 +64,11 @@ COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter")
 # Prompt tokens one prefill forward takes (Engine's prefill_chunk): 16 clients' 32-token prompts in
 # one forward, and a prompt of the whole 1,024-token context in two.
 PREFILL_CHUNK = 512
+
+# A forward's FLOPs per token (2 x parameters) under which a CPU engine runs every forward on solo_threads:
+# between the model measured to gain from it (0.36 M) and the one measured to lose (tiny, 10.5 M), in
+# benchmarks/2026-12-05-serving-stack-ceiling.md.
+SMALL_MODEL_FLOPS = 2e6
 
 
 _heap_lock = threading.Lock()
@@ -305,6 +314,9 @@ class Engine:
         # None leaves torch's count alone (GPUs, or not asked)
         self._all_threads = torch.get_num_threads()
         self._solo_threads = solo_threads if generator.device.type == "cpu" else None
+        # One count for every forward of such a model (not one per size): a compiled CPU decode runs all its
+        # batched sizes through one graph of symbolic rows, which keeps the count it was compiled under.
+        self._small_model = flops_per_token(generator.model.config, 0, training=False) < SMALL_MODEL_FLOPS
         if self._solo_threads is not None and self._solo_threads > self._all_threads:
             log.warning("--solo_threads %d is more than torch's %d threads (the cores, or OMP_NUM_THREADS): "
                         "a one-request step on more threads than cores only contends with itself",
@@ -428,11 +440,11 @@ class Engine:
         return seconds
 
     def _use_threads(self, *, rows: int) -> None:
-        """torch's thread count for the next forward on a CPU: solo_threads for a decode step of one row,
-        every core for more rows or a prefill (rows=0). Set only on a change: a run of steps of one kind
-        pays for no switch."""
+        """torch's thread count for the next forward on a CPU: solo_threads for a decode step of one row
+        (for every forward of a model under SMALL_MODEL_FLOPS), every core for more rows or a prefill
+        (rows=0). Set only on a change: a run of steps of one kind pays for no switch."""
         if self._solo_threads is not None:
-            n = self._solo_threads if rows == 1 else self._all_threads
+            n = self._solo_threads if rows == 1 or self._small_model else self._all_threads
             if torch.get_num_threads() != n:
                 torch.set_num_threads(n)
 
