@@ -726,16 +726,18 @@ def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_ev
 def test_a_cpu_engine_runs_every_forward_of_a_model_too_small_to_share_on_its_solo_threads(
         varied_model: GPT, debug_tokenizer: Any) -> None:
     """A model under SMALL_MODEL_FLOPS a token (the debug model) gains nothing from a second core, which the
-    HTTP side needs: its prefills and decode steps of two requests run on solo_threads too. The greedy
-    tokens are the one-at-a-time path's."""
+    HTTP side needs: its prefills and decode steps of two requests run on solo_threads too, and a warm-up
+    leaves its caller every core. The greedy tokens are the one-at-a-time path's."""
     from gptopt.flops import flops_per_token
-    from gptopt.serve.engine import SMALL_MODEL_FLOPS
+    from gptopt.serve.engine import SMALL_MODEL_FLOPS, Engine
 
     assert flops_per_token(varied_model.config, 0, training=False) < SMALL_MODEL_FLOPS
     first, second = [5, 17, 99], [8, 4, 200, 31]
     had = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
+        Engine(Generator(varied_model, resolve("cpu"), max_batch_size=2), debug_tokenizer, solo_threads=1).warmup()
+        assert torch.get_num_threads() == 2  # the caller (a test, a notebook) gets every core back
         alone = complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [second],
                          SamplingParams(temperature=0, max_new_tokens=12))[0][0]
         threads: list[tuple[str, int]] = []

@@ -432,7 +432,8 @@ class Engine:
                     for s in slots:
                         g.free(s)
             finally:  # this thread (the caller's) gets every core back; the engine thread sets its own
-                self._use_threads(rows=0)
+                if self._solo_threads is not None:
+                    torch.set_num_threads(self._all_threads)
         seconds = time.perf_counter() - t0
         if g.bucketed:
             log.info("%s the decode for batches of %s in %.1f s",
