@@ -693,6 +693,24 @@ def _count_in_a_new_thread() -> int:
     return got[0]
 
 
+def _threads_of_a_two_request_run(model: GPT, tokenizer: Any) -> list[tuple[str, int]]:
+    """With torch at 2 threads and solo_threads=1: a warm-up (after which the caller has every core back),
+    then a request joining one already decoding; each forward with its thread count. Asserts the second
+    request's greedy tokens are the one-at-a-time path's."""
+    from gptopt.serve.engine import Engine
+
+    first, second = [5, 17, 99], [8, 4, 200, 31]
+    Engine(Generator(model, resolve("cpu"), max_batch_size=2), tokenizer, solo_threads=1).warmup()
+    assert torch.get_num_threads() == 2  # the caller (a test, a notebook) gets every core back
+    alone = complete(Generator(model, resolve("cpu"), max_batch_size=1), [second],
+                     SamplingParams(temperature=0, max_new_tokens=12))[0][0]
+    threads: list[tuple[str, int]] = []
+    tokens, _ = engine_run(model, tokenizer, [second], slots=2, chunk=512, before=[first], solo_threads=1,
+                           threads=threads)
+    assert tokens == [alone]
+    return threads
+
+
 def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_every_core(
         varied_model: GPT, debug_tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """serve --solo_threads: a decode step of one request alone computes with that many torch threads; a
@@ -700,25 +718,16 @@ def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_ev
     after shutdown the process has its count back for whatever else it runs. The greedy tokens are the
     one-at-a-time path's. (The debug model stands for one above SMALL_MODEL_FLOPS here.)"""
     from gptopt.serve import engine as engine_module
-    from gptopt.serve.engine import Engine
 
     monkeypatch.setattr(engine_module, "SMALL_MODEL_FLOPS", 0)
-    first, second = [5, 17, 99], [8, 4, 200, 31]
     had = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        Engine(Generator(varied_model, resolve("cpu"), max_batch_size=1), debug_tokenizer, solo_threads=1).warmup()
-        assert torch.get_num_threads() == 2  # the warm-up's last step was one row's
-        alone = complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [second],
-                         SamplingParams(temperature=0, max_new_tokens=12))[0][0]
-        threads: list[tuple[str, int]] = []
-        tokens, _ = engine_run(varied_model, debug_tokenizer, [second], slots=2, chunk=512, before=[first],
-                               solo_threads=1, threads=threads)
+        threads = _threads_of_a_two_request_run(varied_model, debug_tokenizer)
         counts = {kind: {n for k, n in threads if k == kind} for kind, _ in threads}
         assert counts == {"prefill 1": {2}, "decode 1": {1}, "decode 2": {2}}, threads
         assert threads[-1] == ("decode 1", 1)  # the engine thread ended on one; the process's default is back
         assert _count_in_a_new_thread() == 2
-        assert tokens == [alone]
     finally:
         torch.set_num_threads(had)
 
@@ -729,23 +738,15 @@ def test_a_cpu_engine_runs_every_forward_of_a_model_too_small_to_share_on_its_so
     HTTP side needs: its prefills and decode steps of two requests run on solo_threads too, and a warm-up
     leaves its caller every core. The greedy tokens are the one-at-a-time path's."""
     from gptopt.flops import flops_per_token
-    from gptopt.serve.engine import SMALL_MODEL_FLOPS, Engine
+    from gptopt.serve.engine import SMALL_MODEL_FLOPS
 
     assert flops_per_token(varied_model.config, 0, training=False) < SMALL_MODEL_FLOPS
-    first, second = [5, 17, 99], [8, 4, 200, 31]
     had = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        Engine(Generator(varied_model, resolve("cpu"), max_batch_size=2), debug_tokenizer, solo_threads=1).warmup()
-        assert torch.get_num_threads() == 2  # the caller (a test, a notebook) gets every core back
-        alone = complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [second],
-                         SamplingParams(temperature=0, max_new_tokens=12))[0][0]
-        threads: list[tuple[str, int]] = []
-        tokens, _ = engine_run(varied_model, debug_tokenizer, [second], slots=2, chunk=512, before=[first],
-                               solo_threads=1, threads=threads)
+        threads = _threads_of_a_two_request_run(varied_model, debug_tokenizer)
         counts = {kind: {n for k, n in threads if k == kind} for kind, _ in threads}
         assert counts == {"prefill 1": {1}, "decode 1": {1}, "decode 2": {1}}, threads
-        assert tokens == [alone]
     finally:
         torch.set_num_threads(had)
 
