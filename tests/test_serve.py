@@ -1554,6 +1554,42 @@ def test_a_sigterm_of_an_idle_engine_process_stops_it(model_dir: Path) -> None:
         assert_openai_error(completion(url, max_tokens=2), 503)
 
 
+def test_requests_that_arrive_together_reach_an_engine_process_in_one_write_and_in_order(model_dir: Path) -> None:
+    """The commands of one event-loop iteration go to the child in one write (a write each cost the loop a
+    system call and the child a wake-up per request), in their order: a request cancelled in the iteration
+    that submitted it ends cancelled, and the others are answered in full."""
+    import asyncio
+
+    from gptopt.serve.engine import asyncio_sink
+    from gptopt.serve.engine_process import EngineProcess
+
+    engine = EngineProcess(ServeConfig(model=str(model_dir), device="cpu", max_batch_size=4))
+    engine.start()
+    writes: list[bytes] = []
+    send_bytes = engine._commands.send_bytes
+    engine._commands.send_bytes = lambda data: (writes.append(data), send_bytes(data))[1]  # type: ignore[method-assign]
+
+    async def three_requests_one_cancelled() -> tuple[list[str | None], list[int], int]:
+        queues: list[asyncio.Queue[Any]] = [asyncio.Queue() for _ in range(3)]
+        reqs = [engine.submit([1, 2, 3 + i], SamplingParams(temperature=0, max_new_tokens=6), asyncio_sink(q))
+                for i, q in enumerate(queues)]
+        reqs[1].cancel()
+        ends = []
+        for q in queues:
+            while (event := await q.get()).finish_reason is None:
+                pass
+            ends.append(event)
+        return [e.finish_reason for e in ends], [e.completion_tokens for e in ends], len(writes)
+
+    try:
+        reasons, tokens, n_writes = asyncio.run(asyncio.wait_for(three_requests_one_cancelled(), 60))
+    finally:
+        engine.shutdown(5)
+    assert reasons == ["length", "cancelled", "length"]
+    assert (tokens[0], tokens[2]) == (6, 6)
+    assert n_writes == 1
+
+
 def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(debug_tokenizer: Any) -> None:
     """A SIGTERM of the engine's process alone (systemd stops every process of a unit) drains it; a
     request already on its way gets an error event back, and the child goes on serving the others."""

@@ -28,6 +28,7 @@ closes, and when its engine ends unasked (the parent then answers /health with 5
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import itertools
@@ -40,6 +41,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from gptopt import memory
@@ -223,22 +225,31 @@ def _commands(engine: Engine, pipe: _Pipe, commands: Connection, terminated: thr
             except (EOFError, OSError):  # the parent is gone: end without waiting for anyone
                 engine.shutdown(0)
                 return
-            try:
-                kind = msg[0]
-                if kind == "submit":
-                    pipe.submit(*msg[1:])
-                elif kind == "cancel":
-                    pipe.cancel(msg[1])
-                elif kind == "metrics":
-                    pipe.message(("metrics", msg[1], engine.render_metrics()))
-                elif kind == "shutdown" and stopping is None:
-                    stopping = stop(msg[1])
-            except Exception:  # one bad command must not take the engine down
-                log.exception("the engine process could not carry out %r", msg[0])
+            batch = [pickle.loads(m) for m in msg[1]] if msg[0] == "batch" else [msg]  # EngineProcess._send
+            for msg in batch:
+                stopping = _command(engine, pipe, msg, stopping, stop)
     except BaseException:
         log.exception("the engine process stopped reading its commands; stopping its engine")
         engine.shutdown(0)
         raise
+
+
+def _command(engine: Engine, pipe: _Pipe, msg: tuple[Any, ...], stopping: threading.Thread | None,
+             stop: Callable[[float], threading.Thread]) -> threading.Thread | None:
+    """Carry out one of the parent's commands; the drain's thread, once one is started."""
+    try:
+        kind = msg[0]
+        if kind == "submit":
+            pipe.submit(*msg[1:])
+        elif kind == "cancel":
+            pipe.cancel(msg[1])
+        elif kind == "metrics":
+            pipe.message(("metrics", msg[1], engine.render_metrics()))
+        elif kind == "shutdown" and stopping is None:
+            return stop(msg[1])
+    except Exception:  # one bad command must not take the engine down
+        log.exception("the engine process could not carry out %r", msg[0])
+    return stopping
 
 
 def _orphan_watch(parent: int) -> None:
@@ -314,6 +325,8 @@ class EngineProcess:
         commands.close()  # the child's ends: the parent keeps only its own, so EOF means the other side left
         events.close()
         self._send_lock, self._lock = threading.Lock(), threading.Lock()
+        self._pending: list[bytes] = []  # pickled commands not yet written (_send)
+        self._flush_loop: asyncio.AbstractEventLoop | None = None  # the loop whose _flush is due
         self._sinks: dict[int, tuple[Sink, float, int]] = {}  # key -> (sink, submitted, index), until its last event
         self._keys = itertools.count()
         self._stats = {"running": 0, "waiting": 0}
@@ -453,9 +466,31 @@ class EngineProcess:
     # -- the pipes -----------------------------------------------------------------------------------
 
     def _send(self, msg: tuple[Any, ...]) -> None:
+        """Send a command, pickled now (a message that cannot cross fails its caller). On an event loop the
+        commands of one loop iteration (the requests that arrived together, their cancels) go down in one
+        write at its end: a write per request costs the loop a system call and the child a wake-up each.
+        Anywhere else it goes at once, with whatever the loop holds before it, so the order is kept."""
+        data = ForkingPickler.dumps(msg)
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
         with self._send_lock:
-            with contextlib.suppress(OSError):  # the child is gone: _read ends its requests
-                self._commands.send(msg)
+            self._pending.append(bytes(data))
+            if loop is not None and loop is self._flush_loop:  # its flush is already due
+                return
+            self._flush_loop = loop
+        if loop is None:
+            self._flush()
+        else:
+            loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        with self._send_lock:
+            pending, self._pending, self._flush_loop = self._pending, [], None
+            if pending:
+                with contextlib.suppress(OSError):  # the child is gone: _read ends its requests
+                    self._commands.send_bytes(pending[0] if len(pending) == 1 else pickle.dumps(("batch", pending)))
 
     def _read(self) -> None:
         """The events thread: each message of the child's to the sinks it is for, until the child closes."""
