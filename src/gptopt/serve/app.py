@@ -90,6 +90,10 @@ JSON_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")  # the ro
 # Prompt checks at once, in their own pool so they never hold up tokenizing. Each ends within its
 # time limit; enough threads that a burst of slow prompts does not queue the ordinary ones behind it.
 BLOCKLIST_THREADS = 16
+# A prompt up to this long is encoded on the event loop: that takes the loop about as long as the hand-off
+# to a worker thread and back, so it costs less; a longer one goes to a thread, so one big prompt never stalls
+# every stream (benchmarks/2026-12-05-serving-stack-ceiling.md, "The HTTP side").
+INLINE_ENCODE_CHARS = 1024
 
 
 # -- helpers ------------------------------------------------------------------------------------
@@ -430,6 +434,10 @@ class _API:
         return max_tokens
 
     async def encode(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text; a long prompt off the event loop, a short one on it (its encoding costs the
+        loop less than the hand-off to a worker thread and back)."""
+        if sum(map(len, texts)) <= INLINE_ENCODE_CHARS:
+            return [self.tokenizer.encode(t).ids for t in texts]
         return [e.ids for e in await asyncio.to_thread(self.tokenizer.encode_batch, texts)]
 
     async def read_prompts(self, prompts: list[str | list[int]]) -> tuple[list[list[int]], list[str]]:
