@@ -130,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default 30)")
     p.add_argument("--loadtest_timeout", type=float, default=3600.0, help="seconds one loadtest may take "
                    "(default 3600)")
+    p.add_argument("--settle", type=float, default=0.0, help="seconds to wait after a server stops before the "
+                   "next starts: one that held gigabytes (vLLM's KV cache) can leave the machine slower for a "
+                   "while after it exits, which the next server's run would pay (default 0)")
     return p
 
 
@@ -141,6 +144,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         p.error(f"two --server share a name ({', '.join(names)}); give each its own")
     if args.warmup_requests < 0:
         p.error("--warmup_requests must be 0 or more")
+    if not 0 <= args.settle < 1e6:
+        p.error("--settle must be a number of seconds, 0 or more")
     for flag in ("startup_timeout", "stop_grace", "loadtest_timeout"):
         if not 0 < getattr(args, flag) < 1e6:
             p.error(f"--{flag} must be a number of seconds above 0")
@@ -409,7 +414,8 @@ def render_report(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
               f"- prompts: {meta['prompt_tokens']} " + (f"tokens each, of `{tokens}`" if tokens else
                                                          "words each (approximately as many tokens; no --tokenizer)"),
               f"- each run: start, GET /v1/models until 200 (ready s), warm-up of {meta['warmup_requests']} "
-              "requests (not recorded), the measured loadtest, stop; servers alternate run by run"]
+              "requests (not recorded), the measured loadtest, stop"
+              + (f", {meta['settle_s']:g} s idle" if meta.get("settle_s") else "") + "; servers alternate run by run"]
     if meta.get("stopped"):
         lines += ["", f"**Incomplete: {meta['stopped']}**"]
     lines += ["", "## Every run", "",
@@ -484,6 +490,7 @@ def compare(args: argparse.Namespace, out: Path, meta: dict[str, Any], runs: lis
                                                    out / f"{stem}.loadtest.log", args.loadtest_timeout)
                 finally:
                     server.stop(args.stop_grace)
+                    time.sleep(args.settle)
                 r = record(name, c, run, ready, status, summary,
                            {"server": server.log.name, "loadtest": f"{stem}.loadtest.log"})
                 runs.append(r)
@@ -507,6 +514,7 @@ def main(argv: list[str] | None = None) -> int:
         "model": args.model, "runs_each": args.runs, "concurrency": args.concurrency, "requests": args.requests,
         "max_tokens": args.max_tokens, "prompt_tokens": args.prompt_tokens, "tokenizer": args.tokenizer,
         "warmup_requests": args.warmup_requests,
+        "settle_s": args.settle,
         "stopped": None,
     }
     runs: list[dict[str, Any]] = []

@@ -174,11 +174,12 @@ def test_two_servers_alternate_and_every_run_is_recorded(tmp_path: Path) -> None
     p = _script("--model", "/models/tiny", "--runs", "1", "--concurrency", "2", "--requests", "6",
                 "--max_tokens", "4", "--warmup_requests", "2", "--loadtest", LOADTEST,
                 "--server", f"done={_fake(tmp_path)}", "--server", f"nodone={_fake(tmp_path, '--no-done')}",
-                "--output_dir", str(out), cwd=tmp_path)
+                "--settle", "0.5", "--output_dir", str(out), cwd=tmp_path)
     _, err = p.communicate(timeout=120)
     assert p.returncode == 0, err
     results = json.loads((out / "results.json").read_text())
     assert [(r["server"], r["concurrency"], r["run"]) for r in results["runs"]] == [("done", 2, 1), ("nodone", 2, 1)]
+    assert results["settle_s"] == 0.5 and "stop, 0.5 s idle; servers alternate" in (out / "report.md").read_text()
     for r in results["runs"]:
         assert r["errors"] == {} and r["completed"] == 6 and r["output_tokens"] == 24
         assert r["output_tokens_per_s"] > 0 and r["ttft_p50_s"] > 0 and r["ready_s"] > 0
