@@ -406,6 +406,22 @@ def test_bad_completion_requests_get_4xx_openai_errors(url: str, body: dict[str,
         assert err["param"] is not None
 
 
+def test_a_prompt_is_read_as_the_tokenizer_reads_it_on_the_event_loop_or_off_it(url: str, debug_tokenizer: Any) -> None:
+    """A short prompt is encoded on the event loop, a long one on a thread: both as the tokenizer does."""
+    from gptopt.serve.app import INLINE_ENCODE_CHARS
+
+    line = "def f(x): return x\n"
+    long, short = line * (INLINE_ENCODE_CHARS // len(line) + 1), line * 2
+    assert len(long) > INLINE_ENCODE_CHARS >= len(short)
+    for prompt in (long, short):
+        r = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1, "echo": True}, timeout=30)
+        n = len(debug_tokenizer.encode(prompt).ids)
+        if r.status_code == 200:
+            assert r.json()["usage"]["prompt_tokens"] == n and r.json()["choices"][0]["text"].startswith(prompt)
+        else:  # longer than the debug model's context: the refusal counts its tokens
+            assert f"the prompt is {n} tokens" in assert_openai_error(r, 400, "context_length_exceeded")["message"]
+
+
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b'{"prompt": "x", "temperature": NaN}', b'{"prompt": '])
 def test_malformed_json_gets_400(url: str, raw: bytes) -> None:
     r = httpx.post(f"{url}/v1/completions", content=raw, headers={"content-type": "application/json"})
