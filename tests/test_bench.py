@@ -19,7 +19,6 @@ from gptopt import cli, device, memory
 from gptopt.bench import ladder, report
 from gptopt.bench.ladder import Bench, select_rungs
 from gptopt.config import BenchConfig, TrainConfig
-from gptopt.device import default_attention
 
 
 def bench_args(data: Path, out: Path, rungs: str, *extra: str) -> list[str]:
@@ -256,9 +255,11 @@ def test_a_rung_that_computes_something_else_fails_the_loss_check(
     assert summary["best"] in ("eager", "sdpa")
 
 
+@pytest.mark.policy
 def test_the_all_rung_takes_the_device_attention_unless_its_rung_failed(train_data: Path, tmp_path: Path) -> None:
     # On CPUs SDPA's flash kernel can win the eager fp32 rungs and still lose the compiled bf16 step:
-    # `all` follows the device policy (what `gptopt train --attention auto` runs), not that ranking.
+    # `all` follows the device policy (what `gptopt train --attention auto` runs), not that ranking:
+    # eager attention where its autocast is bf16 (a CPU with native bf16), SDPA where it stays fp32.
     cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
                       output_dir=str(tmp_path / "b"))
     bench = Bench(cfg)
@@ -268,9 +269,11 @@ def test_the_all_rung_takes_the_device_attention_unless_its_rung_failed(train_da
         bench.results = [SimpleNamespace(name=name, status=s) for name, s in status.items()]
         return bench.config(all_rung).attention
 
-    assert after(eager="ok", sdpa="ok") == default_attention("cpu") == "eager"
-    assert after(eager="oom", sdpa="ok") == "sdpa"  # the policy's kernel did not fit: the other one
-    assert after(eager="oom", sdpa="oom") == "eager"
+    bf16 = bench.config(all_rung).use_amp  # the CPU policy: bf16 autocast where the CPU has it natively
+    own, other = ("eager", "sdpa") if bf16 else ("sdpa", "eager")
+    assert after(eager="ok", sdpa="ok") == own
+    assert after(**{own: "oom", other: "ok"}) == other  # the policy's kernel did not fit: the other one
+    assert after(eager="oom", sdpa="oom") == own
 
 
 def test_out_of_memory_rung_is_reported_and_the_bench_goes_on(

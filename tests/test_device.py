@@ -177,3 +177,11 @@ def test_host_memory_reuse_serves_large_tensors_from_the_heap_and_can_be_undone(
         assert dev.reuse_host_memory(False)
     big = torch.empty(size, dtype=torch.uint8)
     assert not _in_heap(big.data_ptr())  # glibc's default: a fresh mapping, unmapped on free
+
+
+def test_auto_attention_is_sdpa_except_for_a_bf16_step_on_a_cpu() -> None:
+    """`--attention auto`: a CPU step in fp32 runs SDPA (faster there, compiled or not), one under bf16
+    autocast the two-block eager kernel (faster compiled); GPUs run SDPA whatever the dtype."""
+    assert dev.default_attention("cpu") == "sdpa"
+    assert dev.default_attention("cpu", torch.bfloat16) == "eager"
+    assert dev.default_attention("cuda", torch.bfloat16) == dev.default_attention("cuda") == "sdpa"

@@ -117,7 +117,8 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     assert (best["batch_size"], best["gradient_accumulation_steps"], best["use_amp"], best["attention"]) == (
         32, 4, True, "eager")
     assert (best["compile"], best["compile_mode"], best["fused_optimizer"]) == (True, "default", True)
-    assert summary["gain_vs_defaults"] == pytest.approx(1.5 * 1.2 * 1.3)
+    # train's defaults run fp32 here, so SDPA attention (device.default_attention), which this machine slows
+    assert summary["gain_vs_defaults"] == pytest.approx(1.5 * 1.2 * 1.3 / 0.9)
     assert summary["gain_vs_hf"] == pytest.approx(1.5 * 1.2 * 1.3 / 0.8 * 1.05)
     # no settings are measured twice (the fp32 eager candidate is the reference itself), except the two
     # fastest: the confirmation round measures them again, back to back
@@ -307,7 +308,7 @@ def test_a_candidate_that_corrupts_the_loss_is_rejected_and_never_wins(
     monkeypatch.setattr(Bench, "_build", build)
     monkeypatch.setattr(tune, "PRUNE_SLOWER", float("inf"))  # it must run to the loss check, however slow
     summary = Tuner(tune_config(train_data, tmp_path / "t", axes="amp")).run()
-    bf16 = by_name(summary)["eager bf16"]
+    bf16 = next(c for name, c in by_name(summary).items() if name.endswith(" bf16"))
     assert bf16["status"] == "rejected" and bf16["loss_ok"] is False
     assert "departs from the fp32 reference" in bf16["note"]
     assert summary["best"]["config"]["use_amp"] is False

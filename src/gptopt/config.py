@@ -343,7 +343,8 @@ class TrainConfig:
                         aliases=("use_compile",))  # the playbook's spelling
     compile_mode: str = opt("default", "torch.compile mode (with --compile)", choices=COMPILE_MODES)
     compile_fullgraph: bool = opt(False, "fail on graph breaks instead of splitting the graph (reports the reason)")
-    attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs (measured faster there)",
+    attention: str = opt("auto", "attention kernel; auto: sdpa, but eager on CPUs under bf16 autocast (measured "
+                         "faster there)",
                          choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward: less memory, more compute")
     # data loading
@@ -558,7 +559,7 @@ class ProfileConfig:
     compile: bool = opt(False, "profile the compiled model (graph breaks are counted and explained)",
                         aliases=("use_compile",))  # train's old spelling
     compile_mode: str = opt("default", "torch.compile mode (with --compile)", choices=COMPILE_MODES)
-    attention: str = opt("auto", "attention kernel; auto: sdpa on GPUs, eager on CPUs",
+    attention: str = opt("auto", "attention kernel; auto: sdpa, but eager on CPUs under bf16 autocast",
                          choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward")
     num_workers: int | None = opt(None, "DataLoader workers feeding the profiled steps; default: as `gptopt train` "

@@ -200,15 +200,16 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
     return plan
 
 
-def default_attention(device_type: str) -> str:
-    """The attention kernel to use when the user does not say.
+def default_attention(device_type: str, amp_dtype: torch.dtype | None = None) -> str:
+    """The attention kernel to use when the user does not say, for a step under autocast to amp_dtype
+    (None: fp32).
 
-    CUDA/MPS: SDPA (flash / memory-efficient kernels). CPU: the eager path, by measurement: the
-    compiled bf16 training step ran faster with the two-block eager attention than with SDPA's CPU
-    flash kernel (benchmarks/2026-12-02-training-ladder.md, "Code of 2026-12-03, before the shared
-    training step": what changed).
+    CUDA/MPS: SDPA (flash / memory-efficient kernels). CPU, by measurement: under bf16 autocast the
+    two-block eager path, since the compiled bf16 step ran faster with it than with SDPA's CPU flash
+    kernel (benchmarks/2026-12-02-training-ladder.md, "Code of 2026-12-03, before the shared training
+    step": what changed); in fp32 SDPA, faster there compiled and not (benchmarks/2026-12-05-cpu-attention.md).
     """
-    return "eager" if device_type == "cpu" else "sdpa"
+    return "eager" if device_type == "cpu" and amp_dtype == torch.bfloat16 else "sdpa"
 
 
 # glibc's mallopt parameters (malloc.h); the defaults are restored with these values

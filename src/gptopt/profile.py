@@ -439,8 +439,9 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     out.mkdir(parents=True, exist_ok=True)
     tokens = data.open_data(cfg.data_dir)  # the default corpus is prepared on first use, as train does
     tcfg = train_config(cfg)
+    auto = default_attention(plan.device.type, plan.amp_dtype)
     model_cfg = preset_for_data(cfg.preset, tokens.model_vocab_size, vocab_pad_multiple=tcfg.vocab_pad_multiple,
-                       attention=cfg.attention if cfg.attention != "auto" else default_attention(plan.device.type),
+                       attention=cfg.attention if cfg.attention != "auto" else auto,
                        gradient_checkpointing=cfg.gradient_checkpointing)
     tokens.check_vocab(model_cfg.vocab_size)
     seq_len = cfg.seq_len or model_cfg.block_size

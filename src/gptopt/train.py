@@ -240,7 +240,8 @@ class Trainer:
         self.cfg, self.info = cfg, info
         self.plan = resolve(device, cfg.amp_dtype if cfg.use_amp else "fp32")
         self.out = Path(cfg.output_dir)
-        self.attention = cfg.attention if cfg.attention != "auto" else default_attention(self.plan.device.type)
+        auto = default_attention(self.plan.device.type, self.plan.amp_dtype)  # the kernel by device and dtype
+        self.attention = cfg.attention if cfg.attention != "auto" else auto
         torch.manual_seed(cfg.seed)
         # Everything is validated before anything is written or deleted; the old run of --overwrite is
         # only moved aside in run(), and deleted once the new run has saved a checkpoint.

@@ -222,17 +222,18 @@ class Bench:
         derived = {"min_lr": None, "muon_lr": None}
         cfg = dataclasses.replace(self.base, **{**derived, **rung.overrides,
                                                 **({"batch_size": batch_size} if batch_size else {})})
-        amp = self._plan(cfg).amp_name
-        return dataclasses.replace(cfg, attention=self._attention(cfg.attention), use_amp=amp != "fp32",
+        plan = self._plan(cfg)
+        amp = plan.amp_name
+        return dataclasses.replace(cfg, attention=self._attention(cfg.attention, plan.amp_dtype), use_amp=amp != "fp32",
                                    amp_dtype="auto" if amp == "fp32" else amp,
                                    **loader_options(cfg, self.plan.device.type))
 
-    def _attention(self, choice: str) -> str:
+    def _attention(self, choice: str, amp_dtype: torch.dtype | None) -> str:
         if choice != "auto":
             return choice
         # Not the faster of the fp32 `eager` and `sdpa` rungs: that ranking does not carry over to
         # compiled autocast steps (on CPUs SDPA wins in eager fp32 and loses compiled in bf16).
-        default = default_attention(self.plan.device.type)
+        default = default_attention(self.plan.device.type, amp_dtype)
         other = "sdpa" if default == "eager" else "eager"
         status = {r.name: r.status for r in self.results}
         return other if status.get(default, "ok") != "ok" and status.get(other) == "ok" else default
