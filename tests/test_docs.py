@@ -21,7 +21,7 @@ README, COMMANDS_DOC = ROOT / "README.md", ROOT / "docs" / "commands.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.md"))]
 # Pages read as they are today; dated reports keep the command lines as they were run.
 CURRENT = [README, *sorted((ROOT / "docs").glob("*.md"))]
-FENCE = re.compile(r"^```[^\n]*\n(.*?)^```", re.S | re.M)
+FENCE = re.compile(r"^[ \t]*```[^\n]*\n(.*?)^[ \t]*```", re.S | re.M)  # indented too: a block in a list item
 # Flags of other programs that the command reference names beside gptopt's (torchrun's rendezvous).
 FOREIGN_FLAGS = {"--nproc_per_node", "--nproc-per-node", "--nnodes", "--rdzv_backend", "--rdzv_endpoint"}
 
