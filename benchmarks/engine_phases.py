@@ -53,10 +53,10 @@ def thread_name(frame: str) -> str:
     return name.strip() or frame
 
 
-# A thread blocked in C (a pipe's read, a pool worker's queue, a sleep, a selector) can be sampled as running:
-# a stack whose innermost frame is one of these is waiting, whatever py-spy thought.
-BLOCKED: tuple[str, ...] = ("Connection._recv (", "_worker (concurrent/futures/thread.py", "_orphan_watch (",
-                            "select (selectors", "Condition.wait", "EpollSelector.select")
+# A thread blocked in C (a pipe's read, a pool worker's queue, a sleep) can be sampled as running: a stack
+# whose innermost frame is one of these is waiting, whatever py-spy thought (the idle phase's frames wait
+# wherever they are).
+BLOCKED: tuple[str, ...] = ("Connection._recv (", "_worker (concurrent/futures/thread.py", "_orphan_watch (")
 
 
 def phase(frames: list[str]) -> str:

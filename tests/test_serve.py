@@ -709,22 +709,32 @@ def _count_in_a_new_thread() -> int:
     return got[0]
 
 
-def _threads_of_a_two_request_run(model: GPT, tokenizer: Any) -> list[tuple[str, int]]:
+def _threads_of_a_two_request_run(model: GPT, tokenizer: Any) -> tuple[list[tuple[str, int]], int]:
     """With torch at 2 threads and solo_threads=1: a warm-up (after which the caller has every core back),
-    then a request joining one already decoding; each forward with its thread count. Asserts the second
-    request's greedy tokens are the one-at-a-time path's."""
+    then a request joining one already decoding. Each forward with its thread count, and the count a thread
+    started after the run gets; torch's count is the caller's again after. Asserts the second request's
+    greedy tokens are the one-at-a-time path's."""
     from gptopt.serve.engine import Engine
 
     first, second = [5, 17, 99], [8, 4, 200, 31]
-    Engine(Generator(model, resolve("cpu"), max_batch_size=2), tokenizer, solo_threads=1).warmup()
-    assert torch.get_num_threads() == 2  # the caller (a test, a notebook) gets every core back
-    alone = complete(Generator(model, resolve("cpu"), max_batch_size=1), [second],
-                     SamplingParams(temperature=0, max_new_tokens=12))[0][0]
-    threads: list[tuple[str, int]] = []
-    tokens, _ = engine_run(model, tokenizer, [second], slots=2, chunk=512, before=[first], solo_threads=1,
-                           threads=threads)
-    assert tokens == [alone]
-    return threads
+    had = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        Engine(Generator(model, resolve("cpu"), max_batch_size=2), tokenizer, solo_threads=1).warmup()
+        assert torch.get_num_threads() == 2  # the caller (a test, a notebook) gets every core back
+        alone = complete(Generator(model, resolve("cpu"), max_batch_size=1), [second],
+                         SamplingParams(temperature=0, max_new_tokens=12))[0][0]
+        threads: list[tuple[str, int]] = []
+        tokens, _ = engine_run(model, tokenizer, [second], slots=2, chunk=512, before=[first], solo_threads=1,
+                               threads=threads)
+        assert tokens == [alone]
+        return threads, _count_in_a_new_thread()
+    finally:
+        torch.set_num_threads(had)
+
+
+def _counts_by_kind(threads: list[tuple[str, int]]) -> dict[str, set[int]]:
+    return {kind: {n for k, n in threads if k == kind} for kind, _ in threads}
 
 
 def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_every_core(
@@ -736,16 +746,10 @@ def test_a_cpu_engine_decodes_one_request_on_its_solo_threads_and_the_rest_on_ev
     from gptopt.serve import engine as engine_module
 
     monkeypatch.setattr(engine_module, "SMALL_MODEL_FLOPS", 0)
-    had = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        threads = _threads_of_a_two_request_run(varied_model, debug_tokenizer)
-        counts = {kind: {n for k, n in threads if k == kind} for kind, _ in threads}
-        assert counts == {"prefill 1": {2}, "decode 1": {1}, "decode 2": {2}}, threads
-        assert threads[-1] == ("decode 1", 1)  # the engine thread ended on one; the process's default is back
-        assert _count_in_a_new_thread() == 2
-    finally:
-        torch.set_num_threads(had)
+    threads, new_thread_count = _threads_of_a_two_request_run(varied_model, debug_tokenizer)
+    assert _counts_by_kind(threads) == {"prefill 1": {2}, "decode 1": {1}, "decode 2": {2}}, threads
+    assert threads[-1] == ("decode 1", 1)  # the engine thread ended on one; the process's default is back
+    assert new_thread_count == 2
 
 
 def test_a_cpu_engine_runs_every_forward_of_a_model_too_small_to_share_on_its_solo_threads(
@@ -757,14 +761,8 @@ def test_a_cpu_engine_runs_every_forward_of_a_model_too_small_to_share_on_its_so
     from gptopt.serve.engine import SMALL_MODEL_FLOPS
 
     assert flops_per_token(varied_model.config, 0, training=False) < SMALL_MODEL_FLOPS
-    had = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        threads = _threads_of_a_two_request_run(varied_model, debug_tokenizer)
-        counts = {kind: {n for k, n in threads if k == kind} for kind, _ in threads}
-        assert counts == {"prefill 1": {1}, "decode 1": {1}, "decode 2": {1}}, threads
-    finally:
-        torch.set_num_threads(had)
+    threads, _ = _threads_of_a_two_request_run(varied_model, debug_tokenizer)
+    assert _counts_by_kind(threads) == {"prefill 1": {1}, "decode 1": {1}, "decode 2": {1}}, threads
 
 
 @pytest.mark.parametrize("small", [False, True], ids=["a model above SMALL_MODEL_FLOPS", "one under it"])

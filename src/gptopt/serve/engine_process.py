@@ -470,13 +470,13 @@ class EngineProcess:
         commands of one loop iteration (the requests that arrived together, their cancels) go down in one
         write at its end: a write per request costs the loop a system call and the child a wake-up each.
         Anywhere else it goes at once, with whatever the loop holds before it, so the order is kept."""
-        data = ForkingPickler.dumps(msg)
+        data = bytes(ForkingPickler.dumps(msg))
         try:
             loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             loop = None
         with self._send_lock:
-            self._pending.append(bytes(data))
+            self._pending.append(data)
             if loop is not None and loop is self._flush_loop:  # its flush is already due
                 return
             self._flush_loop = loop
