@@ -163,7 +163,7 @@ def test_a_rung_trains_under_every_train_option_it_overrides_and_best_toml_keeps
     (ran,) = trained
     # what train makes of those options: min_lr too follows the rung's learning rate
     assert ran == TrainConfig(preset="debug", data_dir=str(train_data), seq_len=32, batch_size=4, seed=cfg.seed,
-                              device="cpu", **rung.overrides, persistent_workers=False)
+                              device="cpu", **rung.overrides, persistent_workers=False, loss="full")
     assert ran.min_lr == pytest.approx(2e-4)
     out = tmp_path / "b"
     out.mkdir()

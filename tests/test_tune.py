@@ -26,8 +26,8 @@ from gptopt.config import TrainConfig, TuneConfig
 from gptopt.tune import Tuner
 from gptopt.tune_report import write_all
 
-STAGES = ["reference", "baseline", "precision", "optimizer", "loader", "micro-batch", "checkpointing", "compile",
-          "confirm"]
+STAGES = ["reference", "baseline", "precision", "optimizer", "loader", "loss", "micro-batch", "checkpointing",
+          "compile", "confirm"]
 
 
 def tune_args(data: Path, out: Path, *extra: str) -> list[str]:
@@ -65,6 +65,7 @@ def fake_measurements(monkeypatch: pytest.MonkeyPatch, batch_speed: dict[int, fl
         tps *= 0.9 if s["attention"] == "sdpa" else 1.0
         tps *= 1.05 if s["fused_optimizer"] else 1.0
         tps *= 0.9 if s["gradient_checkpointing"] else 1.0
+        tps *= 0.95 if s["loss"] == "chunked" else 1.0
         tps *= 0.8 if s["hf"] else 1.0
         if s["compile"]:
             tps *= {"default": 1.3, "max-autotune-no-cudagraphs": 1.25}[s["compile_mode"]]
@@ -117,6 +118,7 @@ def test_search_settles_cheap_axes_first_and_prunes_what_cannot_win(
     assert (best["batch_size"], best["gradient_accumulation_steps"], best["use_amp"], best["attention"]) == (
         32, 4, True, "eager")
     assert (best["compile"], best["compile_mode"], best["fused_optimizer"]) == (True, "default", True)
+    assert c["chunked loss"]["status"] == "ok" and best["loss"] == "full"  # measured, and slower here
     # train's defaults run fp32 here, so SDPA attention (device.default_attention), which this machine slows
     assert summary["gain_vs_defaults"] == pytest.approx(1.5 * 1.2 * 1.3 / 0.9)
     assert summary["gain_vs_hf"] == pytest.approx(1.5 * 1.2 * 1.3 / 0.8 * 1.05)

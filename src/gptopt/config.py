@@ -123,6 +123,9 @@ def check_fields(obj: Any, prefix: str = "--") -> None:
 # Model
 
 
+LOSSES = ("full", "chunked")  # GPTConfig.loss; TrainConfig.loss adds "auto"
+
+
 @dataclass(kw_only=True)
 class GPTConfig:
     n_layer: int = opt(12, "number of Transformer blocks", ge=1, le=MAX_LAYERS)
@@ -140,6 +143,9 @@ class GPTConfig:
     attention: str = opt("sdpa", "attention kernel: sdpa (flash / mem-efficient) or eager", choices=("sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute each block in backward: less memory, one more forward of "
                                        "each block")
+    loss: str = opt("full", "training loss: full (every position's logits, then cross-entropy) or chunked (the "
+                    "projection and cross-entropy a chunk of positions at a time: the full logits never exist)",
+                    choices=LOSSES)
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="")  # stored in gptopt.json, so named as there, not as flags
@@ -347,6 +353,9 @@ class TrainConfig:
                          "faster there)",
                          choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward: less memory, more compute")
+    loss: str = opt("auto", "chunked: the lm_head and cross-entropy a chunk of positions at a time, so the full "
+                    "logits (batch x length x vocabulary) never exist; full: the plain loss; auto: by device "
+                    "(device.default_loss)", choices=("auto", *LOSSES))
     # data loading
     num_workers: int | None = opt(None, "DataLoader worker processes; default chosen for the device",
                                   ge=0, le=MAX_WORKERS)
@@ -501,7 +510,7 @@ class BenchConfig:
         return sorted({1, *(int(p) for p in parts)})
 
 
-TUNE_AXES = ("attention", "amp", "fused", "loader", "batch", "checkpointing", "compile")
+TUNE_AXES = ("attention", "amp", "fused", "loader", "loss", "batch", "checkpointing", "compile")
 
 
 @dataclass(kw_only=True)

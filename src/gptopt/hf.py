@@ -51,7 +51,7 @@ _MASK_BUFFER = re.compile(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)")
 # What the hub accepts as a repo id ("gpt2", "openai-community/gpt2"); anything else is a local path.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 # Settings that do not live in the weights; every other GPTConfig field is fixed by the checkpoint.
-OVERRIDABLE = ("vocab_pad_multiple", "dropout", "attention", "gradient_checkpointing")
+OVERRIDABLE = ("vocab_pad_multiple", "dropout", "attention", "gradient_checkpointing", "loss")
 _GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")  # the two HF names of model.py's GELU(approximate="tanh")
 
 
@@ -363,7 +363,7 @@ def _download(name: str) -> Path:
 def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> GPT:
     """A GPT from a gptopt model directory, a local HF GPT-2 directory, or a hub name (gpt2, ...).
 
-    overrides set run-time fields (attention, dropout, gradient_checkpointing, vocab_pad_multiple);
+    overrides set run-time fields (attention, dropout, gradient_checkpointing, loss, vocab_pad_multiple);
     the fields the weights fix may only be repeated. The model comes back on the CPU in fp32.
     """
     path = Path(name_or_path).expanduser()

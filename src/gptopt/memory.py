@@ -17,6 +17,7 @@ compile. So every command estimates first and compares with what is free:
 
 from __future__ import annotations
 
+import dataclasses
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ import torch
 
 from gptopt.config import GPTConfig, TrainConfig
 from gptopt.flops import non_embedding_params
+from gptopt.loss import chunk_rows
 
 # Refuse when the estimate is above this share of the free memory. Against the peak measured on a
 # CPU (ru_maxrss growth over two steps; debug and tiny presets, fp32 and bf16, eager and SDPA, with
@@ -105,9 +107,14 @@ def train_step_bytes(config: GPTConfig, batch_size: int, seq_len: int, *, amp_dt
         activations = tokens * L * per_layer
         scores = L * scores_per_layer + backward_scores
     activations += tokens * (_F32 + a) * C  # ln_f's input and lm_head's
-    # The lm_head output (padded vocabulary, matmul dtype), then cross-entropy in fp32: its input copy and
-    # log-softmax output in forward, the gradients of both in backward.
-    logits = tokens * (a * Vp + 3 * _F32 * V)
+    if config.loss == "chunked":
+        # loss.py: one chunk's logits at a time (the same four copies as below), and the gradients it keeps for
+        # backward: the hidden states' (fp32) and the head weight's (fp32 sum, then its cast)
+        logits = chunk_rows(tokens, C, V) * (a * V + 3 * _F32 * V) + _F32 * tokens * C + 2 * _F32 * Vp * C
+    else:
+        # The lm_head output (padded vocabulary, matmul dtype), then cross-entropy in fp32: its input copy and
+        # log-softmax output in forward, the gradients of both in backward.
+        logits = tokens * (a * Vp + 3 * _F32 * V)
     shards = max(1, shards)
     parts = {
         "weights": _F32 * P // shards,
@@ -244,6 +251,21 @@ def for_training(config: GPTConfig, train: TrainConfig, seq_len: int, amp_dtype:
     return est.without("weights", "gradients", "AdamW state") if train.cpu_offload else est
 
 
+def pick_loss(config: GPTConfig, train: TrainConfig, seq_len: int, amp_dtype: torch.dtype | None,
+              device: torch.device, *, world_size: int = 1) -> tuple[str, str]:
+    """The loss a run trains with, and why: the one --loss names; under auto the plain (full) loss, which
+    runs faster where both fit (benchmarks/2026-12-05-chunked-loss.md), unless its logits would not fit
+    where the chunked loss's would."""
+    if train.loss != "auto":
+        return train.loss, f"--loss {train.loss}"
+    def fits(loss: str) -> bool:
+        est = for_training(dataclasses.replace(config, loss=loss), train, seq_len, amp_dtype, world_size=world_size)
+        return shortfall(est, device) is None
+    if fits("full") or not fits("chunked"):
+        return "full", "auto: the full logits fit"
+    return "chunked", f"auto: the full logits of micro-batch {train.batch_size} x {seq_len} would not fit"
+
+
 def largest_batch(estimate_at: Callable[[int], Estimate], device: torch.device, upto: int, *,
                   share: float = REFUSE_ABOVE) -> int:
     """The largest batch size up to `upto` whose estimate fits `share` of what is free (0: not even
@@ -283,6 +305,8 @@ def train_fix(train: TrainConfig, seq_len: int, largest: int | None = None) -> s
         fixes.append(f"--batch_size {d} --gradient_accumulation_steps {b * accum // d} (the same global batch)")
     if not train.gradient_checkpointing:
         fixes.append("--gradient_checkpointing")
+    if train.loss == "full":  # under auto, chunked is already taken where it alone makes the step fit
+        fixes.append("--loss chunked")
     if seq_len > 1:
         fixes.append(f"--seq_len {seq_len // 2}")
     return "use " + ", or ".join(fixes) if fixes else "use a smaller --preset"

@@ -326,7 +326,8 @@ class Trainer:
 
     def _build_model(self, resume_dir: Path | None) -> GPT:
         cfg = self.cfg
-        runtime = dict(attention=self.attention, gradient_checkpointing=cfg.gradient_checkpointing, dropout=cfg.dropout)
+        runtime = dict(attention=self.attention, gradient_checkpointing=cfg.gradient_checkpointing, dropout=cfg.dropout,
+                       loss="full" if cfg.loss == "auto" else cfg.loss)  # auto is settled in _setup, by memory
         if resume_dir is not None:
             meta = checkpoint.read_meta(resume_dir)
             stored = GPTConfig.from_dict(meta["model"])
@@ -366,6 +367,12 @@ class Trainer:
     def _setup(self) -> Progress:
         """The loop's parts, and the progress of the run being resumed (if any)."""
         cfg, info, plan, main = self.cfg, self.info, self.plan, self.info.is_main
+        loss, why = memory.pick_loss(self.model_config, cfg, self.seq_len, plan.amp_dtype, plan.device,
+                                     world_size=info.world_size)
+        if loss != self.model_config.loss:  # a switch of the forward alone: no module changes
+            self.raw.config = self.model_config = dataclasses.replace(self.model_config, loss=loss)
+        if main:
+            log.info(f"loss: {loss} ({why})")
         memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
         self.prep = prepare(
             self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, compile=cfg.compile,

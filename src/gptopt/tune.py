@@ -269,6 +269,8 @@ class Tuner:
                 self._fused()
             if "loader" in axes:
                 self._loader()
+            if "loss" in axes:
+                self._loss()
             hit_oom = self._micro_batch() if "batch" in axes else None
             if "checkpointing" in axes:
                 self._checkpointing(hit_oom, "batch" in axes)
@@ -339,6 +341,14 @@ class Tuner:
             return
         self.measure("optimizer", rung.but("AdamW " + ("for-each" if fused else "fused"),
                                            "the other AdamW implementation", fused_optimizer=not fused))
+
+    def _loss(self) -> None:
+        """The other loss: the chunked one frees the logits' memory (a larger micro-batch may fit after it), the
+        full one has the fewer kernels."""
+        assert self.best is not None
+        rung = self.best[0]
+        other = "full" if self.bench.config(rung).loss == "chunked" else "chunked"
+        self.measure("loss", rung.but(f"{other} loss", f"the {other} loss", loss=other))
 
     def _loader(self) -> None:
         assert self.best is not None

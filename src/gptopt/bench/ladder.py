@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from gptopt import data, memory
 from gptopt.bench.setup import Setup
-from gptopt.config import BenchConfig, TrainConfig
+from gptopt.config import BenchConfig, GPTConfig, TrainConfig
 from gptopt.device import DevicePlan, default_attention, environment, peak_flops, reuse_host_memory
 from gptopt.extras import has
 from gptopt.flops import at_least, flops_per_token, mfu
@@ -86,6 +86,8 @@ LADDER: list[Rung] = [
 ]
 OPTIONAL: list[Rung] = [
     Rung("ckpt", "'all' + activation checkpointing (memory against time)", {**ALL, "gradient_checkpointing": True},
+         reuse_memory=True),
+    Rung("chunked_loss", "'all' with the chunked loss (the full logits never exist)", {**ALL, "loss": "chunked"},
          reuse_memory=True),
     Rung("reduce_overhead", "'all' with compile mode reduce-overhead (CUDA graphs)",
          {**ALL, "compile_mode": "reduce-overhead"}, reuse_memory=True),
@@ -224,9 +226,15 @@ class Bench:
                                                 **({"batch_size": batch_size} if batch_size else {})})
         plan = self._plan(cfg)
         amp = plan.amp_name
+        loss, _ = memory.pick_loss(self.model_config, cfg, self.seq_len, plan.amp_dtype, plan.device)
         return dataclasses.replace(cfg, attention=self._attention(cfg.attention, plan.amp_dtype), use_amp=amp != "fp32",
-                                   amp_dtype="auto" if amp == "fp32" else amp,
+                                   amp_dtype="auto" if amp == "fp32" else amp, loss=loss,
                                    **loader_options(cfg, self.plan.device.type))
+
+    def _model_config(self, cfg: TrainConfig) -> GPTConfig:
+        """The model a rung's (resolved) TrainConfig trains: the bench's shape with its runtime switches."""
+        return dataclasses.replace(self.model_config, attention=cfg.attention, loss=cfg.loss,
+                                   gradient_checkpointing=cfg.gradient_checkpointing)
 
     def _attention(self, choice: str, amp_dtype: torch.dtype | None) -> str:
         if choice != "auto":
@@ -239,9 +247,7 @@ class Bench:
         return other if status.get(default, "ok") != "ok" and status.get(other) == "ok" else default
 
     def _build(self, rung: Rung, cfg: TrainConfig) -> nn.Module:
-        model_cfg = dataclasses.replace(self.model_config, attention=cfg.attention,
-                                        gradient_checkpointing=cfg.gradient_checkpointing)
-        model = GPT(model_cfg)
+        model = GPT(self._model_config(cfg))
         model.load_state_dict(self.init_state)
         if rung.hf:
             from gptopt.hf import to_hf_model
@@ -273,9 +279,8 @@ class Bench:
 
     def memory_estimate(self, cfg: TrainConfig) -> memory.Estimate:
         """The peak memory of a rung's step, as memory.train_step_bytes counts it."""
-        model_cfg = dataclasses.replace(self.model_config, attention=cfg.attention,
-                                        gradient_checkpointing=cfg.gradient_checkpointing)
-        return memory.train_step_bytes(model_cfg, cfg.batch_size, self.seq_len, amp_dtype=self._plan(cfg).amp_dtype,
+        return memory.train_step_bytes(self._model_config(cfg), cfg.batch_size, self.seq_len,
+                                       amp_dtype=self._plan(cfg).amp_dtype,
                                        accumulation=cfg.gradient_accumulation_steps)
 
     def identical_to(self, rung: Rung) -> RungResult | None:
@@ -488,7 +493,7 @@ def best_train_config(summary: dict[str, Any]) -> dict[str, Any] | None:
 # What a TOML of a rung's TrainConfig always names: the run (model, data, length, seed) and the step's settings,
 # which a reader of best.toml or tune.toml looks for; any other field only where it is not train's default.
 NAMED = ("preset", "data_dir", "seq_len", "seed", "batch_size", "gradient_accumulation_steps", "attention", "use_amp",
-         "amp_dtype", "compile", "compile_mode", "fused_optimizer", "gradient_checkpointing", *LOADER_FIELDS)
+         "amp_dtype", "compile", "compile_mode", "fused_optimizer", "gradient_checkpointing", "loss", *LOADER_FIELDS)
 
 
 def toml_options(config: dict[str, Any]) -> dict[str, Any]:
