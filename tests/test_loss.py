@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import load_script
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from gptopt import memory, train
@@ -159,3 +160,15 @@ def test_compiled_the_chunked_loss_gives_the_eager_loss_and_gradients() -> None:
         grads.append((value.detach(), model.transformer.wte.weight.grad))
     torch.testing.assert_close(grads[1][0], grads[0][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grads[1][1], grads[0][1], rtol=1e-4, atol=1e-6)
+
+
+def test_the_loss_comparison_trains_both_losses_from_the_same_weights_and_sees_the_memory_saved() -> None:
+    """benchmarks/loss_ab.py times two computations of one step: the same loss after the warm-up steps, and
+    the chunked step's peak memory below the full one's."""
+    ab = load_script("loss_ab")
+    cfg = preset("debug", vocab_pad_multiple=64)
+    r = ab.compare(cfg, batch_size=8, seq_len=64, rounds=1, bf16=False, compile=False)
+    assert r["warm_loss"]["chunked"] == pytest.approx(r["warm_loss"]["full"], rel=1e-5)
+    # logits of 16 x 64 x 8192: 32 MiB in fp32, a copy
+    peaks = {loss: ab.peak_growth("debug", loss, 16, 64, False, vocab_size=8192) for loss in ("full", "chunked")}
+    assert peaks["chunked"] < peaks["full"]

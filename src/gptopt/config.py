@@ -353,6 +353,8 @@ class TrainConfig:
                          "faster there)",
                          choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward: less memory, more compute")
+    fp8: bool = opt(False, "float8 matmuls in the blocks' Linear layers (torchao float8 training, the quant extra): "
+                    "NVIDIA GPUs of compute capability 8.9+ (Ada, Hopper, Blackwell) only")
     loss: str = opt("auto", "chunked: the lm_head and cross-entropy a chunk of positions at a time, so the full "
                     "logits (batch x length x vocabulary) never exist; full: the plain loss; auto: by device "
                     "(device.default_loss)", choices=("auto", *LOSSES))

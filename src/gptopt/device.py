@@ -200,6 +200,28 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
     return plan
 
 
+FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first NVIDIA GPUs whose tensor cores multiply float8
+
+
+def fp8_unavailable(device: torch.device) -> str | None:
+    """Why float8 training (torchao's Float8Linear) cannot run on `device`, or None where it can.
+
+    Only GPUs with float8 tensor cores gain from it: elsewhere torch emulates the float8 matmul, slower than
+    the bf16 one it replaces."""
+    if device.type != "cuda":
+        return (f"float8 training needs an NVIDIA GPU of compute capability {FP8_MIN_CAPABILITY[0]}."
+                f"{FP8_MIN_CAPABILITY[1]} or newer (Ada, Hopper, Blackwell); this run is on the {device.type}")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < FP8_MIN_CAPABILITY:
+        return (f"float8 training needs compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer "
+                f"(Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
+    from gptopt.extras import has
+
+    if not has("torchao"):
+        return "float8 training needs torchao: pip install 'gptopt[quant]'"
+    return None
+
+
 def default_attention(device_type: str, amp_dtype: torch.dtype | None = None) -> str:
     """The attention kernel to use when the user does not say, for a step under autocast to amp_dtype
     (None: fp32).

@@ -68,8 +68,11 @@ def prepare(
     compile: bool = False,
     compile_mode: str = "default",
     compile_fullgraph: bool = False,
+    fp8: bool = False,
 ) -> Prepared:
     raw = model
+    if fp8:  # before the wrappers: FSDP2 and DDP then see the float8 layers (torchao's order)
+        to_float8(model)
     if fsdp:
         if not info.enabled:
             raise ValueError("--fsdp needs torchrun: torchrun --nproc_per_node N -m gptopt train --fsdp ...")
@@ -83,6 +86,23 @@ def prepare(
     if compile:
         model = compile_model(model, mode=compile_mode, fullgraph=compile_fullgraph)
     return Prepared(model=model, raw=raw, sharded=fsdp)
+
+
+def to_float8(model: nn.Module) -> int:
+    """Train the blocks' Linear layers with float8 matmuls: torchao's Float8Linear, in place (dynamic tensorwise
+    scales; weights, gradients and optimizer state stay in their dtype, so checkpoints are unchanged). The head
+    stays as it is: it is tied to the embedding, and its logits are where float8's range costs the most. A
+    layer with a dimension that is not a multiple of 16 stays too (float8 GEMMs need it). Returns how many
+    layers were swapped. Needs the 'quant' extra; device.fp8_unavailable says where it pays."""
+    from torchao.float8 import convert_to_float8_training
+
+    def swap(module: nn.Module, name: str) -> bool:
+        return (name != "lm_head" and isinstance(module, nn.Linear)
+                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+
+    before = sum(isinstance(m, nn.Linear) and type(m) is not nn.Linear for m in model.modules())
+    convert_to_float8_training(model, module_filter_fn=swap)
+    return sum(isinstance(m, nn.Linear) and type(m) is not nn.Linear for m in model.modules()) - before
 
 
 def inference_layout(model: nn.Module, device_type: str) -> nn.Module:

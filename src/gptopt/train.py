@@ -33,7 +33,15 @@ from tqdm import tqdm
 from gptopt import checkpoint, data, distributed, fsutil, hf, memory
 from gptopt.bpb import bits_per_byte, bytes_per_token
 from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, preset_for_data
-from gptopt.device import DevicePlan, default_attention, environment, peak_flops, resolve, reuse_host_memory
+from gptopt.device import (
+    DevicePlan,
+    default_attention,
+    environment,
+    fp8_unavailable,
+    peak_flops,
+    resolve,
+    reuse_host_memory,
+)
 from gptopt.distributed import DistInfo
 from gptopt.flops import at_least, flops_per_token, mfu
 from gptopt.generator import Generator, SamplingParams, generate
@@ -240,6 +248,8 @@ class Trainer:
         self.cfg, self.info = cfg, info
         self.plan = resolve(device, cfg.amp_dtype if cfg.use_amp else "fp32")
         self.out = Path(cfg.output_dir)
+        if cfg.fp8 and (why := fp8_unavailable(self.plan.device)):
+            raise ValueError(f"--fp8: {why}; drop --fp8")
         auto = default_attention(self.plan.device.type, self.plan.amp_dtype)  # the kernel by device and dtype
         self.attention = cfg.attention if cfg.attention != "auto" else auto
         torch.manual_seed(cfg.seed)
@@ -372,11 +382,11 @@ class Trainer:
         if loss != self.model_config.loss:  # a switch of the forward alone: no module changes
             self.raw.config = self.model_config = dataclasses.replace(self.model_config, loss=loss)
         if main:
-            log.info(f"loss: {loss} ({why})")
+            log.info(f"loss: {loss} ({why})" + ("; float8 matmuls in the blocks (--fp8)" if cfg.fp8 else ""))
         memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
         self.prep = prepare(
             self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, compile=cfg.compile,
-            compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph,
+            compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph, fp8=cfg.fp8,
         )
         self.train_step = TrainStep(self.prep.model, self.raw, plan, cfg, info)
         progress = self._restore(Progress(last_good=self.resume_dir))

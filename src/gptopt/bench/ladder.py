@@ -33,13 +33,13 @@ from tqdm import tqdm
 from gptopt import data, memory
 from gptopt.bench.setup import Setup
 from gptopt.config import BenchConfig, GPTConfig, TrainConfig
-from gptopt.device import DevicePlan, default_attention, environment, peak_flops, reuse_host_memory
+from gptopt.device import DevicePlan, default_attention, environment, fp8_unavailable, peak_flops, reuse_host_memory
 from gptopt.extras import has
 from gptopt.flops import at_least, flops_per_token, mfu
 from gptopt.measure import STOPPED
 from gptopt.model import GPT
 from gptopt.monitor import Monitor, format_summary
-from gptopt.prepare_model import compile_model
+from gptopt.prepare_model import compile_model, to_float8
 from gptopt.step import LOADER_FIELDS, TrainStep, is_oom, loader_options
 from gptopt.tables import to_json
 
@@ -87,6 +87,8 @@ LADDER: list[Rung] = [
 OPTIONAL: list[Rung] = [
     Rung("ckpt", "'all' + activation checkpointing (memory against time)", {**ALL, "gradient_checkpointing": True},
          reuse_memory=True),
+    Rung("fp8", "'all' with float8 matmuls in the blocks (torchao; GPUs of compute capability 8.9+)",
+         {**ALL, "fp8": True}, reuse_memory=True),
     Rung("chunked_loss", "'all' with the chunked loss (the full logits never exist)", {**ALL, "loss": "chunked"},
          reuse_memory=True),
     Rung("reduce_overhead", "'all' with compile mode reduce-overhead (CUDA graphs)",
@@ -253,7 +255,10 @@ class Bench:
             from gptopt.hf import to_hf_model
 
             return HFLoss(to_hf_model(model).train()).to(self.plan.device)
-        return model.to(self.plan.device)
+        model.to(self.plan.device)
+        if cfg.fp8:
+            to_float8(model)
+        return model
 
     def _plan(self, cfg: TrainConfig) -> DevicePlan:
         """The device plan a rung trains under: fp32, the policy's autocast dtype, or the dtype it names."""
@@ -296,6 +301,9 @@ class Bench:
         res = self.result(rung, tcfg, name=rung.name if batch_size is None else f"{rung.name}_b{B}")
         if rung.hf and not has("transformers"):
             res.status, res.note = "skipped", "needs the 'hf' extra: pip install 'gptopt[hf]'"
+            return res
+        if tcfg.fp8 and (why := fp8_unavailable(plan.device)):
+            res.status, res.note = "skipped", why
             return res
         short = memory.shortfall(self.memory_estimate(tcfg), plan.device)
         if short is not None:  # reported before anything is allocated: a CPU would otherwise be OOM-killed
