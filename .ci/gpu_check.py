@@ -78,16 +78,18 @@ class Sizes:
     # The bench rung whose decode stands beside serve's: on a GPU, graphs is serve's own (the eager decode
     # recorded as CUDA graphs); a CPU has no CUDA graphs, and kv is the same decode without them.
     decode_rung: str
+    larger: tuple[str, ...]  # the larger models each trained once (issue 36's sizes)
 
 
 SIZES = {
     "gpu": Sizes(model="gpt2", large="gpt2-xl", seq=1024, batch=16, train_steps=40, few_steps=4,
                  bench_warmup=2, infer_batches="1,64", infer_seq=256, new_tokens=128, eval_tokens=16384,
                  clients=(1, 16, 64, 256), prompt_tokens=128, serve_tokens=128, peer_clients=(16, 64),
-                 decode_rung="graphs"),
+                 decode_rung="graphs", larger=("gpt2-medium", "gpt2-large", "gpt2-xl")),
     "cpu": Sizes(model="debug", large="debug", seq=64, batch=4, train_steps=4, few_steps=2,
                  bench_warmup=1, infer_batches="1,2", infer_seq=64, new_tokens=16, eval_tokens=1024,
-                 clients=(1, 2, 4), prompt_tokens=8, serve_tokens=8, peer_clients=(1, 2), decode_rung="kv"),
+                 clients=(1, 2, 4), prompt_tokens=8, serve_tokens=8, peer_clients=(1, 2), decode_rung="kv",
+                 larger=("debug",)),
 }
 
 
@@ -104,6 +106,8 @@ class Step:
     serve: bool = False  # argv is the server's; the runner drives it with loadtest
     decode: list[str] | None = None  # serve: the bench run first, whose decode rates stand beside serve's
     peer: list[str] | None = None  # serve: another server run after it (never beside it), driven alike
+    # False: runs only when --only names it (a study's steps, beyond the nine minutes of the default run)
+    default: bool = True
 
 
 @dataclasses.dataclass
@@ -122,6 +126,11 @@ class Ctx:
 
 
 MODEL_FROM = ("train", "train_fp16", "train_ckpt")  # training outputs, in the order the model is taken from
+
+
+def larger_step(model: str) -> str:
+    """The step (and output folder) that trains one of the sizes' larger models."""
+    return f"train_{model}".replace("-", "_")
 
 
 def plan(ctx: Ctx) -> list[Step]:
@@ -223,6 +232,26 @@ def plan(ctx: Ctx) -> list[Step]:
              g("profile", "--preset", s.model, "--use_amp", *data, "--output_dir", p("profile"), "--json",
                "--overwrite"),
              stdout="profile.json"),
+        # Issue 36, the training levers: run by name (--only train,bench_levers,train_fp8,...), after `train`,
+        # whose run they stand beside
+        Step("bench_levers", 150, f"bench: the default ladder, then 'all' with the chunked loss and with float8, "
+             f"on {s.model} at {s.seq} tokens: tokens/s, MFU, loss against the baseline (bench's step and more)",
+             g("bench", "--preset", s.model, *data, "--batch_size", s.batch, "--seq_len", s.seq, "--steps", 10,
+               "--warmup", s.bench_warmup, "--rungs", "default,chunked_loss,fp8", "--output_dir",
+               p("bench_levers"), "--json", "--overwrite"),
+             stdout="bench_levers.json", default=False),
+        Step("train_fp8", 60, "train as `train` does, with --fp8: tokens/s against train's, and the loss curve "
+             "beside its bf16 one", g("train", *train, "--batch_size", s.batch, "--use_amp", "--compile", "--fp8",
+                                     "--max_steps", s.train_steps, "--log_interval", 10, "--output_dir",
+                                     p("train_fp8")),
+             cpu=False, default=False),
+        *[Step(larger_step(m), 90, f"train {m} at {s.seq} tokens, bf16 + compile, the largest micro-batch that "
+               "fits a global batch of 32 sequences (--auto_batch_size; --loss auto): tokens/s, MFU, the memory "
+               "plan", g("train", *data, "--preset", m, "--seq_len", s.seq, "--eval_interval", 0, "--seed", 0,
+                         "--overwrite", "--batch_size", 32, "--auto_batch_size", "--use_amp", "--compile",
+                         "--max_steps", s.few_steps * 3, "--log_interval", 2, "--output_dir", p(larger_step(m))),
+               default=False)
+          for m in s.larger],
     ]
 
 
@@ -327,6 +356,9 @@ def _train(name: str) -> Callable[[Path, str], dict[str, Any]]:
                "peak_memory_gib": _gib(summary.get("peak_memory_bytes")),
                "loss_first_last": [_r(steps[0]["loss"], 3), _r(steps[-1]["loss"], 3)] if steps else None,
                "micro_batch_x_accumulation": [cfg.get("batch_size"), cfg.get("gradient_accumulation_steps")],
+               # the memory plan as it ran: the loss auto settled on, recomputation, FSDP, offload
+               "plan": {"loss": (run.get("model") or {}).get("loss"), **{
+                   k: cfg.get(k) for k in ("gradient_checkpointing", "fsdp", "cpu_offload", "fp8") if cfg.get(k)}},
                "amp": (run.get("environment") or {}).get("amp_dtype")}
         scales = [r["loss_scale"] for r in steps if "loss_scale" in r]
         if scales:
@@ -350,11 +382,16 @@ def _rung(r: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def fig_bench(out: Path, _log: str) -> dict[str, Any]:
-    d = _json(out / "bench" / "results.json") or _json(out / "bench.json") or {}
-    rungs = {r["name"]: _rung(r, ("tokens_per_s", "mfu", "speedup_vs_baseline", "compile_s", "loss_ok"))
-             for r in d.get("rungs", [])}
-    return {"best": d.get("best"), "peak": d.get("peak_source") or d.get("peak"), "rungs": rungs} if rungs else {}
+def fig_bench_at(name: str) -> Callable[[Path, str], dict[str, Any]]:
+    def figures(out: Path, _log: str) -> dict[str, Any]:
+        d = _json(out / name / "results.json") or _json(out / f"{name}.json") or {}
+        rungs = {r["name"]: _rung(r, ("tokens_per_s", "mfu", "speedup_vs_baseline", "compile_s", "loss_ok"))
+                 for r in d.get("rungs", [])}
+        return {"best": d.get("best"), "peak": d.get("peak_source") or d.get("peak"), "rungs": rungs} if rungs else {}
+    return figures
+
+
+fig_bench = fig_bench_at("bench")
 
 
 def _infer(name: str) -> Callable[[Path, str], dict[str, Any]]:
@@ -464,8 +501,32 @@ def compared(figures: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def fig_train_fp8(out: Path, log: str) -> dict[str, Any]:
+    """train_fp8's own figures, and beside train's bf16 run of the same steps: the tokens/s ratio and the
+    largest relative gap between the two loss curves at the steps both logged."""
+    res = _train("train_fp8")(out, log)
+
+    def curve(name: str) -> dict[int, float]:
+        try:
+            lines = (out / name / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return {}
+        return {r["step"]: r["loss"] for r in map(json.loads, filter(None, lines)) if "loss" in r}
+
+    fp8, bf16 = curve("train_fp8"), curve("train")
+    both = sorted(set(fp8) & set(bf16))
+    if both:
+        res["vs_bf16_loss_max_rel_gap"] = _r(max(abs(fp8[k] - bf16[k]) / abs(bf16[k]) for k in both), 4)
+    theirs = _train("train")(out, log).get("tokens_per_s")
+    if res.get("tokens_per_s") and theirs:
+        res["vs_bf16_tokens_per_s"] = _r(res["tokens_per_s"] / theirs, 3)
+    return res
+
+
 FIGURES: dict[str, Callable[[Path, str], dict[str, Any]]] = {
     "doctor": fig_doctor, "prepare": fig_prepare, "cuda_tests": fig_pytest, "bench": fig_bench,
+    "bench_levers": fig_bench_at("bench_levers"), "train_fp8": fig_train_fp8,
+    **{larger_step(m): _train(larger_step(m)) for size in SIZES.values() for m in size.larger},
     "bench_infer": _infer("bench_infer"), "decode_large": _infer("decode_large"), "generate": fig_generate,
     "profile": fig_profile,
     **{n: _train(n) for n in ("train", "train_fp16", "train_ckpt", "train_auto_batch", "train_ddp", "train_fsdp")},
@@ -1176,7 +1237,7 @@ def main(argv: list[str] | None = None) -> int:
         only |= {"install"} | ({"prepare"} if not (ctx.out / "data" / "meta.json").is_file() else set())
     if "serve" in only:  # the Hugging Face folder its peer serves, made from this call's checkpoint
         only |= {"serve_export"}
-    steps = [s for s in steps if (not only or s.name in only) and s.name not in skip
+    steps = [s for s in steps if (s.name in only if only else s.default) and s.name not in skip
              and (args.target == "gpu" or s.cpu or s.name in only)]
     for folder, flag in ((ctx.out, "DIR"), (args.report, "--report")):
         if folder is not None and (problem := unfit_folder(folder)):

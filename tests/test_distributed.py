@@ -95,14 +95,16 @@ class Run:
         return load_file(str(self.ckpt(step) / checkpoint.WEIGHTS))
 
 
-def launch(root: Path, data: Path, *args: str, ranks: int | None = RANKS) -> Run:
-    """Start training in root: under torchrun with `ranks` processes, or as one plain process (None)."""
+def launch(root: Path, data: Path, *args: str, ranks: int | None = RANKS, env_add: dict[str, str] | None = None) -> Run:
+    """Start training in root: under torchrun with `ranks` processes, or as one plain process (None);
+    env_add: more environment variables."""
     launcher = [sys.executable]
     if ranks is not None:
         launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks)]
     cmd = [*launcher, "-m", "gptopt", "train", "--data_dir", str(data), "--output_dir", "out", *ARGS, *args]
     env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_ENV}
     env["OMP_NUM_THREADS"] = "1"  # a thread per rank: two ranks share two cores, and sums keep one order
+    env.update(env_add or {})
     root.mkdir(parents=True, exist_ok=True)
     log = tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace")
     proc = subprocess.Popen(
@@ -238,6 +240,33 @@ def test_resume_across_world_sizes(runs: dict[str, Run], resumed: dict[str, Run]
     run, want = resumed[name].ok(), runs["one"]
     assert_close(run.losses(), {step: loss for step, loss in want.losses().items() if step > 3})
     assert_weights_close(run.weights(6), want.weights(6))
+
+
+# Loaded at interpreter start (from PYTHONPATH): rank 1 finds no checkpoint, as on a machine whose disk lacks it.
+HIDE_CHECKPOINTS_ON_RANK_1 = """import os
+if os.environ.get("RANK") == "1":
+    import gptopt.checkpoint
+    gptopt.checkpoint.latest_checkpoint = lambda *a, **k: None
+"""
+
+
+def test_ranks_that_would_resume_at_different_steps_are_refused_on_every_rank(
+    runs: dict[str, Run], tmp_path: Path, train_data: Path
+) -> None:
+    """--resume auto on machines without shared storage: rank 0 finds the run's checkpoint, rank 1 none."""
+    root = tmp_path / "run"
+    shutil.copytree(runs["ddp"].ok().out, root / "out")
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(HIDE_CHECKPOINTS_ON_RANK_1)
+    run = launch(root, train_data, "--batch_size", "4", "--resume", "auto", "--max_steps", "8",
+                 env_add={"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}).wait()
+    assert run.proc.returncode != 0
+    assert run.stderr.count("the ranks disagree on where to start: some would start afresh, others resume at "
+                            "step 6") == 2, run.stderr[-3000:]  # both ranks say it, neither hangs
+    assert "put the output folder on storage every machine shares" in run.stderr
+    names = [[p.name for p in checkpoint.checkpoint_dirs(r)] for r in (root / "out", runs["ddp"].out)]
+    assert names[0] == names[1]  # nothing saved, nothing removed
 
 
 def test_fsdp_without_torchrun_exits_2(

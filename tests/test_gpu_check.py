@@ -399,3 +399,32 @@ def test_every_step_with_a_cpu_meaning_runs_on_the_cpu(tmp_path: Path) -> None:
     assert by["profile"]["figures"]["figures"]["steps"] > 0
     assert shlex.split(by["doctor"]["command"])[-3:] == ["doctor", "--smoke", "--json"]
     assert by["doctor"]["figures"]["smoke"]["passed"] is True
+
+
+def test_the_training_levers_steps_run_only_when_named(dry_run: tuple[str, dict], tmp_path: Path) -> None:
+    """Issue 36's steps go past the default run's nine minutes: a lease runs them by name, beside `train`."""
+    levers = {"bench_levers", "train_fp8", "train_gpt2_medium", "train_gpt2_large", "train_gpt2_xl"}
+    assert not levers & {r["name"] for r in dry_run[1]["steps"]}
+    assert gc.main(["dry-run", str(tmp_path), "--only", ",".join(["train", *sorted(levers)])]) == 0
+    cmds = _commands(json.loads((tmp_path / "results.json").read_text()))
+    assert set(cmds) == {"install", "prepare", "train", *levers}
+    assert "--rungs default,chunked_loss,fp8 " in cmds["bench_levers"]
+    # float8 trains what `train` trains, with --fp8 added
+    assert cmds["train_fp8"].replace(" --fp8", "").replace("train_fp8", "train") == cmds["train"]
+    for size in ("gpt2-medium", "gpt2-large", "gpt2-xl"):
+        cmd = cmds[gc.larger_step(size)]
+        assert f"--preset {size} " in cmd and "--auto_batch_size" in cmd and "--compile" in cmd
+
+
+def test_the_fp8_steps_figures_set_its_curve_and_speed_beside_trains_bf16_run(tmp_path: Path) -> None:
+    for name, losses, tps in (("train", [10.0, 8.0, 6.0], 400_000.0), ("train_fp8", [10.0, 8.2, 6.0], 520_000.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": 10 * i + 1, "loss": x}) + "\n" for i, x in enumerate(losses)))
+        (tmp_path / name / "run.json").write_text(json.dumps({
+            "config": {"batch_size": 16, "gradient_accumulation_steps": 1, "fp8": name == "train_fp8"},
+            "model": {"loss": "full"}, "summary": {"step": 21, "tokens_per_s": tps, "median_step_s": 0.04}}))
+    fig = gc.fig_train_fp8(tmp_path, "")
+    assert fig["vs_bf16_loss_max_rel_gap"] == pytest.approx(0.025)  # 8.2 against 8.0
+    assert fig["vs_bf16_tokens_per_s"] == pytest.approx(1.3)
+    assert fig["plan"] == {"loss": "full", "fp8": True}

@@ -88,6 +88,15 @@ def any_rank(flag: bool, info: DistInfo, device: torch.device) -> bool:
     return bool(t.item())
 
 
+def spread(value: int, info: DistInfo, device: torch.device) -> tuple[int, int]:
+    """The smallest and the largest of an integer over all ranks (the value twice on one process)."""
+    if not (info.enabled and info.world_size > 1):
+        return value, value
+    t = torch.tensor([value, -value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return -int(t[1].item()), int(t[0].item())
+
+
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -270,6 +270,7 @@ class Trainer:
                              "or less")
         self.data.check_vocab(self.model_config.vocab_size)
         self.state: dict[str, Any] = checkpoint.load_train_state(self.resume_dir) if self.resume_dir else {}
+        self._check_ranks_resume_alike()
         self.lineage = self._lineage(self.resume_dir)
 
     def _check_output(self) -> list[Path]:
@@ -333,6 +334,21 @@ class Trainer:
                 raise ValueError(f"--resume {cfg.resume}: {what}; pass --resume auto or a ckpt-* directory of a run")
             return path
         return None
+
+    def _check_ranks_resume_alike(self) -> None:
+        """Every rank reads its checkpoint from its own file system: on machines that do not share the output
+        folder, one rank could resume while another starts afresh, and DDP would then train one model under
+        optimizer states and data positions that differ between ranks. Refused on every rank alike."""
+        step = int(self.state["step"]) if self.state else -1  # -1: no checkpoint, a fresh start
+        low, high = distributed.spread(step, self.info, self.plan.device)
+        if low != high:
+            def at(s: int) -> str:
+                return "start afresh" if s < 0 else f"resume at step {s}"
+            raise ValueError(
+                f"the ranks disagree on where to start: some would {at(low)}, others {at(high)} (rank "
+                f"{self.info.rank}: {at(step)}, from {self.resume_dir or 'no checkpoint'}). Each rank reads "
+                "--output_dir (for --resume auto) or --resume on its own machine: put the output folder on storage "
+                "every machine shares, or the same checkpoint at the same path on each")
 
     def _build_model(self, resume_dir: Path | None) -> GPT:
         cfg = self.cfg
