@@ -63,3 +63,28 @@ def test_a_host_allocation_the_kernel_refuses_is_out_of_memory() -> None:
         torch.empty(2**40, dtype=torch.uint8)
     except RuntimeError as e:
         assert is_oom(e)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_a_non_finite_step_is_skipped_and_the_fused_adamw_skips_it_without_reading_the_device(fused: bool) -> None:
+    from gptopt.config import TrainConfig, preset
+    from gptopt.device import resolve
+    from gptopt.model import GPT
+    from gptopt.step import TrainStep
+
+    model = GPT(preset("debug"))
+    step = TrainStep(model, model, resolve("cpu", "fp32", quiet=True), TrainConfig(fused_optimizer=fused))
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for poison in (True, False):
+        loss = model(x, x)
+        (loss * float("nan") if poison else loss).backward()
+        result = step.update((loss * float("nan") if poison else loss).detach())
+        # with the fused kernel the decision stays on the device: nothing was read to make it
+        assert result.on_device is fused
+        if poison:
+            assert not result.finite and result.loss != result.loss
+            assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # no update at all
+        else:
+            assert result.finite and result.loss == pytest.approx(loss.item())
+            assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())  # this one applied

@@ -174,6 +174,23 @@ def test_gradient_accumulation_equals_the_full_batch() -> None:
         torch.testing.assert_close(pa.grad, pb.grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
+def test_the_loop_reads_the_device_once_a_log_interval_and_trains_as_when_reading_every_step(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert run(train_data, tmp_path / "every", max_steps=10, save_interval=10) == 0
+    reads: list[int] = []
+    real = train.read_all
+    monkeypatch.setattr(train, "read_all", lambda results: (reads.append(len(results)), real(results))[1])
+    assert run(train_data, tmp_path / "five", max_steps=10, save_interval=10, log_interval=5) == 0
+    assert reads == [1, 4, 5]  # the first (compiling) step alone, then one transfer per interval
+    every, five = losses(tmp_path / "every"), losses(tmp_path / "five")
+    assert five == {s: every[s] for s in (1, 5, 10)}  # bitwise: the same steps were taken
+    a = checkpoint.load_model(tmp_path / "every" / "ckpt-0000010").state_dict()
+    b = checkpoint.load_model(tmp_path / "five" / "ckpt-0000010").state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert records(tmp_path / "five")[-1]["tokens_seen"] == 10 * 4 * 32
+
+
 def test_bf16_autocast_training_on_cpu(train_data: Path, tmp_path: Path) -> None:
     assert run(train_data, tmp_path / "r", max_steps=15, use_amp=True, amp_dtype="bf16", learning_rate=3e-3) == 0
     ls = list(losses(tmp_path / "r").values())

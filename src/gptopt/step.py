@@ -5,17 +5,18 @@ is what trains.
 
 One step = `accumulation` micro-steps of forward and backward (the loss divided by the accumulation
 count, DDP/FSDP gradient sync only on the last), then the optimizer step: unscale (fp16), clip the
-global gradient norm, one host sync to read the loss and the norm, and a finite check that skips the
-update when either is NaN/Inf. The optimizer is the TrainConfig's (optim.py: AdamW with decay on
-matrices only, or Muon for the blocks' matrices and AdamW for the rest), each parameter group on the
-warmup + cosine schedule towards its own peak learning rate.
+global gradient norm, and a finite check that skips the update when the loss or the norm is NaN/Inf:
+on the device with the fused AdamW (its found_inf flag), so the step never waits for the device and
+the loop reads many steps' figures at once; otherwise after one host sync that reads both. The
+optimizer is the TrainConfig's (optim.py: AdamW with decay on matrices only, or Muon for the blocks'
+matrices and AdamW for the rest), each parameter group on the warmup + cosine schedule towards its
+own peak learning rate.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -80,13 +81,49 @@ def forward_backward(
     return loss.detach()
 
 
-@dataclass
 class StepResult:
-    loss: float  # mean loss over the global batch (all micro-steps, all ranks)
-    grad_norm: float  # the global gradient norm before clipping
-    # False: the step was skipped as non-finite (under fp16 the GradScaler skips overflow steps itself: True, inf
-    # grad_norm)
-    finite: bool
+    """A step's loss (the mean over the global batch: all micro-steps, all ranks), its global gradient norm before
+    clipping, and whether it was applied (False: skipped as non-finite; under fp16 the GradScaler skips overflow
+    steps itself: True, with an inf grad_norm).
+
+    Where the optimizer skips a non-finite step on the device (on_device), the three stay there until first
+    read: the loop reads many steps' at once (read_all), so the host never waits for the device mid-run."""
+
+    def __init__(self, values: torch.Tensor | tuple[float, float, bool]) -> None:
+        self._values = values  # (loss, grad_norm, finite): a device tensor of 3, or read
+
+    @property
+    def on_device(self) -> bool:
+        return isinstance(self._values, torch.Tensor)
+
+    def _read(self) -> tuple[float, float, bool]:
+        if isinstance(self._values, torch.Tensor):
+            read_all([self])
+        assert not isinstance(self._values, torch.Tensor)
+        return self._values
+
+    @property
+    def loss(self) -> float:
+        return self._read()[0]
+
+    @property
+    def grad_norm(self) -> float:
+        return self._read()[1]
+
+    @property
+    def finite(self) -> bool:
+        return self._read()[2]
+
+
+def read_all(results: list[StepResult]) -> None:
+    """Bring the values of every result still on the device to the host in one transfer (one host sync)."""
+    waiting = [r for r in results if isinstance(r._values, torch.Tensor)]
+    if not waiting:
+        return
+    with record_function(READOUT_RANGE):
+        rows = torch.stack([r._values.float() for r in waiting]).tolist()  # type: ignore[union-attr]
+    for r, (loss, norm, finite) in zip(waiting, rows, strict=True):
+        r._values = (loss, norm, bool(finite))
 
 
 class TrainStep:
@@ -110,6 +147,9 @@ class TrainStep:
         assert cfg.min_lr is not None  # set by TrainConfig
         self.group_lrs = group_lrs(self.optimizer, lr=cfg.learning_rate, min_lr=cfg.min_lr, muon_lr=cfg.muon_lr)
         self.scaler = torch.amp.GradScaler(plan.device.type) if plan.use_grad_scaler else None
+        # AdamW's fused kernel takes a found_inf flag and skips the update on the device when it is set (as it does
+        # for the GradScaler): the finite check then needs no host sync, and the step's results stay on the device
+        self.skips_on_device = (self.scaler is None and self.fused and isinstance(self.optimizer, torch.optim.AdamW))
 
     def lr(self, step: int) -> float:
         """AdamW's learning rate at step (what metrics.jsonl logs as `lr`)."""
@@ -131,7 +171,8 @@ class TrainStep:
         return self.update(loss_sum)
 
     def update(self, loss_sum: torch.Tensor) -> StepResult:
-        """Unscale, clip, read loss and norm (the step's one host sync), then step unless non-finite."""
+        """Unscale, clip, then step unless the loss or the norm is non-finite: decided on the device where the
+        fused AdamW takes the flag (skips_on_device), else after reading both (the step's one host sync)."""
         opt, scaler, cfg = self.optimizer, self.scaler, self.cfg
         if scaler is not None:
             scaler.unscale_(opt)
@@ -140,6 +181,16 @@ class TrainStep:
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
         loss_sum = distributed.all_reduce_mean(loss_sum, self.info)
+        if self.skips_on_device:
+            values = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)])
+            finite = values.isfinite().all()
+            opt.found_inf = (~finite).float()  # type: ignore[attr-defined]  # read by the fused kernel
+            try:
+                opt.step()
+            finally:
+                del opt.found_inf  # type: ignore[attr-defined]
+            opt.zero_grad(set_to_none=True)
+            return StepResult(torch.cat([values, finite.float().unsqueeze(0)]))
         with record_function(READOUT_RANGE):
             loss_val, norm_val = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
         # Under fp16 an inf norm is the GradScaler's business (it skips the step and lowers the scale).
@@ -149,4 +200,4 @@ class TrainStep:
         if scaler is not None:
             scaler.update()
         opt.zero_grad(set_to_none=True)
-        return StepResult(loss_val, norm_val, finite)
+        return StepResult((loss_val, norm_val, finite))

@@ -49,7 +49,7 @@ from gptopt.inference import model_source
 from gptopt.model import GPT
 from gptopt.monitor import Monitor, peak_memory_bytes
 from gptopt.prepare_model import Prepared, prepare
-from gptopt.step import StepResult, TrainStep, is_oom, loader_options
+from gptopt.step import StepResult, TrainStep, is_oom, loader_options, read_all
 from gptopt.tokenizer import TOKENIZER
 from gptopt.tracing import scheduled_profiler
 
@@ -62,6 +62,9 @@ RUN_CONTENTS = {f"{checkpoint.PREFIX}*": [checkpoint.WEIGHTS, checkpoint.META, c
                 "logs": ["events.out.tfevents.*", "profile/*"]}
 RUN_ENTRIES = (f"{checkpoint.PREFIX}*", checkpoint.LATEST, "metrics.jsonl", "run.json", "monitor.json", "logs")
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
+# Steps read at most this far apart when --log_interval logs rarer (or never): bad steps are counted and
+# a run of them stopped within this many steps
+READ_EVERY = 100
 
 
 def oom_advice(cfg: TrainConfig, plan: DevicePlan) -> str:
@@ -243,6 +246,9 @@ class Trainer:
     monitor: Monitor | None
     profiler: Any
     t_start: float
+    interval_start: float  # when the first step not yet read began
+    pending: list[tuple[int, StepResult, float]]  # (step, its result, its lr): trained, not yet read
+    bar: tqdm
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, device: str) -> None:
         self.cfg, self.info = cfg, info
@@ -514,8 +520,9 @@ class Trainer:
     def _loop(self, progress: Progress, stop_signal: list[int]) -> int:
         cfg, main = self.cfg, self.info.is_main
         self.t_start = time.perf_counter()
-        bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not main, dynamic_ncols=True, mininterval=1.0,
-                   desc="train")
+        bar = self.bar = tqdm(total=cfg.max_steps, initial=progress.step, disable=not main, dynamic_ncols=True,
+                              mininterval=1.0, desc="train")
+        self.pending = []
         exit_code = 0
         try:
             if progress.target is not None and main:
@@ -526,14 +533,19 @@ class Trainer:
                 last_step = self._reached_the_end(progress)
                 every = cfg.eval_every
                 evaluated = bool(every) and (progress.step % every == 0 or last_step)
+                if evaluated or last_step or self._read_due(progress):
+                    self._read_steps(progress)
                 if evaluated:
                     self._record_eval(progress, self._evaluate(progress.step, progress.train_s))
                 stop = self._stop_requested(stop_signal)
+                reached = progress.target is not None
+                save = stop or reached or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0)
+                if save:  # a checkpoint holds the train time and counts up to its step
+                    self._read_steps(progress)
                 # the model a stop saves gets its val loss (every rank agrees on `stop`, so all evaluate)
                 if stop and every and not evaluated:
                     self._record_eval(progress, self._evaluate(progress.step, progress.train_s))
-                reached = progress.target is not None
-                if stop or reached or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0):
+                if save:
                     # A checkpoint taken because of Ctrl-C / SIGTERM does not retire an old run that --overwrite
                     # set aside: stopping a mistaken --overwrite must give the old run back (run() does).
                     progress.last_good = self._save(progress, retire_old=not stop_signal)
@@ -557,54 +569,75 @@ class Trainer:
         return exit_code
 
     def _train_one(self, progress: Progress, bar: tqdm) -> None:
-        """One optimizer step, its counters and its log: the progress bar and a metrics.jsonl record."""
-        cfg = self.cfg
+        """One optimizer step and its counters. Its figures may stay on the device: _read_steps reads them."""
         lr = self.train_step.lr(progress.step)
-        self.batches.wait = 0.0
-        t0 = time.perf_counter()
+        if not self.pending:
+            self.interval_start = time.perf_counter()
         result = self.train_step(progress.step, self.batches)
-        dt = time.perf_counter() - t0
-        if result.finite:
-            progress.bad_steps = 0
-        else:
-            progress.bad_steps += 1
-            log.warning(f"step {progress.step}: non-finite loss {result.loss} / grad norm {result.grad_norm}: "
-                        f"optimizer step skipped ({progress.bad_steps}/{cfg.max_bad_steps})")
         progress.step += 1
         progress.tokens_seen += self.tokens_per_step
-        progress.train_s += dt
-        if progress.compile_s is None:
-            progress.compile_s = dt
-            progress.first_steps_s += dt
-        else:
-            progress.times.append(dt)
-            progress.waits.append(self.batches.wait / dt)
-        if progress.bad_steps >= cfg.max_bad_steps:
-            where = f"; the last good checkpoint is {progress.last_good}" if progress.last_good else ""
-            raise RuntimeError(
-                f"{progress.bad_steps} consecutive non-finite steps at step {progress.step}: stopping{where}. "
-                "Lower --learning_rate, keep --grad_clip on, or use bf16 instead of fp16"
-            )
-        if self.info.is_main:
-            self._log_step(progress, result, lr, dt, bar)
+        self.pending.append((progress.step, result, lr))
+        bar.update(1)
         if self.profiler is not None:
             self.profiler.step()
 
-    def _log_step(self, progress: Progress, result: StepResult, lr: float, dt: float, bar: tqdm) -> None:
+    def _read_due(self, progress: Progress) -> bool:
+        """Whether the steps trained since the last read are read now: the process's first step (it compiles:
+        its time is kept apart), a logged step, and at least every READ_EVERY steps."""
+        interval = self.cfg.log_interval
+        return (progress.compile_s is None or progress.step == 1 or bool(interval and progress.step % interval == 0)
+                or len(self.pending) >= READ_EVERY)
+
+    def _read_steps(self, progress: Progress) -> None:
+        """The pending steps' losses, norms and finite flags in one transfer (step.read_all: the loop's one host
+        sync, where the optimizer skips bad steps on the device); then each step's bookkeeping: its share of the
+        steps' wall time since the first of them began, the bad-step count and stop, its metrics record."""
+        if not self.pending:
+            return
+        pending, self.pending = self.pending, []
+        read_all([result for _, result, _ in pending])
+        dt = (time.perf_counter() - self.interval_start) / len(pending)  # one mean: the device ran them in a row
+        wait = self.batches.wait / len(pending)
+        self.batches.wait = 0.0
+        cfg = self.cfg
+        for step, result, lr in pending:
+            progress.train_s += dt
+            if progress.compile_s is None:
+                progress.compile_s = dt
+                progress.first_steps_s += dt
+            else:
+                progress.times.append(dt)
+                progress.waits.append(wait / dt)
+            if result.finite:
+                progress.bad_steps = 0
+            else:
+                progress.bad_steps += 1
+                log.warning(f"step {step - 1}: non-finite loss {result.loss} / grad norm {result.grad_norm}: "
+                            f"optimizer step skipped ({progress.bad_steps}/{cfg.max_bad_steps})")
+            if progress.bad_steps >= cfg.max_bad_steps:
+                where = f"; the last good checkpoint is {progress.last_good}" if progress.last_good else ""
+                raise RuntimeError(
+                    f"{progress.bad_steps} consecutive non-finite steps at step {step}: stopping{where}. "
+                    "Lower --learning_rate, keep --grad_clip on, or use bf16 instead of fp16"
+                )
+            if self.info.is_main:
+                self._log_step(step, progress, result, lr, dt, wait)
+
+    def _log_step(self, step: int, progress: Progress, result: StepResult, lr: float, dt: float,
+                  wait: float) -> None:
         tps = self.tokens_per_step / dt
-        step_mfu = self._step_mfu(tps, progress.step)
+        step_mfu = self._step_mfu(tps, step)
         mem = peak_memory_bytes(self.plan)
-        # the step's own figures, then the count: an update that redraws the bar shows this step, not the last
-        bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{step_mfu:.0%}",
-                        mem=f"{mem / 2**30:.2f}G", refresh=False)
-        bar.update(1)
-        step, interval = progress.step, self.cfg.log_interval
+        self.bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tps:,.0f}", mfu=f"{step_mfu:.0%}",
+                             mem=f"{mem / 2**30:.2f}G", refresh=False)
+        interval = self.cfg.log_interval
         if (interval and step % interval == 0) or step == 1:
             assert self.metrics is not None and self.monitor is not None  # rank 0 has both
+            seen = progress.tokens_seen - (progress.step - step) * self.tokens_per_step  # at that step
             self.metrics.write({
                 "step": step, "loss": result.loss, "lr": lr, "tokens_per_s": tps, "mfu": step_mfu,
-                "step_time_s": dt, "data_wait_frac": self.batches.wait / dt, "grad_norm": result.grad_norm,
-                "peak_mem_bytes": mem, "tokens_seen": progress.tokens_seen,
+                "step_time_s": dt, "data_wait_frac": wait / dt, "grad_norm": result.grad_norm,
+                "peak_mem_bytes": mem, "tokens_seen": seen,
                 "elapsed_s": time.perf_counter() - self.t_start,
                 # fp16: the GradScaler's scale; one that keeps falling means overflowing gradients
                 **({"loss_scale": scaler.get_scale()} if (scaler := self.train_step.scaler) is not None else {}),
