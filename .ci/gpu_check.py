@@ -234,10 +234,11 @@ def plan(ctx: Ctx) -> list[Step]:
              stdout="profile.json"),
         # Issue 36, the training levers: run by name (--only train,bench_levers,train_fp8,...), after `train`,
         # whose run they stand beside
-        Step("bench_levers", 150, f"bench: the default ladder, then 'all' with the chunked loss and with float8, "
-             f"on {s.model} at {s.seq} tokens: tokens/s, MFU, loss against the baseline (bench's step and more)",
+        Step("bench_levers", 180, f"bench: the default ladder, then 'all' with the chunked loss, with SDPA's cuDNN "
+             f"kernel and with float8, on {s.model} at {s.seq} tokens: tokens/s, MFU, loss against the baseline "
+             "(bench's step and more)",
              g("bench", "--preset", s.model, *data, "--batch_size", s.batch, "--seq_len", s.seq, "--steps", 10,
-               "--warmup", s.bench_warmup, "--rungs", "default,chunked_loss,fp8", "--output_dir",
+               "--warmup", s.bench_warmup, "--rungs", "default,chunked_loss,cudnn_attention,fp8", "--output_dir",
                p("bench_levers"), "--json", "--overwrite"),
              stdout="bench_levers.json", default=False),
         Step("train_fp8", 60, "train as `train` does, with --fp8: tokens/s against train's, and the loss curve "

@@ -80,6 +80,7 @@ EXPECTED_OPTIONS = {
         "sample_tokens",
         "save_interval",
         "save_total_limit",
+        "sdpa_backend",
         "seed",
         "seq_len",
         "tensorboard",

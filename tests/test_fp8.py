@@ -1,4 +1,5 @@
-"""Float8 training (train --fp8, the bench's fp8 rung): where it runs, where it is refused, and its numerics.
+"""Float8 training (train --fp8, the bench's fp8 rung): where it runs, where it is refused, and its numerics;
+and the bench's other GPU-only lever, SDPA's cuDNN kernel, skipped off CUDA.
 
     pytest -q tests/test_fp8.py
 
@@ -50,15 +51,18 @@ def test_train_fp8_on_the_cpu_exits_2_with_the_reason_before_writing(
     assert not out.exists()
 
 
-def test_the_bench_skips_the_fp8_rung_with_the_reason(train_data: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("rung", "reason"), [("fp8", "compute capability 8.9"),
+                                              ("cudnn_attention", "one of SDPA's CUDA kernels")])
+def test_the_bench_skips_the_gpu_only_rungs_with_the_reason(train_data: Path, tmp_path: Path, rung: str,
+                                                           reason: str) -> None:
     from gptopt.bench.ladder import Bench
     from gptopt.config import BenchConfig
 
     bench = Bench(BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu",
                               data_dir=str(train_data), output_dir=str(tmp_path / "b")))
-    (fp8,) = ladder.select_rungs("fp8")
-    res = bench.run_rung(fp8)
-    assert res.status == "skipped" and "compute capability 8.9" in res.note
+    (selected,) = ladder.select_rungs(rung)
+    res = bench.run_rung(selected)
+    assert res.status == "skipped" and reason in res.note
 
 
 def test_float8_swaps_the_blocks_linears_and_leaves_the_head_and_the_weights_names() -> None:

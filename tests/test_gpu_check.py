@@ -408,7 +408,7 @@ def test_the_training_levers_steps_run_only_when_named(dry_run: tuple[str, dict]
     assert gc.main(["dry-run", str(tmp_path), "--only", ",".join(["train", *sorted(levers)])]) == 0
     cmds = _commands(json.loads((tmp_path / "results.json").read_text()))
     assert set(cmds) == {"install", "prepare", "train", *levers}
-    assert "--rungs default,chunked_loss,fp8 " in cmds["bench_levers"]
+    assert "--rungs default,chunked_loss,cudnn_attention,fp8 " in cmds["bench_levers"]
     # float8 trains what `train` trains, with --fp8 added
     assert cmds["train_fp8"].replace(" --fp8", "").replace("train_fp8", "train") == cmds["train"]
     for size in ("gpt2-medium", "gpt2-large", "gpt2-xl"):

@@ -88,3 +88,44 @@ def test_a_non_finite_step_is_skipped_and_the_fused_adamw_skips_it_without_readi
         else:
             assert result.finite and result.loss == pytest.approx(loss.item())
             assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())  # this one applied
+
+
+def test_the_step_runs_sdpa_under_the_one_kernel_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.nn.functional as F
+
+    from gptopt.config import TrainConfig, preset
+    from gptopt.device import resolve
+    from gptopt.model import GPT
+    from gptopt.step import TrainStep
+
+    seen: list[tuple[bool, bool, bool]] = []
+
+    def recording(q: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        b = torch.backends.cuda
+        seen.append((b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled()))
+        return torch.zeros_like(q)  # the kernels themselves are CUDA's: only which ones may run is checked
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", recording)
+    model = GPT(preset("debug"))
+    x = torch.randint(0, model.config.vocab_size, (2, 16))
+    for backend, want in [("cudnn", (False, False, True)), ("flash", (True, False, False))]:
+        seen.clear()
+        step = TrainStep(model, model, resolve("cpu", "fp32", quiet=True), TrainConfig(sdpa_backend=backend))
+        step(0, lambda micro: (x, x))
+        assert seen and set(seen) == {want}, backend
+    # outside the step, every kernel is allowed again
+    b = torch.backends.cuda
+    assert (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.cudnn_sdp_enabled()) == (True, True, True)
+
+
+def test_an_sdpa_kernel_is_refused_off_cuda_and_with_eager_attention(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = ["train", "--data_dir", str(train_data), "--output_dir", str(tmp_path / "o"), "--preset", "debug",
+            "--device", "cpu", "--max_steps", "1", "--sdpa_backend", "cudnn"]
+    assert cli.main(base) == 2
+    assert "--sdpa_backend cudnn: the cudnn kernel is one of SDPA's CUDA kernels" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # refused as the options are read
+        cli.main([*base, "--attention", "eager"])
+    assert e.value.code == 2 and "--attention eager does not use SDPA" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

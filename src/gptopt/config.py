@@ -353,6 +353,9 @@ class TrainConfig:
                          "faster there)",
                          choices=("auto", "sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward: less memory, more compute")
+    sdpa_backend: str = opt("auto", "the one SDPA kernel the step may use (CUDA, compute capability 8.0+): flash, "
+                            "efficient, or cudnn (cuDNN's fused attention, often the fastest on Hopper); auto: "
+                            "torch's choice", choices=("auto", "flash", "efficient", "cudnn"))
     fp8: bool = opt(False, "float8 matmuls in the blocks' Linear layers (torchao float8 training, the quant extra): "
                     "NVIDIA GPUs of compute capability 8.9+ (Ada, Hopper, Blackwell) only")
     loss: str = opt("auto", "chunked: the lm_head and cross-entropy a chunk of positions at a time, so the full "
@@ -402,6 +405,9 @@ class TrainConfig:
         check_loader(self.num_workers, self.prefetch_factor, self.persistent_workers)
         if self.cpu_offload and not self.fsdp:
             raise ValueError("--cpu_offload needs --fsdp (it is FSDP2's offload policy)")
+        if self.sdpa_backend != "auto" and self.attention == "eager":
+            raise ValueError(f"--sdpa_backend {self.sdpa_backend} picks an SDPA kernel, and --attention eager does "
+                             "not use SDPA: use --attention sdpa, or drop --sdpa_backend")
         if self.optimizer == "muon" and self.fsdp:
             # Newton-Schulz works on whole matrices. torch.optim.Muon does step FSDP2's shards (DTensor), but
             # only by an all-reduce inside every iteration (11 per matrix per step, torch 2.13), and the

@@ -200,6 +200,36 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
     return plan
 
 
+# --sdpa_backend: the one SDPA kernel a training step may use (auto: torch's own choice among them)
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+
+
+def sdpa_backend_unavailable(name: str, device: torch.device) -> str | None:
+    """Why the SDPA kernel `name` (SDPA_BACKENDS, or auto) cannot be the only one on `device`, or None."""
+    if name == "auto":
+        return None
+    if device.type != "cuda":
+        return (f"the {name} kernel is one of SDPA's CUDA kernels; this run is on the {device.type}, where SDPA "
+                "picks among its own: leave --sdpa_backend at auto")
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 0):
+        return f"the {name} kernel needs compute capability 8.0 or newer; {torch.cuda.get_device_name(device)} is " \
+               f"{cap[0]}.{cap[1]}"
+    if name == "cudnn" and (torch.backends.cudnn.version() or 0) < 90000:
+        return f"SDPA's cuDNN kernel needs cuDNN 9 or newer; this torch has {torch.backends.cudnn.version()}"
+    return None
+
+
+def sdpa_backends(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Inside: SDPA uses only the kernel `name` (auto: no restriction). Around a compiled model's first call, the
+    kernel it traces."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([getattr(SDPBackend, SDPA_BACKENDS[name])])
+
+
 FP8_MIN_CAPABILITY = (8, 9)  # Ada and Hopper: the first NVIDIA GPUs whose tensor cores multiply float8
 
 

@@ -25,7 +25,7 @@ from torch.profiler import record_function
 
 from gptopt import data, distributed
 from gptopt.config import TrainConfig
-from gptopt.device import DevicePlan
+from gptopt.device import DevicePlan, sdpa_backends
 from gptopt.distributed import DistInfo
 from gptopt.optim import group_lrs, lr_at, make_optimizer
 from gptopt.prepare_model import graph_break_reason
@@ -164,10 +164,11 @@ class TrainStep:
         # summed in place as each micro-step ends: a CUDA-graph output is overwritten by the next replay
         loss_sum = torch.zeros((), device=self.plan.device)
         sync_ranks = self.info.world_size > 1
-        for micro in range(self.accum):
-            x, y = next_batch(micro)
-            with distributed.no_sync(self.model, sync_ranks and micro < self.accum - 1):
-                loss_sum += forward_backward(self.model, x, y, self.plan, self.scaler, self.accum)
+        with sdpa_backends(cfg.sdpa_backend):
+            for micro in range(self.accum):
+                x, y = next_batch(micro)
+                with distributed.no_sync(self.model, sync_ranks and micro < self.accum - 1):
+                    loss_sum += forward_backward(self.model, x, y, self.plan, self.scaler, self.accum)
         return self.update(loss_sum)
 
     def update(self, loss_sum: torch.Tensor) -> StepResult:

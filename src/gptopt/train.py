@@ -41,6 +41,7 @@ from gptopt.device import (
     peak_flops,
     resolve,
     reuse_host_memory,
+    sdpa_backend_unavailable,
 )
 from gptopt.distributed import DistInfo
 from gptopt.flops import at_least, flops_per_token, mfu
@@ -256,6 +257,8 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         if cfg.fp8 and (why := fp8_unavailable(self.plan.device)):
             raise ValueError(f"--fp8: {why}; drop --fp8")
+        if why := sdpa_backend_unavailable(cfg.sdpa_backend, self.plan.device):
+            raise ValueError(f"--sdpa_backend {cfg.sdpa_backend}: {why}")
         auto = default_attention(self.plan.device.type, self.plan.amp_dtype)  # the kernel by device and dtype
         self.attention = cfg.attention if cfg.attention != "auto" else auto
         torch.manual_seed(cfg.seed)
@@ -404,7 +407,9 @@ class Trainer:
         if loss != self.model_config.loss:  # a switch of the forward alone: no module changes
             self.raw.config = self.model_config = dataclasses.replace(self.model_config, loss=loss)
         if main:
-            log.info(f"loss: {loss} ({why})" + ("; float8 matmuls in the blocks (--fp8)" if cfg.fp8 else ""))
+            kernel = f" ({cfg.sdpa_backend} kernel only)" if cfg.sdpa_backend != "auto" else ""
+            log.info(f"attention: {self.attention}{kernel}; loss: {loss} ({why})"
+                     + ("; float8 matmuls in the blocks (--fp8)" if cfg.fp8 else ""))
         memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
         self.prep = prepare(
             self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, compile=cfg.compile,

@@ -33,7 +33,15 @@ from tqdm import tqdm
 from gptopt import data, memory
 from gptopt.bench.setup import Setup
 from gptopt.config import BenchConfig, GPTConfig, TrainConfig
-from gptopt.device import DevicePlan, default_attention, environment, fp8_unavailable, peak_flops, reuse_host_memory
+from gptopt.device import (
+    DevicePlan,
+    default_attention,
+    environment,
+    fp8_unavailable,
+    peak_flops,
+    reuse_host_memory,
+    sdpa_backend_unavailable,
+)
 from gptopt.extras import has
 from gptopt.flops import at_least, flops_per_token, mfu
 from gptopt.measure import STOPPED
@@ -87,6 +95,8 @@ LADDER: list[Rung] = [
 OPTIONAL: list[Rung] = [
     Rung("ckpt", "'all' + activation checkpointing (memory against time)", {**ALL, "gradient_checkpointing": True},
          reuse_memory=True),
+    Rung("cudnn_attention", "'all' with SDPA's cuDNN kernel only (CUDA, compute capability 8.0+, cuDNN 9)",
+         {**ALL, "attention": "sdpa", "sdpa_backend": "cudnn"}, reuse_memory=True),
     Rung("fp8", "'all' with float8 matmuls in the blocks (torchao; GPUs of compute capability 8.9+)",
          {**ALL, "fp8": True}, reuse_memory=True),
     Rung("chunked_loss", "'all' with the chunked loss (the full logits never exist)", {**ALL, "loss": "chunked"},
@@ -302,7 +312,9 @@ class Bench:
         if rung.hf and not has("transformers"):
             res.status, res.note = "skipped", "needs the 'hf' extra: pip install 'gptopt[hf]'"
             return res
-        if tcfg.fp8 and (why := fp8_unavailable(plan.device)):
+        why = (fp8_unavailable(plan.device) if tcfg.fp8 else None) or sdpa_backend_unavailable(tcfg.sdpa_backend,
+                                                                                                plan.device)
+        if why:
             res.status, res.note = "skipped", why
             return res
         short = memory.shortfall(self.memory_estimate(tcfg), plan.device)
