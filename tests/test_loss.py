@@ -172,3 +172,30 @@ def test_the_loss_comparison_trains_both_losses_from_the_same_weights_and_sees_t
     # logits of 16 x 64 x 8192: 32 MiB in fp32, a copy
     peaks = {loss: ab.peak_growth("debug", loss, 16, 64, False, vocab_size=8192) for loss in ("full", "chunked")}
     assert peaks["chunked"] < peaks["full"]
+
+
+def test_auto_batch_size_takes_the_larger_micro_batch_the_chunked_loss_lets_fit(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory that holds micro-batch 4 with the chunked loss's logits but only 2 with the full loss's."""
+    real = memory.shortfall
+    limit = {"logits": 0}
+
+    def shortfall(estimate: memory.Estimate, device: torch.device) -> str | None:
+        return "needs more than this test allows" if estimate.parts["logits"] > limit["logits"] else real(
+            estimate, device)
+
+    def logits_bytes(loss: str, batch: int) -> int:
+        cfg = dataclasses.replace(GPT(preset("debug", vocab_size=320, vocab_pad_multiple=64)).config, loss=loss)
+        return memory.train_step_bytes(cfg, batch, 32).parts["logits"]
+
+    assert logits_bytes("full", 2) < logits_bytes("chunked", 4) < logits_bytes("full", 4)
+    limit["logits"] = logits_bytes("chunked", 4)
+    monkeypatch.setattr(memory, "shortfall", shortfall)
+    out = tmp_path / "o"
+    assert train.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), preset="debug", seq_len=32,
+                                  batch_size=4, auto_batch_size=True, max_steps=2, device="cpu", sample_tokens=0,
+                                  tensorboard=False, eval_interval=0)) == 0
+    run = json.loads((out / "run.json").read_text())
+    assert (run["config"]["batch_size"], run["config"]["gradient_accumulation_steps"]) == (4, 1)
+    assert run["model"]["loss"] == "chunked"

@@ -478,6 +478,8 @@ class Trainer:
         cfg, plan = self.cfg, self.plan
         model = self.raw.to(plan.device)
         largest = global_batch if plan.device.type == "cuda" else cfg.batch_size
+        if cfg.loss == "auto":  # searched with the leaner loss; _setup keeps the full one if it fits the batch found
+            self.raw.config = self.model_config = dataclasses.replace(self.model_config, loss="chunked")
 
         def try_batch(b: int) -> None:
             x = torch.randint(0, self.model_config.vocab_size, (b, self.seq_len), device=plan.device)
