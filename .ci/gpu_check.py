@@ -28,6 +28,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -108,6 +109,9 @@ class Step:
     peer: list[str] | None = None  # serve: another server run after it (never beside it), driven alike
     # False: runs only when --only names it (a study's steps, beyond the nine minutes of the default run)
     default: bool = True
+    # its training checkpoints (DIR/<name>/ckpt-*) are deleted once its figures are read: the larger models' weights
+    # and AdamW state would fill the machine's disk
+    drop_checkpoints: bool = False
 
 
 @dataclasses.dataclass
@@ -246,13 +250,14 @@ def plan(ctx: Ctx) -> list[Step]:
                                      "--max_steps", s.train_steps, "--log_interval", 10, "--output_dir",
                                      p("train_fp8")),
              cpu=False, default=False),
-        *[Step(larger_step(m), 90, f"train {m} at {s.seq} tokens, bf16 + compile, the largest micro-batch that "
+        # the limits grow with the model: compiling its layers, searching the micro-batch, saving weights and AdamW
+        *[Step(larger_step(m), limit, f"train {m} at {s.seq} tokens, bf16 + compile, the largest micro-batch that "
                "fits a global batch of 32 sequences (--auto_batch_size; --loss auto): tokens/s, MFU, the memory "
                "plan", g("train", *data, "--preset", m, "--seq_len", s.seq, "--eval_interval", 0, "--seed", 0,
                          "--overwrite", "--batch_size", 32, "--auto_batch_size", "--use_amp", "--compile",
                          "--max_steps", s.few_steps * 3, "--log_interval", 2, "--output_dir", p(larger_step(m))),
-               default=False)
-          for m in s.larger],
+               default=False, drop_checkpoints=True)
+          for m, limit in zip(s.larger, (100, 120, 180), strict=False)],
     ]
 
 
@@ -737,6 +742,9 @@ class Runner:
                 res["figures"] = FIGURES[step.name](self.ctx.out, text)
             except Exception as e:  # a figure that cannot be read must not cost the rest of the run
                 res["figures"] = {"unreadable": f"{type(e).__name__}: {e}"}
+        if step.drop_checkpoints:
+            for ckpt in (self.ctx.out / step.name).glob("ckpt-*"):
+                shutil.rmtree(ckpt, ignore_errors=True)
         if status != "ok":
             res["error_tail"] = _tail(log)
         _say(f"   {step.name}: {status} (rc {rc}) in {seconds:.1f}s {json.dumps(res.get('figures', {}))[:300]}")

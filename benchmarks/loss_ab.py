@@ -6,25 +6,25 @@
 Two copies of gptopt's model with the same weights, one per loss, train on the same batch of random
 tokens: each round runs two steps (forward, backward, fused AdamW) of one, then of the other, after
 two warm-up steps each, the order turned every round. It prints each one's median step and the
-chunked loss's tokens/s over the full loss's. Then each loss's step runs once more in a fresh process
-of its own, which reports the growth of its peak resident memory over what the model, its gradients and
-the optimizer state held before the step: the memory the loss decides. Freed host memory stays resident
-there (as `gptopt train` runs on CPUs), so the peak before the step is the resident size then.
+chunked loss's tokens/s over the full loss's. Then each loss's eager step runs once more under a dispatch
+mode that counts the tensor storage the step allocates and frees: the most it holds at once beyond the
+model and AdamW's state is the memory the loss decides. (The process's resident size is
+no measure of it: the allocator's reuse and its threads' arenas blur it.)
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import resource
 import statistics
-import subprocess
 import sys
 import time
+import weakref
 from typing import Any
 
-import psutil
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from gptopt.config import PRESETS, GPTConfig, preset
 from gptopt.device import default_attention, reuse_host_memory
@@ -72,28 +72,40 @@ def compare(config: GPTConfig, *, batch_size: int, seq_len: int, rounds: int, bf
     return {"median_step_s": median, "ratio": median["full"] / median["chunked"], "warm_loss": last}
 
 
-def step_peak_growth(config: GPTConfig, loss: str, batch_size: int, seq_len: int, bf16: bool) -> int:
-    """In this process: the growth of the peak resident memory over the model and optimizer's, for one step."""
-    reuse_host_memory()  # freed memory stays resident: the RSS before the step is the peak so far
+class LiveTensorBytes(TorchDispatchMode):
+    """While active: the bytes of tensor storage created inside and still alive, and their peak. Each storage is
+    counted once (views share it) until it is freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.live -= nbytes
+        self._seen.discard(key)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and (key := t.untyped_storage().data_ptr()) and key not in self._seen:
+                storage = t.untyped_storage()
+                self._seen.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+
+def step_peak_bytes(config: GPTConfig, loss: str, batch_size: int, seq_len: int, bf16: bool) -> int:
+    """The most tensor memory one eager training step holds at once beyond what existed before it: the model and
+    AdamW's state (an untimed step first allocates it); the gradients are the step's own, as zero_grad frees them."""
     model, opt = build(config, loss, False)
     x = batch(config, batch_size, seq_len)
-    for p in model.parameters():  # AdamW's state and the gradients exist before the step, as in training
-        p.grad = torch.zeros_like(p)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    before = psutil.Process().memory_info().rss
-    step(model, opt, x, bf16)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before  # ru_maxrss: KiB on Linux
-
-
-def peak_growth(preset_name: str, loss: str, batch_size: int, seq_len: int, bf16: bool, *,
-                vocab_size: int | None = None) -> int:
-    """step_peak_growth in a fresh process of its own (this one's peak is already spent)."""
-    cmd = [sys.executable, __file__, "--preset", preset_name, "--batch_size", str(batch_size), "--seq_len",
-           str(seq_len), "--dtype", "bf16" if bf16 else "fp32", "--peak_of", loss]
-    cmd += ["--vocab_size", str(vocab_size)] if vocab_size else []
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return int(out.split()[-1])
+    step(model, opt, x, bf16)  # AdamW's state exists from here on
+    with LiveTensorBytes() as counted:
+        step(model, opt, x, bf16)
+    return counted.peak
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,7 +118,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile both models (default mode)")
     ap.add_argument("--memory_only", action="store_true", help="only the peak memory of each loss's step")
     ap.add_argument("--vocab_size", type=int, default=None, help="another vocabulary than the preset's")
-    ap.add_argument("--peak_of", choices=LOSSES, help=argparse.SUPPRESS)  # the child process of peak_growth
     args = ap.parse_args(argv)
     if args.batch_size < 1 or args.rounds < 1:
         ap.error("--batch_size and --rounds must be at least 1")
@@ -114,9 +125,6 @@ def main(argv: list[str] | None = None) -> int:
     config = preset(args.preset, vocab_pad_multiple=64, **({"vocab_size": args.vocab_size} if args.vocab_size else {}))
     config.attention = default_attention("cpu", torch.bfloat16 if bf16 else None)
     seq_len = args.seq_len or config.block_size
-    if args.peak_of:
-        print(step_peak_growth(config, args.peak_of, args.batch_size, seq_len, bf16))
-        return 0
     tokens = args.batch_size * seq_len
     what = f"{args.preset}, {args.batch_size} x {seq_len}, {args.dtype}, {'compiled' if args.compile else 'eager'}"
     if not args.memory_only:
@@ -128,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{loss:<8} median step {s * 1e3:8.1f} ms  {tokens / s:9.0f} tokens/s  loss {warm:.5f}")
         print(f"chunked / full: {r['ratio']:.2f}x ({what})")
     for loss in LOSSES:
-        grew = peak_growth(args.preset, loss, args.batch_size, seq_len, bf16, vocab_size=args.vocab_size)
-        print(f"{loss:<8} peak memory of an eager step over the model and optimizer: {grew / 2**20:8.1f} MiB "
+        peak = step_peak_bytes(config, loss, args.batch_size, seq_len, bf16)
+        print(f"{loss:<8} peak tensor memory of an eager step beyond the model and optimizer: {peak / 2**20:8.1f} MiB "
               f"({args.preset}, {args.batch_size} x {seq_len}, {args.dtype})")
     return 0
 

@@ -295,7 +295,9 @@ def test_a_rung_estimated_not_to_fit_is_reported_before_it_allocates_and_the_ben
     cfg = BenchConfig(preset="debug", seq_len=32, batch_size=4, warmup=1, device="cpu", data_dir=str(train_data),
                       output_dir=str(tmp_path / "b"), rungs="eager,sdpa")
     bench = Bench(cfg)
-    eager, sdpa = (bench.memory_estimate(bench.config(r)).total for r in select_rungs("eager,sdpa"))
+    # the full loss named: under auto a rung whose full logits do not fit would train on the chunked loss
+    chosen = [r.but(r.name, r.what, loss="full") for r in select_rungs(cfg.rungs)]
+    eager, sdpa = (bench.memory_estimate(bench.config(r)).total for r in chosen)
     assert sdpa < eager  # eager attention keeps its scores
     # free memory between the two: eager's estimate is over it, sdpa's under
     free = int((sdpa + eager) / 2 / memory.REFUSE_ABOVE)
@@ -304,7 +306,7 @@ def test_a_rung_estimated_not_to_fit_is_reported_before_it_allocates_and_the_ben
     real_build = Bench._build
     monkeypatch.setattr(Bench, "_build", lambda self, rung, cfg: (built.append(rung.name),
                                                                    real_build(self, rung, cfg))[1])
-    summary = bench.run(select_rungs(cfg.rungs))
+    summary = bench.run(chosen)
     rungs = {r["name"]: r for r in summary["rungs"]}
     assert built == ["sdpa"]  # the refused rung allocated nothing
     note = rungs["eager"]["note"]

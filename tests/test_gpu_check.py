@@ -365,7 +365,7 @@ def test_every_step_with_a_cpu_meaning_runs_on_the_cpu(tmp_path: Path) -> None:
     by = {r["name"]: r for r in doc["steps"]}
     assert {n: r["status"] for n, r in by.items() if r["status"] != "ok"} == {}, done.stdout[-3000:]
     assert done.returncode == 0
-    assert set(by) == {s.name for s in gc.plan(gc.Ctx(tmp_path, "cpu", gc.SIZES["cpu"])) if s.cpu}
+    assert set(by) == {s.name for s in gc.plan(gc.Ctx(tmp_path, "cpu", gc.SIZES["cpu"])) if s.cpu and s.default}
     for name in ("train", "train_ckpt", "train_auto_batch", "train_ddp", "train_fsdp"):
         assert by[name]["figures"]["tokens_per_s"] > 0 and by[name]["figures"]["steps"] > 0, name
     assert by["train_auto_batch"]["figures"]["micro_batch_x_accumulation"][0] * \
@@ -428,3 +428,20 @@ def test_the_fp8_steps_figures_set_its_curve_and_speed_beside_trains_bf16_run(tm
     assert fig["vs_bf16_loss_max_rel_gap"] == pytest.approx(0.025)  # 8.2 against 8.0
     assert fig["vs_bf16_tokens_per_s"] == pytest.approx(1.3)
     assert fig["plan"] == {"loss": "full", "fp8": True}
+
+
+@pytest.mark.slow
+def test_the_training_levers_steps_run_on_the_cpu(tmp_path: Path) -> None:
+    """Issue 36's rehearsal: the levers' ladder (the GPU-only rungs skipped with the reason) and a larger-model run,
+    whose checkpoints are deleted once its figures are read."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "run", str(tmp_path), "--target", "cpu", "--only",
+                           "prepare,train,bench_levers,train_debug"], capture_output=True, text=True, timeout=3600)
+    by = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())["steps"]}
+    assert {n: r["status"] for n, r in by.items() if r["status"] != "ok"} == {}, done.stdout[-3000:]
+    rungs = by["bench_levers"]["figures"]["rungs"]
+    assert rungs["chunked_loss"]["status"] == "ok" and rungs["chunked_loss"]["loss_ok"]
+    assert rungs["fp8"]["status"] == "skipped" and "compute capability 8.9" in rungs["fp8"]["note"]
+    assert rungs["cudnn_attention"]["status"] == "skipped" and "CUDA kernels" in rungs["cudnn_attention"]["note"]
+    larger = by["train_debug"]["figures"]
+    assert larger["tokens_per_s"] > 0 and larger["plan"]["loss"] in ("full", "chunked")
+    assert (tmp_path / "train_debug" / "run.json").is_file() and not list((tmp_path / "train_debug").glob("ckpt-*"))

@@ -117,17 +117,19 @@ def test_auto_takes_the_chunked_loss_only_where_the_full_logits_would_not_fit(
     run = TrainConfig(batch_size=16, seq_len=1024)
     cpu = torch.device("cpu")
 
-    def needs(loss: str) -> int:
-        return memory.for_training(dataclasses.replace(cfg, loss=loss), run, 1024, torch.bfloat16).total
+    def estimate(loss: str) -> memory.Estimate:
+        return memory.for_training(dataclasses.replace(cfg, loss=loss), run, 1024, torch.bfloat16)
 
-    full, chunked = needs("full"), needs("chunked")
+    full, chunked = estimate("full").total, estimate("chunked").total
     assert chunked < full
-    for free, want in [(10 * full, "full"), ((full + chunked) // 2 / memory.REFUSE_ABOVE, "chunked"),
-                       (chunked // 2, "full")]:  # neither fits: the plain loss, refused with its fixes later
+    for free, want, why in [(10 * full, "full", "the full logits fit"),
+                            ((full + chunked) // 2 / memory.REFUSE_ABOVE, "chunked", "would not fit"),
+                            (chunked // 2, "chunked", "does not fit with either loss")]:
         monkeypatch.setattr(memory, "available_bytes", lambda device, f=int(free): (f, "test RAM"))
-        assert memory.pick_loss(cfg, run, 1024, torch.bfloat16, cpu)[0] == want
+        loss, reason = memory.pick_loss("auto", estimate, cpu, "16 x 1024")
+        assert loss == want and why in reason
     # what the user names is kept, fitting or not
-    assert memory.pick_loss(cfg, dataclasses.replace(run, loss="full"), 1024, torch.bfloat16, cpu)[0] == "full"
+    assert memory.pick_loss("full", estimate, cpu, "16 x 1024") == ("full", "--loss full")
 
 
 def test_train_on_the_chunked_loss_follows_the_full_loss_curve(
@@ -169,9 +171,9 @@ def test_the_loss_comparison_trains_both_losses_from_the_same_weights_and_sees_t
     cfg = preset("debug", vocab_pad_multiple=64)
     r = ab.compare(cfg, batch_size=8, seq_len=64, rounds=1, bf16=False, compile=False)
     assert r["warm_loss"]["chunked"] == pytest.approx(r["warm_loss"]["full"], rel=1e-5)
-    # logits of 16 x 64 x 8192: 32 MiB in fp32, a copy
-    peaks = {loss: ab.peak_growth("debug", loss, 16, 64, False, vocab_size=8192) for loss in ("full", "chunked")}
-    assert peaks["chunked"] < peaks["full"]
+    peaks = {loss: ab.step_peak_bytes(cfg, loss, 8, 64, False) for loss in ("full", "chunked")}
+    logits = 8 * 64 * cfg.vocab_size * 4  # one fp32 copy of the full logits
+    assert peaks["full"] - peaks["chunked"] > 2 * logits
 
 
 def test_auto_batch_size_takes_the_larger_micro_batch_the_chunked_loss_lets_fit(

@@ -129,3 +129,20 @@ def test_an_sdpa_kernel_is_refused_off_cuda_and_with_eager_attention(
         cli.main([*base, "--attention", "eager"])
     assert e.value.code == 2 and "--attention eager does not use SDPA" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_the_flash_and_cudnn_kernels_are_refused_in_fp32_and_on_old_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
+    from gptopt.device import sdpa_backend_unavailable
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (9, 0))
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 90100)
+    for name in ("flash", "cudnn"):
+        assert "fp16 or bf16 only" in sdpa_backend_unavailable(name, cuda, None)
+        assert sdpa_backend_unavailable(name, cuda, torch.bfloat16) is None
+    assert sdpa_backend_unavailable("efficient", cuda, None) is None  # the memory-efficient kernel takes fp32
+    monkeypatch.setattr(torch.backends.cudnn, "version", lambda: 8907)
+    assert "cuDNN 9 or newer" in sdpa_backend_unavailable("cudnn", cuda, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None: (7, 5))
+    assert "compute capability 8.0" in sdpa_backend_unavailable("flash", cuda, torch.float16)

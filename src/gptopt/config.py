@@ -359,8 +359,8 @@ class TrainConfig:
     fp8: bool = opt(False, "float8 matmuls in the blocks' Linear layers (torchao float8 training, the quant extra): "
                     "NVIDIA GPUs of compute capability 8.9+ (Ada, Hopper, Blackwell) only")
     loss: str = opt("auto", "chunked: the lm_head and cross-entropy a chunk of positions at a time, so the full "
-                    "logits (batch x length x vocabulary) never exist; full: the plain loss; auto: by device "
-                    "(device.default_loss)", choices=("auto", *LOSSES))
+                    "logits (batch x length x vocabulary) never exist; full: the plain loss; auto: full, or chunked "
+                    "where only it lets the micro-batch fit", choices=("auto", *LOSSES))
     # data loading
     num_workers: int | None = opt(None, "DataLoader worker processes; default chosen for the device",
                                   ge=0, le=MAX_WORKERS)

@@ -204,8 +204,9 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
 
 
-def sdpa_backend_unavailable(name: str, device: torch.device) -> str | None:
-    """Why the SDPA kernel `name` (SDPA_BACKENDS, or auto) cannot be the only one on `device`, or None."""
+def sdpa_backend_unavailable(name: str, device: torch.device, amp_dtype: torch.dtype | None) -> str | None:
+    """Why the SDPA kernel `name` (SDPA_BACKENDS, or auto) cannot be the only one on `device` for a step under
+    autocast to amp_dtype (None: fp32), or None."""
     if name == "auto":
         return None
     if device.type != "cuda":
@@ -215,6 +216,8 @@ def sdpa_backend_unavailable(name: str, device: torch.device) -> str | None:
     if cap < (8, 0):
         return f"the {name} kernel needs compute capability 8.0 or newer; {torch.cuda.get_device_name(device)} is " \
                f"{cap[0]}.{cap[1]}"
+    if name in ("flash", "cudnn") and amp_dtype is None:
+        return f"the {name} kernel takes fp16 or bf16 only, and this step runs in fp32: add --use_amp"
     if name == "cudnn" and (torch.backends.cudnn.version() or 0) < 90000:
         return f"SDPA's cuDNN kernel needs cuDNN 9 or newer; this torch has {torch.backends.cudnn.version()}"
     return None

@@ -94,7 +94,8 @@ def spread(value: int, info: DistInfo, device: torch.device) -> tuple[int, int]:
         return value, value
     t = torch.tensor([value, -value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return -int(t[1].item()), int(t[0].item())
+    high, low = t.tolist()
+    return -low, high
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:

@@ -19,7 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["chunk_rows", "linear_cross_entropy"]
+__all__ = ["IGNORE_INDEX", "chunk_rows", "linear_cross_entropy"]
 
 IGNORE_INDEX = -100  # targets equal to it do not count, as in F.cross_entropy
 
@@ -55,6 +55,8 @@ def _chunks(x: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, vocab: int, 
     """The summed loss and the count of counted positions; with grads = (d x, d weight) buffers, fills them with
     the gradients of the mean loss."""
     w = weight[:vocab]
+    if torch.is_autocast_enabled(x.device.type):  # cast once: autocast does not cache casts of a view, per chunk
+        w = w.to(torch.get_autocast_dtype(x.device.type))
     valid = t != IGNORE_INDEX
     count = valid.sum()
     scale = 1.0 / count.clamp(min=1).float()  # a tensor: no host sync to read the count
@@ -68,13 +70,16 @@ def _chunks(x: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, vocab: int, 
         total = total + ((lse - lf.gather(1, target).squeeze(1)) * vc).sum()
         if grads is None:
             continue
-        # d loss / d logits = (softmax - one-hot) / count on counted positions, 0 elsewhere
+        # d loss / d logits = (softmax - one-hot) / count on counted positions, 0 elsewhere. The matmuls take it
+        # unscaled, in the matmul's (autocast) dtype as autograd would, and the 1 / count comes after them, in
+        # fp32: in fp16, dividing first would flush the small probabilities to zero (the GradScaler's scale only
+        # arrives in backward).
         g = torch.exp(lf - lse.unsqueeze(1))
         g.scatter_add_(1, target, torch.full_like(target, -1, dtype=g.dtype))
-        g = (g * (vc.unsqueeze(1).to(g.dtype) * scale)).to(logits.dtype)
+        g = (g * vc.unsqueeze(1).to(g.dtype)).to(logits.dtype)
         gx, gw = grads
-        gx[s:s + rows] = (g @ w).to(gx.dtype)  # in the matmul's (autocast) dtype, as autograd would
-        gw[:vocab] += (g.t() @ xc.to(g.dtype)).to(gw.dtype)
+        gx[s:s + rows] = ((g @ w).float() * scale).to(gx.dtype)
+        gw[:vocab] += (g.t() @ xc.to(g.dtype)).float() * scale
     return total, count
 
 

@@ -17,7 +17,6 @@ compile. So every command estimates first and compares with what is free:
 
 from __future__ import annotations
 
-import dataclasses
 import resource
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -109,8 +108,8 @@ def train_step_bytes(config: GPTConfig, batch_size: int, seq_len: int, *, amp_dt
     activations += tokens * (_F32 + a) * C  # ln_f's input and lm_head's
     if config.loss == "chunked":
         # loss.py: one chunk's logits at a time (the same four copies as below), and the gradients it keeps for
-        # backward: the hidden states' (fp32) and the head weight's (fp32 sum, then its cast)
-        logits = chunk_rows(tokens, C, V) * (a * V + 3 * _F32 * V) + _F32 * tokens * C + 2 * _F32 * Vp * C
+        # backward: the hidden states' and the head weight's, both fp32
+        logits = chunk_rows(tokens, C, V) * (a * V + 3 * _F32 * V) + _F32 * tokens * C + _F32 * Vp * C
     else:
         # The lm_head output (padded vocabulary, matmul dtype), then cross-entropy in fp32: its input copy and
         # log-softmax output in forward, the gradients of both in backward.
@@ -251,19 +250,19 @@ def for_training(config: GPTConfig, train: TrainConfig, seq_len: int, amp_dtype:
     return est.without("weights", "gradients", "AdamW state") if train.cpu_offload else est
 
 
-def pick_loss(config: GPTConfig, train: TrainConfig, seq_len: int, amp_dtype: torch.dtype | None,
-              device: torch.device, *, world_size: int = 1) -> tuple[str, str]:
-    """The loss a run trains with, and why: the one --loss names; under auto the plain (full) loss, which
-    runs faster where both fit (benchmarks/2026-12-05-chunked-loss.md), unless its logits would not fit
-    where the chunked loss's would."""
-    if train.loss != "auto":
-        return train.loss, f"--loss {train.loss}"
-    def fits(loss: str) -> bool:
-        est = for_training(dataclasses.replace(config, loss=loss), train, seq_len, amp_dtype, world_size=world_size)
-        return shortfall(est, device) is None
-    if fits("full") or not fits("chunked"):
+def pick_loss(choice: str, estimate_at: Callable[[str], Estimate], device: torch.device,
+              batch: str) -> tuple[str, str]:
+    """The loss a run trains with, and why. choice: --loss; estimate_at: a loss -> the step's estimate with it;
+    batch: the micro-batch, as the reason names it ("16 x 1024"). Under auto the full loss, which runs faster
+    where both fit (benchmarks/2026-12-05-chunked-loss.md), unless only the chunked loss fits; where neither
+    does, the chunked one, the smaller (the step is then refused with the fixes, naming its estimate)."""
+    if choice != "auto":
+        return choice, f"--loss {choice}"
+    if shortfall(estimate_at("full"), device) is None:
         return "full", "auto: the full logits fit"
-    return "chunked", f"auto: the full logits of micro-batch {train.batch_size} x {seq_len} would not fit"
+    if shortfall(estimate_at("chunked"), device) is None:
+        return "chunked", f"auto: the full logits of micro-batch {batch} would not fit"
+    return "chunked", f"auto: micro-batch {batch} does not fit with either loss; the chunked one is the smaller"
 
 
 def largest_batch(estimate_at: Callable[[int], Estimate], device: torch.device, upto: int, *,

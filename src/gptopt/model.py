@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gptopt.config import GPTConfig
-from gptopt.loss import linear_cross_entropy
+from gptopt.loss import IGNORE_INDEX, linear_cross_entropy
 
 __all__ = ["GPT", "GPTConfig", "KVCacheLayer"]
 
@@ -220,4 +220,4 @@ class GPT(nn.Module):
         if self.config.loss == "chunked":  # the same loss and gradients, without the full logits (loss.py)
             return linear_cross_entropy(x, self.lm_head.weight, targets, V)
         logits = self.lm_head(x)[..., :V]  # padded rows are never real tokens
-        return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=-100)
+        return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)

@@ -257,7 +257,7 @@ class Trainer:
         self.out = Path(cfg.output_dir)
         if cfg.fp8 and (why := fp8_unavailable(self.plan.device)):
             raise ValueError(f"--fp8: {why}; drop --fp8")
-        if why := sdpa_backend_unavailable(cfg.sdpa_backend, self.plan.device):
+        if why := sdpa_backend_unavailable(cfg.sdpa_backend, self.plan.device, self.plan.amp_dtype):
             raise ValueError(f"--sdpa_backend {cfg.sdpa_backend}: {why}")
         auto = default_attention(self.plan.device.type, self.plan.amp_dtype)  # the kernel by device and dtype
         self.attention = cfg.attention if cfg.attention != "auto" else auto
@@ -402,8 +402,10 @@ class Trainer:
     def _setup(self) -> Progress:
         """The loop's parts, and the progress of the run being resumed (if any)."""
         cfg, info, plan, main = self.cfg, self.info, self.plan, self.info.is_main
-        loss, why = memory.pick_loss(self.model_config, cfg, self.seq_len, plan.amp_dtype, plan.device,
-                                     world_size=info.world_size)
+        loss, why = memory.pick_loss(cfg.loss, lambda loss: self._memory_estimate(cfg.batch_size, loss), plan.device,
+                                     f"{cfg.batch_size} x {self.seq_len}")
+        if cfg.loss == "auto" and info.world_size > 1 and distributed.any_rank(loss == "chunked", info, plan.device):
+            loss = "chunked"  # one loss on every rank, the one that fits where memory is least
         if loss != self.model_config.loss:  # a switch of the forward alone: no module changes
             self.raw.config = self.model_config = dataclasses.replace(self.model_config, loss=loss)
         if main:
@@ -467,9 +469,11 @@ class Trainer:
             source += f" x {self.info.world_size} ranks"
         return peak * self.info.world_size, source
 
-    def _memory_estimate(self, batch_size: int) -> memory.Estimate:
-        """The step's peak memory at a micro-batch, less the weights where the model already is (the CPU)."""
-        est = memory.for_training(self.model_config, self.cfg, self.seq_len, self.plan.amp_dtype,
+    def _memory_estimate(self, batch_size: int, loss: str | None = None) -> memory.Estimate:
+        """The step's peak memory at a micro-batch (with `loss`, or the model's), less the weights where the model
+        already is (the CPU, or the device after --auto_batch_size's search)."""
+        config = self.model_config if loss is None else dataclasses.replace(self.model_config, loss=loss)
+        est = memory.for_training(config, self.cfg, self.seq_len, self.plan.amp_dtype,
                                   batch_size=batch_size, world_size=self.info.world_size)
         there = next(self.raw.parameters()).device.type == self.plan.device.type
         return est.without("weights") if there else est

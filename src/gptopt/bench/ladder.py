@@ -238,10 +238,11 @@ class Bench:
                                                 **({"batch_size": batch_size} if batch_size else {})})
         plan = self._plan(cfg)
         amp = plan.amp_name
-        loss, _ = memory.pick_loss(self.model_config, cfg, self.seq_len, plan.amp_dtype, plan.device)
-        return dataclasses.replace(cfg, attention=self._attention(cfg.attention, plan.amp_dtype), use_amp=amp != "fp32",
-                                   amp_dtype="auto" if amp == "fp32" else amp, loss=loss,
-                                   **loader_options(cfg, self.plan.device.type))
+        cfg = dataclasses.replace(cfg, attention=self._attention(cfg.attention, plan.amp_dtype), use_amp=amp != "fp32",
+                                  amp_dtype="auto" if amp == "fp32" else amp, **loader_options(cfg, plan.device.type))
+        loss, _ = memory.pick_loss(cfg.loss, lambda loss: self.memory_estimate(dataclasses.replace(cfg, loss=loss)),
+                                   plan.device, f"{cfg.batch_size} x {self.seq_len}")
+        return dataclasses.replace(cfg, loss=loss)
 
     def _model_config(self, cfg: TrainConfig) -> GPTConfig:
         """The model a rung's (resolved) TrainConfig trains: the bench's shape with its runtime switches."""
@@ -312,8 +313,8 @@ class Bench:
         if rung.hf and not has("transformers"):
             res.status, res.note = "skipped", "needs the 'hf' extra: pip install 'gptopt[hf]'"
             return res
-        why = (fp8_unavailable(plan.device) if tcfg.fp8 else None) or sdpa_backend_unavailable(tcfg.sdpa_backend,
-                                                                                                plan.device)
+        why = (fp8_unavailable(plan.device) if tcfg.fp8 else None) or sdpa_backend_unavailable(
+            tcfg.sdpa_backend, plan.device, self._plan(tcfg).amp_dtype)
         if why:
             res.status, res.note = "skipped", why
             return res
