@@ -201,3 +201,22 @@ def test_auto_batch_size_takes_the_larger_micro_batch_the_chunked_loss_lets_fit(
     run = json.loads((out / "run.json").read_text())
     assert (run["config"]["batch_size"], run["config"]["gradient_accumulation_steps"]) == (4, 1)
     assert run["model"]["loss"] == "chunked"
+
+
+def test_under_fp16_the_chunked_gradients_keep_the_small_probabilities() -> None:
+    """fp16 with a GradScaler: the plain loss's gradients arrive scaled up, so its small softmax terms survive the
+    cast to fp16; the chunked loss takes its gradients before any scale, so it must not divide by the position
+    count before its fp16 matmuls (8,192 positions: p / count would be fp16-subnormal)."""
+    g = torch.Generator().manual_seed(3)
+    n = 8192
+    x, w = torch.randn(n, C, generator=g), torch.randn(V_PADDED, C, generator=g) * 0.1
+    t = torch.randint(0, V, (n,), generator=g)
+    grads = []
+    for fn in (plain, lambda x, w, t: linear_cross_entropy(x, w, t, V, 1024)):
+        xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+        with torch.autocast("cpu", torch.float16):
+            loss = fn(xg, wg, t)
+        (loss * 65536.0).backward()  # what the GradScaler does, then unscales
+        grads.append((xg.grad / 65536.0, wg.grad / 65536.0))
+    for got, want in zip(grads[1], grads[0], strict=True):
+        assert (got - want).norm() < 1e-2 * want.norm()

@@ -74,12 +74,14 @@ def _chunks(x: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, vocab: int, 
         # unscaled, in the matmul's (autocast) dtype as autograd would, and the 1 / count comes after them, in
         # fp32: in fp16, dividing first would flush the small probabilities to zero (the GradScaler's scale only
         # arrives in backward).
-        g = torch.exp(lf - lse.unsqueeze(1))
+        # The positions left out are zeroed in the (rows x C) operands and results, not in the (rows x V) gradient.
+        g = torch.softmax(lf, dim=-1)
         g.scatter_add_(1, target, torch.full_like(target, -1, dtype=g.dtype))
-        g = (g * vc.unsqueeze(1).to(g.dtype)).to(logits.dtype)
+        g = g.to(logits.dtype)
+        keep = vc.unsqueeze(1).to(xc.dtype)  # (rows, 1): 1, or 0 where left out
         gx, gw = grads
-        gx[s:s + rows] = ((g @ w).float() * scale).to(gx.dtype)
-        gw[:vocab] += (g.t() @ xc.to(g.dtype)).float() * scale
+        gx[s:s + rows] = ((g @ w).float() * (keep * scale)).to(gx.dtype)
+        gw[:vocab] += (g.t() @ (xc * keep).to(g.dtype)).float() * scale
     return total, count
 
 
