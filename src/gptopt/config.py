@@ -139,7 +139,20 @@ class GPTConfig:
     )
     dropout: float = opt(0.0, "dropout on attention and residual paths (0 for pretraining speed)", ge=0.0, lt=1.0)
     bias: bool = opt(True, "biases in Linear and LayerNorm layers, as in GPT-2")
-    layer_norm_epsilon: float = opt(1e-5, "LayerNorm epsilon (GPT-2 uses 1e-5)", gt=0.0, lt=1.0)
+    layer_norm_epsilon: float = opt(1e-5, "the norms' epsilon (GPT-2 uses 1e-5)", gt=0.0, lt=1.0)
+    # The family: GPT-2's block by default; Llama / Qwen3 set the fields below (their presets and hf.py's import)
+    n_kv_head: int | None = opt(None, "key/value heads, grouped-query attention; none: n_head", ge=1, le=MAX_WIDTH)
+    positions: str = opt("learned", "learned position embeddings (GPT-2), or rope: rotary on queries and keys",
+                         choices=("learned", "rope"))
+    rope_theta: float = opt(10000.0, "the rotary base (with positions rope)", gt=0.0)
+    norm: str = opt("layernorm", "layernorm (GPT-2) or rmsnorm (Llama, Qwen3)", choices=("layernorm", "rmsnorm"))
+    mlp: str = opt("gelu", "gelu: GPT-2's tanh-GELU MLP; swiglu: the gated SiLU of Llama and Qwen3; relu2: squared "
+                   "ReLU", choices=("gelu", "swiglu", "relu2"))
+    intermediate_size: int | None = opt(None, "the MLP's hidden width; none: 4 x n_embd", ge=1, le=MAX_WIDTH * 8)
+    qk_norm: bool = opt(False, "an RMSNorm over each head's queries and keys, before rotary (Qwen3)")
+    head_size: int | None = opt(None, "each head's width; none: n_embd / n_head (Qwen3 sets its own)", ge=1,
+                                le=MAX_WIDTH)
+    tie_embeddings: bool = opt(True, "the head shares the token embedding's weights (GPT-2); false: its own")
     attention: str = opt("sdpa", "attention kernel: sdpa (flash / mem-efficient) or eager", choices=("sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute each block in backward: less memory, one more forward of "
                                        "each block")
@@ -149,8 +162,21 @@ class GPTConfig:
 
     def __post_init__(self) -> None:
         check_fields(self, prefix="")  # stored in gptopt.json, so named as there, not as flags
-        if self.n_embd % self.n_head:
+        if self.head_size is None and self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads: n_kv_head, or n_head without grouped-query attention."""
+        return self.n_kv_head or self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        return self.intermediate_size or 4 * self.n_embd
 
     @property
     def padded_vocab_size(self) -> int:
@@ -159,7 +185,7 @@ class GPTConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+        return self.head_size or self.n_embd // self.n_head
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -191,7 +217,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50257),  # 355M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, vocab_size=50257),  # 774M
     "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024, vocab_size=50257),  # 1558M
+    # Llama-shaped: rotary, RMSNorm, SwiGLU, grouped-query attention, no biases. llama-tiny is tiny's size for
+    # CPUs (the MLP 8/3 of the width, as Llama's, rounded to 16); the others are the published models' shapes.
+    "llama-tiny": dict(n_layer=4, n_head=4, n_kv_head=2, n_embd=256, block_size=256, vocab_size=8192, bias=False,
+                       positions="rope", norm="rmsnorm", mlp="swiglu", intermediate_size=688),
+    "smollm2-135m": dict(n_layer=30, n_head=9, n_kv_head=3, n_embd=576, block_size=8192, vocab_size=49152,
+                         bias=False, positions="rope", rope_theta=100000.0, norm="rmsnorm", mlp="swiglu",
+                         intermediate_size=1536),
+    "qwen3-0.6b": dict(n_layer=28, n_head=16, n_kv_head=8, head_size=128, n_embd=1024, block_size=40960,
+                       vocab_size=151936, bias=False, positions="rope", rope_theta=1e6, norm="rmsnorm",
+                       layer_norm_epsilon=1e-6, mlp="swiglu", intermediate_size=3072, qk_norm=True),
 }
+# Presets whose embedding is sized for the corpus' tokenizer; the others keep their own vocabulary
+DATA_VOCAB_PRESETS = ("debug", "tiny", "llama-tiny")
 DEFAULT_PRESET = "tiny"  # what a new training run is without --preset
 
 
@@ -203,10 +241,10 @@ def preset(name: str, **overrides: Any) -> GPTConfig:
 
 
 def preset_for_data(name: str, data_vocab: int, **overrides: Any) -> GPTConfig:
-    """The preset sized for a corpus: the GPT-2 sizes keep GPT-2's 50257-token embedding (their
-    FLOPs and memory are GPT-2's whatever the corpus' tokenizer), the small ones take the data's."""
+    """The preset sized for a corpus: the published models' shapes keep their own embedding (GPT-2's 50257 tokens:
+    their FLOPs and memory are the model's whatever the corpus' tokenizer), the small ones take the data's."""
     base = PRESETS.get(name, {}).get("vocab_size", 0)
-    vocab = max(base, data_vocab) if name.startswith("gpt2") else data_vocab
+    vocab = data_vocab if name in DATA_VOCAB_PRESETS else max(base, data_vocab)
     return preset(name, **{"vocab_size": vocab, **overrides})
 
 

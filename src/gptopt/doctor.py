@@ -295,8 +295,12 @@ def _fits(name: str, have: int | None, need_of: Callable[[GPTConfig], int], cfg:
     value = f"{_size(have)} {what}; preset needs ~{_size(need)}"
     if have >= 1.5 * need:
         return Check(name, "ok", value)
-    roomy = [p for p in PRESETS if 1.5 * need_of(preset(p)) <= have]
-    hint = f"the largest preset with room is {roomy[-1]} (--preset {roomy[-1]}), or {fix}" if roomy else fix
+    # the largest of the same family (GPT-2's block, or the Llama-shaped one) that fits with room
+    family = (cfg.positions, cfg.norm, cfg.mlp)
+    roomy = [p for p in PRESETS if (preset(p).positions, preset(p).norm, preset(p).mlp) == family
+             and 1.5 * need_of(preset(p)) <= have]
+    best = max(roomy, key=lambda p: need_of(preset(p)), default=None)
+    hint = f"the largest preset with room is {best} (--preset {best}), or {fix}" if best else fix
     return Check(name, "fail" if have < need else "warn", value, hint)
 
 

@@ -13,22 +13,30 @@ from gptopt.config import GPTConfig
 
 
 def non_embedding_params(config: GPTConfig) -> int:
-    """Parameter count without position embeddings, lm_head tied to wte (counted once), from the config."""
+    """Parameter count without position embeddings, lm_head tied to wte (counted once; an untied head counts
+    apart), from the config."""
     d, L, V = config.n_embd, config.n_layer, config.padded_vocab_size
     b = 1 if config.bias else 0
+    a = config.n_head * config.head_dim  # the attention's width: d, unless heads are sized apart (Qwen3)
+    qkv = (config.n_head + 2 * config.kv_heads) * config.head_dim
+    h = config.mlp_hidden
+    norm = d * (1 + b) if config.norm == "layernorm" else d  # RMSNorm: a weight, no bias
     per_block = (
-        2 * d * (1 + b)  # ln_1, ln_2 (weight, bias)
-        + d * 3 * d + b * 3 * d  # c_attn
-        + d * d + b * d  # attn.c_proj
-        + d * 4 * d + b * 4 * d  # mlp.c_fc
-        + 4 * d * d + b * d  # mlp.c_proj
+        2 * norm  # ln_1, ln_2
+        + d * qkv + b * qkv  # c_attn
+        + (2 * config.head_dim if config.qk_norm else 0)  # q_norm, k_norm
+        + a * d + b * d  # attn.c_proj
+        + (2 if config.mlp == "swiglu" else 1) * (d * h + b * h)  # mlp.c_fc (and c_gate)
+        + h * d + b * d  # mlp.c_proj
     )
-    return V * d + L * per_block + d * (1 + b)
+    head = 0 if config.tie_embeddings else V * d
+    return V * d + head + L * per_block + norm
 
 
 def flops_per_token(config: GPTConfig, seq_len: int, *, training: bool = True) -> float:
-    """Model FLOPs for one token at context seq_len: 6N + 12*L*d*T when training, a third when not."""
-    train = 6 * non_embedding_params(config) + 12 * config.n_layer * config.n_embd * seq_len
+    """Model FLOPs for one token at context seq_len: 6N + 12*L*a*T when training (a: the attention's width,
+    n_head x head_dim), a third when not."""
+    train = 6 * non_embedding_params(config) + 12 * config.n_layer * config.n_head * config.head_dim * seq_len
     return train if training else train / 3
 
 

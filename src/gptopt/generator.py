@@ -195,10 +195,10 @@ class KVCache:
 
     def __init__(self, config: GPTConfig, slots: int, max_len: int, *, device: torch.device | str,
                  dtype: torch.dtype) -> None:
-        shape = (slots, config.n_head, max_len, config.head_dim)
+        shape = (slots, config.kv_heads, max_len, config.head_dim)  # grouped-query attention keeps fewer heads
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.slots, self.max_len, self.n_head, self.device = slots, max_len, config.n_head, torch.device(device)
+        self.slots, self.max_len, self.n_head, self.device = slots, max_len, config.kv_heads, torch.device(device)
 
     def layers(self, rows: torch.Tensor | slice, positions: torch.Tensor,
                length: int | None = None) -> list[KVCacheLayer]:

@@ -101,6 +101,86 @@ def config_from_hf(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfig:
     return config
 
 
+# Llama-shaped families transformers names by model_type: rotary, RMSNorm, SwiGLU, grouped-query attention, no
+# biases; Qwen3 adds an RMSNorm over each head's queries and keys, and may size its heads apart from the width.
+LLAMA_FAMILIES = ("llama", "qwen3")
+
+
+def config_from_llama(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfig:
+    """A GPTConfig from a Hugging Face Llama or Qwen3 config.json; refuse what gptopt cannot represent exactly."""
+
+    def refuse(reason: str) -> None:
+        raise ValueError(f"{where}: {reason}; gptopt cannot represent this model exactly")
+
+    kind = hf.get("model_type")
+    if hf.get("hidden_act", "silu") != "silu":
+        refuse(f"hidden_act is {hf.get('hidden_act')!r}, not the SwiGLU's 'silu'")
+    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        refuse(f"rope type {rope.get('rope_type', rope.get('type'))!r} (scaled rotary) is not supported, only plain "
+               "rotary positions")
+    if hf.get("attention_bias", False) or hf.get("mlp_bias", False):
+        refuse("attention_bias or mlp_bias is true; gptopt's Llama-shaped blocks have no biases")
+    if kind == "qwen3" and hf.get("use_sliding_window", False):
+        refuse("use_sliding_window is true")
+    heads, width = hf.get("num_attention_heads", 32), hf.get("hidden_size", 4096)
+    head_dim = hf.get("head_dim") or width // heads
+    kv = hf.get("num_key_value_heads") or heads
+    try:
+        return GPTConfig(
+            n_layer=hf.get("num_hidden_layers", 32), n_head=heads, n_embd=width,
+            n_kv_head=kv if kv != heads else None, head_size=head_dim if head_dim * heads != width else None,
+            block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf.get("vocab_size", 32000),
+            layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), bias=False, positions="rope",
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm="rmsnorm", mlp="swiglu",
+            intermediate_size=hf.get("intermediate_size", 4 * width), qk_norm=kind == "qwen3",
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}; the file is damaged or not a {kind} config.json") from None
+
+
+def llama_state_to_gptopt(state: dict[str, torch.Tensor], config: GPTConfig, *,
+                          where: str = "Hugging Face Llama state") -> dict[str, torch.Tensor]:
+    """A HF LlamaForCausalLM / Qwen3ForCausalLM state dict as gptopt's GPT(config) keys: q, k and v joined into
+    c_attn, gate_proj / up_proj / down_proj as c_gate / c_fc / c_proj, padded vocabulary rows zero. Every key and
+    shape is checked (ValueError naming the first bad one)."""
+    renames = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2", "self_attn.o_proj": "attn.c_proj",
+               "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm", "mlp.gate_proj": "mlp.c_gate",
+               "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"}
+    out: dict[str, torch.Tensor] = {}
+    qkv: dict[int, dict[str, torch.Tensor]] = {}
+    for key, tensor in state.items():
+        if key.startswith("model.layers."):
+            i, rest = key.removeprefix("model.layers.").split(".", 1)
+            part = rest.removesuffix(".weight")
+            if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
+                qkv.setdefault(int(i), {})[part[-6]] = tensor
+                continue
+            out[f"transformer.h.{i}.{renames.get(part, part)}.weight"] = tensor
+        elif key == "model.embed_tokens.weight":
+            out["transformer.wte.weight"] = tensor
+        elif key == "model.norm.weight":
+            out["transformer.ln_f.weight"] = tensor
+        elif key == "lm_head.weight":
+            if not config.tie_embeddings:
+                out["lm_head.weight"] = tensor
+        else:
+            out[key] = tensor  # unknown: check_state names it
+    for i, parts in qkv.items():
+        if set(parts) != {"q", "k", "v"}:
+            raise ValueError(f"{where}: layer {i} lacks some of q_proj, k_proj, v_proj")
+        out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]])
+    with torch.device("meta"):
+        ref = GPT(dataclasses.replace(config, vocab_pad_multiple=1))
+    check_state({k: v for k, v in ref.state_dict().items() if not config.tie_embeddings or k != "lm_head.weight"},
+                out, where)
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        if name in out:
+            out[name] = _pad_rows(out[name], config.padded_vocab_size)
+    return out
+
+
 def apply_overrides(config: GPTConfig, overrides: dict[str, Any], where: str) -> GPTConfig:
     """The checkpoint's config with run-time settings replaced; shape-defining fields must not change."""
     known = {f.name for f in dataclasses.fields(GPTConfig)}
@@ -305,6 +385,12 @@ def load_hf_dir(directory: str | os.PathLike[str], **overrides: Any) -> GPT:
         hf = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_path}: corrupt JSON ({e}); the download is damaged, fetch the model again") from None
+    if isinstance(hf, dict) and hf.get("model_type") in LLAMA_FAMILIES:
+        config = apply_overrides(config_from_llama(hf, where=str(config_path)), overrides, str(directory))
+        model = GPT(config)
+        model.load_state_dict(llama_state_to_gptopt(read_hf_weights(directory), config, where=str(directory)),
+                              strict=False)
+        return model
     config = apply_overrides(config_from_hf(hf, where=str(config_path)), overrides, str(directory))
     state = hf_state_to_gptopt(read_hf_weights(directory), config, where=str(directory))
     return _build(config, state)

@@ -39,15 +39,42 @@ def _causal_mask(T: int, S: int, offset: int, device: torch.device) -> torch.Ten
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
+def norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
+    """The family's norm over the last `dim` (default n_embd): GPT-2's LayerNorm, or Llama's and Qwen3's RMSNorm."""
+    dim = dim or config.n_embd
+    if config.norm == "rmsnorm":
+        return nn.RMSNorm(dim, eps=config.layer_norm_epsilon)
+    return nn.LayerNorm(dim, eps=config.layer_norm_epsilon, bias=config.bias)
+
+
+def rotary(inv_freq: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position's angles, (T, hs) or (B, 1, T, hs) for positions (T,) or (B, T): the halves
+    of a head take the same frequencies, as Llama's rotate-half convention pairs channel i with i + hs / 2."""
+    angles = pos.float()[..., None] * inv_freq  # (..., T, hs / 2)
+    emb = torch.cat([angles, angles], dim=-1)
+    if emb.dim() == 3:
+        emb = emb[:, None]  # (B, 1, T, hs): broadcast over the heads
+    return emb.cos(), emb.sin()
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    h = x.size(-1) // 2
+    turned = torch.cat([-x[..., h:], x[..., :h]], dim=-1)
+    return (x * cos + turned * sin).to(x.dtype)
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.n_head = config.n_head
-        self.n_embd = config.n_embd
+        self.n_head, self.n_kv, self.hs = config.n_head, config.kv_heads, config.head_dim
         self.attention = config.attention
         self.dropout = config.dropout
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        # queries, then keys and values of the n_kv heads (grouped-query attention when fewer): one product
+        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv) * self.hs, bias=config.bias)
+        self.c_proj = nn.Linear(self.n_head * self.hs, config.n_embd, bias=config.bias)
+        if config.qk_norm:
+            self.q_norm, self.k_norm = norm(config, self.hs), norm(config, self.hs)
+        self.qk_norm = config.qk_norm
         self.attn_dropout = nn.Dropout(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
 
@@ -56,15 +83,22 @@ class CausalSelfAttention(nn.Module):
         x: torch.Tensor,
         kv_cache: KVCacheLayer | None = None,
         attn_mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        B, T, C = x.shape
-        hs = C // self.n_head
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q = q.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
+        B, T, _ = x.shape
+        hs, nh, nkv = self.hs, self.n_head, self.n_kv
+        q, k, v = self.c_attn(x).split([nh * hs, nkv * hs, nkv * hs], dim=2)
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
         if kv_cache is not None:
-            k, v = kv_cache.update(k, v)  # (B, nh, S, hs), S >= T
+            k, v = kv_cache.update(k, v)  # (B, nkv, S, hs), S >= T
+        if nkv != nh:  # each key/value head serves nh / nkv query heads
+            k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
         S = k.size(2)
         # Without a mask the T queries are the last T of S positions. SDPA's is_causal aligns the
         # triangle top-left, which is only right when S == T; otherwise build the bottom-right mask.
@@ -86,7 +120,7 @@ class CausalSelfAttention(nn.Module):
                            self._eager(q[:, :, h:], k, v, _causal_mask(T - h, T, h, x.device))], dim=2)
         else:  # the textbook path: short sequences, cached decode, explicit masks
             y = self._eager(q, k, v, _causal_mask(T, S, 0, x.device) if is_causal else attn_mask)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
     def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
@@ -116,29 +150,43 @@ class TanhGELU(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT-2's tanh-GELU MLP; or swiglu, Llama's and Qwen3's c_proj(silu(c_gate(x)) * c_fc(x)); or relu2,
+    c_proj(relu(c_fc(x))^2)."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = TanhGELU()
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        hidden = config.mlp_hidden
+        self.kind = config.mlp
+        self.c_fc = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        if self.kind == "swiglu":
+            self.c_gate = nn.Linear(config.n_embd, hidden, bias=config.bias)
+        self.gelu = TanhGELU() if self.kind == "gelu" else None
+        self.c_proj = nn.Linear(hidden, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        if self.gelu is not None:
+            h = self.gelu(self.c_fc(x))
+        elif self.kind == "swiglu":
+            h = F.silu(self.c_gate(x)) * self.c_fc(x)
+        else:
+            h = F.relu(self.c_fc(x)).square()
+        return self.dropout(self.c_proj(h))
 
 
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.ln_1 = norm(config)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias)
+        self.ln_2 = norm(config)
         self.mlp = MLP(config)
 
     def forward(
-        self, x: torch.Tensor, kv_cache: KVCacheLayer | None = None, attn_mask: torch.Tensor | None = None
+        self, x: torch.Tensor, kv_cache: KVCacheLayer | None = None, attn_mask: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask)
+        x = x + self.attn(self.ln_1(x), kv_cache, attn_mask, rope)
         return x + self.mlp(self.ln_2(x))
 
 
@@ -147,17 +195,20 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         V = config.padded_vocab_size
+        parts: dict[str, nn.Module] = {"wte": nn.Embedding(V, config.n_embd)}
+        if config.positions == "learned":
+            parts["wpe"] = nn.Embedding(config.block_size, config.n_embd)
         self.transformer = nn.ModuleDict(
-            dict(
-                wte=nn.Embedding(V, config.n_embd),
-                wpe=nn.Embedding(config.block_size, config.n_embd),
-                drop=nn.Dropout(config.dropout),
-                h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-                ln_f=nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon, bias=config.bias),
-            )
+            dict(**parts, drop=nn.Dropout(config.dropout),
+                 h=nn.ModuleList(Block(config) for _ in range(config.n_layer)), ln_f=norm(config))
         )
+        if config.positions == "rope":  # not a weight: recomputed from the config, kept out of the state dict
+            hs = config.head_dim
+            inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.float32) / hs)
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        if config.tie_embeddings:
+            self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) so the residual stream's
         # variance does not grow with depth.
@@ -166,6 +217,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
         with torch.no_grad():  # padding rows are never tokens: zeros, as the HF loader writes them
             self.transformer.wte.weight[config.vocab_size :].zero_()
+            self.lm_head.weight[config.vocab_size :].zero_()
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -202,15 +254,20 @@ class GPT(nn.Module):
             if T > self.config.block_size:
                 raise ValueError(f"sequence length {T} exceeds the model's context {self.config.block_size}")
             pos = torch.arange(T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)  # (B, T, C)
+        x = self.transformer.wte(idx)  # (B, T, C)
+        rope = None
+        if self.config.positions == "learned":
+            x = x + self.transformer.wpe(pos)
+        else:
+            rope = rotary(self.inv_freq, pos)
         x = self.transformer.drop(x)
         recompute = self.config.gradient_checkpointing and self.training and kv_cache is None
         for i, block in enumerate(self.transformer.h):
             cache = kv_cache[i] if kv_cache is not None else None
             if recompute:
-                x = checkpoint(block, x, None, attn_mask, use_reentrant=False)
+                x = checkpoint(block, x, None, attn_mask, rope, use_reentrant=False)
             else:
-                x = block(x, cache, attn_mask)
+                x = block(x, cache, attn_mask, rope)
         x = self.transformer.ln_f(x)
         V = self.config.vocab_size
         if targets is None:

@@ -215,7 +215,8 @@ class InferBench:
         with torch.device("meta"):  # shapes only: the weights come from init_state, so no init work
             model = GPT(self.model_config)
         model = model.to_empty(device=self.plan.device)
-        model.lm_head.weight = model.transformer.wte.weight  # to_empty gives each its own tensor: tie them again
+        if self.model_config.tie_embeddings:  # to_empty gives each its own tensor: tie them again
+            model.lm_head.weight = model.transformer.wte.weight
         model.load_state_dict(self.init_state)
         return model.to(dtype=dtype).eval()
 
