@@ -311,7 +311,12 @@ def test_a_directory_that_is_no_model_is_refused(tmp_path: Path, capsys: pytest.
     llama.mkdir()
     (llama / "config.json").write_text(json.dumps({"model_type": "llama"}))
     rc, err = _export(capsys, "--model", str(llama), "--output_dir", str(tmp_path / "o"))
-    assert rc == 2 and "model_type is 'llama', not 'gpt2'" in err
+    assert rc == 2 and "lacks num_hidden_layers, hidden_size, num_attention_heads, vocab_size" in err
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    (mistral / "config.json").write_text(json.dumps({"model_type": "mistral"}))
+    rc, err = _export(capsys, "--model", str(mistral), "--output_dir", str(tmp_path / "o"))
+    assert rc == 2 and "model_type is 'mistral', not 'gpt2'" in err
     assert not (tmp_path / "o").exists()
 
 

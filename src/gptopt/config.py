@@ -748,7 +748,8 @@ MIN_OPSET = 18  # torch.onnx's dynamo exporter writes opset 18 and converts to o
 class ExportConfig:
     model: str = opt("out", "a training output dir (its latest checkpoint), a checkpoint, a HF GPT-2 dir, or gpt2")
     format: str = opt("onnx", "onnx: model.onnx with KV-cache inputs/outputs for onnxruntime; "
-                      "hf: a directory transformers' GPT2LMHeadModel.from_pretrained loads", choices=("onnx", "hf"))
+                      "hf: a directory transformers' AutoModelForCausalLM.from_pretrained loads (GPT-2, Llama or "
+                      "Qwen3)", choices=("onnx", "hf"))
     output_dir: str | None = opt(None, "the directory to write; default: export_onnx or export_hf (by --format)")
     tokenizer: str | None = opt(None, "tokenizer.json or dir to ship beside the model; default: the model's own, "
                                 "if any")

@@ -354,7 +354,7 @@ def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer
         hf.export_hf(model, tmp, eot=None if tokenizer is None else eot_id(tokenizer))
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER))
-        loaded = transformers.GPT2LMHeadModel.from_pretrained(str(tmp)).eval()
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp)).eval()  # the class config.json names
         diffs, scale = {"max_abs_diff": 0.0}, 0.0
         for p in _check_prompts(model.config)[0]:
             ids = torch.tensor([p])

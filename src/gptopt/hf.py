@@ -113,6 +113,10 @@ def config_from_llama(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfi
         raise ValueError(f"{where}: {reason}; gptopt cannot represent this model exactly")
 
     kind = hf.get("model_type")
+    # a missing size would take transformers' default (Llama 7B's) and build a model nobody asked for
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size") if k not in hf]
+    if missing:
+        raise ValueError(f"{where}: lacks {', '.join(missing)}; the file is damaged or not a {kind} config.json")
     if hf.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act is {hf.get('hidden_act')!r}, not the SwiGLU's 'silu'")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -123,14 +127,14 @@ def config_from_llama(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfi
         refuse("attention_bias or mlp_bias is true; gptopt's Llama-shaped blocks have no biases")
     if kind == "qwen3" and hf.get("use_sliding_window", False):
         refuse("use_sliding_window is true")
-    heads, width = hf.get("num_attention_heads", 32), hf.get("hidden_size", 4096)
+    heads, width = hf["num_attention_heads"], hf["hidden_size"]
     head_dim = hf.get("head_dim") or width // heads
     kv = hf.get("num_key_value_heads") or heads
     try:
         return GPTConfig(
-            n_layer=hf.get("num_hidden_layers", 32), n_head=heads, n_embd=width,
+            n_layer=hf["num_hidden_layers"], n_head=heads, n_embd=width,
             n_kv_head=kv if kv != heads else None, head_size=head_dim if head_dim * heads != width else None,
-            block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf.get("vocab_size", 32000),
+            block_size=hf.get("max_position_embeddings", 2048), vocab_size=hf["vocab_size"],
             layer_norm_epsilon=hf.get("rms_norm_eps", 1e-6), bias=False, positions="rope",
             rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), norm="rmsnorm", mlp="swiglu",
             intermediate_size=hf.get("intermediate_size", 4 * width), qk_norm=kind == "qwen3",
@@ -197,13 +201,37 @@ def apply_overrides(config: GPTConfig, overrides: dict[str, Any], where: str) ->
     return dataclasses.replace(config, **overrides)
 
 
+def family(config: GPTConfig) -> str:
+    """The transformers model a gptopt config is: "gpt2", "llama" or "qwen3" (ValueError for a mix none is)."""
+    if (config.positions, config.norm, config.mlp, config.qk_norm) == ("learned", "layernorm", "gelu", False) \
+            and config.kv_heads == config.n_head and config.head_size is None and config.tie_embeddings:
+        return "gpt2"
+    if (config.positions, config.norm, config.mlp, config.bias) == ("rope", "rmsnorm", "swiglu", False):
+        return "qwen3" if config.qk_norm else "llama"
+    raise ValueError("this model mixes GPT-2's block with Llama's (positions, norm, mlp, biases): no Hugging Face "
+                     "model has its shape, so it cannot be exported")
+
+
 def hf_config(config: GPTConfig, dtype: torch.dtype = torch.float32, *, eot: int | None = None) -> Any:
-    """The transformers.GPT2Config that describes a gptopt model; eot: the end-of-text id of its tokenizer
-    (tokenizer.eot_id), which GPT-2 uses as both bos and eos. None leaves both unset."""
+    """The transformers config (GPT2Config, LlamaConfig or Qwen3Config) that describes a gptopt model; eot: the
+    end-of-text id of its tokenizer (tokenizer.eot_id), written as both bos and eos. None leaves both unset."""
     transformers = require("transformers", "hf", "exporting to Hugging Face format")
     if eot is not None and not 0 <= eot < config.vocab_size:
         raise ValueError(f"end-of-text id {eot} is outside the model's vocabulary of {config.vocab_size}: "
                          "the tokenizer does not belong to the model")
+    kind = family(config)
+    if kind != "gpt2":
+        make = transformers.Qwen3Config if kind == "qwen3" else transformers.LlamaConfig
+        return make(
+            vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.mlp_hidden,
+            num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
+            num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
+            max_position_embeddings=config.block_size, rms_norm_eps=config.layer_norm_epsilon,
+            rope_theta=config.rope_theta, tie_word_embeddings=config.tie_embeddings, attention_bias=False,
+            bos_token_id=eot, eos_token_id=eot,
+            architectures=["Qwen3ForCausalLM" if kind == "qwen3" else "LlamaForCausalLM"],
+            torch_dtype=str(dtype).removeprefix("torch."),
+        )
     return transformers.GPT2Config(
         n_layer=config.n_layer,
         n_head=config.n_head,
@@ -273,8 +301,11 @@ def hf_state_to_gptopt(
 
 
 def gptopt_state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
-    """The model's weights as a HF GPT2LMHeadModel state dict: contiguous CPU tensors, real vocab rows only."""
+    """The model's weights as its transformers model's state dict (GPT2LMHeadModel, LlamaForCausalLM or
+    Qwen3ForCausalLM): contiguous CPU tensors, real vocab rows only."""
     config = model.config
+    if family(config) != "gpt2":
+        return _llama_state(model)
     if not config.bias:
         raise ValueError(
             "the model has bias=False; Hugging Face GPT-2 always has biases, so it cannot be exported"
@@ -292,9 +323,47 @@ def gptopt_state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
     return out
 
 
+def _llama_state(model: GPT) -> dict[str, torch.Tensor]:
+    """llama_state_to_gptopt's inverse: c_attn split into q, k and v, the HF names, real vocab rows only."""
+    config = model.config
+    renames = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_proj": "self_attn.o_proj",
+               "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm", "mlp.c_gate": "mlp.gate_proj",
+               "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
+    q, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        tensor = tensor.detach().cpu()
+        if name.startswith("transformer.h."):
+            i, rest = name.removeprefix("transformer.h.").split(".", 1)
+            part = rest.removesuffix(".weight")
+            if part == "attn.c_attn":
+                for key, t in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True):
+                    out[f"model.layers.{i}.self_attn.{key}.weight"] = t.contiguous()
+                continue
+            out[f"model.layers.{i}.{renames[part]}.weight"] = tensor.contiguous()
+        elif name == "transformer.wte.weight":
+            out["model.embed_tokens.weight"] = tensor[: config.vocab_size].contiguous()
+        elif name == "transformer.ln_f.weight":
+            out["model.norm.weight"] = tensor.contiguous()
+        elif name == "lm_head.weight" and not config.tie_embeddings:
+            out["lm_head.weight"] = tensor[: config.vocab_size].contiguous()
+    return out
+
+
 def to_hf_model(model: GPT, attn_implementation: str = "eager") -> Any:
-    """A transformers GPT2LMHeadModel with the same weights: the baseline bench measures against."""
+    """The transformers model (GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM) with the same weights: the
+    baseline bench measures against."""
     transformers = require("transformers", "hf", "the Hugging Face baseline")
+    kind = family(model.config)
+    if kind != "gpt2":
+        make = transformers.Qwen3ForCausalLM if kind == "qwen3" else transformers.LlamaForCausalLM
+        hf = make._from_config(hf_config(model.config), attn_implementation=attn_implementation)
+        missing, unexpected = hf.load_state_dict(_llama_state(model), strict=False)
+        if [k for k in missing if k != "lm_head.weight"] or unexpected:
+            raise ValueError(f"weights do not map onto {make.__name__}: missing {missing[:3]}, unexpected "
+                             f"{unexpected[:3]}")
+        hf.tie_weights()
+        return hf.to(model.transformer.wte.weight.device)
     hf = transformers.GPT2LMHeadModel._from_config(hf_config(model.config), attn_implementation=attn_implementation)
     missing, unexpected = hf.load_state_dict(gptopt_state_to_hf(model), strict=False)
     leftover = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
@@ -387,9 +456,9 @@ def load_hf_dir(directory: str | os.PathLike[str], **overrides: Any) -> GPT:
         raise ValueError(f"{config_path}: corrupt JSON ({e}); the download is damaged, fetch the model again") from None
     if isinstance(hf, dict) and hf.get("model_type") in LLAMA_FAMILIES:
         config = apply_overrides(config_from_llama(hf, where=str(config_path)), overrides, str(directory))
+        state = llama_state_to_gptopt(read_hf_weights(directory), config, where=str(directory))  # checked first
         model = GPT(config)
-        model.load_state_dict(llama_state_to_gptopt(read_hf_weights(directory), config, where=str(directory)),
-                              strict=False)
+        model.load_state_dict(state, strict=False)  # strict: a tied head loads through the embedding
         return model
     config = apply_overrides(config_from_hf(hf, where=str(config_path)), overrides, str(directory))
     state = hf_state_to_gptopt(read_hf_weights(directory), config, where=str(directory))

@@ -313,10 +313,6 @@ class Bench:
         if rung.hf and not has("transformers"):
             res.status, res.note = "skipped", "needs the 'hf' extra: pip install 'gptopt[hf]'"
             return res
-        if rung.hf and self.model_config.positions != "learned":
-            res.status, res.note = "skipped", ("the Hugging Face baseline is GPT2LMHeadModel; a Llama-shaped model "
-                                               "has no transformers export yet")
-            return res
         why = (fp8_unavailable(plan.device) if tcfg.fp8 else None) or sdpa_backend_unavailable(
             tcfg.sdpa_backend, plan.device, self._plan(tcfg).amp_dtype)
         if why:
