@@ -694,8 +694,8 @@ def test_a_signal_before_the_first_checkpoint_gives_the_overwritten_run_back(
     before = tree(out)
     real = train.Trainer._train_one
 
-    def interrupted(self: train.Trainer, progress: Any, bar: Any) -> None:  # Ctrl-C during the first step
-        real(self, progress, bar)
+    def interrupted(self: train.Trainer, progress: Any) -> None:  # Ctrl-C during the first step
+        real(self, progress)
         os.kill(os.getpid(), signal.SIGINT)
 
     monkeypatch.setattr(train.Trainer, "_train_one", interrupted)

@@ -297,9 +297,10 @@ def _fits(name: str, have: int | None, need_of: Callable[[GPTConfig], int], cfg:
         return Check(name, "ok", value)
     # the largest of the same family (GPT-2's block, or the Llama-shaped one) that fits with room
     family = (cfg.positions, cfg.norm, cfg.mlp)
-    roomy = [p for p in PRESETS if (preset(p).positions, preset(p).norm, preset(p).mlp) == family
-             and 1.5 * need_of(preset(p)) <= have]
-    best = max(roomy, key=lambda p: need_of(preset(p)), default=None)
+    configs = {p: preset(p) for p in PRESETS}
+    roomy = [p for p, c in configs.items() if (c.positions, c.norm, c.mlp) == family
+             and 1.5 * need_of(c) <= have]
+    best = max(roomy, key=lambda p: need_of(configs[p]), default=None)
     hint = f"the largest preset with room is {best} (--preset {best}), or {fix}" if best else fix
     return Check(name, "fail" if have < need else "warn", value, hint)
 

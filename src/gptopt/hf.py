@@ -354,21 +354,14 @@ def to_hf_model(model: GPT, attn_implementation: str = "eager") -> Any:
     """The transformers model (GPT2LMHeadModel, LlamaForCausalLM or Qwen3ForCausalLM) with the same weights: the
     baseline bench measures against."""
     transformers = require("transformers", "hf", "the Hugging Face baseline")
-    kind = family(model.config)
-    if kind != "gpt2":
-        make = transformers.Qwen3ForCausalLM if kind == "qwen3" else transformers.LlamaForCausalLM
-        hf = make._from_config(hf_config(model.config), attn_implementation=attn_implementation)
-        missing, unexpected = hf.load_state_dict(_llama_state(model), strict=False)
-        if [k for k in missing if k != "lm_head.weight"] or unexpected:
-            raise ValueError(f"weights do not map onto {make.__name__}: missing {missing[:3]}, unexpected "
-                             f"{unexpected[:3]}")
-        hf.tie_weights()
-        return hf.to(model.transformer.wte.weight.device)
-    hf = transformers.GPT2LMHeadModel._from_config(hf_config(model.config), attn_implementation=attn_implementation)
+    make = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+            "qwen3": transformers.Qwen3ForCausalLM}[family(model.config)]
+    hf = make._from_config(hf_config(model.config), attn_implementation=attn_implementation)
     missing, unexpected = hf.load_state_dict(gptopt_state_to_hf(model), strict=False)
+    # a tied head loads through the embedding; GPT-2's causal-mask buffers are not weights
     leftover = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
     if leftover or unexpected:
-        raise ValueError(f"weights do not map onto GPT2LMHeadModel: missing {leftover[:3]}, "
+        raise ValueError(f"weights do not map onto {make.__name__}: missing {leftover[:3]}, "
                          f"unexpected {unexpected[:3]}")
     hf.tie_weights()
     return hf.to(model.transformer.wte.weight.device)
@@ -436,8 +429,8 @@ def read_hf_weights(directory: str | os.PathLike[str]) -> dict[str, torch.Tensor
 def _build(config: GPTConfig, state: dict[str, torch.Tensor]) -> GPT:
     model = GPT(config)
     missing, unexpected = model.load_state_dict(state, strict=False)
-    # Shapes and keys were checked already; lm_head is tied to wte and loads through it.
-    assert missing == ["lm_head.weight"] and not unexpected, (missing, unexpected)
+    # Shapes and keys were checked already; a tied lm_head loads through wte.
+    assert missing == (["lm_head.weight"] if config.tie_embeddings else []) and not unexpected, (missing, unexpected)
     return model
 
 
@@ -456,10 +449,7 @@ def load_hf_dir(directory: str | os.PathLike[str], **overrides: Any) -> GPT:
         raise ValueError(f"{config_path}: corrupt JSON ({e}); the download is damaged, fetch the model again") from None
     if isinstance(hf, dict) and hf.get("model_type") in LLAMA_FAMILIES:
         config = apply_overrides(config_from_llama(hf, where=str(config_path)), overrides, str(directory))
-        state = llama_state_to_gptopt(read_hf_weights(directory), config, where=str(directory))  # checked first
-        model = GPT(config)
-        model.load_state_dict(state, strict=False)  # strict: a tied head loads through the embedding
-        return model
+        return _build(config, llama_state_to_gptopt(read_hf_weights(directory), config, where=str(directory)))
     config = apply_overrides(config_from_hf(hf, where=str(config_path)), overrides, str(directory))
     state = hf_state_to_gptopt(read_hf_weights(directory), config, where=str(directory))
     return _build(config, state)

@@ -70,7 +70,8 @@ class Estimate:
 
 def param_count(config: GPTConfig) -> int:
     """Parameters of GPT(config), the tied lm_head once, position table included: from the config alone."""
-    return non_embedding_params(config) + config.block_size * config.n_embd
+    table = config.block_size * config.n_embd if config.positions == "learned" else 0  # rotary has none
+    return non_embedding_params(config) + table
 
 
 def _itemsize(dtype: torch.dtype | None) -> int:

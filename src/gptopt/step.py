@@ -182,8 +182,8 @@ class TrainStep:
         if hasattr(grad_norm, "full_tensor"):  # FSDP2: a DTensor
             grad_norm = grad_norm.full_tensor()
         loss_sum = distributed.all_reduce_mean(loss_sum, self.info)
+        values = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)])
         if self.skips_on_device:
-            values = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)])
             finite = values.isfinite().all()
             opt.found_inf = (~finite).float()  # type: ignore[attr-defined]  # read by the fused kernel
             try:
@@ -193,7 +193,7 @@ class TrainStep:
             opt.zero_grad(set_to_none=True)
             return StepResult(torch.cat([values, finite.float().unsqueeze(0)]))
         with record_function(READOUT_RANGE):
-            loss_val, norm_val = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)]).tolist()
+            loss_val, norm_val = values.tolist()
         # Under fp16 an inf norm is the GradScaler's business (it skips the step and lowers the scale).
         finite = math.isfinite(loss_val) and (scaler is not None or math.isfinite(norm_val))
         if finite:

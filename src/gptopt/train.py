@@ -228,9 +228,9 @@ class Trainer:
 
     run() = (rank 0) the old run of --overwrite moved aside, the folder marked; the signal handlers;
     _setup (model preparation, the TrainStep, the loader, the MFU peak, metrics, monitor, profiler),
-    then _loop, per step: _train_one (the step and its logging), _evaluate, _save (which lets the old
-    run go), and the stop conditions (signals, time budget, max steps/tokens; bad steps end the run
-    from _train_one).
+    then _loop, per step: _train_one (the step), _read_steps (its figures, read with those of the steps
+    before it: the bad-step count and the log), _evaluate, _save (which lets the old run go), and the stop
+    conditions (signals, time budget, max steps/tokens; bad steps end the run from _read_steps).
     """
 
     # the loop's parts, made by _setup
@@ -540,7 +540,7 @@ class Trainer:
                 log.info(f"the target val loss {progress.target['loss']} was reached at step "
                          f"{progress.target['steps_to_target']} before this resume: nothing to train")
             while not self._reached_the_end(progress) and progress.target is None:
-                self._train_one(progress, bar)
+                self._train_one(progress)
                 last_step = self._reached_the_end(progress)
                 every = cfg.eval_every
                 evaluated = bool(every) and (progress.step % every == 0 or last_step)
@@ -579,7 +579,7 @@ class Trainer:
             self._summary(progress)
         return exit_code
 
-    def _train_one(self, progress: Progress, bar: tqdm) -> None:
+    def _train_one(self, progress: Progress) -> None:
         """One optimizer step and its counters. Its figures may stay on the device: _read_steps reads them."""
         lr = self.train_step.lr(progress.step)
         if not self.pending:
@@ -588,7 +588,7 @@ class Trainer:
         progress.step += 1
         progress.tokens_seen += self.tokens_per_step
         self.pending.append((progress.step, result, lr))
-        bar.update(1)
+        self.bar.update(1)
         if self.profiler is not None:
             self.profiler.step()
 

@@ -313,8 +313,9 @@ class Bench:
         if rung.hf and not has("transformers"):
             res.status, res.note = "skipped", "needs the 'hf' extra: pip install 'gptopt[hf]'"
             return res
+        rplan = self._plan(tcfg)
         why = (fp8_unavailable(plan.device) if tcfg.fp8 else None) or sdpa_backend_unavailable(
-            tcfg.sdpa_backend, plan.device, self._plan(tcfg).amp_dtype)
+            tcfg.sdpa_backend, plan.device, rplan.amp_dtype)
         if why:
             res.status, res.note = "skipped", why
             return res
@@ -323,7 +324,6 @@ class Bench:
             res.status, res.note = "oom", f"out of memory at micro-batch {B} (estimated, not run): it {short}"
             log.warning(f"rung {res.name}: {res.note}")
             return res
-        rplan = self._plan(tcfg)
         model = train_step = None
         reused = rung.reuse_memory and plan.device.type == "cpu" and reuse_host_memory()
         try:
