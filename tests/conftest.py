@@ -89,11 +89,24 @@ def debug_tokenizer(train_data: Path) -> Tokenizer:
     return load_tokenizer(train_data / "tokenizer.json")
 
 
-def make_varied_model(vocab_size: int) -> GPT:
-    """The debug preset with wide random weights (std 0.5): its greedy text changes from token to token,
-    where GPT-2's 0.02 init makes a random model repeat one token. For module-scoped fixtures too."""
+def family_config(family: str, vocab_size: int = 512) -> GPTConfig:
+    """The debug preset's size in another family's shape: "gpt2" (the preset itself); "llama" (rotary, RMSNorm,
+    SwiGLU, grouped-query attention, no biases, its own head); "qwen3" (the same plus QK-norm, heads sized apart
+    from the width and a tied head)."""
+    if family == "gpt2":
+        return preset("debug", vocab_size=vocab_size)
+    qwen = family == "qwen3"
+    return GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64, vocab_size=vocab_size, bias=False,
+                     positions="rope", rope_theta=5e4, norm="rmsnorm", mlp="swiglu", intermediate_size=96,
+                     qk_norm=qwen, head_size=32 if qwen else None, tie_embeddings=qwen)
+
+
+def make_varied_model(vocab_size: int, family: str = "gpt2") -> GPT:
+    """The debug preset (or its size in family_config's family) with wide random weights (std 0.5): its greedy
+    text changes from token to token, where GPT-2's 0.02 init makes a random model repeat one token. For
+    module-scoped fixtures too."""
     torch.manual_seed(0)
-    model = GPT(preset("debug", vocab_size=vocab_size))
+    model = GPT(family_config(family, vocab_size))
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

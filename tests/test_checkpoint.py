@@ -74,3 +74,17 @@ def test_a_train_state_of_the_wrong_shape_is_named(debug_model: GPT, tmp_path: P
     torch.save(state, path / checkpoint.TRAIN_STATE)
     with pytest.raises(ValueError, match="not a gptopt train state"):
         checkpoint.load_train_state(path)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"attention": "eager"}])
+def test_a_llama_shaped_models_own_head_survives_saving_and_loading(overrides: dict, tmp_path: Path) -> None:
+    from conftest import make_varied_model
+
+    from gptopt import hf
+
+    model = make_varied_model(300, "llama")  # untied: lm_head is a weight of its own
+    checkpoint.save_model(model, tmp_path / "m")
+    loaded = hf.load_pretrained(tmp_path / "m", **overrides).eval()
+    x = torch.randint(0, 300, (1, 12))
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-4)  # eager and SDPA round apart

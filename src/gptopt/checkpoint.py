@@ -37,8 +37,10 @@ def write_model_files(
     config: GPTConfig, state: dict[str, torch.Tensor], directory: Path, extra: dict[str, Any] | None = None
 ) -> None:
     """Weights + config into an existing directory (a staged one: fsutil.staged_dir makes them durable)."""
-    # The tied lm_head shares wte's storage; safetensors refuses shared tensors, so store it once.
-    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items() if k != "lm_head.weight"}
+    # The tied lm_head shares wte's storage; safetensors refuses shared tensors, so store it once. An untied one
+    # (Llama's) is a weight of its own.
+    tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()
+               if k != "lm_head.weight" or not config.tie_embeddings}
     save_file(tensors, str(directory / WEIGHTS), metadata={"format": "pt"})
     meta = {"format": "gptopt", "model": config.to_dict(), **(extra or {})}
     with open(directory / META, "w") as fh:
@@ -102,9 +104,9 @@ def load_model(directory: str | os.PathLike[str], *, map_location: str | torch.d
     if meta.get("compression"):  # written by gptopt compress: integers + scales, dequantised here
         state = unpack_state(state, meta["compression"], str(weights))
     model = GPT(config)
-    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not config.tie_embeddings}
     check_state(expected, state, str(weights))
-    model.load_state_dict(state, strict=False)  # lm_head is tied to wte and loaded through it
+    model.load_state_dict(state, strict=False)  # a tied lm_head is loaded through wte
     return model
 
 

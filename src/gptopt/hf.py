@@ -460,11 +460,11 @@ def _load_gptopt_dir(directory: Path, overrides: dict[str, Any]) -> GPT:
     if not overrides:
         return model
     config = apply_overrides(model.config, overrides, str(directory))
-    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not config.tie_embeddings}
     # The stored padding may differ from the requested one: keep the real rows, re-pad with zeros.
-    state["transformer.wte.weight"] = _pad_rows(
-        state["transformer.wte.weight"][: config.vocab_size], config.padded_vocab_size
-    )
+    for key in ("transformer.wte.weight", "lm_head.weight"):
+        if key in state:
+            state[key] = _pad_rows(state[key][: config.vocab_size], config.padded_vocab_size)
     return _build(config, state)
 
 
