@@ -107,6 +107,29 @@ def test_onnxruntime_greedy_tokens_equal_gptopt_greedy_tokens(decoder: export.Or
         decoder.greedy(prompts, 60)
 
 
+@pytest.mark.parametrize("family", ["llama", pytest.param("qwen3", marks=pytest.mark.slow)])  # an export each
+def test_a_llama_or_qwen3_checkpoint_exports_to_onnx_with_its_key_value_heads_and_decodes_alike(
+    family: str, train_data: Path, debug_tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rotary positions in the graph, a cache of the key/value heads (fewer than the query heads), Qwen3's
+    QK-norm and heads sized apart from the width: the export's own check passes, and onnxruntime's greedy
+    tokens are gptopt's."""
+    model = make_varied_model(debug_tokenizer.get_vocab_size(), family)
+    source = save_model(model, tmp_path / "m", {"tokenizer": str(train_data / "tokenizer.json")})
+    out = tmp_path / "onnx"
+    assert cli.main(["export", "--model", str(source), "--output_dir", str(out)]) == 0, capsys.readouterr().err
+    assert "onnxruntime matches PyTorch" in capsys.readouterr().out
+    meta = json.loads((out / "gptopt_onnx.json").read_text())
+    inputs = {i["name"]: i["shape"] for i in meta["inputs"]}
+    assert inputs["past_key_1"] == ["batch", 2, "past_sequence", model.config.head_dim]  # 2 of the 4 heads
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 4)]
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2, max_len=64)
+    want = generate(gen, prompts, SamplingParams(max_new_tokens=16, temperature=0.0, top_k=None))
+    got = export.OrtDecoder(out / "model.onnx", block_size=64).greedy(prompts, 16)
+    assert got == want and len(set(got[0])) > 3
+
+
 def test_hf_export_loads_in_transformers_with_the_same_logits_and_tokenizer(
     model_dir: Path, model: GPT, debug_tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

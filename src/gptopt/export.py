@@ -4,8 +4,10 @@
     gptopt export --model out/ --format hf --output_dir out_hf    # GPT2LMHeadModel.from_pretrained("out_hf")
 
 The ONNX graph has the "past key values" signature decoders use: input_ids (B, T), attention_mask (B, P + T)
-(1 = a real token; prompts are left-padded), position_ids (B, T) and past_key_i / past_value_i (B, nh, P, hs)
-per layer in; logits (B, T, V) and present_key_i / present_value_i (B, nh, P + T, hs) out. Batch, sequence and
+(1 = a real token; prompts are left-padded), position_ids (B, T) and past_key_i / past_value_i (B, nkv, P, hs)
+per layer in; logits (B, T, V) and present_key_i / present_value_i (B, nkv, P + T, hs) out: nkv is the model's
+key/value heads (fewer than its query heads under grouped-query attention) and hs its head_dim, which Qwen3
+sizes apart from the width. Rotary positions are computed in the graph from position_ids. Batch, sequence and
 past length are dynamic; a prefill passes P = 0 (empty past tensors). Each export is checked before it is
 moved into place: onnxruntime (or transformers) against PyTorch on a padded batch of two prompts, a prefill
 and then one decode step. A mismatch writes nothing and exits 1.
@@ -65,7 +67,7 @@ class _ConcatLayer:
         self.k, self.v = past_k, past_v
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k = torch.cat([self.k, k], dim=2)  # (B, nh, P + T, hs)
+        self.k = torch.cat([self.k, k], dim=2)  # (B, nkv, P + T, hs)
         self.v = torch.cat([self.v, v], dim=2)
         return self.k, self.v
 
@@ -119,7 +121,7 @@ def to_onnx(model: GPT, path: Path, *, opset: int = 18) -> str:
     B, T, P = 2, 3, 4  # distinct and > 1: torch.export fixes sizes 0 and 1, and may tie equal ones together
     sample = (torch.randint(0, cfg.vocab_size, (B, T)), torch.ones(B, P + T, dtype=torch.long),
               (torch.arange(P, P + T) % cfg.block_size).expand(B, T).contiguous(),
-              [torch.zeros(B, cfg.n_head, P, cfg.head_dim) for _ in range(2 * cfg.n_layer)])
+              [torch.zeros(B, cfg.kv_heads, P, cfg.head_dim) for _ in range(2 * cfg.n_layer)])
     decoder = OnnxDecoder(model).eval()
     seq = {0: "batch", 1: "sequence"}
     with _quiet_exporter(), torch.no_grad():
@@ -162,7 +164,7 @@ class OrtDecoder:
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         past = [i for i in self.session.get_inputs() if i.name.startswith("past_")]
         self.past_names = [i.name for i in past]
-        self.n_head, self.head_dim = past[0].shape[1], past[0].shape[3]
+        self.kv_heads, self.head_dim = past[0].shape[1], past[0].shape[3]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.block_size = block_size
 
@@ -182,7 +184,7 @@ class OrtDecoder:
         for r, p in enumerate(prompts):
             ids[r, L - len(p) :], mask[r, L - len(p) :] = p, 1  # left-padded: each row's last token is at -1
         pos = np.maximum(mask.cumsum(axis=1) - 1, 0)
-        empty = [np.zeros((B, self.n_head, 0, self.head_dim), np.float32) for _ in self.past_names]
+        empty = [np.zeros((B, self.kv_heads, 0, self.head_dim), np.float32) for _ in self.past_names]
         logits, present = self.forward(ids, mask, pos, empty)
         return logits, mask, pos, present
 
@@ -327,7 +329,7 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
             "model": model.config.to_dict(), "tokenizer": TOKENIZER if tokenizer is not None else None,
             "eot_token_id": None if tokenizer is None else eot_id(tokenizer),
             "inputs": _io(decoder.session.get_inputs()), "outputs": _io(decoder.session.get_outputs()),
-            "usage": "prefill: past_* empty (batch, n_head, 0, head_dim); attention_mask 1 for real tokens, prompts "
+            "usage": "prefill: past_* empty (batch, kv_heads, 0, head_dim); attention_mask 1 for real tokens, prompts "
                      "left-padded; position_ids = cumsum(attention_mask) - 1, at least 0. Decode: present_* back as "
                      "past_*, a 1 appended to attention_mask, position_ids + 1.",
             "check": check,
