@@ -6,10 +6,12 @@ local directories the tests create; GPT-2's own paths are the other test modules
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from gptopt import hf
 from gptopt.config import GPTConfig
@@ -26,12 +28,77 @@ def hf_model(kind: str, **kw: object) -> torch.nn.Module:
     heads sized apart from the width (as Qwen3-0.6B's) and a tied head."""
     torch.manual_seed(0)
     if kind == "llama":
-        cfg = transformers.LlamaConfig(**SMALL, num_key_value_heads=2, rope_theta=50000.0, tie_word_embeddings=False,
-                                       **kw)
+        cfg = transformers.LlamaConfig(**{**SMALL, "num_key_value_heads": 2, "rope_theta": 50000.0,
+                                          "tie_word_embeddings": False, **kw})
         return transformers.LlamaForCausalLM(cfg).eval()
-    cfg = transformers.Qwen3Config(**SMALL, num_key_value_heads=2, head_dim=32, rope_theta=1e6,
-                                   tie_word_embeddings=True, **kw)
+    cfg = transformers.Qwen3Config(**{**SMALL, "num_key_value_heads": 2, "head_dim": 32, "rope_theta": 1e6,
+                                      "tie_word_embeddings": True, **kw})
     return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+# The families' chat templates as their tokenizer_config.json carries them: Llama 3's (its BOS from the
+# template, each turn ended by <|eot_id|>), and Qwen3's chat turns with its thinking switch (its tool calls left out).
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+QWEN3_TEMPLATE = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- if message.role == "user" and ns.last_query_index == messages|length - 1 %}
+        {%- set ns.last_query_index = (messages|length - 1) - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- if '</think>' in content %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+# kind: (template, its special tokens, bos_token, eos_token: the token that ends a turn)
+CHAT = {"llama": (LLAMA3_TEMPLATE, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+                  "<|begin_of_text|>", "<|eot_id|>"),
+        "qwen3": (QWEN3_TEMPLATE, ("<|im_start|>", "<|im_end|>"), None, "<|im_end|>")}
+
+
+def chat_model_dir(kind: str, tokenizer: Tokenizer, path: Path) -> Path:
+    """A Hugging Face directory of the family as a published chat model has it: the tokenizer with the family's
+    special tokens (Llama 3's adds its BOS to every text it encodes), tokenizer_config.json with the chat template
+    and the end-of-turn token, and random weights wide enough that greedy text changes from token to token."""
+    from tokenizers import processors
+
+    template, specials, bos, eos = CHAT[kind]
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.add_special_tokens(list(specials))
+    if bos is not None:
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])])
+    model = hf_model(kind, vocab_size=tok.get_vocab_size())
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": eos,
+              **({"bos_token": bos} if bos else {})}
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return path
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
@@ -142,3 +209,82 @@ def test_a_llama_shaped_model_exports_to_a_folder_transformers_loads_and_generat
     gen = Generator(model, resolve("cpu", "fp32", quiet=True), max_batch_size=1)
     ours = generate(gen, [x[0].tolist()], SamplingParams(max_new_tokens=12, temperature=0.0))
     assert ours[0] == want[0, 10:].tolist()
+
+
+def greedy_text(directory: Path, ids: list[int], n: int, stop: tuple[int, ...] = ()) -> str:
+    """The Generator's greedy text after ids, from the directory as inference loads it: what the server must send."""
+    from gptopt.device import resolve
+    from gptopt.generator import Generator, SamplingParams, generate
+    from gptopt.inference import load_for_inference
+
+    plan = resolve("cpu", "fp32", quiet=True)
+    model, tok = load_for_inference(str(directory), tokenizer=None, plan=plan)
+    out = generate(Generator(model, plan, max_batch_size=1), [ids],
+                   SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=stop))
+    return tok.decode(out[0])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_serve_answers_a_chat_models_directory_greedily_through_its_own_template_to_its_end_of_turn(
+        kind: str, debug_tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OpenAI routes over a Llama 3 / Qwen3 directory: completions and chat, streamed or not, are the
+    Generator's greedy text; chat's prompt is the token ids transformers' apply_chat_template makes of the
+    directory's template (one BOS, from the template), and the template's end-of-turn token ends the reply."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from test_serve import end_of_text_after, sse
+
+    from gptopt.config import ServeConfig
+    from gptopt.serve.app import create_app
+    from gptopt.serve.server import serve_in_thread
+
+    d = chat_model_dir(kind, debug_tokenizer, tmp_path / kind)
+    theirs = transformers.AutoTokenizer.from_pretrained(d)
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "def fib(n):"}]
+    chat_ids = theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    end = theirs.convert_tokens_to_ids(CHAT[kind][3])
+    ends = (theirs.convert_tokens_to_ids("<|endoftext|>"), end)  # end of text, or of the turn
+    assert chat_ids.count(end) == 2 and theirs.decode(chat_ids).count("<|begin_of_text|>") == (kind == "llama")
+    prompt = "def parse_args(self):"
+    n = 8
+    want = greedy_text(d, theirs(prompt)["input_ids"], n)
+    want_chat = greedy_text(d, chat_ids, n, ends)
+    app = create_app(ServeConfig(model=str(d), device="cpu", max_batch_size=2, engine_process=False))
+    with serve_in_thread(app) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        card = httpx.get(f"{url}/v1/models").json()["data"][0]
+        assert (card["id"], card["chat"]) == (kind, True)
+        body = {"prompt": prompt, "max_tokens": n, "temperature": 0}
+        got = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["text"] == want != ""
+        streamed = sse(httpx.post(f"{url}/v1/completions", json={**body, "stream": True}, timeout=60))
+        assert "".join(f["choices"][0]["text"] for f in streamed[:-1]) == want
+        body = {"messages": messages, "max_tokens": n, "temperature": 0}
+        got = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert got["choices"][0]["message"]["content"] == want_chat != ""
+        assert got["usage"]["prompt_tokens"] == len(chat_ids)
+        streamed = sse(httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60))
+        assert "".join(c["delta"].get("content", "") for f in streamed[:-1] for c in f["choices"]) == want_chat
+        end_of_text_after(app.state.engine.generator, monkeypatch, len(chat_ids), 3, end)  # the model ends its turn
+        ended = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).json()
+        assert ended["choices"][0]["finish_reason"] == "stop" and ended["usage"]["completion_tokens"] == 2
+        assert ended["choices"][0]["message"]["content"] == greedy_text(d, chat_ids, 2)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_generate_chat_on_a_chat_models_directory_sends_its_templates_tokens_and_prints_the_greedy_reply(
+        kind: str, debug_tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("jinja2")
+    from test_chat import run_chat
+
+    d = chat_model_dir(kind, debug_tokenizer, tmp_path / kind)
+    theirs = transformers.AutoTokenizer.from_pretrained(d)
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "def fib(n):"}]
+    chat_ids = theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    ends = tuple(theirs.convert_tokens_to_ids(t) for t in ("<|endoftext|>", CHAT[kind][3]))
+    rc, out, err, prompts = run_chat(["--model", str(d), "--max_new_tokens", "8", "Be terse."], "def fib(n):\n",
+                                     monkeypatch, capsys)
+    assert rc == 0, err
+    assert prompts == [chat_ids]
+    assert out.split("\n")[0] == greedy_text(d, chat_ids, 8, ends)  # not splitlines: the reply may hold \x1d

@@ -51,13 +51,16 @@ class ChatTemplate:
     source names it to whoever runs the server (a file's path), kind to clients, in the errors of render:
     those reach a request's sender, who must not see the server's files. stop: extra stop strings its
     replies end at; eos_token: the text of the token that ends a turn (its id, where the tokenizer has
-    it, ends generation too)."""
+    it, ends generation too). add_special_tokens: whether the rendered prompt is encoded with the tokens the
+    tokenizer adds to any text (Llama 3's BOS): a Jinja template writes those itself (its bos_token), so, as
+    transformers' apply_chat_template, not for it; the plain template's prompt is encoded as a completion's."""
 
     def __init__(self, source: str, text: str | None, *, kind: str, bos_token: str = "",
                  eos_token: str = "") -> None:
         self.source, self.kind, self.text = source, kind, text
         self.bos_token, self.eos_token = bos_token, eos_token
         self.stop = PLAIN_STOP if text is None else ()
+        self.add_special_tokens = text is None
         self._compiled = None if text is None else _compile(text, source)
 
     def render(self, messages: list[dict[str, str]]) -> str:
@@ -73,6 +76,10 @@ class ChatTemplate:
             raise ValueError(f"{self.kind} failed on these messages: {e}") from None
         except Exception as e:  # a template is code: a TypeError or ZeroDivisionError in it is its own fault
             raise ValueError(f"{self.kind} failed on these messages: {type(e).__name__}: {e}") from None
+
+    def encode(self, tokenizer: Tokenizer, prompt: str) -> list[int]:
+        """The token ids of a prompt render made (add_special_tokens says which)."""
+        return tokenizer.encode(prompt, add_special_tokens=self.add_special_tokens).ids
 
     def stop_token_ids(self, tokenizer: Tokenizer) -> tuple[int, ...]:
         """Token ids that end a reply: the end-of-text token, and the template's eos_token where the

@@ -164,7 +164,7 @@ def _chat(gen: Generator, tok: Tokenizer, template: chat.ChatTemplate, params: S
     history, total = list(start), 0
 
     def count(messages: list[dict[str, str]]) -> int:
-        return len(tok.encode(template.render(messages)).ids)
+        return len(template.encode(tok, template.render(messages)))
 
     if start:  # a system message that leaves no room for any turn is said once, not blamed on every turn
         try:
@@ -187,7 +187,7 @@ def _chat(gen: Generator, tok: Tokenizer, template: chat.ChatTemplate, params: S
             continue
         try:
             history, dropped = chat.fit_conversation([*history, {"role": "user", "content": line}], count, limit)
-            ids = tok.encode(template.render(history)).ids
+            ids = template.encode(tok, template.render(history))
         except ValueError as e:  # this turn cannot be sent: say why, and the conversation goes on without it
             print(f"gptopt generate: {e}", file=sys.stderr)
             continue

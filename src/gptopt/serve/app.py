@@ -433,12 +433,14 @@ class _API:
                            f"context of {self.context} tokens", param=param, code="context_length_exceeded")
         return max_tokens
 
-    async def encode(self, texts: list[str]) -> list[list[int]]:
+    async def encode(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """Token ids of each text; a long prompt off the event loop, a short one on it (its encoding costs the
-        loop less than the hand-off to a worker thread and back)."""
+        loop less than the hand-off to a worker thread and back). add_special_tokens: False for a prompt a
+        chat template rendered with its own (chat.ChatTemplate.add_special_tokens)."""
         if sum(map(len, texts)) <= INLINE_ENCODE_CHARS:
-            return [self.tokenizer.encode(t).ids for t in texts]
-        return [e.ids for e in await asyncio.to_thread(self.tokenizer.encode_batch, texts)]
+            return [self.tokenizer.encode(t, add_special_tokens=add_special_tokens).ids for t in texts]
+        return [e.ids for e in await asyncio.to_thread(self.tokenizer.encode_batch, texts,
+                                                       add_special_tokens=add_special_tokens)]
 
     async def read_prompts(self, prompts: list[str | list[int]]) -> tuple[list[list[int]], list[str]]:
         """Each prompt's token ids and text (a prompt of ids: its decoded text, special tokens included),
@@ -636,7 +638,7 @@ class _API:
             prompt = await asyncio.to_thread(self.chat.render, messages)
         except ValueError as e:
             raise APIError(400, str(e), param="messages", code="chat_template_error") from None
-        (ids,) = await self.encode([prompt])
+        (ids,) = await self.encode([prompt], self.chat.add_special_tokens)
         if not ids:
             raise APIError(400, f"{self.chat.kind} rendered these messages as no text",
                            param="messages", code="chat_template_error")
