@@ -1,7 +1,7 @@
 """Training on several processes: DDP and FSDP2 over gloo, two CPU ranks launched by torchrun.
 
     pytest -q tests/test_distributed.py
-    pytest -q tests/test_distributed.py -m slow     # SIGTERM to torchrun, then resume
+    pytest -q tests/test_distributed.py -m slow     # SIGTERM to torchrun, then resume; a Llama-shaped model
 
 Each run is a real `torchrun --standalone` (it finds a free port itself, so runs may overlap) or a
 plain `python -m gptopt train` to compare with. Batches are a pure function of (seed, micro-step),
@@ -201,6 +201,21 @@ def test_fsdp_trains_like_ddp_and_saves_a_full_checkpoint(runs: dict[str, Run]) 
     optimizer = checkpoint.load_train_state(fsdp.ckpt(6))["optimizer"]
     for name, param in model.named_parameters():
         assert optimizer["state"][name]["exp_avg"].shape == param.shape, name
+
+
+@pytest.mark.slow
+def test_a_llama_shaped_model_trains_on_ddp_and_fsdp_as_on_one_process(train_data: Path, tmp_path: Path) -> None:
+    """Rotary positions (a buffer each rank computes, not a weight), RMSNorm, SwiGLU, grouped-query attention and
+    an untied head: the same losses and weights as one process on the same global batch."""
+    plans = {"one": (None, "--batch_size", "8"), "ddp": (RANKS, "--batch_size", "4"),
+             "fsdp": (RANKS, "--batch_size", "4", "--fsdp")}
+    started = {name: launch(tmp_path / name, train_data, "--preset", "llama-tiny", *args, ranks=n)
+               for name, (n, *args) in plans.items()}
+    one, ddp, fsdp = (started[name].wait().ok() for name in plans)
+    assert checkpoint.load_model(one.ckpt(6)).config.positions == "rope"
+    for run in (ddp, fsdp):
+        assert_close(run.losses(), one.losses())
+        assert_weights_close(run.weights(6), one.weights(6))
 
 
 @pytest.fixture(scope="module")
