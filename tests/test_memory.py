@@ -120,6 +120,18 @@ def test_inference_counts_the_kv_cache_per_slot() -> None:
     assert one.parts["weights"] == memory.param_count(cfg) * 2
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b"])
+def test_the_kv_cache_estimate_is_the_generators_cache_of_the_key_value_heads(name: str) -> None:
+    """Grouped-query attention caches its key/value heads only (SmolLM2: 3 of 9), each head_dim wide (Qwen3: not
+    the width over the heads): what serve sizes its slots by is what the Generator allocates."""
+    from gptopt.generator import KVCache
+
+    cfg = preset(name)
+    cache = KVCache(cfg, 2, 512, device="meta", dtype=torch.bfloat16)
+    allocated = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
+    assert inference_bytes(cfg, 2, 512, dtype=torch.bfloat16).parts["KV cache"] == allocated
+
+
 # -- what the device has free ------------------------------------------------------------------
 
 

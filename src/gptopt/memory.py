@@ -144,10 +144,11 @@ def inference_bytes(config: GPTConfig, slots: int, max_len: int, *, dtype: torch
     prefill = max_len * 12 * C * w + 3 * _F32 * H * max_len * max_len
     # a decode step of every slot: the same per token, the scores over the cache, a gather of one
     # layer's keys and values for non-consecutive slots, and fp32 logits
-    decode = slots * (12 * C * w + 3 * _F32 * H * max_len + (w + _F32) * V) + 2 * slots * max_len * C * w
+    kv = config.kv_heads * config.head_dim  # a position's keys in one layer: grouped-query attention keeps fewer
+    decode = slots * (12 * C * w + 3 * _F32 * H * max_len + (w + _F32) * V) + 2 * slots * max_len * kv * w
     return Estimate({
         "weights": P * w,
-        "KV cache": 2 * L * slots * max_len * C * w,  # keys and values, every layer
+        "KV cache": 2 * L * slots * max_len * kv * w,  # keys and values, every layer
         "forward": prefill + decode,
     })
 
