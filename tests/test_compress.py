@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import last_json_line, split_bytes_per_token
+from tokenizers import Tokenizer
 
 from gptopt import checkpoint, cli
 from gptopt.compress import mean_kl, memory_bytes, perplexity_and_kl
@@ -270,3 +271,29 @@ def test_memory_bytes_counts_a_tied_weight_once(trained_out: Path) -> None:
     model, _ = load_for_inference(str(trained_out), tokenizer=None, plan=CPU)
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     assert memory_bytes(model) == 4 * model.num_params() + buffers
+
+
+def test_a_llama_shaped_checkpoint_compresses_to_one_that_loads_generates_and_is_measured_against_it(
+        train_data: Path, debug_tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """SwiGLU's c_gate pruned and quantised with the other block Linears, RMSNorm without biases, and the
+    model's own (untied) lm_head kept: quantised on its own, never lost."""
+    from conftest import family_config
+
+    torch.manual_seed(0)
+    model = GPT(family_config("llama", debug_tokenizer.get_vocab_size())).eval()
+    source = checkpoint.save_model(model, tmp_path / "llama", {"tokenizer": str(train_data / "tokenizer.json"),
+                                                                "data_dir": str(train_data)})
+    out = tmp_path / "int8"
+    assert cli.main(compress_cli(source, None, out, "--quantize", "int8-dynamic", "--prune", "0.25", "--json")) == 0
+    report = last_json_line(capsys.readouterr().out)
+    assert report["compression"]["layers"] == "every block Linear and lm_head"
+    assert 0 < report["compressed"]["kl_divergence"] < 0.05 and report["ratios"]["disk"] < 0.5
+    assert report["original"]["bits_per_byte"] is not None and report["compressed"]["bits_per_byte"] is not None
+    loaded = checkpoint.load_model(out)  # dequantised: the stored grid, pruned zeros included
+    gate = loaded.transformer.h[0].mlp.c_gate.weight
+    assert (gate == 0).float().mean().item() == pytest.approx(0.25, abs=0.01)
+    assert not torch.equal(loaded.lm_head.weight, loaded.transformer.wte.weight)
+    assert (loaded.lm_head.weight - model.lm_head.weight).abs().max() <= model.lm_head.weight.abs().max() / 127
+    assert cli.main(["generate", "--model", str(out), "--device", "cpu", "--temperature", "0",
+                     "--max_new_tokens", "5", "import"]) == 0
+    assert "5 tokens" in capsys.readouterr().err

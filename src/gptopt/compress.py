@@ -174,7 +174,8 @@ def _disk_bytes(source: Path | str, model: nn.Module) -> int:
     """The original's weight file; for a hub name or another layout, the fp32 payload gptopt would write."""
     if isinstance(source, Path) and (source / checkpoint.WEIGHTS).is_file():
         return (source / checkpoint.WEIGHTS).stat().st_size
-    return sum(t.numel() * 4 for k, t in model.state_dict().items() if k != "lm_head.weight")
+    return sum(t.numel() * 4 for k, t in model.state_dict().items()
+               if k != "lm_head.weight" or not model.config.tie_embeddings)
 
 
 def measure(cfg: CompressConfig, plan: DevicePlan, data: TokenData, source: Path | str,

@@ -11,9 +11,10 @@ load a compressed directory like any other.
 On disk (model.safetensors) a quantised layer's `weight` holds the integers and `weight_scale` (for
 int4 also `weight_min`) their per-channel or per-group parameters, so the file really shrinks. The
 tied lm_head is quantised through wte: one set of per-row int8 scales serves the embedding lookup
-(dequantised) and the output projection (quantised). Pruned weights are stored as they are, zeros.
-Every loader dequantises the state (hf.load_pretrained gives a plain fp32 GPT whose weights lie on
-the stored grid); `restore` turns that into the device's quantised modules with the same integers.
+(dequantised) and the output projection (quantised); an untied one (Llama's) is an int8 layer of its
+own. Pruned weights are stored as they are, zeros. Every loader dequantises the state
+(hf.load_pretrained gives a plain fp32 GPT whose weights lie on the stored grid); `restore` turns that
+into the device's quantised modules with the same integers.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ _TINY = 1e-12  # an all-zero row (padding, a pruned-away channel) keeps a finite
 
 
 def block_linears(model: GPT) -> dict[str, nn.Linear]:
-    """The Transformer blocks' Linear layers (c_attn, c_proj, c_fc, mlp.c_proj of each block) by name.
-    lm_head is not among them: it is tied to the embedding, so pruning it would prune wte too."""
+    """The Transformer blocks' Linear layers (c_attn, c_proj, c_fc, SwiGLU's c_gate, mlp.c_proj of each block) by
+    name. lm_head is not among them: tied to the embedding, pruning it would prune wte too; untied (Llama's), it is
+    kept whole as the embedding is, and int8 quantises it as a layer of its own (pack_state)."""
     return {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear) and n.startswith("transformer.h.")}
 
 
@@ -200,7 +202,8 @@ def compress_model(model: GPT, quantize: str | None, prune: float | str | None) 
     record: dict[str, Any] = {
         "format": FORMAT, "quantize": quantize, "prune": prune,
         "layers": "every block Linear"
-                  + (" and lm_head (stored through wte)" if quantize in ("int8-weight", "int8-dynamic") else ""),
+                  + ((" and lm_head" + (" (stored through wte)" if model.config.tie_embeddings else ""))
+                     if quantize in ("int8-weight", "int8-dynamic") else ""),
         "versions": {"torch": torch.__version__, "torchao": _version("torchao")},
     }
     if quantize in ("int8-weight", "int8-dynamic"):
@@ -221,9 +224,10 @@ def describe(record: dict[str, Any]) -> str:
 
 def pack_state(model: GPT, record: dict[str, Any]) -> dict[str, torch.Tensor]:
     """The tensors to write: quantised layers as integers plus their scales; the rest as it is."""
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    tied = model.config.tie_embeddings
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items() if k != "lm_head.weight" or not tied}
     if record["quantize"] in ("int8-weight", "int8-dynamic"):
-        for name in [*block_linears(model), "transformer.wte"]:
+        for name in [*block_linears(model), "transformer.wte", *([] if tied else ["lm_head"])]:
             state[f"{name}.weight"], state[f"{name}.weight{_SCALE}"] = int8_per_channel(state[f"{name}.weight"])
     elif record["quantize"] == "int4-weight":
         for name in block_linears(model):
@@ -358,7 +362,7 @@ def quantize_int4(model: GPT, plan: DevicePlan, dtype: torch.dtype, group_size: 
     """torchao int4 weight-only on every block Linear (tinygemm: asymmetric, per group of `group_size` inputs),
     the model moved to plan.device in bf16 first: a quarter of bf16's weight bytes read per decode step.
     Used on the fly (generate and serve --quantize int4-weight, bench's int4 rung) and by restore for a compressed
-    checkpoint, whose weights already lie on this grid. lm_head stays bf16: it is tied to the embedding."""
+    checkpoint, whose weights already lie on this grid. lm_head stays bf16: tied, it is the embedding."""
     problem = int4_unsupported(plan, dtype, "use --quantize int8-weight instead")
     if problem:
         raise ValueError(problem)
