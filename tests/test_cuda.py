@@ -261,14 +261,16 @@ def test_auto_batch_size_backs_off_a_real_cuda_oom_to_a_batch_that_fits() -> Non
 # The GPU paths of inference: CUDA-graph decode, torchao int8, NVML monitoring
 
 
-def test_cuda_graph_decode_gives_the_eager_decodes_greedy_tokens() -> None:
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+def test_cuda_graph_decode_gives_the_eager_decodes_greedy_tokens(family: str) -> None:
     """Generator(compile=True) on a GPU (reduce-overhead: CUDA graphs over a static KV cache) must say
     what the eager Generator says, and really replay graphs. Two prompts of different lengths: each
-    row decodes at its own position. fp32 without TF32, so both paths compute the same logits."""
+    row decodes at its own position. fp32 without TF32, so both paths compute the same logits. The
+    Llama and Qwen3 shapes: rotary angles from the graph's position buffer, a cache of the key/value heads."""
     from torch._dynamo.utils import counters
 
     plan = resolve()
-    model = make_varied_model(512).to(plan.device)
+    model = make_varied_model(512, family).to(plan.device)
     prompts = [[5, 17, 99, 4, 200, 31, 8], [3, 1, 4]]
     greedy = SamplingParams(max_new_tokens=24, temperature=0, top_k=None)
     precision = torch.get_float32_matmul_precision()
@@ -285,13 +287,14 @@ def test_cuda_graph_decode_gives_the_eager_decodes_greedy_tokens() -> None:
     assert counters["inductor"]["cudagraph_skips"] == skips  # no step fell back from CUDA graphs
 
 
-def test_eager_cuda_graphs_give_the_eager_decodes_greedy_tokens_one_graph_per_bucket() -> None:
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen3"])
+def test_eager_cuda_graphs_give_the_eager_decodes_greedy_tokens_one_graph_per_bucket(family: str) -> None:
     """Generator(cuda_graphs=True), serve's default on a GPU: the eager decode recorded once per bucket
     (inference.GraphedDecode) and replayed must say what the eager Generator says, at a bucket wider
     than the rows asked for (3 sequences run the 4-row graph) and at a smaller bucket recorded later
-    from the same memory pool."""
+    from the same memory pool; for the Llama and Qwen3 shapes too."""
     plan = resolve()
-    model = make_varied_model(512).to(plan.device)
+    model = make_varied_model(512, family).to(plan.device)
     prompts = [[5, 17, 99, 4, 200, 31, 8], [3, 1, 4], [9, 9, 2, 7, 300]]
     greedy = SamplingParams(max_new_tokens=24, temperature=0, top_k=None)
     precision = torch.get_float32_matmul_precision()
