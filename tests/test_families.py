@@ -288,3 +288,25 @@ def test_generate_chat_on_a_chat_models_directory_sends_its_templates_tokens_and
     assert rc == 0, err
     assert prompts == [chat_ids]
     assert out.split("\n")[0] == greedy_text(d, chat_ids, 8, ends)  # not splitlines: the reply may hold \x1d
+
+
+def test_serve_answers_a_llama_shaped_gptopt_checkpoint_with_its_generators_greedy_text(
+        train_data: Path, debug_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from conftest import make_varied_model
+
+    from gptopt.checkpoint import save_model
+    from gptopt.config import ServeConfig
+    from gptopt.serve.app import create_app
+    from gptopt.serve.server import serve_in_thread
+
+    d = save_model(make_varied_model(debug_tokenizer.get_vocab_size(), "llama"), tmp_path / "m",
+                   {"tokenizer": str(train_data / "tokenizer.json")})
+    prompt = "def parse_args(self):"
+    want = greedy_text(d, debug_tokenizer.encode(prompt).ids, 8)
+    app = create_app(ServeConfig(model=str(d), device="cpu", max_batch_size=2, engine_process=False))
+    with serve_in_thread(app) as server:
+        got = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", timeout=60,
+                         json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
+    assert got["choices"][0]["text"] == want != ""
