@@ -1,5 +1,6 @@
-"""gptopt eval: HellaSwag scored completion-style (acc, acc_norm per byte), checked against scores
-computed here by other routes; the download for users who are online; every bad input one line, exit 2.
+"""gptopt eval: HellaSwag scored completion-style (acc, acc_norm per byte) and bits per byte of held-out text,
+for every model family, checked against scores computed here by other routes; the download for users who are
+online; every bad input one line, exit 2.
 
     pytest -q tests/test_evaluate.py
 
@@ -15,9 +16,10 @@ from pathlib import Path
 from typing import Any
 from urllib.error import URLError
 
+import numpy as np
 import pytest
 import torch
-from conftest import last_json_line
+from conftest import last_json_line, make_varied_model, split_bytes_per_token
 from tokenizers import Tokenizer
 
 from gptopt import cli, evaluate, hf
@@ -106,10 +108,27 @@ def test_a_unigram_model_scores_as_computed_by_hand(debug_tokenizer: Tokenizer, 
     assert res["acc"] == pytest.approx(1 / 4) and res["acc_norm"] == pytest.approx(3 / 4)
 
 
-def test_scores_equal_a_plain_forward_of_each_ending_alone(model_dir: Path, train_data: Path, tmp_path: Path,
-                                                           capsys: pytest.CaptureFixture[str]) -> None:
+def family_source(kind: str, model_dir: Path, train_data: Path, root: Path) -> Path:
+    """A model to evaluate, with its tokenizer: "gpt2" (model_dir); "llama" (a gptopt checkpoint of the Llama
+    shape); "hf-llama" / "hf-qwen3" (a Hugging Face LlamaForCausalLM / Qwen3ForCausalLM directory, tokenizer.json
+    beside its weights). Wide random weights, so the endings' scores stand apart."""
+    if kind == "gpt2":
+        return model_dir
+    tokenizer = train_data / "tokenizer.json"
+    model = make_varied_model(Tokenizer.from_file(str(tokenizer)).get_vocab_size(), kind.removeprefix("hf-"))
+    if kind == "llama":
+        return save_model(model, root / kind, {"tokenizer": str(tokenizer), "data_dir": str(train_data)})
+    out = hf.export_hf(model, root / kind)
+    (out / "tokenizer.json").write_bytes(tokenizer.read_bytes())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "hf-llama", "hf-qwen3"])
+def test_scores_equal_a_plain_forward_of_each_ending_alone(kind: str, model_dir: Path, train_data: Path,
+                                                           tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # The other route: one unpadded forward per (context, ending), log_softmax and gather, the context cut
     # to the model's window by hand. The command batches rows of different lengths (2 examples, 8 rows).
+    model_dir = family_source(kind, model_dir, train_data, tmp_path)
     tok = Tokenizer.from_file(str(train_data / "tokenizer.json"))
     model = hf.load_pretrained(model_dir).eval()
     block = model.config.block_size
@@ -136,6 +155,75 @@ def test_scores_equal_a_plain_forward_of_each_ending_alone(model_dir: Path, trai
     assert res["truncated_rows"] == 4 and res["task"] == "hellaswag" and res["data"] == str(data.resolve())
     one = run_json(eval_cli(model_dir, data, "--batch_size", "1", "--limit", "1"), capsys)
     assert one["examples"] == 1 and one["correct"] == int(preds[0][0] == labels[0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Bits per byte
+
+
+HELD_OUT = LONG + "def naïve(x):\n    return '😀' * x\n"  # several windows of 64 tokens, multi-byte characters
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "hf-qwen3"])
+def test_bits_per_byte_of_a_text_file_equal_a_plain_forward_of_its_windows(
+        kind: str, model_dir: Path, train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # The other route: the text's tokens after an end-of-text token, one forward per window of the model's
+    # context, the summed loss over ln 2 over the text's UTF-8 bytes
+    source = family_source(kind, model_dir, train_data, tmp_path)
+    tok = Tokenizer.from_file(str(train_data / "tokenizer.json"))
+    model = hf.load_pretrained(source).eval()
+    seq = [tok.token_to_id("<|endoftext|>"), *tok.encode(HELD_OUT).ids]
+    T = model.config.block_size
+    assert len(seq) > 2 * T + 1  # windows of the full context and a shorter last one
+    nll = 0.0
+    with torch.no_grad():
+        for s in range(0, len(seq) - 1, T):
+            x, y = torch.tensor([seq[s : s + T + 1][:-1]]), torch.tensor(seq[s + 1 : s + T + 1])
+            nll += torch.nn.functional.cross_entropy(model(x)[0].float(), y, reduction="sum").item()
+    nbytes = len(HELD_OUT.encode("utf-8"))
+    text = tmp_path / "held_out.txt"
+    text.write_text(HELD_OUT, encoding="utf-8")
+    res = run_json(["eval", "--task", "bpb", "--model", str(source), "--data", str(text), "--device", "cpu",
+                    "--batch_size", "2", "--json"], capsys)
+    assert (res["task"], res["tokens"], res["bytes"]) == ("bpb", len(seq) - 1, nbytes)
+    assert res["loss"] == pytest.approx(nll / (len(seq) - 1), rel=1e-5)
+    assert res["bits_per_byte"] == pytest.approx(nll / math.log(2) / nbytes, rel=1e-5)
+
+
+def test_bits_per_byte_default_to_the_val_split_of_the_training_data(
+        train_data: Path, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = family_source("llama", model_dir, train_data, tmp_path)  # its checkpoint records train_data
+    out = tmp_path / "eval_out"
+    res = run_json(["eval", "--task", "bpb", "--model", str(source), "--device", "cpu", "--batch_size", "16",
+                    "--output_dir", str(out), "--json"], capsys)
+    val = np.fromfile(train_data / "val.bin", dtype=np.uint16)
+    assert res["data"] == str(train_data.resolve()) and res["tokens"] == len(val) - 1
+    assert res["bits_per_byte"] == pytest.approx(res["loss"] / math.log(2) / split_bytes_per_token(train_data),
+                                                 rel=1e-6)
+    assert json.loads((out / "results.json").read_text()) == res
+    assert cli.main(["eval", "--task", "bpb", "--model", str(source), "--device", "cpu", "--limit", "2"]) == 0
+    printed = capsys.readouterr().out
+    assert "bits per byte" in printed and "loss (nats/token)" in printed and "2 windows" in printed
+
+
+@pytest.mark.parametrize(("make", "needles"), [
+    (None, ["records no training data", "--data"]),
+    (lambda d: d / "missing.txt", ["no such file or folder", "a text file"]),
+    (lambda d: (d / "empty.txt", (d / "empty.txt").write_text("\n"))[0], ["holds no text"]),
+    (lambda d: (d / "bin.txt", (d / "bin.txt").write_bytes(b"\xff\xfe"))[0], ["not UTF-8"]),
+    (lambda d: (d, (d / "train.bin").write_bytes(b"\0" * 8), (d / "val.bin").write_bytes(b"\0" * 8))[0],
+     ["stores no tokenizer", "give the text itself"]),
+])
+def test_bits_per_byte_without_held_out_text_is_one_line_naming_the_fix(
+        make: Any, needles: list[str], model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(evaluate, "load_for_inference", no_model)
+    data = [] if make is None else ["--data", str(make(tmp_path))]
+    assert cli.main(["eval", "--task", "bpb", "--model", str(model_dir), *data, "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("gptopt eval: error:"), err
+    for needle in needles:
+        assert needle in err, err
 
 
 def test_output_still_names_the_output_dir_and_errors_name_output_dir(

@@ -843,24 +843,28 @@ class CompressConfig:
             raise ValueError("nothing to do: give --quantize METHOD and/or --prune FRACTION|2:4")
 
 
-EVAL_TASKS = ("hellaswag",)
+EVAL_TASKS = ("hellaswag", "bpb")
 MAX_EXAMPLES = 10**8  # HellaSwag's val set has 10,042; a limit beyond this is a typo
 
 
 @dataclass(kw_only=True)
 class EvalConfig:
     model: str = opt("out", "the model to score: a training output dir (its latest checkpoint), a checkpoint, "
-                     "a HF GPT-2 dir, or gpt2")
+                     "a HF GPT-2, Llama or Qwen3 dir, or gpt2")
     tokenizer: str | None = opt(None, "tokenizer.json or dir; default: the one the model was trained with")
     task: str = opt("hellaswag", "hellaswag: pick the right one of 4 endings, completion-style; acc by the summed "
                     "log-likelihood of each ending, acc_norm by its log-likelihood per byte of the ending's "
-                    "text (lm-eval's length normalisation, not llm.c's per token)", choices=EVAL_TASKS)
-    data: str | None = opt(None, "the task's examples: a .jsonl in HellaSwag's published format (ctx or ctx_a + "
-                           "ctx_b, 4 endings, label); default: HellaSwag's val set, downloaded once into "
-                           "~/.cache/gptopt (online only)")
-    limit: int | None = opt(None, "score only the first N examples", ge=1, le=MAX_EXAMPLES)
-    batch_size: int = opt(4, "examples per forward, each one row per ending (memory grows with rows x length x "
-                          "vocabulary)", ge=1, le=MAX_BATCH)
+                    "text (lm-eval's length normalisation, not llm.c's per token); bpb: bits per byte of held-out "
+                    "text (comparable across tokenizers), in windows of the model's context that do not overlap",
+                    choices=EVAL_TASKS)
+    data: str | None = opt(None, "hellaswag: a .jsonl in HellaSwag's published format (ctx or ctx_a + ctx_b, 4 "
+                           "endings, label); default: HellaSwag's val set, downloaded once into ~/.cache/gptopt "
+                           "(online only). bpb: a text file or a folder of them (tokenized with the model's "
+                           "tokenizer), or a data dir from gptopt prepare (its val split); default: the val split "
+                           "of the data the model was trained on")
+    limit: int | None = opt(None, "score only the first N examples (bpb: windows)", ge=1, le=MAX_EXAMPLES)
+    batch_size: int = opt(4, "examples per forward, each one row per ending (bpb: windows); memory grows with rows "
+                          "x length x vocabulary", ge=1, le=MAX_BATCH)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))

@@ -1,7 +1,9 @@
-"""gptopt eval: a model's accuracy on a multiple-choice benchmark (HellaSwag), scored completion-style.
+"""gptopt eval: a model's accuracy on a multiple-choice benchmark (HellaSwag), scored completion-style, or its
+bits per byte on held-out text.
 
     gptopt eval --model out --data hellaswag_val.jsonl --limit 500
     gptopt eval --model gpt2 --json          # online: HellaSwag's val set is downloaded once
+    gptopt eval --model out --task bpb --data held_out.txt
 
 Each example is a context and 4 endings, one of them right (HellaSwag's published jsonl: ctx, or
 ctx_a + ctx_b; endings; label). Each ending is scored by the log-likelihood the model gives its tokens
@@ -18,6 +20,14 @@ scores also rewrite the context (the activity label first), which this does not;
 scores of each way are in docs/commands.md (eval).
 
 The examples are read and checked before the model loads: a bad line is one error naming its number.
+
+The bpb task scores held-out text (--data): a data dir from `gptopt prepare` (its val split, whose bytes
+bpb.py counts by decoding it with the data's tokenizer, which must be the model's), or a text file or a
+folder of them, tokenized here with the model's tokenizer, each file a document after an end-of-text
+token, its UTF-8 bytes counted. Without --data it is the val split of the data the model was trained on.
+The tokens go through the model in windows of its context that do not overlap, every token after the
+first predicted once: bits/byte = summed loss / ln 2 / bytes (bpb.bits_per_byte), end-of-text tokens
+counting no bytes. Any family and tokenizer: the unit does not depend on how the text was cut.
 """
 
 from __future__ import annotations
@@ -36,12 +46,16 @@ from typing import Any
 from urllib.error import URLError
 from urllib.request import urlopen
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from gptopt import checkpoint
+from gptopt.bpb import bits_per_byte, bytes_per_token
 from gptopt.config import EvalConfig
+from gptopt.data import META, TokenData
 from gptopt.device import DevicePlan, environment, resolve
 from gptopt.fsutil import check_output, lock_output, staged_dir, staged_file
 from gptopt.inference import load_for_inference, model_source
@@ -49,8 +63,8 @@ from gptopt.model import GPT
 from gptopt.tables import text_table, to_json
 from gptopt.tokenizer import eot_id
 
-__all__ = ["HELLASWAG_URL", "Example", "cache_dir", "encode", "ending_logliks", "evaluate", "hellaswag_file", "main",
-           "read_hellaswag", "score"]
+__all__ = ["HELLASWAG_URL", "Example", "HeldOut", "bits_per_byte_of", "cache_dir", "encode", "ending_logliks",
+           "evaluate", "hellaswag_file", "main", "read_held_out", "read_hellaswag", "score"]
 
 log = logging.getLogger("gptopt")
 
@@ -247,10 +261,101 @@ def evaluate(model: GPT, tok: Tokenizer, examples: Sequence[Example], plan: Devi
 
 
 # ----------------------------------------------------------------------------------------------
+# Bits per byte of held-out text
+
+
+HELD_OUT_HINT = "give a text file, a folder of text files, or a data dir from gptopt prepare (its val split)"
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """The bpb task's text: a prepared data dir (data), or the documents of a text file or folder (texts)."""
+    path: Path
+    data: TokenData | None
+    texts: tuple[str, ...] = ()
+
+
+def read_held_out(path: Path, where: str) -> HeldOut:
+    """The held-out text at path, checked (a ValueError naming `where` and the fix) before any model loads."""
+    if not path.exists():
+        raise ValueError(f"{where} {path}: no such file or folder; {HELD_OUT_HINT}")
+    if path.is_dir() and ((path / META).is_file() or (path / "train.bin").is_file()):
+        data = TokenData(path)
+        if data.tokenizer() is None:
+            raise ValueError(f"{where} {path} stores no tokenizer (nanoGPT's train.bin/val.bin), so its bytes cannot "
+                             "be counted; give the text itself: a text file or a folder of text files")
+        if data.num_tokens("val") < 2:
+            raise ValueError(f"{where} {path}: its val split is empty; prepare it with --val_fraction above 0, or "
+                             "give a text file")
+        return HeldOut(path, data)
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and not any(n.startswith(".") for n in p.relative_to(path).parts))
+    texts = []
+    for f in files:
+        try:
+            texts.append(f.read_text(encoding="utf-8"))
+        except UnicodeDecodeError:
+            raise ValueError(f"{where} {f}: not UTF-8 text; convert it (e.g. iconv -t utf-8) or leave it out") from None
+    texts = [t for t in texts if t.strip()]
+    if not texts:
+        raise ValueError(f"{where} {path} holds no text; {HELD_OUT_HINT}")
+    return HeldOut(path, None, tuple(texts))
+
+
+def _held_out_tokens(held: HeldOut, tok: Tokenizer, vocab_size: int, where: str) -> tuple[np.ndarray, float | None]:
+    """The token stream to score (every token after the first is predicted) and its UTF-8 bytes per scored
+    token (None where none can be counted)."""
+    if held.data is not None:
+        if held.data.tokenized_by(tok) is False:
+            raise ValueError(f"{where} {held.path} was tokenized by another tokenizer than the model's; give the text "
+                             "itself (a text file or folder), or data prepared with the model's tokenizer: gptopt "
+                             "prepare --tokenizer <its tokenizer.json> --output_dir DIR")
+        held.data.check_vocab(vocab_size)
+        return held.data.tokens("val"), bytes_per_token(held.data, "val")
+    tok.encode_special_tokens = True  # text that spells a special token is that text, as prepare reads it
+    encoded = tok.encode_batch(list(held.texts), add_special_tokens=False)
+    eot, nbytes = eot_id(tok), sum(len(t.encode("utf-8")) for t in held.texts)
+    if eot is None:  # nothing to start from: the first token is context only, and its text counts no bytes
+        first = encoded[0].offsets[1][0] if len(encoded[0].ids) > 1 else len(held.texts[0])
+        nbytes -= len(held.texts[0][:first].encode("utf-8"))
+    stream = np.array([t for e in encoded for t in ([] if eot is None else [eot]) + e.ids], dtype=np.int64)
+    if len(stream) < 2:
+        raise ValueError(f"{where} {held.path}: too little text to score (one token); {HELD_OUT_HINT}")
+    return stream, nbytes / (len(stream) - 1)
+
+
+@torch.no_grad()
+def bits_per_byte_of(model: GPT, stream: np.ndarray, per_token: float | None, plan: DevicePlan, batch_size: int,
+                     limit: int | None = None) -> dict[str, Any]:
+    """The summed loss of every token of `stream` after its first, in windows of the model's context that do not
+    overlap (batch_size per forward; the first `limit` windows only), as loss (nats/token) and bits per byte."""
+    T = model.config.block_size
+    starts = list(range(0, len(stream) - 1, T))[:limit]
+    nll, tokens = 0.0, 0
+    with tqdm(total=len(starts), desc="eval: bpb", unit="window", file=sys.stderr, dynamic_ncols=True) as bar:
+        for batch in _batches(starts, batch_size):
+            x = torch.zeros(len(batch), T, dtype=torch.long)
+            y = torch.full((len(batch), T), -100, dtype=torch.long)  # -100: padding of the last window
+            for i, s in enumerate(batch):
+                window = torch.from_numpy(np.asarray(stream[s : s + T + 1], dtype=np.int64))
+                x[i, : len(window) - 1], y[i, : len(window) - 1] = window[:-1], window[1:]
+            logits = model(x.to(plan.device)).float()  # (B, T, V)
+            nll += F.cross_entropy(logits.flatten(0, 1), y.to(plan.device).flatten(), ignore_index=-100,
+                                   reduction="sum").item()
+            tokens += int((y != -100).sum())
+            bar.update(len(batch))
+    loss = nll / tokens
+    return {"bits_per_byte": bits_per_byte(loss, per_token), "loss": loss, "tokens": tokens,
+            "bytes": None if per_token is None else round(per_token * tokens), "windows": len(starts), "window": T}
+
+
+# ----------------------------------------------------------------------------------------------
 # The command
 
 
 def table(results: dict[str, Any]) -> str:
+    if results["task"] == "bpb":
+        return bpb_table(results)
     n = results["examples"]
     rows = [["acc", f"{results['acc']:.4f}", f"{results['correct']}/{n}"],
             ["acc_norm", f"{results['acc_norm']:.4f}", f"{results['correct_norm']}/{n}"]]
@@ -259,6 +364,17 @@ def table(results: dict[str, Any]) -> str:
     note = ("  acc: the ending of highest log-likelihood; acc_norm: of highest log-likelihood per byte of the "
             "ending (lm-eval's normalisation; llm.c divides by tokens)")
     return "\n".join([title, text_table(["", "score", "correct"], rows), note])
+
+
+def bpb_table(results: dict[str, Any]) -> str:
+    bpb = results["bits_per_byte"]
+    nbytes = results["bytes"]
+    rows = [["bits per byte", "n/a" if bpb is None else f"{bpb:.4f}"], ["loss (nats/token)", f"{results['loss']:.4f}"],
+            ["tokens", f"{results['tokens']:,}"], ["bytes", "n/a" if nbytes is None else f"{nbytes:,}"]]
+    title = (f"gptopt eval: bpb, {results['data']}, {results['model']} on {results['device']} ({results['dtype']})")
+    note = (f"  {results['windows']:,} windows of the model's context ({results['window']} tokens), not overlapping; "
+            f"bytes: {results['bytes_from']}")
+    return "\n".join([title, text_table(["", "value"], rows), note])
 
 
 def main(cfg: EvalConfig) -> int:
@@ -270,6 +386,8 @@ def main(cfg: EvalConfig) -> int:
 def _evaluate(cfg: EvalConfig, out: Path | None) -> int:
     if out is not None:  # refused before the download or the model: nothing read or written
         check_output(out, kind=KIND, overwrite=cfg.overwrite, whole=True, flag="--output_dir")
+    if cfg.task == "bpb":
+        return _bits_per_byte(cfg, out)
     if cfg.data:
         path, where = Path(cfg.data).expanduser(), "--data"
     else:
@@ -282,6 +400,33 @@ def _evaluate(cfg: EvalConfig, out: Path | None) -> int:
                **scores, "acc_norm_by": "log-likelihood per UTF-8 byte of the ending (lm-eval's normalisation)",
                "device": str(plan.device), "dtype": str(model.transformer.wte.weight.dtype).removeprefix("torch."),
                "environment": environment(plan)}
+    return _report(cfg, out, results)
+
+
+def _bits_per_byte(cfg: EvalConfig, out: Path | None) -> int:
+    source = model_source(cfg.model)
+    trained_on = checkpoint.training_data(source) if isinstance(source, Path) else None
+    if cfg.data:
+        path, where = Path(cfg.data).expanduser(), "--data"
+    elif trained_on:
+        path, where = Path(trained_on), "the data the model was trained on"
+    else:
+        raise ValueError(f"the bpb task needs held-out text and {source} records no training data: pass --data, a "
+                         "text file, a folder of text files or a data dir from gptopt prepare (its val split)")
+    held = read_held_out(path, where)  # before the model loads
+    plan = resolve(cfg.device, quiet=True)
+    model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype)
+    stream, per_token = _held_out_tokens(held, tok, model.config.vocab_size, where)
+    scores = bits_per_byte_of(model, stream, per_token, plan, cfg.batch_size, cfg.limit)
+    bytes_from = ("the val split decoded with the data's tokenizer (bpb.py)" if held.data is not None
+                  else "the text's UTF-8 bytes")
+    results = {"task": cfg.task, "model": str(source), "data": str(path.resolve()), **scores, "bytes_from": bytes_from,
+               "device": str(plan.device), "dtype": str(model.transformer.wte.weight.dtype).removeprefix("torch."),
+               "environment": environment(plan)}
+    return _report(cfg, out, results)
+
+
+def _report(cfg: EvalConfig, out: Path | None, results: dict[str, Any]) -> int:
     if out is not None:
         with staged_dir(out, replace=cfg.overwrite, kind=KIND) as tmp:
             (tmp / "results.json").write_text(json.dumps(results, indent=2, default=str))
