@@ -7,6 +7,7 @@ local directories the tests create; GPT-2's own paths are the other test modules
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from tokenizers import Tokenizer
 
 from gptopt import hf
 from gptopt.config import GPTConfig
-from gptopt.model import GPT
+from gptopt.model import GPT, rotary
 
 transformers = pytest.importorskip("transformers")
 
@@ -310,3 +311,48 @@ def test_serve_answers_a_llama_shaped_gptopt_checkpoint_with_its_generators_gree
         got = httpx.post(f"http://127.0.0.1:{server.port}/v1/completions", timeout=60,
                          json={"prompt": prompt, "max_tokens": 8, "temperature": 0}).json()
     assert got["choices"][0]["text"] == want != ""
+
+
+def test_zero_init_starts_every_block_as_the_identity_and_an_untied_head_at_zero() -> None:
+    """modded-nanogpt's init: the residual stream leaves each block as it came, and the untied head predicts
+    the uniform distribution; a tied head stays the embedding."""
+    cfg = GPTConfig(n_layer=2, n_head=4, n_embd=32, block_size=16, vocab_size=64, positions="rope", mlp="relu2",
+                    tie_embeddings=False, zero_init=True)
+    model = GPT(cfg).eval()
+    idx = torch.randint(0, 64, (2, 8))
+    x = model.transformer.wte(idx)
+    rope = rotary(model.inv_freq, torch.arange(8))
+    with torch.no_grad():
+        for block in model.transformer.h:
+            assert torch.equal(block(x, None, None, rope), x)
+        logits = model(idx)
+    assert torch.count_nonzero(logits) == 0
+    tied = GPT(GPTConfig(**{**cfg.to_dict(), "tie_embeddings": True}))
+    assert tied.lm_head.weight.abs().sum() > 0 and tied.transformer.h[0].mlp.c_proj.weight.abs().sum() == 0
+
+
+def test_a_rotary_model_cast_to_bf16_keeps_its_frequencies_in_fp32() -> None:
+    """Rounded to bf16, the rotary frequencies turn the angles of far positions visibly wrong; transformers keeps
+    them in fp32 too."""
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64, positions="rope"))
+    exact = model.inv_freq.clone()
+    model.to(torch.bfloat16)
+    assert model.inv_freq.dtype == torch.float32 and torch.equal(model.inv_freq, exact)
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    model.half()
+    assert torch.equal(model.inv_freq, exact)
+
+
+def test_rmsnorm_under_bf16_autocast_takes_the_fused_kernel_in_fp32_and_keeps_its_inputs_dtype() -> None:
+    """As transformers' Llama and Qwen3 norms: the variance and scaling in fp32 whatever the input, the result
+    rounded once to the input's dtype; a bf16 input with the fp32 weight would miss the fused kernel (torch warns)."""
+    norm = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=64, block_size=16, vocab_size=64, norm="rmsnorm",
+                         layer_norm_epsilon=1e-6)).transformer.ln_f
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = (torch.randn(8, 64) * 30).to(torch.bfloat16)
+    with warnings.catch_warnings(), torch.autocast("cpu", dtype=torch.bfloat16):
+        warnings.simplefilter("error")
+        y = norm(x)
+    exact = torch.nn.functional.rms_norm(x.float(), (64,), norm.weight.detach(), 1e-6)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, exact.to(torch.bfloat16))

@@ -39,11 +39,19 @@ def _causal_mask(T: int, S: int, offset: int, device: torch.device) -> torch.Ten
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
+class RMSNorm(nn.RMSNorm):
+    """nn.RMSNorm computed in fp32 and returned in its input's dtype, as transformers' Llama and Qwen3 do. Autocast
+    leaves rms_norm to its input's dtype, and a bf16 input with the fp32 weight misses the fused kernel."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), self.normalized_shape, self.weight.float(), self.eps).to(x.dtype)
+
+
 def norm(config: GPTConfig, dim: int | None = None) -> nn.Module:
     """The family's norm over the last `dim` (default n_embd): GPT-2's LayerNorm, or Llama's and Qwen3's RMSNorm."""
     dim = dim or config.n_embd
     if config.norm == "rmsnorm":
-        return nn.RMSNorm(dim, eps=config.layer_norm_epsilon)
+        return RMSNorm(dim, eps=config.layer_norm_epsilon)
     return nn.LayerNorm(dim, eps=config.layer_norm_epsilon, bias=config.bias)
 
 
@@ -203,21 +211,38 @@ class GPT(nn.Module):
                  h=nn.ModuleList(Block(config) for _ in range(config.n_layer)), ln_f=norm(config))
         )
         if config.positions == "rope":  # not a weight: recomputed from the config, kept out of the state dict
-            hs = config.head_dim
-            inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.float32) / hs)
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.register_buffer("inv_freq", self._inv_freq(), persistent=False)
         self.lm_head = nn.Linear(config.n_embd, V, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         self.apply(self._init_weights)
         # GPT-2 scales the residual projections by 1/sqrt(2 * n_layer) so the residual stream's
         # variance does not grow with depth.
+        # zero_init starts every block as the identity and the untied head at zero (modded-nanogpt): the
+        # residual stream begins as the embedding, and each block's output grows from nothing.
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+                if config.zero_init:
+                    nn.init.zeros_(p)
+                else:
+                    nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+        if config.zero_init and not config.tie_embeddings:
+            nn.init.zeros_(self.lm_head.weight)
         with torch.no_grad():  # padding rows are never tokens: zeros, as the HF loader writes them
             self.transformer.wte.weight[config.vocab_size :].zero_()
             self.lm_head.weight[config.vocab_size :].zero_()
+
+    def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
+        hs = self.config.head_dim
+        return 1.0 / self.config.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.float32, device=device) / hs)
+
+    def _apply(self, fn, recurse=True):  # noqa: ANN001, ANN202 (nn.Module's own signature)
+        """.to(bf16) and .half() cast every floating buffer: the rotary frequencies stay fp32 (rounded to bf16,
+        the angles drift with the position), as transformers keeps them."""
+        super()._apply(fn, recurse)
+        if getattr(self, "inv_freq", None) is not None and self.inv_freq.dtype != torch.float32:
+            self.inv_freq = self._inv_freq(self.inv_freq.device)
+        return self
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
