@@ -36,6 +36,7 @@ EXPECTED_OPTIONS = {
     "train": {
         "align_documents",
         "amp_dtype",
+        "arch",
         "attention",
         "auto_batch_size",
         "batch_size",

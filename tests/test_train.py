@@ -713,3 +713,39 @@ def test_a_metrics_file_that_is_not_gptopts_stops_a_resume_with_the_fix(
     assert cli.main(cli_args(train_data, out, "--max_steps", "4", "--resume", "auto")) == 2
     err = capsys.readouterr().err
     assert "metrics.jsonl: a line is not one of gptopt's metrics records" in err and "Traceback" not in err
+
+
+def test_arch_trains_a_new_design_over_the_preset_and_a_resumed_run_keeps_its_own(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    design = "positions=rope,qk_norm=true,mlp=relu2,tie_embeddings=false,zero_init=true"
+    assert cli.main(cli_args(train_data, out, "--max_steps", "2", "--arch", design)) == 0
+    model = checkpoint.load_model(checkpoint.latest_checkpoint(out))
+    c = model.config
+    assert (c.positions, c.qk_norm, c.mlp, c.tie_embeddings, c.zero_init) == ("rope", True, "relu2", False, True)
+    assert (c.n_layer, c.n_embd) == (preset("debug").n_layer, preset("debug").n_embd)  # the preset's sizes
+    assert model.lm_head.weight.data_ptr() != model.transformer.wte.weight.data_ptr()
+    before = sorted(p.name for p in out.iterdir())
+    capsys.readouterr()
+    # resumed under another design: refused, nothing written; its own design (or none) goes on
+    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "3", "--arch", "mlp=gelu")) == 2
+    err = capsys.readouterr().err
+    assert "--arch mlp=gelu does not apply to a resumed run" in err and "mlp=relu2" in err
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "3", "--arch", design)) == 0
+
+
+@pytest.mark.parametrize("arch, problem", [
+    ("mlp=swish", "--arch: mlp must be one of gelu, swiglu, relu2"),
+    ("n_layer=2", "'n_layer=2' is not FIELD=VALUE of a block field"),
+    ("qk_norm=maybe", "qk_norm takes true or false"),
+    ("n_kv_head=3", "must be a multiple of n_kv_head"),
+])
+def test_a_bad_arch_is_refused_naming_the_field_before_anything_is_written(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], arch: str, problem: str
+) -> None:
+    out = tmp_path / "r"
+    with pytest.raises(SystemExit) as e:  # argparse's exit: the config is checked as the flags are read
+        cli.main(cli_args(train_data, out, "--max_steps", "2", "--arch", arch))
+    assert e.value.code == 2 and problem in capsys.readouterr().err and not out.exists()

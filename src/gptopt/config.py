@@ -153,6 +153,9 @@ class GPTConfig:
     head_size: int | None = opt(None, "each head's width; none: n_embd / n_head (Qwen3 sets its own)", ge=1,
                                 le=MAX_WIDTH)
     tie_embeddings: bool = opt(True, "the head shares the token embedding's weights (GPT-2); false: its own")
+    zero_init: bool = opt(False, "start each block's output projections (attention's and the MLP's c_proj) and an "
+                          "untied head at zero, so every block begins as the identity (modded-nanogpt's init); "
+                          "false: GPT-2's scaled normal init")
     attention: str = opt("sdpa", "attention kernel: sdpa (flash / mem-efficient) or eager", choices=("sdpa", "eager"))
     gradient_checkpointing: bool = opt(False, "recompute each block in backward: less memory, one more forward of "
                                        "each block")
@@ -248,6 +251,39 @@ def preset_for_data(name: str, data_vocab: int, **overrides: Any) -> GPTConfig:
     return preset(name, **{"vocab_size": vocab, **overrides})
 
 
+# GPTConfig's fields a new run may set over its preset (train --arch): the block's design. The sizes are the
+# preset's, the vocabulary the data's, and how the model runs (attention kernel, checkpointing, loss) train's flags.
+ARCH_FIELDS = ("positions", "rope_theta", "norm", "mlp", "intermediate_size", "qk_norm", "n_kv_head", "head_size",
+               "tie_embeddings", "bias", "zero_init", "layer_norm_epsilon")
+_TRUE, _FALSE = ("true", "yes", "on", "1"), ("false", "no", "off", "0")
+
+
+def arch_overrides(spec: str | None) -> dict[str, Any]:
+    """--arch 'field=value,...' as GPTConfig fields of the right types (ranges and choices: GPTConfig's own check)."""
+    if not spec:
+        return {}
+    kinds = field_types(GPTConfig)
+    out: dict[str, Any] = {}
+    for item in (i.strip() for i in spec.split(",") if i.strip()):
+        name, sep, text = item.partition("=")
+        name, text = name.strip(), text.strip()
+        if not sep or name not in ARCH_FIELDS:
+            raise ValueError(f"--arch: {item!r} is not FIELD=VALUE of a block field; fields: {', '.join(ARCH_FIELDS)}")
+        kind, optional = kinds[name]
+        if optional and text.lower() == "none":
+            out[name] = None
+        elif kind is bool:
+            if text.lower() not in _TRUE + _FALSE:
+                raise ValueError(f"--arch: {name} takes true or false, got {text!r}")
+            out[name] = text.lower() in _TRUE
+        else:
+            try:
+                out[name] = kind(text)
+            except ValueError:
+                raise ValueError(f"--arch: {name} must be {kind.__name__}, got {text!r}") from None
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # Commands
 
@@ -339,6 +375,9 @@ class TrainConfig:
     # None: tiny for a new run; a resumed run keeps its checkpoint's size, and a --preset given for one must match it
     preset: str | None = opt(None, f"model size when training from scratch (default: {DEFAULT_PRESET}): "
                                  + ", ".join(PRESETS))
+    arch: str | None = opt(None, "a new run's block changed over its preset's, field by field: e.g. "
+                           "positions=rope,qk_norm=true,mlp=relu2,tie_embeddings=false,zero_init=true (fields: "
+                           + ", ".join(ARCH_FIELDS) + ")")
     init_from: str = opt("scratch", "scratch (random --preset), a GPT-2 name (gpt2, gpt2-medium, ... from the hub), "
                          "or a Hugging Face / gptopt model directory to fine-tune",
                          aliases=("model_name",))  # the playbook's spelling
@@ -458,6 +497,11 @@ class TrainConfig:
             if not hasattr(torch.optim, "Muon"):
                 raise ValueError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9), this is torch "
                                  f"{torch.__version__}: upgrade torch, or use --optimizer adamw")
+        if self.arch:  # a bad field or value is named before any data or model is read
+            try:
+                preset(self.preset or DEFAULT_PRESET, **arch_overrides(self.arch))
+            except ValueError as e:
+                raise ValueError(str(e) if str(e).startswith("--arch") else f"--arch: {e}") from None
         if self.muon_lr is not None and self.optimizer != "muon":
             raise ValueError("--muon_lr is Muon's learning rate: add --optimizer muon, or drop --muon_lr")
         if self.time_budget is not None:
@@ -509,13 +553,17 @@ class BenchConfig:
                                   "the decode, TTFT and bandwidth figures are its); default: 1, 2, 4, ... up to "
                                   "--batch_size")
     target_loss: float | None = opt(None, "--mode quality: the val loss every run trains to; default: the "
-                                    "preset's embedded target (tiny: 4.2, at train's 16 x 256 tokens a step)", gt=0.0)
+                                    "preset's embedded target (tiny: what AdamW at its tuned settings reaches in "
+                                    "about five minutes of a 2-core CPU)", gt=0.0)
     seeds: int = opt(3, "--mode quality: runs of each recipe, seeds --seed, --seed + 1, ...", ge=1, le=100)
-    recipes: str = opt("default", "--mode quality: comma-separated recipes of adamw, muon, aligned, schedule, best "
-                       "('default': all of them); adamw is always run")
-    max_steps: int | None = opt(None, "--mode quality: the most steps of a run (and its cosine horizon); a run that "
-                                "has not reached the target by then counts as not reaching it, and a recipe other "
-                                "than AdamW stops sooner, at 1.5x AdamW's steps on its seed (default: 600)",
+    recipes: str = opt("default", "--mode quality: comma-separated recipes of adamw, muon, modern (the speedrun "
+                       "block with Muon), its ablations no-muon, no-rope, no-qk_norm, no-relu2, no-untied, "
+                       "no-zero_init (modern without that change), aligned, schedule, best; 'default': adamw, muon, "
+                       "modern; 'all': every one; adamw is always run")
+    max_steps: int | None = opt(None, "--mode quality: the most steps of a run (the cosine horizon of a recipe "
+                                "without its own); a run that has not reached the target by then counts as not "
+                                "reaching it, and a recipe other than AdamW stops sooner, at 1.5x AdamW's steps on "
+                                "its seed (default: 1000)",
                                 ge=1, le=MAX_STEPS)
     loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails",
                                 gt=0.0, lt=1.0)
@@ -543,7 +591,7 @@ class BenchConfig:
                              "add --mode quality")
         if self.mode == "quality" and self.rungs != "default":
             raise ValueError("--rungs chooses the rungs of the train and infer ladders; --mode quality takes "
-                             "--recipes (adamw, muon, aligned, schedule, best)")
+                             "--recipes (adamw, muon, modern, ...: see --help)")
 
     def sweep(self) -> list[int] | None:
         """--batch_sizes as sorted distinct integers, or None (the doubling sweep)."""

@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 from gptopt import checkpoint, data, distributed, fsutil, hf, memory
 from gptopt.bpb import bits_per_byte, bytes_per_token
-from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, preset_for_data
+from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, arch_overrides, preset_for_data
 from gptopt.device import (
     DevicePlan,
     default_attention,
@@ -370,7 +370,11 @@ class Trainer:
             return self._with_config(checkpoint.load_model(resume_dir), dataclasses.replace(stored, **runtime))
         if cfg.init_from == "scratch":
             return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, self.data.model_vocab_size,
-                                       vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime))
+                                       vocab_pad_multiple=cfg.vocab_pad_multiple, **arch_overrides(cfg.arch),
+                                       **runtime))
+        if cfg.arch:
+            raise ValueError(f"--arch designs a new model; {cfg.init_from} comes with its own: drop --arch, or "
+                             "train from scratch")
         if cfg.init_from in ("debug", "tiny"):
             raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
         try:  # what `gptopt generate --model` takes: a training output dir means its latest checkpoint
@@ -380,8 +384,13 @@ class Trainer:
         return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
 
     def _check_resumed_shape(self, stored: GPTConfig, run: dict[str, Any], resume_dir: Path) -> None:
-        """--preset sizes a new run only: one given for a resumed run must be its checkpoint's shape."""
+        """--preset and --arch shape a new run only: those given for a resumed run must be its checkpoint's."""
         cfg = self.cfg
+        changed = {k: v for k, v in arch_overrides(cfg.arch).items() if getattr(stored, k) != v}
+        if changed:
+            raise ValueError(f"--arch {cfg.arch} does not apply to a resumed run: {resume_dir} holds "
+                             + ", ".join(f"{k}={getattr(stored, k)}" for k in changed)
+                             + "; drop --arch to go on with it, or give the new design another --output_dir")
         shape = {k: getattr(stored, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
         if cfg.preset is None or not cfg.init_from == run.get("init_from", "scratch") == "scratch" or \
                 shape == {k: PRESETS[cfg.preset][k] for k in shape}:
