@@ -80,17 +80,22 @@ class Sizes:
     # recorded as CUDA graphs); a CPU has no CUDA graphs, and kv is the same decode without them.
     decode_rung: str
     larger: tuple[str, ...]  # the larger models each trained once (issue 36's sizes)
+    # issue 37's Llama-shaped models, trained and decoded: a grouped-query rotary model, and the larger one with
+    # QK-norm (on a CPU llama-tiny stands in for both)
+    llama: str
+    qwen: str
 
 
 SIZES = {
     "gpu": Sizes(model="gpt2", large="gpt2-xl", seq=1024, batch=16, train_steps=40, few_steps=4,
                  bench_warmup=2, infer_batches="1,64", infer_seq=256, new_tokens=128, eval_tokens=16384,
                  clients=(1, 16, 64, 256), prompt_tokens=128, serve_tokens=128, peer_clients=(16, 64),
-                 decode_rung="graphs", larger=("gpt2-medium", "gpt2-large", "gpt2-xl")),
+                 decode_rung="graphs", larger=("gpt2-medium", "gpt2-large", "gpt2-xl"), llama="smollm2-135m",
+                 qwen="qwen3-0.6b"),
     "cpu": Sizes(model="debug", large="debug", seq=64, batch=4, train_steps=4, few_steps=2,
                  bench_warmup=1, infer_batches="1,2", infer_seq=64, new_tokens=16, eval_tokens=1024,
                  clients=(1, 2, 4), prompt_tokens=8, serve_tokens=8, peer_clients=(1, 2), decode_rung="kv",
-                 larger=("debug",)),
+                 larger=("debug",), llama="llama-tiny", qwen="llama-tiny"),
 }
 
 
@@ -132,6 +137,10 @@ class Ctx:
 MODEL_FROM = ("train", "train_fp16", "train_ckpt")  # training outputs, in the order the model is taken from
 
 
+# the modern block (issue 37's train_modern): rotary positions, QK-norm, relu^2, an untied head, zero-init projections
+MODERN_ARCH = "positions=rope,qk_norm=true,mlp=relu2,tie_embeddings=false,zero_init=true"
+
+
 def larger_step(model: str) -> str:
     """The step (and output folder) that trains one of the sizes' larger models."""
     return f"train_{model}".replace("-", "_")
@@ -142,7 +151,11 @@ def plan(ctx: Ctx) -> list[Step]:
     s, g, p = ctx.sizes, ctx.gptopt, ctx.path
     data = ("--data_dir", p("data"))
     # --overwrite everywhere: a rerun into the same DIR (after a fix) replaces what the last run wrote there
-    train = (*data, "--preset", s.model, "--seq_len", s.seq, "--eval_interval", 0, "--seed", 0, "--overwrite")
+    def at(model: str) -> tuple[object, ...]:  # a training run of this preset, at the sizes' length
+        return (*data, "--preset", model, "--seq_len", s.seq, "--eval_interval", 0, "--seed", 0, "--overwrite")
+
+    train = at(s.model)
+    measured = ("--batch_size", s.batch, "--use_amp", "--compile", "--max_steps", s.train_steps, "--log_interval", 10)
     few = (*train, "--max_steps", s.few_steps, "--batch_size", max(s.batch // 2, 1), "--use_amp")
     torchrun = [ctx.python, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", "-m", "gptopt"]
     # --steps 10: bench's least (its p10/p90); in --mode infer a full generation is repeated max(3, steps // 3) times
@@ -258,6 +271,26 @@ def plan(ctx: Ctx) -> list[Step]:
                          "--max_steps", s.few_steps * 3, "--log_interval", 2, "--output_dir", p(larger_step(m))),
                default=False, drop_checkpoints=True)
           for m, limit in zip(s.larger, (100, 120, 180), strict=False)],
+        # Issue 37, the Llama/Qwen3 family and the modern block: run by name (--only train,train_modern,...), after
+        # `train`, whose run train_modern stands beside
+        Step("train_modern", 60, "train as `train` does, with the modern block (rotary positions, QK-norm, "
+             "relu^2 MLP, an untied head, zero-initialised projections) and Muon: tokens/s against train's "
+             "(the per-step cost of the recipe)",
+             g("train", *train, *measured, "--arch", MODERN_ARCH, "--optimizer", "muon", "--muon_lr", "6e-3",
+               "--learning_rate", "8e-3", "--warmup_steps", 10, "--output_dir", p("train_modern")),
+             default=False),
+        Step("train_smollm2", 90, f"train {s.llama} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: "
+             "tokens/s, MFU against the table peak (its checkpoint is generate_llama's model)",
+             g("train", *at(s.llama), *measured, "--output_dir", p("train_smollm2")), default=False),
+        Step("generate_llama", 75, f"generate --compile from train_smollm2's {s.llama}: the decode of a grouped-query "
+             "rotary model on CUDA graphs, tokens/s after the compile",
+             g("generate", "--model", p("train_smollm2"), "--compile", "--max_new_tokens", s.new_tokens,
+               "--temperature", 0, "def fib(n):"), default=False),
+        # last: the call's optional step, what a short budget cuts
+        Step("train_qwen3", 100, f"train {s.qwen} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: "
+             "tokens/s, MFU against the table peak",
+             g("train", *at(s.qwen), *measured, "--output_dir", p("train_qwen3")), default=False,
+             drop_checkpoints=True),
     ]
 
 
@@ -529,9 +562,20 @@ def fig_train_fp8(out: Path, log: str) -> dict[str, Any]:
     return res
 
 
+def fig_train_modern(out: Path, log: str) -> dict[str, Any]:
+    """train_modern's own figures, and its tokens/s over train's of the same model, batch and steps: what the
+    modern block and Muon cost per step (their losses differ by design, so no curve is set beside train's)."""
+    res = _train("train_modern")(out, log)
+    theirs = _train("train")(out, log).get("tokens_per_s")
+    if res.get("tokens_per_s") and theirs:
+        res["vs_train_tokens_per_s"] = _r(res["tokens_per_s"] / theirs, 3)
+    return res
+
+
 FIGURES: dict[str, Callable[[Path, str], dict[str, Any]]] = {
     "doctor": fig_doctor, "prepare": fig_prepare, "cuda_tests": fig_pytest, "bench": fig_bench,
-    "bench_levers": fig_bench_at("bench_levers"), "train_fp8": fig_train_fp8,
+    "bench_levers": fig_bench_at("bench_levers"), "train_fp8": fig_train_fp8, "train_modern": fig_train_modern,
+    "train_smollm2": _train("train_smollm2"), "train_qwen3": _train("train_qwen3"), "generate_llama": fig_generate,
     **{larger_step(m): _train(larger_step(m)) for size in SIZES.values() for m in size.larger},
     "bench_infer": _infer("bench_infer"), "decode_large": _infer("decode_large"), "generate": fig_generate,
     "profile": fig_profile,

@@ -445,3 +445,59 @@ def test_the_training_levers_steps_run_on_the_cpu(tmp_path: Path) -> None:
     larger = by["train_debug"]["figures"]
     assert larger["tokens_per_s"] > 0 and larger["plan"]["loss"] in ("full", "chunked")
     assert (tmp_path / "train_debug" / "run.json").is_file() and not list((tmp_path / "train_debug").glob("ckpt-*"))
+
+
+FAMILY_STEPS = ("train_modern", "train_smollm2", "generate_llama", "train_qwen3")  # issue 37's, in the plan's order
+LEASE_CALL_S = 480  # one lease call: the install and the data included, a rerun's start-up left over
+
+
+def test_the_family_steps_run_only_when_named_within_one_lease_call(dry_run: tuple[str, dict], tmp_path: Path) -> None:
+    """Issue 37's steps go past the default run's nine minutes: one lease call runs them by name, beside `train`."""
+    assert not set(FAMILY_STEPS) & {r["name"] for r in dry_run[1]["steps"]}
+    assert gc.main(["dry-run", str(tmp_path), "--only", ",".join(["train", *FAMILY_STEPS])]) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    cmds = _commands(doc)
+    assert list(cmds) == ["install", "prepare", "train", *FAMILY_STEPS]
+    assert doc["planned_s"] == sum(r["limit_s"] for r in doc["steps"]) < LEASE_CALL_S
+    # the modern recipe trains what `train` trains, with the speedrun block and Muon added
+    modern = (" --arch positions=rope,qk_norm=true,mlp=relu2,tie_embeddings=false,zero_init=true --optimizer muon "
+              "--muon_lr 6e-3 --learning_rate 8e-3 --warmup_steps 10")
+    assert modern in cmds["train_modern"]
+    assert cmds["train_modern"].replace(modern, "").replace("train_modern", "train") == cmds["train"]
+    # the families train as `train` does, at its length, batch and steps, with their own presets
+    for name, size in (("train_smollm2", "smollm2-135m"), ("train_qwen3", "qwen3-0.6b")):
+        assert cmds[name].replace(f"--preset {size} ", "--preset gpt2 ").replace(name, "train") == cmds["train"]
+    # the decode is the trained smollm2's, compiled
+    assert cmds["generate_llama"].split("--model ")[1].split()[0] == str(tmp_path / "train_smollm2")
+    assert "--compile" in cmds["generate_llama"]
+
+
+def test_the_modern_steps_figures_set_its_speed_beside_trains(tmp_path: Path) -> None:
+    for name, tps in (("train", 400_000.0), ("train_modern", 300_000.0)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 10.0}) + "\n")
+        (tmp_path / name / "run.json").write_text(json.dumps({
+            "config": {"batch_size": 16, "gradient_accumulation_steps": 1}, "model": {"loss": "full"},
+            "summary": {"step": 40, "tokens_per_s": tps, "median_step_s": 0.04}}))
+    fig = gc.FIGURES["train_modern"](tmp_path, "")
+    assert fig["tokens_per_s"] == 300_000.0 and fig["vs_train_tokens_per_s"] == pytest.approx(0.75)
+    (tmp_path / "train" / "run.json").unlink()  # train did not run: no ratio, its own figures still
+    assert "vs_train_tokens_per_s" not in gc.FIGURES["train_modern"](tmp_path, "")
+
+
+@pytest.mark.slow
+def test_the_family_steps_run_on_the_cpu(tmp_path: Path) -> None:
+    """Issue 37's rehearsal: llama-tiny stands in for smollm2 and qwen3, the modern block trains the debug preset."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "run", str(tmp_path), "--target", "cpu", "--only",
+                           ",".join(["prepare", "train", *FAMILY_STEPS])], capture_output=True, text=True,
+                          timeout=3600)
+    by = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())["steps"]}
+    assert {n: r["status"] for n, r in by.items() if r["status"] != "ok"} == {}, done.stdout[-3000:]
+    assert set(by) == {"prepare", "train", *FAMILY_STEPS}
+    for name in ("train_modern", "train_smollm2", "train_qwen3"):
+        assert by[name]["figures"]["tokens_per_s"] > 0 and by[name]["figures"]["steps"] > 0, name
+    assert by["train_modern"]["figures"]["vs_train_tokens_per_s"] > 0
+    assert json.loads((tmp_path / "train_modern" / "run.json").read_text())["config"]["optimizer"] == "muon"
+    assert "compiled decode after the first" in (tmp_path / "generate_llama.log").read_text()
+    assert by["generate_llama"]["figures"]["tokens_per_s"] > 0
+    assert not list((tmp_path / "train_qwen3").glob("ckpt-*"))  # its weights and AdamW state are deleted once read
