@@ -17,7 +17,7 @@ from conftest import last_json_line
 
 from gptopt import checkpoint, cli, data, train
 from gptopt.bench import quality
-from gptopt.config import BenchConfig, TrainConfig, preset
+from gptopt.config import BenchConfig, GPTConfig, TrainConfig, arch_overrides, preset
 from gptopt.measure import STOPPED
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
@@ -148,20 +148,22 @@ def _fake(ladder: quality.Ladder, recipe: str, times: list[float], steps: int = 
 
 def test_the_ladder_reports_ratios_and_welchs_test_against_adamw(tmp_path: Path) -> None:
     pytest.importorskip("scipy", reason="the stats extra")
-    cfg = BenchConfig(mode="quality", preset="tiny", output_dir=str(tmp_path), device="cpu", target_loss=5.0)
+    cfg = BenchConfig(mode="quality", preset="tiny", output_dir=str(tmp_path), device="cpu", target_loss=5.0,
+                      recipes="adamw,muon,aligned,schedule,best")
     ladder = quality.Ladder(cfg)
     assert ladder.names == ["adamw", "muon", "aligned", "schedule", "best"] and ladder.seeds == [1337, 1338, 1339]
+    adamw = quality.CHANGES["adamw"][1]
     _fake(ladder, "adamw", [20.0, 21.0, 22.0], steps=300)
     _fake(ladder, "muon", [10.0, 11.0, 12.0])
     _fake(ladder, "aligned", [30.0, 31.0, 35.0])
-    assert ladder._derive("schedule") == {"lr_decay_steps": 300}  # train's warmup (100 steps) kept
+    assert ladder._derive("schedule") == {**adamw, "lr_decay_steps": 300}  # the baseline's rates and warmup kept
     ladder.flags["schedule"] = ladder._derive("schedule")
     _fake(ladder, "schedule", [15.0, 16.0, 17.0], steps=200)
     best = ladder._derive("best")  # muon and schedule beat AdamW; aligned did not
     # muon's rates, and the decay ending at muon's steps after muon's own short warmup
     assert best == {**quality.CHANGES["muon"][1], "lr_decay_steps": 100}
     ladder.flags["muon"] = {"optimizer": "muon"}  # with train's warmup of 100, that does not fit before it: half
-    assert ladder._derive("best") == {"optimizer": "muon", "lr_decay_steps": 100, "warmup_steps": 50}
+    assert ladder._derive("best") == {**adamw, "optimizer": "muon", "lr_decay_steps": 100, "warmup_steps": 50}
     # AdamW quicker than twice train's warmup: schedule's own runs warm up for half its decay, Muon's stays
     ladder.flags["muon"] = quality.CHANGES["muon"][1]
     ladder.flags["schedule"] = {"lr_decay_steps": 150, "warmup_steps": 75}
@@ -217,14 +219,15 @@ def test_a_recipe_gives_up_at_1_5x_adamws_steps_on_the_same_schedule(tmp_path: P
         args = quality.train_argv(cfg, run, 4.2, ladder.max_steps, None, ladder.sizes)[4:]  # after "-m gptopt train"
         return {a: b for a, b in zip(args, [*args[1:], ""], strict=True) if a.startswith("--")}
 
+    ladder.flags["aligned"] = {"align_documents": True}  # a recipe without a decay of its own
     aligned = argv("aligned", 1337)
-    assert aligned["--max_steps"] == "173" and aligned["--lr_decay_steps"] == "600"
-    assert argv("aligned", 1338)["--max_steps"] == "600"  # no AdamW figure for that seed: the cap stands
-    assert argv("adamw", 1337)["--max_steps"] == "600" and "--lr_decay_steps" not in argv("adamw", 1337)
+    assert aligned["--max_steps"] == "173" and aligned["--lr_decay_steps"] == "1000"
+    assert argv("aligned", 1338)["--max_steps"] == "1000"  # no AdamW figure for that seed: the cap stands
+    assert argv("adamw", 1337)["--max_steps"] == "1000"
     ladder.flags["schedule"] = {"lr_decay_steps": 115, "warmup_steps": 57}  # a recipe's own decay is kept
     assert argv("schedule", 1337)["--lr_decay_steps"] == "115"
     ladder.runs[0].reached = False  # AdamW missed the target on that seed: nothing to measure a cap by
-    assert argv("aligned", 1337)["--max_steps"] == "600"
+    assert argv("aligned", 1337)["--max_steps"] == "1000"
 
 
 def test_a_cap_at_or_beyond_max_steps_is_no_cap_and_a_warmup_only_schedule_stays_so(tmp_path: Path) -> None:
@@ -233,6 +236,7 @@ def test_a_cap_at_or_beyond_max_steps_is_no_cap_and_a_warmup_only_schedule_stays
     _fake(ladder, "adamw", [20.0], steps=60)  # 1.5 x 60 = 90 > 80: the run's own max_steps stops it first
     assert ladder._cap("aligned", 1337) is None
     ladder.runs[0].steps = 40
+    ladder.flags["aligned"] = {"align_documents": True}  # train's warmup and no decay of its own
     run = quality.Run("aligned", 1337, ladder.flags["aligned"], tmp_path / "r", ladder._cap("aligned", 1337))
     args = quality.train_argv(cfg, run, 4.2, ladder.max_steps, None, ladder.sizes)
     # train's warmup (100) outlasts the 80 steps: no decay to keep, and no --lr_decay_steps that train refuses
@@ -283,7 +287,8 @@ def test_the_ladder_end_to_end_trains_each_recipe_and_seed_and_writes_its_report
     # the decay ends at AdamW's median steps; train's warmup of 100 cut to half of them
     adamw_steps = sorted(r["steps_to_target"] for r in res["runs"] if r["recipe"] == "adamw")
     median = round(sum(adamw_steps) / 2)
-    assert res["recipes"][1]["flags"] == {"lr_decay_steps": median, "warmup_steps": median // 2}
+    assert res["recipes"][1]["flags"] == {**quality.CHANGES["adamw"][1], "lr_decay_steps": median,
+                                          "warmup_steps": median // 2}
     assert all(r["reached"] and r["steps_to_target"] is not None and r["curve"] for r in res["runs"])
     report = (out / "quality_report.md").read_text()
     assert "| adamw | 7 | yes |" in report and "native bf16" in report
@@ -316,7 +321,7 @@ def test_ctrl_c_keeps_the_runs_measured_so_far(train_data: Path, tmp_path: Path,
     """A quality ladder stopped by Ctrl-C (or a time limit's SIGINT) still writes its report: the runs measured
     before it with their figures, the rest marked as not measured, and exit status 130."""
 
-    def train(self: quality.Ladder, run: quality.Run) -> None:
+    def train(self: quality.Ladder, run: quality.Run, bar: object = None) -> None:
         if run.recipe != "adamw":  # Ctrl-C during the second run
             raise KeyboardInterrupt
         run.reached, run.time_s, run.steps, run.tokens = True, 20.0, 100, 12800
@@ -409,3 +414,43 @@ def test_recipes_naming_no_recipe_are_refused_before_anything_is_written(
     err = capsys.readouterr().err
     assert "names no recipe" in err and "adamw" in err, err
     assert not out.exists()
+
+
+def test_modern_is_the_speedrun_block_with_muon_and_each_ablation_takes_away_only_its_change(tmp_path: Path) -> None:
+    """What `--recipes modern,no-rope,...` trains, as each run's `gptopt train` process reads its flags: the
+    ablation's model and optimizer are modern's but for the one change it names."""
+    cfg = BenchConfig(mode="quality", preset="tiny", output_dir=str(tmp_path), device="cpu", recipes="all")
+    ladder = quality.Ladder(cfg)
+
+    def trained(recipe: str) -> tuple[GPTConfig, TrainConfig]:
+        run = quality.Run(recipe, 1337, ladder.flags[recipe], tmp_path / "r")
+        args = quality.train_argv(ladder.cfg, run, 3.0, ladder.max_steps, None, ladder.sizes)[4:]
+        train_cfg = cli.parse_config("train", TrainConfig, args, cli.build_parser("train", TrainConfig))
+        return preset(train_cfg.preset, **arch_overrides(train_cfg.arch)), train_cfg
+
+    model, opt = trained("modern")
+    assert (model.positions, model.qk_norm, model.mlp, model.tie_embeddings, model.zero_init) == \
+        ("rope", True, "relu2", False, True)
+    assert opt.optimizer == "muon" and opt.use_amp and (opt.batch_size, opt.seq_len) == (16, 256)
+    adamw_model, adamw = trained("adamw")
+    assert adamw_model == preset("tiny") and adamw.optimizer == "adamw"
+    changed = {"no-rope": {"positions"}, "no-qk_norm": {"qk_norm"}, "no-relu2": {"mlp"},
+               "no-untied": {"tie_embeddings"}, "no-zero_init": {"zero_init"}, "no-muon": set()}
+    assert set(changed) == set(quality.ABLATIONS) and all(n in ladder.names for n in changed)
+    for name, fields in changed.items():
+        m, o = trained(name)
+        assert {f for f in m.to_dict() if getattr(m, f) != getattr(model, f)} == fields, name
+        same_opt = dataclasses.replace(o, arch=opt.arch, output_dir=opt.output_dir)
+        if name == "no-muon":  # AdamW at the baseline's rates, on modern's horizon
+            assert o.optimizer == "adamw" and o.learning_rate == adamw.learning_rate
+            assert o.warmup_steps == adamw.warmup_steps and o.lr_decay_steps == opt.lr_decay_steps
+        else:
+            assert same_opt == opt, name
+
+
+def test_the_bar_shows_a_running_runs_latest_evaluation_even_while_a_line_is_being_written(tmp_path: Path) -> None:
+    metrics = tmp_path / "metrics.jsonl"
+    assert quality._latest_eval(metrics) is None  # the run has not written yet
+    metrics.write_text('{"step": 10, "loss": 5.1}\n{"step": 10, "val_loss": 5.0}\n{"step": 20, "loss": 4.8}\n'
+                       '{"step": 20, "val_lo')
+    assert quality._latest_eval(metrics) == (10, 5.0)

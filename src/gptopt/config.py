@@ -558,7 +558,7 @@ class BenchConfig:
     seeds: int = opt(3, "--mode quality: runs of each recipe, seeds --seed, --seed + 1, ...", ge=1, le=100)
     recipes: str = opt("default", "--mode quality: comma-separated recipes of adamw, muon, modern (the speedrun "
                        "block with Muon), its ablations no-muon, no-rope, no-qk_norm, no-relu2, no-untied, "
-                       "no-zero_init (modern without that change), aligned, schedule, best; 'default': adamw, muon, "
+                       "no-zero_init (modern without that change), aligned, schedule, best; 'default': adamw and "
                        "modern; 'all': every one; adamw is always run")
     max_steps: int | None = opt(None, "--mode quality: the most steps of a run (the cosine horizon of a recipe "
                                 "without its own); a run that has not reached the target by then counts as not "

@@ -2,33 +2,38 @@
 same data, over several seeds, with a significance stated.
 
     gptopt bench --mode quality                                  # tiny on the stdlib corpus, its default target
+    gptopt bench --mode quality --recipes modern,no-muon,no-rope  # modern and what two of its changes buy
     gptopt bench --mode quality --target_loss 4.5 --seeds 5 --recipes adamw,muon,best
 
-Every run is `gptopt train --target_loss L` in a process of its own (what a user runs), with the step
-settings of the training ladder's best.toml when --output_dir holds one, else train's defaults (on tiny: 16
-sequences of 256 tokens a step; --batch_size and --seq_len change them). Seed s
-gives every recipe the same initial weights and the same batches (train draws both from --seed), so a
-recipe's difference is its own. A run's time to target is the wall time of its training steps (evals
-and saves left out) up to the evaluation that found the val loss at or below the target; runs are
-interleaved seed by seed so that a slow spell of the machine falls on every recipe alike. A recipe
-other than AdamW stops at 1.5x AdamW's steps on its seed (GIVE_UP; when AdamW reached the target on that
-seed), on the same learning-rate schedule:
-no recipe's step is cheaper than AdamW's, so by then it is at least 1.5x slower, out of the race.
+Every run is `gptopt train --target_loss L` in a process of its own (what a user runs). On tiny the step
+settings are AdamW's tuned ones (TUNED_STEP: bf16 autocast, 16 sequences of 256 tokens a step); the training
+ladder's best.toml replaces them when --output_dir holds one, and --batch_size / --seq_len override both. Seed s
+gives every recipe the same batches (train draws them from --seed; the same initial weights where the recipes
+share a model), so a recipe's difference is its own. A run's time to target is the wall time of its training
+steps (evals and saves left out) up to the evaluation that found the val loss at or below the target; runs are
+interleaved seed by seed so that a slow spell of the machine falls on every recipe alike. A recipe other than
+AdamW stops at 1.5x AdamW's steps on its seed (GIVE_UP; when AdamW reached the target on that seed): no recipe's
+step is cheaper than AdamW's, so by then it is at least 1.5x slower, out of the race.
 
-Recipes, each one change to AdamW (train's default):
-  adamw     train's defaults
-  muon      --optimizer muon (Muon on the blocks' weight matrices, AdamW on the rest) at the rates
-            measured for it on tiny (benchmarks/2026-12-04-time-to-quality.md, "The ladder at train's
-            step settings")
-  aligned   --align_documents (windows start at document boundaries)
-  schedule  the learning-rate schedule tuned for the target: the cosine decay ends where AdamW's runs
-            reached the target (median steps), train's warmup kept (half the decay at most): a short
-            warmup cost tiny steps (benchmarks/2026-12-04-time-to-quality.md, "Time to quality")
-  best      every change above that beat AdamW's time significantly (Welch, p < 0.05; with one seed,
+The default target is the val loss the tuned AdamW reaches in about five minutes of a 2-core CPU, well into
+training (docs/benchmarks.md, "Time to quality"): a loss worth having, against the best AdamW a user could tune.
+
+Recipes (default: adamw and modern, which the 45-minute budget of a 2-core CPU holds; `all` runs every one):
+  adamw     AdamW with GPT-2's block at the best learning rate and step settings of a sweep for that budget
+            (benchmarks/adamw_sweep.py), the baseline of every figure
+  muon      the baseline with --optimizer muon (Muon on the blocks' weight matrices, AdamW on the rest)
+  modern    the speedrun records' block as --arch (rotary, QK-norm, ReLU^2, untied head, zero-initialised
+            projections and head) with Muon for its matrices, at its own rates and horizon
+  no-muon, no-rope, no-qk_norm, no-relu2, no-untied, no-zero_init
+            modern without one of its changes: each one's time over modern's is what that change buys
+  aligned   the baseline with --align_documents (windows start at document boundaries)
+  schedule  the baseline's cosine decay ending where its runs reached the target (median steps)
+  best      every change above that beat AdamW's time significantly (Welch, p < 0.01; with one seed,
             the mean), together (the decay ending where the fastest of them reached the target);
             AdamW again if none did
 
-The report: minutes and tokens to target per recipe (mean and spread), Welch's t-test of the best
+The report: minutes and tokens to target per recipe (mean and spread), the val loss and bits per byte each
+recipe's runs ended with (at the target where reached, else at the step cap), Welch's t-test of the best
 recipe against AdamW, val loss against training time for every run (quality.png),
 quality_report.md, quality_results.json, and quality_best.toml for `gptopt train --config`.
 """
@@ -44,6 +49,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,29 +68,73 @@ from gptopt.tables import fmt, text_table, to_json, toml_text
 log = logging.getLogger("gptopt")
 
 BASELINE = "adamw"
-DEFAULT_RECIPES = ("adamw", "muon", "aligned", "schedule", "best")
+DEFAULT_RECIPES = ("adamw", "modern")
+
+# AdamW at the best of a sweep of learning rate and step settings for the default target's budget (about five
+# minutes of tiny on a CPU: benchmarks/adamw_sweep.py, docs/benchmarks.md "Time to quality"): the baseline's rates
+# and horizon, and every recipe's step settings (the training ladder's best.toml or --batch_size / --seq_len
+# replace them).
+TUNED_STEP: dict[str, Any] = {"use_amp": True, "batch_size": 16, "seq_len": 256}
+TUNED_ADAMW: dict[str, Any] = {"learning_rate": 4e-3, "warmup_steps": 100, "lr_decay_steps": 765}
+# The speedrun records' block (modded-nanogpt, nanochat) as --arch fields over GPT-2's: rotary positions, a norm
+# (the block's LayerNorm) on each head's queries and keys, squared-ReLU MLP, a head of its own, every block's
+# output projections and the head starting at zero.
+MODERN_ARCH: dict[str, Any] = {"positions": "rope", "qk_norm": True, "mlp": "relu2", "tie_embeddings": False,
+                               "zero_init": True}
+# Muon for the blocks' matrices (AdamW for embeddings, head, norms) at the rates and horizon tried for it on tiny
+# (benchmarks/2026-12-06-time-to-quality.md)
+MODERN_OPT: dict[str, Any] = {"optimizer": "muon", "muon_lr": 6e-3, "learning_rate": 8e-3, "warmup_steps": 10,
+                              "lr_decay_steps": 300}
+
+
+def _arch(fields: dict[str, Any]) -> str:
+    return ",".join(f"{k}={str(v).lower()}" for k, v in fields.items())
+
+
+# An ablation per large change: the modern recipe without it (what it buys is the ablation's time over modern's)
+ABLATIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "no-muon": ("AdamW at the baseline's rates", {"optimizer": "adamw", "muon_lr": None, **{
+        k: v for k, v in TUNED_ADAMW.items() if k != "lr_decay_steps"}}),
+    "no-rope": ("learned positions", {"positions": "learned"}),
+    "no-qk_norm": ("no norm on queries and keys", {"qk_norm": False}),
+    "no-relu2": ("GPT-2's GELU MLP", {"mlp": "gelu"}),
+    "no-untied": ("the head tied to the embedding (zero_init then leaves it GPT-2's)", {"tie_embeddings": True}),
+    "no-zero_init": ("GPT-2's scaled normal init", {"zero_init": False}),
+}
+
+
+def _without(change: dict[str, Any]) -> dict[str, Any]:
+    arch = {**MODERN_ARCH, **{k: v for k, v in change.items() if k in MODERN_ARCH}}
+    opts = {**MODERN_OPT, **{k: v for k, v in change.items() if k not in MODERN_ARCH}}
+    return {"arch": _arch(arch), **{k: v for k, v in opts.items() if v is not None}}
+
+
 CHANGES: dict[str, tuple[str, dict[str, Any]]] = {  # the fixed recipes: what each changes, as train options
-    "adamw": ("train's defaults: AdamW, warmup 100 steps, cosine decay over max_steps", {}),
-    # Muon's rates and warmup, measured for it: steps to tiny's 4.2 at 16 x 256 tokens (seed 1337),
-    # benchmarks/2026-12-04-time-to-quality.md, "The ladder at train's step settings"
-    "muon": ("--optimizer muon at the rates measured for it on tiny: Muon 3e-3 on the blocks' weight matrices, AdamW "
-             "4e-3 on the rest (embeddings, tied head, biases, LayerNorm), warmup 10 steps",
-             {"optimizer": "muon", "muon_lr": 3e-3, "learning_rate": 4e-3, "warmup_steps": 10}),
-    "aligned": ("--align_documents: every window starts at a document boundary", {"align_documents": True}),
+    "adamw": ("AdamW with GPT-2's block at the best rates of a sweep (lr 4e-3, warmup 100, cosine over 765 steps)",
+              dict(TUNED_ADAMW)),
+    # Muon's rates and warmup, measured for it on tiny (benchmarks/2026-12-04-time-to-quality.md)
+    "muon": ("--optimizer muon on GPT-2's block: Muon 3e-3 on the blocks' weight matrices, AdamW 4e-3 on the rest "
+             "(embeddings, tied head, biases, LayerNorm), warmup 10 steps; the baseline's horizon",
+             {**TUNED_ADAMW, "optimizer": "muon", "muon_lr": 3e-3, "learning_rate": 4e-3, "warmup_steps": 10}),
+    "modern": ("the speedrun block (rotary, QK-norm, ReLU^2, untied head, zero-initialised projections) with Muon "
+               "for its matrices", {"arch": _arch(MODERN_ARCH), **MODERN_OPT}),
+    **{name: (f"modern without one change: {what}", _without(change)) for name, (what, change) in ABLATIONS.items()},
+    "aligned": ("--align_documents: every window starts at a document boundary",
+                {**TUNED_ADAMW, "align_documents": True}),
 }
 DERIVED = {
-    "schedule": "the cosine decay ends at the median step where AdamW reached the target; train's warmup kept",
-    "best": "every change that beat AdamW's time significantly (Welch, p < 0.05), together",
+    "schedule": "the baseline with its cosine decay ending at the median step where it reached the target",
+    "best": "every change that beat AdamW's time significantly (Welch, p < 0.01), together",
 }
-# The embedded default: tiny on the stdlib corpus at train's step settings (16 x 256 tokens), to a val loss
-# AdamW reaches early in a run, so the ladder takes minutes on a CPU (docs/benchmarks.md, "Time to quality");
-# and the cosine horizon (and step cap) of every run.
-DEFAULT_TARGET = {"tiny": 4.2}
-DEFAULT_MAX_STEPS = 600
+# The embedded default: tiny on the stdlib corpus at the tuned step settings, to the val loss the tuned AdamW
+# reaches in about five minutes on a CPU (docs/benchmarks.md, "Time to quality"); and every run's step cap.
+DEFAULT_TARGET = {"tiny": 2.55}
+DEFAULT_MAX_STEPS = 1000
 GIVE_UP = 1.5  # a recipe's step cap: this many times AdamW's steps to the target on the same seed
-EVAL_INTERVAL = 5  # steps between evaluations: the time to target is known to within that many steps
-EVAL_ITERS = 4  # val batches per evaluation (half of tiny's stdlib val split), the same windows every time
-SIGNIFICANCE = 0.05
+EVAL_INTERVAL = 10  # steps between evaluations: the time to target is known to within that many steps
+EVAL_ITERS = 8  # val batches per evaluation (tiny's whole stdlib val split), the same windows every time
+SIGNIFICANCE = 0.01
+PROGRESS_S = 2.0  # how often the bar reads a running run's evaluations
 
 
 TRAIN_WARMUP: int = TrainConfig.__dataclass_fields__["warmup_steps"].default
@@ -110,14 +160,15 @@ class Run:
     steps: int | None = None
     best_val_loss: float | None = None
     curve: list[tuple[float, float]] = field(default_factory=list)  # (training seconds, val loss) per evaluation
+    end_bpb: float | None = None  # bits per byte of the run's last evaluation (where it stopped)
     config: dict[str, Any] | None = None  # the TrainConfig the run's process trained under (its run.json)
     error: str | None = None
     skipped: str | None = None  # why it was not measured (measure.STOPPED: the ladder was stopped first)
 
 
 def recipes(spec: str) -> list[str]:
-    names = list(DEFAULT_RECIPES) if spec.strip() in ("default", "all") else \
-        [p.strip() for p in spec.split(",") if p.strip()]
+    names = list(DEFAULT_RECIPES) if spec.strip() == "default" else [*CHANGES, *DERIVED] if spec.strip() == "all" \
+        else [p.strip() for p in spec.split(",") if p.strip()]
     known = [*CHANGES, *DERIVED]
     if not names:  # the baseline alone would run, compared with nothing
         raise ValueError(f"--recipes {spec!r} names no recipe; choose from {', '.join(known)}, or default")
@@ -152,6 +203,22 @@ def train_argv(cfg: BenchConfig, run: Run, target: float, max_steps: int, best_t
     return [*argv, "--overwrite", "--no-tensorboard"]
 
 
+def _latest_eval(metrics: Path) -> tuple[int, float] | None:
+    """The (step, val loss) of a running run's latest evaluation, or None before its first."""
+    try:
+        lines = metrics.read_text().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:  # the line being written
+            continue
+        if "val_loss" in rec:
+            return rec["step"], rec["val_loss"]
+    return None
+
+
 def read_run(run: Run) -> None:
     """The run's run.json "config" and "target", and its metrics.jsonl evaluations."""
     info = json.loads((run.out / "run.json").read_text())
@@ -165,6 +232,7 @@ def read_run(run: Run) -> None:
         rec = json.loads(line)
         if "val_loss" in rec and "train_s" in rec:
             run.curve.append((rec["train_s"], rec["val_loss"]))
+            run.end_bpb = rec.get("val_bpb", run.end_bpb)
 
 
 class Ladder:
@@ -182,8 +250,12 @@ class Ladder:
         self.max_steps = cfg.max_steps or DEFAULT_MAX_STEPS
         toml = self.out / "best.toml"  # the training ladder's fastest step settings, if it ran here
         self.best_toml = toml if toml.is_file() else None
-        # the flags' micro-batch and length: every run takes them, and quality_best.toml keeps them with the recipe
-        self.sizes = {k: v for k, v in (("batch_size", cfg.batch_size), ("seq_len", cfg.seq_len)) if v}
+        # the step settings every run takes, kept by quality_best.toml with the recipe: the tuned ones where the
+        # default target was tuned (no best.toml here), the flags' micro-batch and length over them
+        tuned = TUNED_STEP if self.best_toml is None and self.preset in DEFAULT_TARGET else {}
+        self.step_source = str(self.best_toml) if self.best_toml else "the tuned AdamW's" if tuned else \
+            "train's defaults"
+        self.sizes = {**tuned, **{k: v for k, v in (("batch_size", cfg.batch_size), ("seq_len", cfg.seq_len)) if v}}
         self.runs: list[Run] = []
         self.flags: dict[str, dict[str, Any]] = {n: f for n, (_, f) in CHANGES.items()}
         self.notes: dict[str, str] = {}
@@ -219,7 +291,7 @@ class Ladder:
             for name in names:
                 run = Run(name, seed, self.flags[name], self.out / "runs" / f"{name}-seed{seed}", self._cap(name, seed))
                 bar.set_postfix_str(f"{name}, seed {seed}")
-                self._train(run)
+                self._train(run, bar)
                 self.runs.append(run)
                 bar.update(1)
 
@@ -229,14 +301,28 @@ class Ladder:
         cap = math.ceil(GIVE_UP * base) if base and name != BASELINE else None
         return cap if cap is not None and cap < self.max_steps else None
 
-    def _train(self, run: Run) -> None:
+    def _train(self, run: Run, bar: tqdm | None = None) -> None:
         argv = train_argv(self.cfg, run, self.target, self.max_steps, self.best_toml, self.sizes)
         run.out.parent.mkdir(parents=True, exist_ok=True)
         log_path = run.out.parent / f"{run.out.name}.log"
         with open(log_path, "wb") as f:
             f.write((shlex.join(argv) + "\n").encode())
             f.flush()
-            proc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            try:  # a run takes minutes: its step and latest val loss show on the ladder's bar meanwhile
+                while proc.poll() is None:
+                    time.sleep(PROGRESS_S)
+                    if bar is not None and (latest := _latest_eval(run.out / "metrics.jsonl")):
+                        bar.set_postfix_str(f"{run.recipe}, seed {run.seed}: step {latest[0]}, "
+                                            f"val loss {latest[1]:.3f} (target {self.target})")
+            except BaseException:  # Ctrl-C reached the child too: a moment to stop, as subprocess.run gives it
+                try:
+                    proc.wait(timeout=0.25)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+                raise
         if proc.returncode != 0:
             tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or [""]
             run.error = f"gptopt train exited with {proc.returncode}: {tail[0]} (log: {log_path})"
@@ -253,7 +339,7 @@ class Ladder:
             if steps is None:
                 self.notes[name] = "not run: AdamW did not reach the target in every seed"
                 return None
-            return _schedule(steps)
+            return {**self.flags[BASELINE], **_schedule(steps)}
         # best: the changes that beat AdamW's time significantly, together. A mean ahead by noise is left
         # out: a schedule ahead of AdamW by noise alone once ended Muon's decay early and cost it steps.
         if self._times(BASELINE) is None:
@@ -263,7 +349,7 @@ class Ladder:
         if not winners:
             self.notes[name] = "not run: no change beat AdamW's time significantly; the best recipe is AdamW"
             return None
-        flags: dict[str, Any] = {}
+        flags: dict[str, Any] = dict(self.flags[BASELINE])  # the baseline's rates where no winner sets its own
         for n in winners:
             if n != "schedule":  # its decay is set again below, after the others' warmups
                 flags.update(self.flags[n])
@@ -315,6 +401,9 @@ class Ladder:
                 "tokens_mean": statistics.mean(r.tokens for r in runs if r.tokens) if times else None,
                 "steps_mean": statistics.mean(r.steps for r in runs if r.steps) if times else None,
                 "vs_adamw": statistics.mean(times) / statistics.mean(base) if times and base else None,
+                # the quality each run ended with: at the target where reached, else at its step cap
+                "end_val_loss_mean": _mean([r.curve[-1][1] for r in runs if r.curve]),
+                "end_bpb_mean": _mean([r.end_bpb for r in runs if r.end_bpb is not None]),
                 "note": "; ".join(n for n in (self.notes.get(name, ""), self._unmeasured(runs)) if n),
             }
             rows.append(row)
@@ -322,7 +411,7 @@ class Ladder:
             if not self._of(name):
                 rows.append({"recipe": name, "what": DERIVED.get(name, ""), "flags": {}, "runs": 0, "reached": 0,
                              "minutes_mean": None, "minutes_sd": None, "tokens_mean": None, "steps_mean": None,
-                             "vs_adamw": None, "note": note})
+                             "vs_adamw": None, "end_val_loss_mean": None, "end_bpb_mean": None, "note": note})
         # the best recipe beats AdamW's mean time; none that does leaves AdamW (no TOML, no test to state)
         ranked = [r for r in rows if r["vs_adamw"] is not None and r["recipe"] != BASELINE and r["vs_adamw"] < 1]
         best = min(ranked, key=lambda r: r["vs_adamw"]) if ranked else None
@@ -332,13 +421,14 @@ class Ladder:
             "target_loss": self.target,
             "max_steps": self.max_steps, "sizes": self.sizes,
             "eval_interval": EVAL_INTERVAL, "eval_iters": EVAL_ITERS,
-            "seeds": self.seeds, "step_settings": (str(self.best_toml) if self.best_toml else "train's defaults")
-            + "".join(f", --{k} {v}" for k, v in self.sizes.items()),
+            "seeds": self.seeds, "step_settings": self.step_source + "".join(
+                f", --{k}" if v is True else f", --{k} {v}" for k, v in self.sizes.items()),
             "environment": environment(self.plan), "native_bf16": cpu_has_fast_bf16(),
             "recipes": rows, "best": best["recipe"] if best else None, "welch": test,
             "runs": [{"recipe": r.recipe, "seed": r.seed, "flags": r.flags, "step_cap": r.cap, "reached": r.reached,
                       "time_to_target_s": r.time_s, "time_to_target_excl_compile_s": r.time_excl_compile_s,
                       "tokens_to_target": r.tokens, "steps_to_target": r.steps, "best_val_loss": r.best_val_loss,
+                      "end_bpb": r.end_bpb,
                       "curve": r.curve, "error": r.error, "skipped": r.skipped, "output_dir": str(r.out),
                       "config": r.config}
                      for r in self.runs],
@@ -385,15 +475,21 @@ def best_toml(summary: dict[str, Any]) -> str | None:
                             "# gptopt train --config quality_best.toml"))
 
 
+def _mean(xs: list[float]) -> float | None:
+    return statistics.mean(xs) if xs else None
+
+
 def _2dp(v: float | None) -> str:  # minutes in the table, seconds per run
     return "-" if v is None else f"{v:.2f}"
 
 
 def table(summary: dict[str, Any]) -> str:
-    head = ["recipe", "reached", "minutes (mean ± sd)", "steps", "tokens", "vs adamw", "note"]
+    head = ["recipe", "reached", "minutes (mean ± sd)", "steps", "tokens", "vs adamw", "end val loss", "bits/byte",
+            "note"]
     body = [[r["recipe"], f"{r['reached']}/{r['runs']}",
              "-" if r["minutes_mean"] is None else f"{r['minutes_mean']:.2f} ± {_2dp(r['minutes_sd'])}",
-             fmt(r["steps_mean"], "int"), fmt(r["tokens_mean"], "int"), fmt(r["vs_adamw"], "x"), r["note"]]
+             fmt(r["steps_mean"], "int"), fmt(r["tokens_mean"], "int"), fmt(r["vs_adamw"], "x"),
+             fmt(r.get("end_val_loss_mean"), "loss"), fmt(r.get("end_bpb_mean"), "bpb"), r["note"]]
             for r in summary["recipes"]]
     return text_table(head, body)
 
