@@ -104,6 +104,11 @@ def config_from_hf(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfig:
 # Llama-shaped families transformers names by model_type: rotary, RMSNorm, SwiGLU, grouped-query attention, no
 # biases; Qwen3 adds an RMSNorm over each head's queries and keys, and may size its heads apart from the width.
 LLAMA_FAMILIES = ("llama", "qwen3")
+# A block's weights: transformers' Llama / Qwen3 names -> gptopt's (q, k and v are joined into c_attn apart)
+LLAMA_NAMES = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2", "self_attn.o_proj": "attn.c_proj",
+               "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm", "mlp.gate_proj": "mlp.c_gate",
+               "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"}
+GPTOPT_NAMES = {v: k for k, v in LLAMA_NAMES.items()}
 
 
 def config_from_llama(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfig:
@@ -149,9 +154,6 @@ def llama_state_to_gptopt(state: dict[str, torch.Tensor], config: GPTConfig, *,
     """A HF LlamaForCausalLM / Qwen3ForCausalLM state dict as gptopt's GPT(config) keys: q, k and v joined into
     c_attn, gate_proj / up_proj / down_proj as c_gate / c_fc / c_proj, padded vocabulary rows zero. Every key and
     shape is checked (ValueError naming the first bad one)."""
-    renames = {"input_layernorm": "ln_1", "post_attention_layernorm": "ln_2", "self_attn.o_proj": "attn.c_proj",
-               "self_attn.q_norm": "attn.q_norm", "self_attn.k_norm": "attn.k_norm", "mlp.gate_proj": "mlp.c_gate",
-               "mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"}
     out: dict[str, torch.Tensor] = {}
     qkv: dict[int, dict[str, torch.Tensor]] = {}
     for key, tensor in state.items():
@@ -161,7 +163,7 @@ def llama_state_to_gptopt(state: dict[str, torch.Tensor], config: GPTConfig, *,
             if part in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"):
                 qkv.setdefault(int(i), {})[part[-6]] = tensor
                 continue
-            out[f"transformer.h.{i}.{renames.get(part, part)}.weight"] = tensor
+            out[f"transformer.h.{i}.{LLAMA_NAMES.get(part, part)}.weight"] = tensor
         elif key == "model.embed_tokens.weight":
             out["transformer.wte.weight"] = tensor
         elif key == "model.norm.weight":
@@ -326,9 +328,6 @@ def gptopt_state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
 def _llama_state(model: GPT) -> dict[str, torch.Tensor]:
     """llama_state_to_gptopt's inverse: c_attn split into q, k and v, the HF names, real vocab rows only."""
     config = model.config
-    renames = {"ln_1": "input_layernorm", "ln_2": "post_attention_layernorm", "attn.c_proj": "self_attn.o_proj",
-               "attn.q_norm": "self_attn.q_norm", "attn.k_norm": "self_attn.k_norm", "mlp.c_gate": "mlp.gate_proj",
-               "mlp.c_fc": "mlp.up_proj", "mlp.c_proj": "mlp.down_proj"}
     q, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
     out: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict().items():
@@ -340,7 +339,7 @@ def _llama_state(model: GPT) -> dict[str, torch.Tensor]:
                 for key, t in zip(("q_proj", "k_proj", "v_proj"), tensor.split([q, kv, kv]), strict=True):
                     out[f"model.layers.{i}.self_attn.{key}.weight"] = t.contiguous()
                 continue
-            out[f"model.layers.{i}.{renames[part]}.weight"] = tensor.contiguous()
+            out[f"model.layers.{i}.{GPTOPT_NAMES[part]}.weight"] = tensor.contiguous()
         elif name == "transformer.wte.weight":
             out["model.embed_tokens.weight"] = tensor[: config.vocab_size].contiguous()
         elif name == "transformer.ln_f.weight":
