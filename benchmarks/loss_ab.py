@@ -27,8 +27,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gptopt.config import PRESETS, GPTConfig, preset
-from gptopt.device import default_attention, reuse_host_memory
-from gptopt.model import GPT
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import default_attention, reuse_host_memory
 
 LOSSES = ("full", "chunked")
 

@@ -27,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from gptopt.config import PRESETS, GPTConfig, preset
-from gptopt.device import default_attention
-from gptopt.model import GPT
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import default_attention
 
 
 class _Attention(nn.Module):

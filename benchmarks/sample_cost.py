@@ -18,12 +18,12 @@ import torch
 from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig
-from gptopt.constrain import Grammars, grammar_for
-from gptopt.corpus import stdlib_corpus, train_bpe
-from gptopt.device import resolve
-from gptopt.generator import Generator, SamplingParams
-from gptopt.inference import VOCAB_PAD
-from gptopt.model import GPT
+from gptopt.data.corpus import stdlib_corpus, train_bpe
+from gptopt.infer.constrain import Grammars, grammar_for
+from gptopt.infer.generator import Generator, SamplingParams
+from gptopt.infer.load import VOCAB_PAD
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
 
 EOT = "<|endoftext|>"
 SCHEMA = {"type": "object", "additionalProperties": False, "required": ["name", "age", "color", "scores"],

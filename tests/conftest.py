@@ -23,7 +23,7 @@ import torch
 from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig, preset
-from gptopt.model import GPT
+from gptopt.models.gpt import GPT
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -70,7 +70,7 @@ def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import sysconfig
 
     from gptopt.config import PrepareConfig
-    from gptopt.corpus import prepare
+    from gptopt.data.corpus import prepare
 
     src = tmp_path_factory.mktemp("corpus")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -84,7 +84,7 @@ def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def debug_tokenizer(train_data: Path) -> Tokenizer:
     """train_data's byte-level BPE (vocab 320): multi-byte characters (emoji) span several tokens."""
-    from gptopt.tokenizer import load_tokenizer
+    from gptopt.data.tokenizer import load_tokenizer
 
     return load_tokenizer(train_data / "tokenizer.json")
 
@@ -123,8 +123,8 @@ def varied_model(debug_tokenizer: Tokenizer) -> GPT:
 @pytest.fixture(scope="session")
 def trained_out(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `gptopt train` output dir (2 steps of the debug preset on train_data, ~3 s): what generate and serve load."""
-    from gptopt import train
     from gptopt.config import TrainConfig
+    from gptopt.train import loop as train
 
     out = tmp_path_factory.mktemp("trained") / "out"
     rc = train.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), preset="debug", seq_len=32, batch_size=4,
@@ -138,7 +138,7 @@ def trained_out(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> P
 def model_dir(train_data: Path, debug_tokenizer: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """make_varied_model saved as a gptopt model dir whose meta names its tokenizer, as training
     checkpoints do: what generate and export load. Shared: write outputs elsewhere, never into it."""
-    from gptopt.checkpoint import save_model
+    from gptopt.models.checkpoint import save_model
 
     model = make_varied_model(debug_tokenizer.get_vocab_size())
     return save_model(model, tmp_path_factory.mktemp("model") / "m", {"tokenizer": str(train_data / "tokenizer.json")})
@@ -201,7 +201,7 @@ def split_bytes_per_token(data_dir: Path, split: str = "val") -> float:
 
 _HOLD = """
 import sys
-from gptopt import fsutil
+from gptopt.outputs import staging as fsutil
 held = fsutil.lock_output(sys.argv[1], whole=sys.argv[2] == "whole")  # kept: a collected one lets go
 held.__enter__()
 print("held", flush=True)

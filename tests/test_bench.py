@@ -15,10 +15,11 @@ import pytest
 import torch
 from conftest import last_json_line
 
-from gptopt import cli, device, memory
+from gptopt import cli
 from gptopt.bench import ladder, report
 from gptopt.bench.ladder import Bench, select_rungs
 from gptopt.config import BenchConfig, TrainConfig
+from gptopt.runtime import device, memory
 
 
 def bench_args(data: Path, out: Path, rungs: str, *extra: str) -> list[str]:

@@ -19,11 +19,12 @@ import pytest
 import torch
 from conftest import last_json_line
 
-from gptopt import cli, extras
+from gptopt import cli
 from gptopt.bench import infer, report
 from gptopt.bench.infer import RUNGS, InferBench, InferRung, select_rungs
 from gptopt.config import BenchConfig
-from gptopt.measure import STOPPED, GptoptRunner, weight_bytes
+from gptopt.infer.measure import STOPPED, GptoptRunner, weight_bytes
+from gptopt.utils import extras
 
 CONTRACT = ("name", "prefill_s", "ttft_s", "decode_tokens_per_s", "batch_sweep", "bandwidth_gbs", "bandwidth_util",
             "tokens_match", "status", "note", "speedup_vs_baseline")

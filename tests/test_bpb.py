@@ -15,8 +15,8 @@ import pytest
 from conftest import split_bytes_per_token
 from tokenizers import Tokenizer
 
-from gptopt import bpb
-from gptopt.data import TokenData
+from gptopt.data import bpb
+from gptopt.data.loader import TokenData
 
 # Multi-byte characters (2, 3 and 4 bytes in UTF-8) beside ASCII: bytes, not characters, are counted.
 TEXT = "def café(n):\n    return '東京' * n  # 🙂\n"

@@ -1,4 +1,4 @@
-"""Chat: template resolution and rendering (gptopt.chat), /v1/chat/completions, and `gptopt generate --chat`.
+"""Chat: template resolution and rendering (gptopt.infer.chat), /v1/chat/completions, and `gptopt generate --chat`.
 
     pytest -q tests/test_chat.py
 """
@@ -16,7 +16,7 @@ import pytest
 from conftest import make_varied_model
 from tokenizers import Tokenizer
 
-from gptopt import chat
+from gptopt.infer import chat
 
 # Renders "role: content" lines, then "assistant:"; refuses a message that is exactly "boom".
 JINJA = ("{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('the template refuses boom') }}"
@@ -312,7 +312,8 @@ def test_serve_refuses_a_bad_chat_template_before_loading_the_model(
 def run_chat(argv: list[str], stdin: str, monkeypatch: pytest.MonkeyPatch,
              capsys: pytest.CaptureFixture[str]) -> tuple[Any, str, str, list[list[int]]]:
     """`gptopt generate --chat ARGV` with STDIN piped in: (exit status, stdout, stderr, each prompt's ids)."""
-    from gptopt import cli, generate
+    from gptopt import cli
+    from gptopt.commands import generate
 
     prompts, real_stream = [], generate.stream
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptopt import checkpoint
-from gptopt.model import GPT
+from gptopt.models import checkpoint
+from gptopt.models.gpt import GPT
 
 
 def save(out: Path, step: int, model: GPT, parent: list[str] | None = None, keep: int = 3) -> Path:
@@ -80,7 +80,7 @@ def test_a_train_state_of_the_wrong_shape_is_named(debug_model: GPT, tmp_path: P
 def test_a_llama_shaped_models_own_head_survives_saving_and_loading(overrides: dict, tmp_path: Path) -> None:
     from conftest import make_varied_model
 
-    from gptopt import hf
+    from gptopt.models import hf
 
     model = make_varied_model(300, "llama")  # untied: lm_head is a weight of its own
     checkpoint.save_model(model, tmp_path / "m")

@@ -19,13 +19,14 @@ import torch
 from conftest import last_json_line, split_bytes_per_token
 from tokenizers import Tokenizer
 
-from gptopt import checkpoint, cli
-from gptopt.compress import mean_kl, memory_bytes, perplexity_and_kl
+from gptopt import cli
+from gptopt.commands.compress import mean_kl, memory_bytes, perplexity_and_kl
 from gptopt.config import CompressConfig
-from gptopt.data import BatchDataset, open_data
-from gptopt.device import resolve
-from gptopt.inference import load_for_inference
-from gptopt.model import GPT
+from gptopt.data.loader import BatchDataset, open_data
+from gptopt.infer.load import load_for_inference
+from gptopt.models import checkpoint
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
 
 CPU = resolve("cpu", quiet=True)
 
@@ -241,7 +242,7 @@ def test_nothing_to_do_and_a_missing_output_exit_2(capsys: pytest.CaptureFixture
 
 def test_a_compressed_model_is_refused(trained_out: Path, train_data: Path, tmp_path: Path,
                                                            capsys: pytest.CaptureFixture[str]) -> None:
-    from gptopt import compress
+    from gptopt.commands import compress
 
     first = tmp_path / "first"
     assert cli.main(compress_cli(trained_out, train_data, first, "--quantize", "int8-dynamic")) == 0

@@ -14,8 +14,8 @@ from tokenizers import Tokenizer
 
 pytest.importorskip("llguidance")
 
-from gptopt.constrain import Grammars, grammar_for, unpack_numpy, unpack_torch  # noqa: E402
-from gptopt.tokenizer import eot_id  # noqa: E402
+from gptopt.data.tokenizer import eot_id  # noqa: E402
+from gptopt.infer.constrain import Grammars, grammar_for, unpack_numpy, unpack_torch  # noqa: E402
 
 SCHEMA = {
     "type": "object",

@@ -17,14 +17,14 @@ import torch
 from conftest import make_varied_model
 
 from gptopt.config import TrainConfig, preset
-from gptopt.device import DevicePlan, gpu_spec, measured_matmul_flops, peak_flops, resolve
-from gptopt.distributed import DistInfo, no_sync, wrap_ddp, wrap_fsdp
-from gptopt.generator import Generator, SamplingParams, generate
-from gptopt.inference import GraphedDecode, prepare
-from gptopt.model import GPT
-from gptopt.monitor import Monitor
-from gptopt.step import TrainStep
-from gptopt.train import find_batch_size
+from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.infer.load import GraphedDecode, prepare
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import DevicePlan, gpu_spec, measured_matmul_flops, peak_flops, resolve
+from gptopt.runtime.monitor import Monitor
+from gptopt.train.distributed import DistInfo, no_sync, wrap_ddp, wrap_fsdp
+from gptopt.train.loop import find_batch_size
+from gptopt.train.step import TrainStep
 
 pytestmark = pytest.mark.cuda
 
@@ -360,7 +360,7 @@ def test_int8_weight_only_on_the_fly_keeps_the_bf16_models_logits() -> None:
 
 
 def test_the_monitor_samples_this_gpu_through_nvml() -> None:
-    """bench and train record GPU figures from gptopt.monitor: on a GPU the samples carry this GPU's
+    """bench and train record GPU figures from gptopt.runtime.monitor: on a GPU the samples carry this GPU's
     gpu{i}_* fields, with plausible values (memory in use within a total at least CUDA's, % in 0..100)."""
     pytest.importorskip("pynvml", reason="nvidia-ml-py is not installed (pip install 'gptopt[gpu]')")
     plan = resolve()

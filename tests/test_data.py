@@ -17,14 +17,14 @@ import numpy as np
 import pytest
 import torch
 
-import gptopt.corpus as prep
-import gptopt.data as data
-import gptopt.tokenizer as tokenizer
+import gptopt.data.corpus as prep
+import gptopt.data.loader as data
+import gptopt.data.tokenizer as tokenizer
 from gptopt.cli import main
 from gptopt.config import PrepareConfig
-from gptopt.corpus import prepare, token_dtype
-from gptopt.data import BatchDataset, TokenData, make_loader
-from gptopt.tokenizer import load_tokenizer
+from gptopt.data.corpus import prepare, token_dtype
+from gptopt.data.loader import BatchDataset, TokenData, make_loader
+from gptopt.data.tokenizer import load_tokenizer
 
 # A few documents of code and prose, with non-ASCII text, so the byte-level round trip is tested.
 DOCS = {
@@ -435,7 +435,7 @@ def test_a_damaged_tokenizer_is_found_when_the_data_is_opened(damage, needle: st
 
 
 def test_a_tokenizer_of_another_size_is_refused_when_the_data_is_opened(prepared: Path, tmp_path: Path) -> None:
-    from gptopt.corpus import train_bpe
+    from gptopt.data.corpus import train_bpe
 
     d = _copy(prepared, tmp_path / "d")
     train_bpe(["some other text entirely, " * 50], 280).save(str(d / "tokenizer.json"))

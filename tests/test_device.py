@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gptopt import device as dev
-from gptopt.device import gpu_spec, peak_flops, resolve
+from gptopt.runtime import device as dev
+from gptopt.runtime.device import gpu_spec, peak_flops, resolve
 
 
 @pytest.mark.policy

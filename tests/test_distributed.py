@@ -28,7 +28,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from gptopt import checkpoint, cli
+from gptopt import cli
+from gptopt.models import checkpoint
 
 Weights = dict[str, torch.Tensor]
 RANKS = 2
@@ -260,8 +261,8 @@ def test_resume_across_world_sizes(runs: dict[str, Run], resumed: dict[str, Run]
 # Loaded at interpreter start (from PYTHONPATH): rank 1 finds no checkpoint, as on a machine whose disk lacks it.
 HIDE_CHECKPOINTS_ON_RANK_1 = """import os
 if os.environ.get("RANK") == "1":
-    import gptopt.checkpoint
-    gptopt.checkpoint.latest_checkpoint = lambda *a, **k: None
+    import gptopt.models.checkpoint
+    gptopt.models.checkpoint.latest_checkpoint = lambda *a, **k: None
 """
 
 

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from gptopt import doctor
 from gptopt.cli import main
+from gptopt.commands import doctor
+from gptopt.commands.doctor import GPU, Check, Facts, checks
 from gptopt.config import GPTConfig, preset
-from gptopt.device import DevicePlan
-from gptopt.doctor import GPU, Check, Facts, checks
-from gptopt.model import GPT
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import DevicePlan
 
 GiB = 1024**3
 ALL_EXTRAS = {"hf": True, "serve": True, "plot": True, "gpu": True, "quant": True, "data": True}

@@ -22,10 +22,12 @@ import torch
 from conftest import last_json_line, make_varied_model, split_bytes_per_token
 from tokenizers import Tokenizer
 
-from gptopt import cli, evaluate, hf
-from gptopt.checkpoint import save_model
+from gptopt import cli
+from gptopt.commands import eval as evaluate
 from gptopt.config import preset
-from gptopt.model import GPT
+from gptopt.models import hf
+from gptopt.models.checkpoint import save_model
+from gptopt.models.gpt import GPT
 
 # Contexts and endings of several lengths: the rows of one forward are padded, and the first
 # context is longer than the debug model's 64 tokens, so it is cut from the left.

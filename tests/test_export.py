@@ -19,12 +19,14 @@ import torch
 from conftest import make_varied_model
 from tokenizers import Tokenizer
 
-from gptopt import cli, export, hf
-from gptopt.checkpoint import save_model
+from gptopt import cli
+from gptopt.commands import export
 from gptopt.config import preset
-from gptopt.device import resolve
-from gptopt.generator import Generator, SamplingParams, generate
-from gptopt.model import GPT
+from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.models import hf
+from gptopt.models.checkpoint import save_model
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
 
 pytest.importorskip("onnxruntime")
 pytest.importorskip("onnxscript")

@@ -14,9 +14,9 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from gptopt import hf
 from gptopt.config import GPTConfig
-from gptopt.model import GPT, rotary
+from gptopt.models import hf
+from gptopt.models.gpt import GPT, rotary
 
 transformers = pytest.importorskip("transformers")
 
@@ -120,7 +120,7 @@ def test_a_hugging_face_model_of_the_family_loads_with_its_logits(kind: str, tmp
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_cached_decoding_gives_the_full_forwards_logits(kind: str, tmp_path: Path) -> None:
     """Rotary positions and grouped key/value heads through the KV cache: a prompt, then one token at a time."""
-    from gptopt.generator import KVCache
+    from gptopt.infer.generator import KVCache
 
     hf_model(kind).save_pretrained(tmp_path / kind)
     model = hf.load_pretrained(tmp_path / kind).eval()
@@ -193,8 +193,8 @@ def test_bench_trains_a_llama_shaped_preset_against_its_transformers_model(train
 def test_a_llama_shaped_model_exports_to_a_folder_transformers_loads_and_generates_from_alike(
     qwen: bool, tmp_path: Path
 ) -> None:
-    from gptopt.device import resolve
-    from gptopt.generator import Generator, SamplingParams, generate
+    from gptopt.infer.generator import Generator, SamplingParams, generate
+    from gptopt.runtime.device import resolve
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=64, vocab_size=300,
@@ -214,9 +214,9 @@ def test_a_llama_shaped_model_exports_to_a_folder_transformers_loads_and_generat
 
 def greedy_text(directory: Path, ids: list[int], n: int, stop: tuple[int, ...] = ()) -> str:
     """The Generator's greedy text after ids, from the directory as inference loads it: what the server must send."""
-    from gptopt.device import resolve
-    from gptopt.generator import Generator, SamplingParams, generate
-    from gptopt.inference import load_for_inference
+    from gptopt.infer.generator import Generator, SamplingParams, generate
+    from gptopt.infer.load import load_for_inference
+    from gptopt.runtime.device import resolve
 
     plan = resolve("cpu", "fp32", quiet=True)
     model, tok = load_for_inference(str(directory), tokenizer=None, plan=plan)
@@ -297,8 +297,8 @@ def test_serve_answers_a_llama_shaped_gptopt_checkpoint_with_its_generators_gree
     httpx = pytest.importorskip("httpx")
     from conftest import make_varied_model
 
-    from gptopt.checkpoint import save_model
     from gptopt.config import ServeConfig
+    from gptopt.models.checkpoint import save_model
     from gptopt.serve.app import create_app
     from gptopt.serve.server import serve_in_thread
 

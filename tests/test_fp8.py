@@ -17,11 +17,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gptopt import checkpoint, cli, device, train
+from gptopt import cli
 from gptopt.bench import ladder
 from gptopt.config import TrainConfig, preset
-from gptopt.model import GPT
-from gptopt.prepare_model import to_float8
+from gptopt.infer.cpu_layout import to_float8
+from gptopt.models import checkpoint
+from gptopt.models.gpt import GPT
+from gptopt.runtime import device
+from gptopt.train import loop as train
 
 FAST = dict(preset="debug", seq_len=64, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
             eval_interval=0, log_interval=1, warmup_steps=2, use_amp=True, amp_dtype="bf16", learning_rate=3e-3)

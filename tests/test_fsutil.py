@@ -20,11 +20,12 @@ import pytest
 import torch
 from conftest import another_writer
 
-from gptopt import checkpoint, fsutil, hf
 from gptopt.config import PrepareConfig
-from gptopt.corpus import prepare
-from gptopt.fsutil import staged_dir
-from gptopt.model import GPT
+from gptopt.data.corpus import prepare
+from gptopt.models import checkpoint, hf
+from gptopt.models.gpt import GPT
+from gptopt.outputs import staging as fsutil
+from gptopt.outputs.staging import staged_dir
 
 
 @pytest.fixture
@@ -301,7 +302,7 @@ def test_a_writer_killed_outright_leaves_no_lock_behind(tmp_path: Path) -> None:
 
 _FORKS = """
 import os, sys, time
-from gptopt import fsutil
+from gptopt.outputs import staging as fsutil
 held = fsutil.lock_output(sys.argv[1])
 held.__enter__()
 child = os.fork()

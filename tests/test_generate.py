@@ -18,11 +18,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from gptopt import checkpoint, cli
-from gptopt import generate as gen_mod
+from gptopt import cli
+from gptopt.commands import generate as gen_mod
 from gptopt.config import GenerateConfig
-from gptopt.device import resolve
-from gptopt.generator import (
+from gptopt.infer.generator import (
     Generator,
     SamplingParams,
     StopChecker,
@@ -30,8 +29,10 @@ from gptopt.generator import (
     generate,
     stream,
 )
-from gptopt.inference import GraphedDecode, load_for_inference
-from gptopt.model import GPT
+from gptopt.infer.load import GraphedDecode, load_for_inference
+from gptopt.models import checkpoint
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
 
 CPU = resolve("cpu")
 GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
@@ -93,7 +94,7 @@ def test_a_prefill_step_stays_within_its_token_budget_and_finishes_in_order(vari
 
 def test_greedy_equals_hugging_face_greedy(varied_model: GPT) -> None:
     pytest.importorskip("transformers")
-    from gptopt.hf import to_hf_model
+    from gptopt.models.hf import to_hf_model
 
     hf_model = to_hf_model(varied_model).eval()
     idx = torch.tensor([PROMPTS[0]])
@@ -420,7 +421,7 @@ def test_loads_a_hugging_face_dir_with_its_tokenizer_beside_it(varied_model: GPT
     pytest.importorskip("transformers")
     import shutil
 
-    from gptopt.hf import export_hf
+    from gptopt.models.hf import export_hf
 
     directory = export_hf(varied_model, tmp_path / "hf")
     shutil.copy(train_data / "tokenizer.json", directory / "tokenizer.json")
@@ -460,7 +461,7 @@ def test_quantize_int4_on_a_cpu_is_refused_before_loading_with_the_reason(
     def no_loading(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded before int4-weight was refused")
 
-    monkeypatch.setattr("gptopt.hf.load_pretrained", no_loading)
+    monkeypatch.setattr("gptopt.models.hf.load_pretrained", no_loading)
     capsys.readouterr()
     assert cli.main(["generate", "--model", str(model_dir), "--device", "cpu", "--quantize", "int4-weight", "x"]) == 2
     err = capsys.readouterr().err.strip()
@@ -478,7 +479,7 @@ def test_quantize_int8_from_a_config_file_is_refused_before_loading(tmp_path: Pa
 def test_end_of_text_lookup_never_adds_a_token() -> None:
     from tokenizers import models
 
-    from gptopt.tokenizer import eot_id
+    from gptopt.data.tokenizer import eot_id
 
     words = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
     assert eot_id(words) is None and words.get_vocab_size() == 3

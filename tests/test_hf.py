@@ -19,11 +19,11 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import gptopt  # noqa: E402
-from gptopt import hf  # noqa: E402
-from gptopt.checkpoint import save_model  # noqa: E402
 from gptopt.config import GPTConfig, preset  # noqa: E402
-from gptopt.extras import MissingExtra  # noqa: E402
-from gptopt.model import GPT  # noqa: E402
+from gptopt.models import hf  # noqa: E402
+from gptopt.models.checkpoint import save_model  # noqa: E402
+from gptopt.models.gpt import GPT  # noqa: E402
+from gptopt.utils.extras import MissingExtra  # noqa: E402
 
 TINY = dict(n_layer=2, n_head=2, n_embd=64, n_positions=64, vocab_size=128)
 
@@ -311,11 +311,11 @@ def test_local_dirs_load_without_the_hf_extra(tmp_path: Path, monkeypatch: pytes
     # None in sys.modules makes `import transformers` fail, as if the extra were not installed.
     monkeypatch.setitem(sys.modules, "transformers", None)
     monkeypatch.setitem(sys.modules, "huggingface_hub", None)
-    # Re-import gptopt.hf fresh; monkeypatch puts the original module back afterwards (in sys.modules
-    # and as the package attribute) so later tests see one gptopt.hf.
-    monkeypatch.delitem(sys.modules, "gptopt.hf")
+    # Re-import gptopt.models.hf fresh; monkeypatch puts the original module back afterwards (in sys.modules
+    # and as the package attribute) so later tests see one gptopt.models.hf.
+    monkeypatch.delitem(sys.modules, "gptopt.models.hf")
     monkeypatch.setattr(gptopt, "hf", hf)
-    import gptopt.hf as fresh  # the module itself imports without the extra
+    import gptopt.models.hf as fresh  # the module itself imports without the extra
 
     model = fresh.load_pretrained(str(directory))
     assert model.config.vocab_size == 128

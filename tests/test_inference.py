@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer, models
 
-from gptopt import checkpoint
 from gptopt.config import preset
-from gptopt.device import resolve
-from gptopt.inference import check_vocab, load_for_inference
-from gptopt.model import GPT
+from gptopt.infer.load import check_vocab, load_for_inference
+from gptopt.models import checkpoint
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
 
 CPU = resolve("cpu", quiet=True)
 

@@ -16,9 +16,9 @@ pytest.importorskip("aiohttp")
 
 from conftest import last_json_line
 
+from gptopt.commands.loadtest import MEMORY_METRICS, MemoryTrace, distribution, main, metric_values  # noqa: E402
 from gptopt.config import LoadtestConfig, ServeConfig, preset  # noqa: E402
-from gptopt.loadtest import MEMORY_METRICS, MemoryTrace, distribution, main, metric_values  # noqa: E402
-from gptopt.model import GPT  # noqa: E402
+from gptopt.models.gpt import GPT  # noqa: E402
 from gptopt.serve.app import create_app  # noqa: E402
 from gptopt.serve.server import serve_in_thread  # noqa: E402
 
@@ -196,7 +196,7 @@ def test_the_memory_sampler_never_waits_for_a_clients_connection(monkeypatch: py
     from fastapi import FastAPI
     from fastapi.responses import PlainTextResponse, StreamingResponse
 
-    from gptopt import loadtest
+    from gptopt.commands import loadtest
 
     monkeypatch.setattr(loadtest, "MEMORY_INTERVAL_S", 0.05)
     scrapes = {"n": 0}
@@ -366,7 +366,7 @@ def _sent_prompts(capsys: pytest.CaptureFixture[str], **options: Any) -> tuple[l
 @pytest.mark.parametrize("n", [1, 2, 7, 64, 300])
 def test_with_a_tokenizer_every_prompt_is_exactly_prompt_tokens_of_it_and_no_special_token(
         n: int, train_data: Any, debug_tokenizer: Any, capsys: pytest.CaptureFixture[str]) -> None:
-    from gptopt.tokenizer import eot_id
+    from gptopt.data.tokenizer import eot_id
 
     path = str(train_data / "tokenizer.json")
     special = {i for i, t in debug_tokenizer.get_added_tokens_decoder().items() if t.special}

@@ -29,13 +29,13 @@ from test_serve import (  # noqa: E402
 )
 
 from gptopt.config import ServeConfig, preset  # noqa: E402
-from gptopt.device import resolve  # noqa: E402
-from gptopt.generator import Generator, SamplingParams, TokenLogprob, complete  # noqa: E402
-from gptopt.model import GPT  # noqa: E402
+from gptopt.data.tokenizer import eot_id  # noqa: E402
+from gptopt.infer.generator import Generator, SamplingParams, TokenLogprob, complete  # noqa: E402
+from gptopt.models.gpt import GPT  # noqa: E402
+from gptopt.runtime.device import resolve  # noqa: E402
 from gptopt.serve.app import create_app  # noqa: E402
 from gptopt.serve.logprobs import Vocab, chat_content  # noqa: E402
 from gptopt.serve.server import serve_in_thread  # noqa: E402
-from gptopt.tokenizer import eot_id  # noqa: E402
 
 TOL = 1e-4  # the cached, batched forward against one plain forward: fp32 rounding only
 

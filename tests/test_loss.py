@@ -17,10 +17,11 @@ import torch.nn.functional as F
 from conftest import load_script
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gptopt import memory, train
 from gptopt.config import TrainConfig, preset
-from gptopt.loss import linear_cross_entropy
-from gptopt.model import GPT
+from gptopt.models.gpt import GPT
+from gptopt.models.loss import linear_cross_entropy
+from gptopt.runtime import memory
+from gptopt.train import loop as train
 
 N, C, V, V_PADDED = 300, 32, 500, 512  # 300 rows: the last chunk of 64 is short
 

@@ -12,8 +12,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from gptopt.device import resolve
-from gptopt.measure import interleaved
+from gptopt.infer.measure import interleaved
+from gptopt.runtime.device import resolve
 
 CPU = resolve("cpu", quiet=True)
 

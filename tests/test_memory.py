@@ -18,10 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from gptopt import cli, memory
+from gptopt import cli
 from gptopt.config import TrainConfig, preset
-from gptopt.memory import Estimate, inference_bytes, train_step_bytes
-from gptopt.model import GPT
+from gptopt.models.gpt import GPT
+from gptopt.runtime import memory
+from gptopt.runtime.memory import Estimate, inference_bytes, train_step_bytes
 
 ABSURD = 10_000_000  # sequences: terabytes for any preset
 BIG = 4096  # within every static limit (config.MAX_BATCH, MAX_SLOTS): only the memory check refuses it
@@ -43,9 +44,9 @@ def test_param_count_is_the_models(name: str, overrides: dict[str, object]) -> N
 MEASURE = """
 import json, sys, threading, time, psutil, torch
 from gptopt.config import TrainConfig, preset
-from gptopt.device import resolve
-from gptopt.model import GPT
-from gptopt.step import TrainStep
+from gptopt.runtime.device import resolve
+from gptopt.models.gpt import GPT
+from gptopt.train.step import TrainStep
 B, T, amp, attention, ckpt = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1"
 cfg = preset("tiny", attention=attention, gradient_checkpointing=ckpt, vocab_pad_multiple=64)
 plan = resolve("cpu", amp, quiet=True)
@@ -124,7 +125,7 @@ def test_inference_counts_the_kv_cache_per_slot() -> None:
 def test_the_kv_cache_estimate_is_the_generators_cache_of_the_key_value_heads(name: str) -> None:
     """Grouped-query attention caches its key/value heads only (SmolLM2: 3 of 9), each head_dim wide (Qwen3: not
     the width over the heads): what serve sizes its slots by is what the Generator allocates."""
-    from gptopt.generator import KVCache
+    from gptopt.infer.generator import KVCache
 
     cfg = preset(name)
     cache = KVCache(cfg, 2, 512, device="meta", dtype=torch.bfloat16)
@@ -244,7 +245,7 @@ def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest
 def test_auto_batch_size_skips_sizes_the_estimate_rules_out(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gptopt import train
+    from gptopt.train import loop as train
 
     tried: list[int] = []
     real = train.find_batch_size

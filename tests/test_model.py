@@ -19,8 +19,8 @@ from gptopt.config import (
     preset,
     preset_for_data,
 )
-from gptopt.flops import non_embedding_params
-from gptopt.model import CAUSAL_SPLIT_MIN, GPT, TanhGELU
+from gptopt.models.flops import non_embedding_params
+from gptopt.models.gpt import CAUSAL_SPLIT_MIN, GPT, TanhGELU
 
 # Pinned so that a change to the architecture shows up here; GPT-2's published sizes are
 # 124M / 355M / 774M / 1558M (tied lm_head counted once).

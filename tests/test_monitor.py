@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from gptopt.monitor import Monitor, format_summary, summarize
+from gptopt.runtime.monitor import Monitor, format_summary, summarize
 
 GiB = 2**30
 

@@ -14,10 +14,10 @@ import torch
 
 from gptopt import cli
 from gptopt.config import MUON_LR_SCALE, TrainConfig, preset
-from gptopt.device import resolve
-from gptopt.model import GPT
-from gptopt.optim import MuonAdamW, lr_at, make_optimizer
-from gptopt.step import TrainStep
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
+from gptopt.train.optim import MuonAdamW, lr_at, make_optimizer
+from gptopt.train.step import TrainStep
 
 
 def build(model: GPT, kind: str = "muon") -> MuonAdamW:

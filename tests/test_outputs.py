@@ -28,7 +28,9 @@ from pathlib import Path
 import pytest
 from conftest import another_writer
 
-from gptopt import checkpoint, cli, fsutil
+from gptopt import cli
+from gptopt.models import checkpoint
+from gptopt.outputs import staging as fsutil
 
 NOTES = "notes.txt"
 DEBUG = ["--preset", "debug", "--seq_len", "32", "--device", "cpu"]
@@ -56,8 +58,11 @@ def refused(argv: list[str], capsys: pytest.CaptureFixture[str], *expected: str)
 
 def no_model_work(monkeypatch: pytest.MonkeyPatch) -> None:
     """Reaching any model loading, building or measuring fails the test: refusals must come first."""
-    from gptopt import compress, evaluate, generate, hf, inference, profile, tune
     from gptopt.bench import ladder
+    from gptopt.commands import compress, generate, profile, tune
+    from gptopt.commands import eval as evaluate
+    from gptopt.infer import load as inference
+    from gptopt.models import hf
 
     def reached(*args: object, **kwargs: object) -> None:
         raise AssertionError("model work began before the output was checked")

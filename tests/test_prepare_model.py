@@ -15,13 +15,13 @@ import pytest
 import torch
 from conftest import graph_ops, make_varied_model
 
-from gptopt import checkpoint
 from gptopt.config import preset
-from gptopt.device import resolve
-from gptopt.generator import Generator, SamplingParams, generate
-from gptopt.inference import compile_decode
-from gptopt.model import GPT
-from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout, packed_products
+from gptopt.infer.cpu_layout import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout, packed_products
+from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.infer.load import compile_decode
+from gptopt.models import checkpoint
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
 
 
 def _ops(run: Callable[[], Any]) -> tuple[set[str], Any]:

@@ -16,11 +16,15 @@ import psutil
 import pytest
 import torch
 
-from gptopt import cli, data, device, memory, prepare_model, profile
+from gptopt import cli
+from gptopt.commands import profile
+from gptopt.commands.profile import STEP_RANGE, Finding, OpRecord, TraceSummary, diagnose, figures
 from gptopt.config import ProfileConfig, TrainConfig
-from gptopt.generator import Generator
-from gptopt.model import GPT
-from gptopt.profile import STEP_RANGE, Finding, OpRecord, TraceSummary, diagnose, figures
+from gptopt.data import loader as data
+from gptopt.infer import cpu_layout as prepare_model
+from gptopt.infer.generator import Generator
+from gptopt.models.gpt import GPT
+from gptopt.runtime import device, memory
 
 # Few, small steps: every real trace below takes a few seconds on a 2-core CPU.
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", wait=1, warmup=1, active=2, row_limit=5)

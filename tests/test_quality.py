@@ -15,10 +15,13 @@ import numpy as np
 import pytest
 from conftest import last_json_line
 
-from gptopt import checkpoint, cli, data, train
+from gptopt import cli
 from gptopt.bench import quality
 from gptopt.config import BenchConfig, GPTConfig, TrainConfig, arch_overrides, preset
-from gptopt.measure import STOPPED
+from gptopt.data import loader as data
+from gptopt.infer.measure import STOPPED
+from gptopt.models import checkpoint
+from gptopt.train import loop as train
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
             log_interval=1, warmup_steps=2, learning_rate=3e-3, save_interval=0)
@@ -347,9 +350,9 @@ def test_lr_decay_steps_sets_every_optimizer_groups_rate(tmp_path: Path) -> None
     """Not only the logged lr: each parameter group the optimizer steps with (AdamW's and Muon's alike)."""
     import torch
 
-    from gptopt.device import resolve
-    from gptopt.model import GPT
-    from gptopt.step import TrainStep
+    from gptopt.models.gpt import GPT
+    from gptopt.runtime.device import resolve
+    from gptopt.train.step import TrainStep
 
     cfg = TrainConfig(preset="debug", max_steps=16, lr_decay_steps=8, warmup_steps=2, learning_rate=3e-3,
                       min_lr=3e-4, optimizer="muon", device="cpu")

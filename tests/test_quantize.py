@@ -16,14 +16,14 @@ import pytest
 import torch
 import torch.nn as nn
 
-from gptopt import checkpoint, hf
-from gptopt import quantize as q
 from gptopt.config import parse_prune
-from gptopt.device import resolve
-from gptopt.generator import Generator, SamplingParams, generate
-from gptopt.inference import load_for_inference
-from gptopt.model import GPT
-from gptopt.tokenizer import TOKENIZER
+from gptopt.data.tokenizer import TOKENIZER
+from gptopt.infer import quantize as q
+from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.infer.load import load_for_inference
+from gptopt.models import checkpoint, hf
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
 
 CPU = resolve("cpu", quiet=True)
 GREEDY = SamplingParams(temperature=0, top_k=None, max_new_tokens=8)
@@ -254,7 +254,7 @@ def test_int4_on_the_fly_runs_tinygemm_on_an_int4_grid_of_the_weights_compiled_t
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("torchao's int4 kernel needs compute capability 8.0+")
     from gptopt.config import preset
-    from gptopt.inference import prepare
+    from gptopt.infer.load import prepare
 
     gpu = resolve("cuda", quiet=True)
     torch.manual_seed(0)
@@ -300,7 +300,7 @@ def test_quantising_leaves_inductors_settings_for_the_rest_of_the_process(
 
     from torch._inductor import config as inductor
 
-    from gptopt.inference import prepare
+    from gptopt.infer.load import prepare
 
     before = (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions)
     prepare(copy.deepcopy(varied_model), CPU, dtype=torch.float32, quantize="int8-weight")

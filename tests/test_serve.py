@@ -29,15 +29,15 @@ pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
 from gptopt.config import ServeConfig, preset  # noqa: E402
-from gptopt.device import resolve  # noqa: E402
-from gptopt.generator import Generator, SamplingParams, complete  # noqa: E402
-from gptopt.model import GPT  # noqa: E402
+from gptopt.data.tokenizer import eot_id  # noqa: E402
+from gptopt.infer.generator import Generator, SamplingParams, complete  # noqa: E402
+from gptopt.models.gpt import GPT  # noqa: E402
+from gptopt.runtime.device import resolve  # noqa: E402
 from gptopt.serve.app import MAX_BODY_BYTES, create_app  # noqa: E402
 from gptopt.serve.blocklist import Blocklist, CheckTimeout, TextFilter, load_blocklist  # noqa: E402
 from gptopt.serve.engine import Draining, EngineClient  # noqa: E402
 from gptopt.serve.protocol import EXAMPLE_BODY, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS  # noqa: E402
 from gptopt.serve.server import serve_in_thread  # noqa: E402
-from gptopt.tokenizer import eot_id  # noqa: E402
 
 PROMPT = "def parse_args(self, args=None):"
 COMMANDS_DOC = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
@@ -757,7 +757,7 @@ def test_a_cpu_engine_runs_every_forward_of_a_model_too_small_to_share_on_its_so
     """A model under SMALL_MODEL_FLOPS a token (the debug model) gains nothing from a second core, which the
     HTTP side needs: its prefills and decode steps of two requests run on solo_threads too, and a warm-up
     leaves its caller every core. The greedy tokens are the one-at-a-time path's."""
-    from gptopt.flops import flops_per_token
+    from gptopt.models.flops import flops_per_token
     from gptopt.serve.engine import SMALL_MODEL_FLOPS
 
     assert flops_per_token(varied_model.config, 0, training=False) < SMALL_MODEL_FLOPS

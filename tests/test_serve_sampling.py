@@ -18,9 +18,9 @@ httpx = pytest.importorskip("httpx")
 
 from test_serve import PROMPT, assert_openai_error, completion, running, sse  # noqa: E402
 
-from gptopt.constrain import Grammars, grammar_for  # noqa: E402
-from gptopt.device import resolve  # noqa: E402
-from gptopt.generator import Generator, SamplingParams, complete  # noqa: E402
+from gptopt.infer.constrain import Grammars, grammar_for  # noqa: E402
+from gptopt.infer.generator import Generator, SamplingParams, complete  # noqa: E402
+from gptopt.runtime.device import resolve  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -196,7 +196,7 @@ def test_a_tokenizer_constrained_decoding_cannot_read_serves_all_but_response_fo
     from tokenizers import Tokenizer, models
 
     from gptopt.config import ServeConfig, preset
-    from gptopt.model import GPT
+    from gptopt.models.gpt import GPT
     from gptopt.serve.app import create_app
     from gptopt.serve.server import serve_in_thread
 

@@ -52,7 +52,7 @@ def test_benchs_all_rung_and_train_with_its_best_toml_take_the_same_steps(
 
 
 def test_a_host_allocation_the_kernel_refuses_is_out_of_memory() -> None:
-    from gptopt.step import is_oom
+    from gptopt.train.step import is_oom
 
     # what torch's CPU allocator raises under a cgroup or `ulimit -v` limit (a bench rung reported it as failed)
     refused = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "
@@ -68,9 +68,9 @@ def test_a_host_allocation_the_kernel_refuses_is_out_of_memory() -> None:
 @pytest.mark.parametrize("fused", [True, False])
 def test_a_non_finite_step_is_skipped_and_the_fused_adamw_skips_it_without_reading_the_device(fused: bool) -> None:
     from gptopt.config import TrainConfig, preset
-    from gptopt.device import resolve
-    from gptopt.model import GPT
-    from gptopt.step import TrainStep
+    from gptopt.models.gpt import GPT
+    from gptopt.runtime.device import resolve
+    from gptopt.train.step import TrainStep
 
     model = GPT(preset("debug"))
     step = TrainStep(model, model, resolve("cpu", "fp32", quiet=True), TrainConfig(fused_optimizer=fused))
@@ -94,9 +94,9 @@ def test_the_step_runs_sdpa_under_the_one_kernel_named(monkeypatch: pytest.Monke
     import torch.nn.functional as F
 
     from gptopt.config import TrainConfig, preset
-    from gptopt.device import resolve
-    from gptopt.model import GPT
-    from gptopt.step import TrainStep
+    from gptopt.models.gpt import GPT
+    from gptopt.runtime.device import resolve
+    from gptopt.train.step import TrainStep
 
     seen: list[tuple[bool, bool, bool]] = []
 
@@ -132,7 +132,7 @@ def test_an_sdpa_kernel_is_refused_off_cuda_and_with_eager_attention(
 
 
 def test_the_flash_and_cudnn_kernels_are_refused_in_fp32_and_on_old_gpus(monkeypatch: pytest.MonkeyPatch) -> None:
-    from gptopt.device import sdpa_backend_unavailable
+    from gptopt.runtime.device import sdpa_backend_unavailable
 
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100")

@@ -20,14 +20,17 @@ import pytest
 import torch
 from conftest import split_bytes_per_token
 
-from gptopt import checkpoint, cli, step, train
-from gptopt import device as dev
+from gptopt import cli
 from gptopt.config import GPTConfig, TrainConfig, preset
-from gptopt.data import load_tokenizer
-from gptopt.device import resolve
-from gptopt.flops import flops_per_token
-from gptopt.generator import Generator, SamplingParams, generate
-from gptopt.model import GPT
+from gptopt.data.loader import load_tokenizer
+from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.models import checkpoint
+from gptopt.models.flops import flops_per_token
+from gptopt.models.gpt import GPT
+from gptopt.runtime import device as dev
+from gptopt.runtime.device import resolve
+from gptopt.train import loop as train
+from gptopt.train import step
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
             eval_interval=0, log_interval=1, warmup_steps=2)
@@ -512,7 +515,7 @@ def test_overwrite_replaces_the_run_and_nothing_else(train_data: Path, tmp_path:
 def test_resuming_an_earlier_checkpoint_keeps_the_new_branch_and_points_latest_at_it(
     train_data: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from gptopt.inference import model_source
+    from gptopt.infer.load import model_source
 
     out = tmp_path / "tl"
     assert run(train_data, out, max_steps=30, save_interval=10) == 0
@@ -571,7 +574,7 @@ def test_sigterm_to_the_process_group_saves_and_leaves_no_staging_folder(train_d
     stopped = checkpoint.load_train_state(checkpoint.latest_checkpoint(out))["step"]
     # a writer killed mid-save (kill -9) leaves its staging folder: the next run there removes it at start
     leftover = subprocess.run([sys.executable, "-c", (
-        "import os, signal, sys; from pathlib import Path; from gptopt.fsutil import staged_dir\n"
+        "import os, signal, sys; from pathlib import Path; from gptopt.outputs.staging import staged_dir\n"
         "with staged_dir(Path(sys.argv[1])) as tmp:\n"
         "    (tmp / 'model.safetensors').write_bytes(b'half'); os.kill(os.getpid(), signal.SIGKILL)"),
         str(out / "ckpt-0000999")], capture_output=True)
@@ -588,7 +591,7 @@ def test_generate_uses_the_checkpoints_tokenizer_from_any_working_directory(
 ) -> None:
     import shutil
 
-    from gptopt.inference import load_for_inference
+    from gptopt.infer.load import load_for_inference
 
     here, there = tmp_path / "here", tmp_path / "there"
     shutil.copytree(train_data, here / "data" / "stdlib")

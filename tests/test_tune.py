@@ -20,11 +20,13 @@ import pytest
 import torch
 from conftest import last_json_line
 
-from gptopt import cli, device, tune, tune_report
+from gptopt import cli
 from gptopt.bench.ladder import Bench, Rung, RungResult
+from gptopt.commands import tune, tune_report
+from gptopt.commands.tune import Tuner
+from gptopt.commands.tune_report import write_all
 from gptopt.config import TrainConfig, TuneConfig
-from gptopt.tune import Tuner
-from gptopt.tune_report import write_all
+from gptopt.runtime import device
 
 STAGES = ["reference", "baseline", "precision", "optimizer", "loader", "loss", "micro-batch", "checkpointing",
           "compile", "confirm"]

@@ -24,8 +24,8 @@ from typing import Any, NoReturn
 
 from gptopt import __version__
 from gptopt.config import field_types, type_ok
-from gptopt.extras import MissingExtra
-from gptopt.logs import setup_logging
+from gptopt.utils.extras import MissingExtra
+from gptopt.utils.logs import setup_logging
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,29 +43,29 @@ class Command:
 # Entries are imported only when their verb runs, so `gptopt --help` is fast and a verb whose
 # extra is missing does not break the others.
 COMMANDS: dict[str, Command] = {
-    "doctor": Command("gptopt.config:DoctorConfig", "gptopt.doctor:run",
+    "doctor": Command("gptopt.config:DoctorConfig", "gptopt.commands.doctor:run",
                       "check this machine's setup and name the fixes"),
-    "prepare": Command("gptopt.config:PrepareConfig", "gptopt.corpus:prepare_main",
+    "prepare": Command("gptopt.config:PrepareConfig", "gptopt.data.corpus:prepare_main",
                        "tokenize a corpus into train/val token shards"),
-    "train": Command("gptopt.config:TrainConfig", "gptopt.train:main",
+    "train": Command("gptopt.config:TrainConfig", "gptopt.train.loop:main",
                      "train or fine-tune, on one device or many (torchrun)"),
     "bench": Command("gptopt.config:BenchConfig", "gptopt.bench.main:main",
                      "measure every optimisation against the naive baseline"),
-    "profile": Command("gptopt.config:ProfileConfig", "gptopt.profile:main",
+    "profile": Command("gptopt.config:ProfileConfig", "gptopt.commands.profile:main",
                        "find where the time goes, and what to change"),
-    "generate": Command("gptopt.config:GenerateConfig", "gptopt.generate:main",
+    "generate": Command("gptopt.config:GenerateConfig", "gptopt.commands.generate:main",
                         "generate text from a checkpoint, streaming"),
     "serve": Command("gptopt.config:ServeConfig", "gptopt.serve.server:main",
                      "HTTP API: /generate, OpenAI /v1/completions, /metrics"),
-    "loadtest": Command("gptopt.config:LoadtestConfig", "gptopt.loadtest:main",
+    "loadtest": Command("gptopt.config:LoadtestConfig", "gptopt.commands.loadtest:main",
                         "drive a /v1/completions server; TTFT, TPOT, throughput"),
-    "compress": Command("gptopt.config:CompressConfig", "gptopt.compress:main",
+    "compress": Command("gptopt.config:CompressConfig", "gptopt.commands.compress:main",
                         "quantise or prune a model; measure size, speed and quality against it"),
-    "export": Command("gptopt.config:ExportConfig", "gptopt.export:main",
+    "export": Command("gptopt.config:ExportConfig", "gptopt.commands.export:main",
                       "write the model as ONNX (for onnxruntime) or a Hugging Face dir, checked"),
-    "tune": Command("gptopt.config:TuneConfig", "gptopt.tune:main",
+    "tune": Command("gptopt.config:TuneConfig", "gptopt.commands.tune:main",
                     "search the settings for the fastest training step; writes tune.toml"),
-    "eval": Command("gptopt.config:EvalConfig", "gptopt.evaluate:main",
+    "eval": Command("gptopt.config:EvalConfig", "gptopt.commands.eval:main",
                     "score a model on HellaSwag: acc, and acc_norm per byte of each ending (lm-eval's)"),
 }
 

@@ -36,16 +36,16 @@ import torch.nn as nn
 
 from gptopt.bench import report
 from gptopt.bench.setup import Setup
+from gptopt.commands.export import OnnxRunner
 from gptopt.config import BenchConfig
-from gptopt.device import DevicePlan, environment, memory_bandwidth
-from gptopt.export import OnnxRunner
-from gptopt.extras import EXTRAS, has, require
-from gptopt.inference import RECOMPILE_LIMIT, prepare, weights_dtype
-from gptopt.measure import STOPPED, GptoptRunner, free_memory, interleaved, timed, weight_bytes
-from gptopt.model import GPT
-from gptopt.quantize import int4_unsupported
-from gptopt.step import is_oom
-from gptopt.tables import to_json
+from gptopt.infer.load import RECOMPILE_LIMIT, prepare, weights_dtype
+from gptopt.infer.measure import STOPPED, GptoptRunner, free_memory, interleaved, timed, weight_bytes
+from gptopt.infer.quantize import int4_unsupported
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import DevicePlan, environment, memory_bandwidth
+from gptopt.train.step import is_oom
+from gptopt.utils.extras import EXTRAS, has, require
+from gptopt.utils.tables import to_json
 
 log = logging.getLogger("gptopt")
 
@@ -118,7 +118,7 @@ class HFRunner:
     """The baseline: transformers' GPT2LMHeadModel.generate, greedy, as a user would call it."""
 
     def __init__(self, model: GPT, plan: DevicePlan, dtype: torch.dtype) -> None:
-        from gptopt.hf import to_hf_model
+        from gptopt.models.hf import to_hf_model
 
         transformers = require("transformers", "hf", "the Hugging Face baseline")
         self.model = to_hf_model(model, attn_implementation="sdpa").to(plan.device, dtype).eval()

@@ -30,10 +30,15 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from gptopt import data, memory
 from gptopt.bench.setup import Setup
 from gptopt.config import BenchConfig, GPTConfig, TrainConfig
-from gptopt.device import (
+from gptopt.data import loader as data
+from gptopt.infer.cpu_layout import compile_model, to_float8
+from gptopt.infer.measure import STOPPED
+from gptopt.models.flops import at_least, flops_per_token, mfu
+from gptopt.models.gpt import GPT
+from gptopt.runtime import memory
+from gptopt.runtime.device import (
     DevicePlan,
     default_attention,
     environment,
@@ -42,14 +47,10 @@ from gptopt.device import (
     reuse_host_memory,
     sdpa_backend_unavailable,
 )
-from gptopt.extras import has
-from gptopt.flops import at_least, flops_per_token, mfu
-from gptopt.measure import STOPPED
-from gptopt.model import GPT
-from gptopt.monitor import Monitor, format_summary
-from gptopt.prepare_model import compile_model, to_float8
-from gptopt.step import LOADER_FIELDS, TrainStep, is_oom, loader_options
-from gptopt.tables import to_json
+from gptopt.runtime.monitor import Monitor, format_summary
+from gptopt.train.step import LOADER_FIELDS, TrainStep, is_oom, loader_options
+from gptopt.utils.extras import has
+from gptopt.utils.tables import to_json
 
 log = logging.getLogger("gptopt")
 
@@ -263,7 +264,7 @@ class Bench:
         model = GPT(self._model_config(cfg))
         model.load_state_dict(self.init_state)
         if rung.hf:
-            from gptopt.hf import to_hf_model
+            from gptopt.models.hf import to_hf_model
 
             return HFLoss(to_hf_model(model).train()).to(self.plan.device)
         model.to(self.plan.device)

@@ -12,9 +12,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gptopt.extras import has
-from gptopt.fsutil import check_output, replacing
-from gptopt.tables import fmt, md_table, text_table, toml_text
+from gptopt.outputs.staging import check_output, replacing
+from gptopt.utils.extras import has
+from gptopt.utils.tables import fmt, md_table, text_table, toml_text
 
 log = logging.getLogger("gptopt")
 

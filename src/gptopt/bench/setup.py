@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from gptopt import data
 from gptopt.config import PRESETS, BenchConfig, GPTConfig, TrainConfig, preset_for_data
-from gptopt.device import DevicePlan, resolve
+from gptopt.data import loader as data
+from gptopt.runtime.device import DevicePlan, resolve
 
 log = logging.getLogger("gptopt")
 

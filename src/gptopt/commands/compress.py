@@ -31,17 +31,17 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from gptopt import checkpoint
-from gptopt.bpb import bits_per_byte, bytes_per_token
 from gptopt.config import CompressConfig, parse_prune
-from gptopt.data import DEFAULT_DATA, BatchDataset, TokenData, open_data
-from gptopt.device import DevicePlan, environment, resolve
-from gptopt.fsutil import check_output, lock_output, staged_dir
-from gptopt.inference import RECOMPILE_LIMIT, load_for_inference, model_source
-from gptopt.measure import GptoptRunner, interleaved, tensor_bytes
-from gptopt.quantize import check_supported, compress_model, describe, pack_state
-from gptopt.tables import text_table, to_json
-from gptopt.tokenizer import TOKENIZER
+from gptopt.data.bpb import bits_per_byte, bytes_per_token
+from gptopt.data.loader import DEFAULT_DATA, BatchDataset, TokenData, open_data
+from gptopt.data.tokenizer import TOKENIZER
+from gptopt.infer.load import RECOMPILE_LIMIT, load_for_inference, model_source
+from gptopt.infer.measure import GptoptRunner, interleaved, tensor_bytes
+from gptopt.infer.quantize import check_supported, compress_model, describe, pack_state
+from gptopt.models import checkpoint
+from gptopt.outputs.staging import check_output, lock_output, staged_dir
+from gptopt.runtime.device import DevicePlan, environment, resolve
+from gptopt.utils.tables import text_table, to_json
 
 __all__ = ["main", "mean_kl", "memory_bytes", "perplexity_and_kl"]
 

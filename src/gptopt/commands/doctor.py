@@ -29,10 +29,10 @@ from typing import Any
 import psutil
 import torch
 
-from gptopt import device as device_mod
 from gptopt.config import PRESETS, DoctorConfig, GPTConfig, TrainConfig, preset
-from gptopt.extras import installed_extras
-from gptopt.memory import param_count
+from gptopt.runtime import device as device_mod
+from gptopt.runtime.memory import param_count
+from gptopt.utils.extras import installed_extras
 
 log = logging.getLogger("gptopt")
 
@@ -459,7 +459,7 @@ def checks(facts: Facts, preset_name: str) -> list[Check]:
 
 def smoke(plan: device_mod.DevicePlan) -> dict[str, Any]:
     """One forward+backward of the debug model under the plan's autocast: does this device really train?"""
-    from gptopt.model import GPT
+    from gptopt.models.gpt import GPT
 
     t0 = time.perf_counter()
     try:

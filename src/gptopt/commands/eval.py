@@ -52,16 +52,16 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from gptopt import checkpoint
-from gptopt.bpb import bits_per_byte, bytes_per_token
 from gptopt.config import EvalConfig
-from gptopt.data import META, TokenData
-from gptopt.device import DevicePlan, environment, resolve
-from gptopt.fsutil import check_output, lock_output, staged_dir, staged_file
-from gptopt.inference import load_for_inference, model_source
-from gptopt.model import GPT
-from gptopt.tables import text_table, to_json
-from gptopt.tokenizer import eot_id
+from gptopt.data.bpb import bits_per_byte, bytes_per_token
+from gptopt.data.loader import META, TokenData
+from gptopt.data.tokenizer import eot_id
+from gptopt.infer.load import load_for_inference, model_source
+from gptopt.models import checkpoint
+from gptopt.models.gpt import GPT
+from gptopt.outputs.staging import check_output, lock_output, staged_dir, staged_file
+from gptopt.runtime.device import DevicePlan, environment, resolve
+from gptopt.utils.tables import text_table, to_json
 
 __all__ = ["HELLASWAG_URL", "Example", "HeldOut", "bits_per_byte_of", "cache_dir", "encode", "ending_logliks",
            "evaluate", "hellaswag_file", "main", "read_held_out", "read_hellaswag", "score"]

@@ -33,13 +33,13 @@ import torch
 import torch.nn as nn
 from tokenizers import Tokenizer
 
-from gptopt import checkpoint, hf
 from gptopt.config import MIN_OPSET, ExportConfig
-from gptopt.extras import require
-from gptopt.fsutil import check_output, lock_output, mark, marked_kind, staged_dir
-from gptopt.inference import check_vocab, find_tokenizer, has_tokenizer, model_source, own_tokenizer
-from gptopt.model import GPT
-from gptopt.tokenizer import TOKENIZER, eot_id, load_tokenizer
+from gptopt.data.tokenizer import TOKENIZER, eot_id, load_tokenizer
+from gptopt.infer.load import check_vocab, find_tokenizer, has_tokenizer, model_source, own_tokenizer
+from gptopt.models import checkpoint, hf
+from gptopt.models.gpt import GPT
+from gptopt.outputs.staging import check_output, lock_output, mark, marked_kind, staged_dir
+from gptopt.utils.extras import require
 
 __all__ = ["OnnxDecoder", "OnnxRunner", "OrtDecoder", "export_hf_checked", "export_onnx", "main", "to_onnx"]
 

@@ -24,13 +24,13 @@ from typing import TextIO
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from gptopt import chat
 from gptopt.config import GenerateConfig
-from gptopt.device import resolve
-from gptopt.fsutil import check_writable, lock_output, staged_file
-from gptopt.generator import Generator, SamplingParams, StopChecker, complete, stream
-from gptopt.inference import load_for_inference, model_source
-from gptopt.tokenizer import eot_id
+from gptopt.data.tokenizer import eot_id
+from gptopt.infer import chat
+from gptopt.infer.generator import Generator, SamplingParams, StopChecker, complete, stream
+from gptopt.infer.load import load_for_inference, model_source
+from gptopt.outputs.staging import check_writable, lock_output, staged_file
+from gptopt.runtime.device import resolve
 
 __all__ = ["main"]
 

@@ -41,7 +41,7 @@ import numpy as np
 from tqdm import tqdm
 
 from gptopt.config import LoadtestConfig
-from gptopt.tokenizer import eot_id, load_tokenizer
+from gptopt.data.tokenizer import eot_id, load_tokenizer
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -133,7 +133,7 @@ def prompt_tokenizer(path: str) -> Tokenizer:
                          "its model directory")
     if p.is_file():
         return load_tokenizer(p)
-    from gptopt.inference import find_tokenizer, has_tokenizer, model_source
+    from gptopt.infer.load import find_tokenizer, has_tokenizer, model_source
 
     if has_tokenizer(p):
         return load_tokenizer(p)
@@ -397,7 +397,7 @@ def _device_extra(mem: dict[str, Any], mib: int) -> str:
 
 def main(cfg: LoadtestConfig) -> int:
     """`gptopt loadtest`: 0 when every request succeeded, 1 otherwise (the summary says which failed)."""
-    from gptopt.extras import require
+    from gptopt.utils.extras import require
 
     require("aiohttp", "serve", "gptopt loadtest")
     summary = asyncio.run(run(cfg))

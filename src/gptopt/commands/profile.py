@@ -34,16 +34,17 @@ import torch
 from torch.autograd.profiler_util import EventList, FunctionEvent
 from torch.profiler import DeviceType, ProfilerActivity, profile, record_function, schedule
 
-from gptopt import data, memory
 from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
-from gptopt.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
-from gptopt.distributed import DistInfo
-from gptopt.fsutil import check_output, lock_output, replacing
-from gptopt.generator import Generator, SamplingParams
-from gptopt.model import GPT
-from gptopt.monitor import peak_memory_bytes
-from gptopt.prepare_model import inference_layout, prepare
-from gptopt.step import READOUT_RANGE, TrainStep, loader_options
+from gptopt.data import loader as data
+from gptopt.infer.cpu_layout import inference_layout, prepare
+from gptopt.infer.generator import Generator, SamplingParams
+from gptopt.models.gpt import GPT
+from gptopt.outputs.staging import check_output, lock_output, replacing
+from gptopt.runtime import memory
+from gptopt.runtime.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
+from gptopt.runtime.monitor import peak_memory_bytes
+from gptopt.train.distributed import DistInfo
+from gptopt.train.step import READOUT_RANGE, TrainStep, loader_options
 
 log = logging.getLogger("gptopt")
 

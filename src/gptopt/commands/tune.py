@@ -28,13 +28,14 @@ from typing import Any
 import psutil
 import torch
 
-from gptopt import data, memory
 from gptopt.bench.ladder import ALL, Bench, Rung, RungResult, StopHook, loss_matches, toml_options
 from gptopt.config import BenchConfig, TrainConfig, TuneConfig
-from gptopt.device import cpu_has_fast_bf16, default_attention, environment
-from gptopt.fsutil import lock_output
-from gptopt.optim import fused_available
-from gptopt.step import LOADER_FIELDS
+from gptopt.data import loader as data
+from gptopt.outputs.staging import lock_output
+from gptopt.runtime import memory
+from gptopt.runtime.device import cpu_has_fast_bf16, default_attention, environment
+from gptopt.train.optim import fused_available
+from gptopt.train.step import LOADER_FIELDS
 
 log = logging.getLogger("gptopt")
 
@@ -506,8 +507,8 @@ def main(cfg: TuneConfig) -> int:
 
 
 def _tune(cfg: TuneConfig, out: Path) -> int:
-    from gptopt.tables import to_json
-    from gptopt.tune_report import check_output_dir, table, write_all
+    from gptopt.commands.tune_report import check_output_dir, table, write_all
+    from gptopt.utils.tables import to_json
 
     check_output_dir(out, cfg.overwrite)  # before the tuner builds or measures anything
     tuner = Tuner(cfg)

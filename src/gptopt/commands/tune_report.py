@@ -1,6 +1,6 @@
 """`gptopt tune` output: the terminal table, tune_report.md, tune_results.json / .csv, tune.png and tune.toml.
 
-    python -c "import json, gptopt.tune_report as r; print(r.table(json.load(open('tune_out/tune_results.json'))))"
+    python -c "import json, gptopt.commands.tune_report as r; print(r.table(json.load(open('tune_results.json'))))"
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gptopt.extras import has
-from gptopt.fsutil import check_output, replacing
-from gptopt.tables import fmt, md_table, text_table, toml_text
+from gptopt.outputs.staging import check_output, replacing
+from gptopt.utils.extras import has
+from gptopt.utils.tables import fmt, md_table, text_table, toml_text
 
 log = logging.getLogger("gptopt")
 

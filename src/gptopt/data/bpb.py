@@ -14,7 +14,7 @@ import weakref
 
 import numpy as np
 
-from gptopt.data import TokenData
+from gptopt.data.loader import TokenData
 
 __all__ = ["bits_per_byte", "bytes_per_token"]
 

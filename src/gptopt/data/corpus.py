@@ -37,9 +37,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from tqdm import tqdm
 
 from gptopt.config import PrepareConfig
-from gptopt.extras import require
-from gptopt.fsutil import check_output, lock_output, mark, marked_kind, staged_files
-from gptopt.tokenizer import EOT, TOKENIZER, eot_id, load_tokenizer
+from gptopt.data.tokenizer import EOT, TOKENIZER, eot_id, load_tokenizer
+from gptopt.outputs.staging import check_output, lock_output, mark, marked_kind, staged_files
+from gptopt.utils.extras import require
 
 log = logging.getLogger("gptopt")
 

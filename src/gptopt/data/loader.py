@@ -1,6 +1,6 @@
 """Reading prepared token data (corpus.py writes it) and the resumable batch sampler training draws from.
 
-    python -c "from gptopt.data import TokenData; d = TokenData('data/stdlib'); print(d.num_tokens('train'))"
+    python -c "from gptopt.data.loader import TokenData; d = TokenData('data/stdlib'); print(d.num_tokens('train'))"
 
 TokenData reads a `gptopt prepare` directory (layout: corpus.py) or nanoGPT's own train.bin/val.bin
 (uint16, no meta.json) as they are. A batch is a pure function of (seed, step), so a resumed run
@@ -22,9 +22,9 @@ import torch
 from tokenizers import Tokenizer
 
 from gptopt.config import PrepareConfig
-from gptopt.corpus import FORMAT, META, SPLITS, VERSION, prepare
-from gptopt.fsutil import lock_output
-from gptopt.tokenizer import TOKENIZER, load_tokenizer
+from gptopt.data.corpus import FORMAT, META, SPLITS, VERSION, prepare
+from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
+from gptopt.outputs.staging import lock_output
 
 log = logging.getLogger("gptopt")
 

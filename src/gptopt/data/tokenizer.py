@@ -1,6 +1,6 @@
 """Tokenizer files and the end-of-text token: how every reader and writer finds them.
 
-    python -c "from gptopt.tokenizer import load_tokenizer, eot_id; t = load_tokenizer('data/stdlib'); print(eot_id(t))"
+    python -c "from gptopt.data.tokenizer import load_tokenizer, eot_id; print(eot_id(load_tokenizer('data/stdlib')))"
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Chat templates: which one a model uses, checking messages, and rendering them into one prompt.
 
-    python -c "import gptopt.chat as c; print(c.load_template('plain', []).render([{'role': 'user', 'content': 'hi'}]))"
+    python -c "import gptopt.infer.chat as c;print(c.load_template('plain',[]).render([dict(role='user',content='x')]))"
 
 The one place for chat templates: `gptopt serve`'s /v1/chat/completions and `gptopt generate --chat`
 both resolve the template here, in this order:
@@ -27,9 +27,9 @@ from typing import Any
 
 from tokenizers import Tokenizer
 
-from gptopt import checkpoint
-from gptopt.extras import require
-from gptopt.tokenizer import EOT, eot_id
+from gptopt.data.tokenizer import EOT, eot_id
+from gptopt.models import checkpoint
+from gptopt.utils.extras import require
 
 PLAIN = "plain"  # --chat_template plain
 ROLES = ("system", "user", "assistant")

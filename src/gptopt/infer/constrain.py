@@ -1,7 +1,7 @@
 """Constrained decoding: OpenAI's response_format (json_object, json_schema) as a mask of the tokens each
 sequence may take next, with llguidance (the `serve` extra).
 
-    python -c "from gptopt.constrain import grammar_for; print(grammar_for({'type': 'json_object'})[:80])"
+    python -c "from gptopt.infer.constrain import grammar_for; print(grammar_for({'type': 'json_object'})[:80])"
 
 Two halves, because `gptopt serve` runs them in two processes:
 
@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from gptopt.extras import require
+from gptopt.utils.extras import require
 
 __all__ = ["Grammars", "Matcher", "grammar_for"]
 

@@ -3,7 +3,7 @@ device -> FSDP2 or DDP -> torch.compile. (Quantisation, for inference, swaps mod
 
 The model code stays single-device; train, bench and tune all call this.
 
-    python -c "from gptopt.prepare_model import compile_model; help(compile_model)"
+    python -c "from gptopt.infer.cpu_layout import compile_model; help(compile_model)"
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gptopt import distributed
-from gptopt.device import DevicePlan
-from gptopt.distributed import DistInfo
-from gptopt.model import MLP, TanhGELU
+from gptopt.models.gpt import MLP, TanhGELU
+from gptopt.runtime.device import DevicePlan
+from gptopt.train import distributed
+from gptopt.train.distributed import DistInfo
 
 
 @dataclass

@@ -7,7 +7,7 @@ slots at their own positions, `sample` the next tokens, `free` the slot. `begin`
 when it ends; `StopChecker` turns tokens into text that ends at a stop string. Shaped after gpt-fast's
 generate.py. Loading a model for it: inference.py; the command: generate.py.
 
-    python -c "from gptopt.generator import Generator; help(Generator)"
+    python -c "from gptopt.infer.generator import Generator; help(Generator)"
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ import torch
 from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig, SamplingConfig
-from gptopt.device import DevicePlan
-from gptopt.inference import GraphedDecode, compile_decode
-from gptopt.model import GPT, KVCacheLayer
+from gptopt.infer.load import GraphedDecode, compile_decode
+from gptopt.models.gpt import GPT, KVCacheLayer
+from gptopt.runtime.device import DevicePlan
 
 __all__ = ["Decoding", "Generator", "KVCache", "SamplingParams", "StopChecker", "TokenLogprob", "complete", "generate",
            "stream", "unescape"]

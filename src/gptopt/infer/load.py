@@ -1,6 +1,6 @@
 """Loading a model for inference, and the inference transforms, in one fixed order.
 
-    python -c "from gptopt.inference import load_for_inference; help(load_for_inference)"
+    python -c "from gptopt.infer.load import load_for_inference; help(load_for_inference)"
 
 What prepare_model.prepare is for training, this is for generate, serve, bench --mode infer,
 compress and export. The order, and why it is this one:
@@ -36,15 +36,15 @@ from typing import Any, TypeVar
 import torch
 from tokenizers import Tokenizer
 
-from gptopt import checkpoint, hf
 from gptopt.config import INFER_QUANTIZE
-from gptopt.device import DevicePlan
-from gptopt.extras import require
-from gptopt.model import GPT
-from gptopt.prepare_model import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout, packed_products
-from gptopt.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
-from gptopt.step import is_oom
-from gptopt.tokenizer import TOKENIZER, load_tokenizer
+from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
+from gptopt.infer.cpu_layout import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout, packed_products
+from gptopt.infer.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
+from gptopt.models import checkpoint, hf
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import DevicePlan
+from gptopt.train.step import is_oom
+from gptopt.utils.extras import require
 
 __all__ = ["GraphedDecode", "check_vocab", "compile_decode", "find_tokenizer", "load_for_inference", "model_source",
            "own_tokenizer", "prepare", "weights_dtype"]

@@ -1,6 +1,6 @@
 """Timing and sizing what inference runs: shared by `gptopt bench --mode infer` and `gptopt compress`.
 
-    python -c "from gptopt.measure import timed, GptoptRunner; help(GptoptRunner)"
+    python -c "from gptopt.infer.measure import timed, GptoptRunner; help(GptoptRunner)"
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from collections.abc import Callable, Collection
 import torch
 import torch.nn as nn
 
-from gptopt.device import DevicePlan
-from gptopt.generator import Generator, SamplingParams, generate
-from gptopt.model import GPT
+from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import DevicePlan
 
 GREEDY = dict(temperature=0.0, top_k=None)
 # The note of a rung that a stopped bench (Ctrl-C, SIGINT) did not finish: the rest are still reported.

@@ -6,7 +6,7 @@ compressed checkpoint format from which the loader rebuilds the quantised module
 load a compressed directory like any other.
 
     gptopt compress --model out --output_dir out-int8 --quantize int8-dynamic
-    python -c "import torch; from gptopt.quantize import mask_2_4; print(mask_2_4(torch.randn(2, 8)))"
+    python -c "import torch; from gptopt.infer.quantize import mask_2_4; print(mask_2_4(torch.randn(2, 8)))"
 
 On disk (model.safetensors) a quantised layer's `weight` holds the integers and `weight_scale` (for
 int4 also `weight_min`) their per-channel or per-group parameters, so the file really shrinks. The
@@ -29,9 +29,9 @@ import torch.nn as nn
 import torch.nn.utils.prune as torch_prune
 
 from gptopt.config import QUANTIZE_METHODS, parse_prune
-from gptopt.device import DevicePlan
-from gptopt.extras import has, require
-from gptopt.model import GPT
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import DevicePlan
+from gptopt.utils.extras import has, require
 
 __all__ = ["METHODS", "check_supported", "compress_model", "describe", "int4_group_size", "int4_unsupported",
            "mask_2_4", "pack_state", "parse_prune", "quantize_int4", "quantize_int8", "restore", "unpack_state"]

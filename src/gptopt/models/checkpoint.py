@@ -4,7 +4,7 @@ A gptopt model directory holds `model.safetensors` and `gptopt.json` ({"format":
 "model": GPTConfig fields, "environment": ..., plus whatever the writer adds, e.g. the tokenizer}).
 `generate`, `serve`, `bench` and the Hugging Face export all read this one layout.
 
-    python -c "from gptopt.checkpoint import load_model; print(load_model('out/final'))"
+    python -c "from gptopt.models.checkpoint import load_model; print(load_model('out/final'))"
 """
 
 from __future__ import annotations
@@ -20,10 +20,10 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig
-from gptopt.fsutil import remove, staged_dir, write_text_atomic
-from gptopt.model import GPT
-from gptopt.quantize import unpack_state
-from gptopt.tokenizer import TOKENIZER
+from gptopt.data.tokenizer import TOKENIZER
+from gptopt.infer.quantize import unpack_state
+from gptopt.models.gpt import GPT
+from gptopt.outputs.staging import remove, staged_dir, write_text_atomic
 
 WEIGHTS = "model.safetensors"
 META = "gptopt.json"

@@ -4,7 +4,7 @@ Single-device and plain on purpose: torch.compile, DDP/FSDP and quantisation are
 outside (prepare_model.py). Names match HF (wte, wpe, h.N.ln_1, attn.c_attn, ...) so weights map
 1:1; HF's Conv1D stores (in, out) and is transposed once at load time in hf.py.
 
-    python -c "from gptopt.model import GPT; from gptopt.config import preset; print(GPT(preset('tiny')))"
+    python -c "from gptopt.models.gpt import GPT; from gptopt.config import preset; print(GPT(preset('tiny')))"
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from gptopt.config import GPTConfig
-from gptopt.loss import IGNORE_INDEX, linear_cross_entropy
+from gptopt.models.loss import IGNORE_INDEX, linear_cross_entropy
 
 __all__ = ["GPT", "GPTConfig", "KVCacheLayer"]
 

@@ -5,7 +5,7 @@ weights (in, out) and nn.Linear wants (out, in); HF's causal-mask buffers are dr
 tied to wte on both sides. Local directories need only safetensors and torch; the `hf` extra
 (transformers, huggingface-hub) is needed to download a hub name and to export.
 
-    python -c "from gptopt.hf import load_pretrained; print(load_pretrained('gpt2'))"   # online or cached
+    python -c "from gptopt.models.hf import load_pretrained; print(load_pretrained('gpt2'))"   # online or cached
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from gptopt.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.config import GPTConfig
-from gptopt.extras import require
-from gptopt.fsutil import check_output, staged_dir
-from gptopt.model import GPT
+from gptopt.models.checkpoint import META, check_state, is_gptopt_dir, load_model
+from gptopt.models.gpt import GPT
+from gptopt.outputs.staging import check_output, staged_dir
+from gptopt.utils.extras import require
 
 __all__ = [
     "config_from_hf",

@@ -1,7 +1,7 @@
 """The training loss without the full logits: the lm_head projection and cross-entropy, a chunk of
 positions at a time, with the gradients taken in the same pass.
 
-    python -c "import gptopt.loss as l; help(l.linear_cross_entropy)"
+    python -c "import gptopt.models.loss as l; help(l.linear_cross_entropy)"
 
 The plain loss builds logits of every position (B x T x vocab; gpt2 at micro-batch 16 x 1,024 holds
 16,384 x 50,304 of them, in fp32 for the softmax, and autograd keeps them and their gradient until

@@ -16,7 +16,7 @@ The rules every writing verb follows (docs/design.md, "Nothing a user owns is lo
 - lock_output: one writer per output. A verb holds an OS lock on its output for its whole life, from
   before check_output to the end; a second writer is refused at once, naming the holder's pid.
 
-    python -c "from gptopt.fsutil import staged_dir; help(staged_dir)"
+    python -c "from gptopt.outputs.staging import staged_dir; help(staged_dir)"
 """
 
 from __future__ import annotations

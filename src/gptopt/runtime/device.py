@@ -3,7 +3,7 @@
 Also the hardware ceilings every MFU and bandwidth figure is measured against: a table of
 NVIDIA GPUs matched by device name, and a short measured matmul peak for everything else.
 
-    python -c "from gptopt.device import resolve, peak_flops; p = resolve(); print(p.reason, peak_flops(p))"
+    python -c "from gptopt.runtime.device import resolve, peak_flops; p = resolve(); print(p.reason, peak_flops(p))"
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def fp8_unavailable(device: torch.device) -> str | None:
     if cap < FP8_MIN_CAPABILITY:
         return (f"float8 training needs compute capability {FP8_MIN_CAPABILITY[0]}.{FP8_MIN_CAPABILITY[1]} or newer "
                 f"(Ada, Hopper, Blackwell); {torch.cuda.get_device_name(device)} is {cap[0]}.{cap[1]}")
-    from gptopt.extras import has
+    from gptopt.utils.extras import has
 
     if not has("torchao"):
         return "float8 training needs torchao: pip install 'gptopt[quant]'"

@@ -26,8 +26,8 @@ import psutil
 import torch
 
 from gptopt.config import GPTConfig, TrainConfig
-from gptopt.flops import non_embedding_params
-from gptopt.loss import chunk_rows
+from gptopt.models.flops import non_embedding_params
+from gptopt.models.loss import chunk_rows
 
 # Refuse when the estimate is above this share of the free memory. Against the peak measured on a
 # CPU (ru_maxrss growth over two steps; debug and tiny presets, fp32 and bf16, eager and SDPA, with

@@ -1,6 +1,6 @@
 """A background sampler of GPU (NVML) and host (psutil) figures for `gptopt bench` and `gptopt train`.
 
-    python -m gptopt.monitor          # watch this machine for 3 s and print the summary
+    python -m gptopt.runtime.monitor          # watch this machine for 3 s and print the summary
 
 A sample is a flat dict of numbers, so it merges straight into metrics.jsonl: `t` (s since start),
 `proc_cpu_pct` (this process, % of all cores), `sys_cpu_pct`, `proc_rss_bytes`, `sys_mem_pct`, and for
@@ -23,16 +23,16 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from gptopt.extras import require
+from gptopt.utils.extras import require
 
 if TYPE_CHECKING:
-    from gptopt.device import DevicePlan
+    from gptopt.runtime.device import DevicePlan
 
 
 def peak_memory_bytes(plan: DevicePlan) -> int:
     """The run's peak memory so far: CUDA's peak allocation on a GPU, the process's peak RSS elsewhere."""
     if plan.device.type == "cuda":
-        import torch  # only here: the sampler itself runs without torch (`python -m gptopt.monitor`)
+        import torch  # only here: the sampler itself runs without torch (`python -m gptopt.runtime.monitor`)
 
         return torch.cuda.max_memory_allocated(plan.device)
     # ru_maxrss is KiB on Linux, bytes on macOS

@@ -31,11 +31,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from gptopt import chat, constrain
 from gptopt.config import ServeConfig
-from gptopt.extras import require
-from gptopt.generator import SamplingParams
-from gptopt.tokenizer import eot_id
+from gptopt.data.tokenizer import eot_id
+from gptopt.infer import chat, constrain
+from gptopt.infer.generator import SamplingParams
+from gptopt.utils.extras import require
 
 require("fastapi", "serve", "gptopt serve")
 from fastapi import FastAPI, Request  # noqa: E402

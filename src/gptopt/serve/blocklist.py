@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gptopt.extras import require
+from gptopt.utils.extras import require
 
 regex = require("regex", "serve", "gptopt serve")
 try:  # Python's own parser of its regular expression syntax: how long a rule's matches may be

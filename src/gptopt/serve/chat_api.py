@@ -4,7 +4,7 @@
 
 The request model is protocol.py's ChatRequest; the route itself is in app.py beside /v1/completions,
 whose machinery it shares (checks, submit, collect, the SSE stream); templates and message checks are
-gptopt.chat's.
+gptopt.infer.chat's.
 """
 
 from __future__ import annotations

@@ -46,8 +46,8 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from gptopt.flops import flops_per_token
-from gptopt.generator import Decoding, Generator, SamplingParams, StopChecker, TokenLogprob
+from gptopt.infer.generator import Decoding, Generator, SamplingParams, StopChecker, TokenLogprob
+from gptopt.models.flops import flops_per_token
 from gptopt.serve.blocklist import Blocklist, TextFilter
 
 if TYPE_CHECKING:  # a type only: the engine itself never needs prometheus_client

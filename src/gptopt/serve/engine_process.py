@@ -44,14 +44,13 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from gptopt import memory
 from gptopt.config import ServeConfig
-from gptopt.constrain import Grammars
-from gptopt.device import resolve
-from gptopt.extras import has
-from gptopt.generator import Generator, SamplingParams
-from gptopt.inference import load_for_inference
-from gptopt.logs import setup_logging
+from gptopt.data.tokenizer import Tokenizer, eot_id
+from gptopt.infer.constrain import Grammars
+from gptopt.infer.generator import Generator, SamplingParams
+from gptopt.infer.load import load_for_inference
+from gptopt.runtime import memory
+from gptopt.runtime.device import resolve
 from gptopt.serve.blocklist import Blocklist, load_blocklist
 from gptopt.serve.engine import (
     COMPLETED,
@@ -69,7 +68,8 @@ from gptopt.serve.engine import (
     settled_heap,
 )
 from gptopt.serve.metrics import ServeMetrics
-from gptopt.tokenizer import Tokenizer, eot_id
+from gptopt.utils.extras import has
+from gptopt.utils.logs import setup_logging
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders
 
-from gptopt.generator import TokenLogprob
+from gptopt.infer.generator import TokenLogprob
 from gptopt.serve.engine import Event
 
 __all__ = ["ChatChoice", "CompletionChoice", "CompletionLogprobs", "Vocab", "chat_content"]

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from gptopt.extras import require
+from gptopt.utils.extras import require
 
 prometheus_client = require("prometheus_client", "serve", "gptopt serve")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector  # noqa: E402

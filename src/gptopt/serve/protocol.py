@@ -14,8 +14,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from gptopt import chat
-from gptopt.extras import require
+from gptopt.infer import chat
+from gptopt.utils.extras import require
 
 require("pydantic", "serve", "gptopt serve")
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field  # noqa: E402

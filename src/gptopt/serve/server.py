@@ -20,9 +20,9 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from gptopt import chat
 from gptopt.config import ServeConfig
-from gptopt.extras import require
+from gptopt.infer import chat
+from gptopt.utils.extras import require
 
 for _module in ("fastapi", "uvicorn"):
     require(_module, "serve", "gptopt serve")

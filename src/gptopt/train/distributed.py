@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from gptopt.optim import AnyOptimizer, check_state
+from gptopt.train.optim import AnyOptimizer, check_state
 
 
 @dataclass(frozen=True)

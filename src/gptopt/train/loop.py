@@ -30,10 +30,19 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from gptopt import checkpoint, data, distributed, fsutil, hf, memory
-from gptopt.bpb import bits_per_byte, bytes_per_token
 from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, arch_overrides, preset_for_data
-from gptopt.device import (
+from gptopt.data import loader as data
+from gptopt.data.bpb import bits_per_byte, bytes_per_token
+from gptopt.data.tokenizer import TOKENIZER
+from gptopt.infer.cpu_layout import Prepared, prepare
+from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.infer.load import model_source
+from gptopt.models import checkpoint, hf
+from gptopt.models.flops import at_least, flops_per_token, mfu
+from gptopt.models.gpt import GPT
+from gptopt.outputs import staging as fsutil
+from gptopt.runtime import memory
+from gptopt.runtime.device import (
     DevicePlan,
     default_attention,
     environment,
@@ -43,16 +52,11 @@ from gptopt.device import (
     reuse_host_memory,
     sdpa_backend_unavailable,
 )
-from gptopt.distributed import DistInfo
-from gptopt.flops import at_least, flops_per_token, mfu
-from gptopt.generator import Generator, SamplingParams, generate
-from gptopt.inference import model_source
-from gptopt.model import GPT
-from gptopt.monitor import Monitor, peak_memory_bytes
-from gptopt.prepare_model import Prepared, prepare
-from gptopt.step import StepResult, TrainStep, is_oom, loader_options, read_all
-from gptopt.tokenizer import TOKENIZER
-from gptopt.tracing import scheduled_profiler
+from gptopt.runtime.monitor import Monitor, peak_memory_bytes
+from gptopt.train import distributed
+from gptopt.train.distributed import DistInfo
+from gptopt.train.step import StepResult, TrainStep, is_oom, loader_options, read_all
+from gptopt.train.tracing import scheduled_profiler
 
 log = logging.getLogger("gptopt")
 RUN_KIND = "train-run"  # the output-folder mark (fsutil.mark) of a training run

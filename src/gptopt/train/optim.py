@@ -1,7 +1,7 @@
 """The optimizer: AdamW with weight-decay groups (fused kernel where available), or Muon for the hidden
 weight matrices with AdamW for the rest; and the warmup + cosine schedule.
 
-    python -c "import gptopt.optim as o; print([round(o.lr_at(s, 6e-4, 6e-5, 10, 100), 6) for s in (0, 10, 50, 100)])"
+    python -c "import gptopt.train.optim as o; print([round(o.lr_at(s, 6e-4, 6e-5, 10, 100), 6) for s in (0, 50, 100)])"
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The training step: one function that train, bench, tune and profile all run, so what is measured
 is what trains.
 
-    python -c "import gptopt.step as s; help(s.TrainStep)"
+    python -c "import gptopt.train.step as s; help(s.TrainStep)"
 
 One step = `accumulation` micro-steps of forward and backward (the loss divided by the accumulation
 count, DDP/FSDP gradient sync only on the last), then the optimizer step: unscale (fp16), clip the
@@ -23,12 +23,13 @@ import torch
 import torch.nn as nn
 from torch.profiler import record_function
 
-from gptopt import data, distributed
 from gptopt.config import TrainConfig
-from gptopt.device import DevicePlan, sdpa_backends
-from gptopt.distributed import DistInfo
-from gptopt.optim import group_lrs, lr_at, make_optimizer
-from gptopt.prepare_model import graph_break_reason
+from gptopt.data import loader as data
+from gptopt.infer.cpu_layout import graph_break_reason
+from gptopt.runtime.device import DevicePlan, sdpa_backends
+from gptopt.train import distributed
+from gptopt.train.distributed import DistInfo
+from gptopt.train.optim import group_lrs, lr_at, make_optimizer
 
 # Names the step's one host sync in traces: `gptopt profile` does not count it as an avoidable sync.
 READOUT_RANGE = "gptopt::readout"

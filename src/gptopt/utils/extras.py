@@ -1,6 +1,6 @@
 """Optional dependencies: import them only where a feature needs them, with the install line on failure.
 
-    python -c "from gptopt.extras import installed_extras; print(installed_extras())"
+    python -c "from gptopt.utils.extras import installed_extras; print(installed_extras())"
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """gptopt's log lines: 'gptopt: MESSAGE' on stderr, INFO and up, for every command and serve's engine process.
 
-    python -c "from gptopt.logs import setup_logging as s; s(); import logging; logging.getLogger('gptopt').info('hi')"
+    python -c "import logging, gptopt.utils.logs as g; g.setup_logging(); logging.getLogger('gptopt').info('hi')"
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Figures as text: the terminal and Markdown tables, compact JSON and TOML that bench, tune and
 compress print and write.
 
-    python -c "from gptopt.tables import text_table; print(text_table(['a', 'b'], [['x', '1']]))"
+    python -c "from gptopt.utils.tables import text_table; print(text_table(['a', 'b'], [['x', '1']]))"
 """
 
 from __future__ import annotations
