@@ -201,8 +201,8 @@ def split_bytes_per_token(data_dir: Path, split: str = "val") -> float:
 
 _HOLD = """
 import sys
-from gptopt.outputs import staging as fsutil
-held = fsutil.lock_output(sys.argv[1], whole=sys.argv[2] == "whole")  # kept: a collected one lets go
+from gptopt import outputs
+held = outputs.lock_output(sys.argv[1], whole=sys.argv[2] == "whole")  # kept: a collected one lets go
 held.__enter__()
 print("held", flush=True)
 sys.stdin.read()  # until the test lets go (closes stdin) or kills it
@@ -211,7 +211,7 @@ sys.stdin.read()  # until the test lets go (closes stdin) or kills it
 
 @contextlib.contextmanager
 def another_writer(out: Path, *, whole: bool = False) -> Iterator[subprocess.Popen[str]]:
-    """Another gptopt process holding out's one-writer lock (fsutil.lock_output) for the block; killed
+    """Another gptopt process holding out's one-writer lock (outputs.lock_output) for the block; killed
     with SIGKILL at the end, as a crash would end it."""
     proc = subprocess.Popen([sys.executable, "-c", _HOLD, str(out), "whole" if whole else "in place"],
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

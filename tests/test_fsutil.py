@@ -20,12 +20,13 @@ import pytest
 import torch
 from conftest import another_writer
 
+from gptopt import outputs
 from gptopt.config import PrepareConfig
 from gptopt.data.corpus import prepare
 from gptopt.models import checkpoint, hf
 from gptopt.models.gpt import GPT
-from gptopt.outputs import staging as fsutil
-from gptopt.outputs.staging import staged_dir
+from gptopt.outputs import staged_dir
+from gptopt.outputs.staging import _HOST
 
 
 @pytest.fixture
@@ -130,24 +131,24 @@ def _dead_pid() -> int:
 def test_check_output_refuses_before_any_work_and_names_the_fix(tmp_path: Path) -> None:
     (tmp_path / "afile").write_text("x")
     with pytest.raises(ValueError, match="is a file"):
-        fsutil.check_output(tmp_path / "afile", kind="bench", overwrite=False)
+        outputs.check_output(tmp_path / "afile", kind="bench", overwrite=False)
     run = tmp_path / "run"
     run.mkdir()
     (run / "notes.txt").write_text("mine")
-    assert fsutil.check_output(run, kind="bench", overwrite=False, ours=["report.md"]) == []  # beside the user's
+    assert outputs.check_output(run, kind="bench", overwrite=False, ours=["report.md"]) == []  # beside the user's
     (run / "report.md").write_text("an old report")
     for overwrite in (False, True):  # a report.md gptopt did not write is never replaced, and that is said at once
         with pytest.raises(ValueError, match="not marked") as refused:
-            fsutil.check_output(run, kind="bench", overwrite=overwrite, ours=["report.md"])
+            outputs.check_output(run, kind="bench", overwrite=overwrite, ours=["report.md"])
         assert "pass --overwrite" not in str(refused.value)
-    fsutil.mark(run, "bench")
+    outputs.mark(run, "bench")
     with pytest.raises(ValueError, match="pass --overwrite"):  # gptopt's own report: --overwrite replaces it
-        fsutil.check_output(run, kind="bench", overwrite=False, ours=["report.md"])
-    fsutil.mark(run, "tune")
+        outputs.check_output(run, kind="bench", overwrite=False, ours=["report.md"])
+    outputs.mark(run, "tune")
     with pytest.raises(ValueError, match="holds gptopt tune output"):  # each kind in a folder of its own
-        fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"])
-    fsutil.mark(run, "bench")
-    assert fsutil.check_output(run, kind="bench", overwrite=True, ours=["report.md"]) == [run / "report.md"]
+        outputs.check_output(run, kind="bench", overwrite=True, ours=["report.md"])
+    outputs.mark(run, "bench")
+    assert outputs.check_output(run, kind="bench", overwrite=True, ours=["report.md"]) == [run / "report.md"]
     assert (run / "notes.txt").read_text() == "mine"
 
 
@@ -161,7 +162,7 @@ def test_check_output_refuses_a_folder_that_cannot_be_written(tmp_path: Path,
         monkeypatch.setattr(os, "access", lambda p, mode: False if Path(p) == locked else real(p, mode))
     try:
         with pytest.raises(ValueError, match="permission denied"):
-            fsutil.check_output(locked / "out" / "deeper", kind="bench", overwrite=False)
+            outputs.check_output(locked / "out" / "deeper", kind="bench", overwrite=False)
     finally:
         locked.chmod(0o755)
 
@@ -171,35 +172,35 @@ def test_a_whole_directory_output_is_replaced_only_when_gptopt_wrote_all_of_it(t
     downloaded.mkdir()
     (downloaded / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="not marked"):
-        fsutil.check_output(downloaded, kind="export-hf", overwrite=True, whole=True)
-    with fsutil.staged_dir(tmp_path / "export", kind="export-hf") as tmp:
+        outputs.check_output(downloaded, kind="export-hf", overwrite=True, whole=True)
+    with outputs.staged_dir(tmp_path / "export", kind="export-hf") as tmp:
         (tmp / "config.json").write_text("{}")
     export = tmp_path / "export"
-    assert fsutil.check_output(export, kind="export-hf", overwrite=True, whole=True) == [export / "config.json"]
+    assert outputs.check_output(export, kind="export-hf", overwrite=True, whole=True) == [export / "config.json"]
     (export / "README.md").write_text("my notes on this export")
     with pytest.raises(ValueError, match="did not write .*README.md"):
-        fsutil.check_output(export, kind="export-hf", overwrite=True, whole=True)
+        outputs.check_output(export, kind="export-hf", overwrite=True, whole=True)
 
 
 def test_aside_restores_the_old_output_when_the_new_one_fails(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    fsutil.mark(run, "train-run")
+    outputs.mark(run, "train-run")
     (run / "metrics.jsonl").write_text("old metrics")
     (run / "notes.txt").write_text("the user's")
     ours = ["metrics.jsonl", "ckpt-*"]
-    with pytest.raises(RuntimeError), fsutil.Aside(run, fsutil.check_output(run, kind="train-run", overwrite=True,
+    with pytest.raises(RuntimeError), outputs.Aside(run, outputs.check_output(run, kind="train-run", overwrite=True,
                                                                              ours=ours), ours):
         assert not (run / "metrics.jsonl").exists()
         (run / "metrics.jsonl").write_text("new metrics")
         (run / "ckpt-0000001").mkdir()
         raise RuntimeError("the new run failed")
-    assert sorted(p.name for p in run.iterdir()) == [fsutil.OWNER_FILE, "metrics.jsonl", "notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == [outputs.OWNER_FILE, "metrics.jsonl", "notes.txt"]
     assert (run / "metrics.jsonl").read_text() == "old metrics"
-    with fsutil.Aside(run, fsutil.check_output(run, kind="train-run", overwrite=True, ours=ours), ours) as aside:
+    with outputs.Aside(run, outputs.check_output(run, kind="train-run", overwrite=True, ours=ours), ours) as aside:
         (run / "metrics.jsonl").write_text("new metrics")
         aside.commit()
-    assert sorted(p.name for p in run.iterdir()) == [fsutil.OWNER_FILE, "metrics.jsonl", "notes.txt"]
+    assert sorted(p.name for p in run.iterdir()) == [outputs.OWNER_FILE, "metrics.jsonl", "notes.txt"]
     assert (run / "metrics.jsonl").read_text() == "new metrics"
 
 
@@ -208,30 +209,30 @@ def test_a_first_run_that_fails_part_way_can_be_rerun_with_overwrite(tmp_path: P
     that --overwrite then refuses as the user's."""
     out = tmp_path / "prof"
     ours = ["trace.json", "diagnosis.json"]
-    with pytest.raises(RuntimeError), fsutil.replacing(out, kind="profile", ours=ours):
+    with pytest.raises(RuntimeError), outputs.replacing(out, kind="profile", ours=ours):
         (out / "trace.json").write_text("partial")
         raise RuntimeError("the run crashed after its trace")
-    assert fsutil.check_output(out, kind="profile", overwrite=True, ours=ours) == [out / "trace.json"]
+    assert outputs.check_output(out, kind="profile", overwrite=True, ours=ours) == [out / "trace.json"]
     with pytest.raises(ValueError, match="--overwrite"):  # and without --overwrite it is still kept
-        fsutil.check_output(out, kind="profile", overwrite=False, ours=ours)
+        outputs.check_output(out, kind="profile", overwrite=False, ours=ours)
 
 
 def test_a_killed_replacement_is_undone_and_killed_staging_is_removed(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir()
-    fsutil.mark(run, "train-run")
+    outputs.mark(run, "train-run")
     (run / "metrics.jsonl").write_text("old metrics")
     ours = ["metrics.jsonl"]
-    aside = fsutil.Aside(run, [run / "metrics.jsonl"], ours).__enter__()  # then the process is killed
+    aside = outputs.Aside(run, [run / "metrics.jsonl"], ours).__enter__()  # then the process is killed
     dead = _dead_pid()
     assert aside.folder is not None
     aside.folder.rename(run / aside.folder.name.replace(f"-{os.getpid()}-", f"-{dead}-"))
     (run / "metrics.jsonl").write_text("the killed run's first steps")
-    host = fsutil._HOST
+    host = _HOST
     (run / f".ckpt-0000010.tmp-{host}-{dead}-0123abcd").mkdir()  # a checkpoint being written when killed
     (run / f".ckpt-0000020.tmp-{host}-{os.getpid()}-0123abcd").mkdir()  # one this process is writing
     (run / f".ckpt-0000030.tmp-otherhost-{dead}-0123abcd").mkdir()  # another machine's, on shared storage
-    assert fsutil.check_output(run, kind="train-run", overwrite=True, ours=ours) == [run / "metrics.jsonl"]
+    assert outputs.check_output(run, kind="train-run", overwrite=True, ours=ours) == [run / "metrics.jsonl"]
     assert (run / "metrics.jsonl").read_text() == "old metrics"
     assert sorted(p.name for p in run.iterdir() if p.name.startswith(".ckpt")) == [
         f".ckpt-0000020.tmp-{host}-{os.getpid()}-0123abcd", f".ckpt-0000030.tmp-otherhost-{dead}-0123abcd"]
@@ -239,10 +240,10 @@ def test_a_killed_replacement_is_undone_and_killed_staging_is_removed(tmp_path: 
 
 def test_a_swap_killed_between_its_renames_gets_the_old_directory_back(tmp_path: Path) -> None:
     dead = _dead_pid()
-    old = tmp_path / f".model.old-{fsutil._HOST}-{dead}-0123abcd"  # renamed away; the new never arrived
+    old = tmp_path / f".model.old-{_HOST}-{dead}-0123abcd"  # renamed away; the new never arrived
     old.mkdir()
     (old / "weights").write_text("the only copy")
-    with fsutil.staged_dir(tmp_path / "other") as tmp:
+    with outputs.staged_dir(tmp_path / "other") as tmp:
         (tmp / "x").write_text("x")
     assert (tmp_path / "model" / "weights").read_text() == "the only copy"
 
@@ -259,20 +260,20 @@ def test_the_current_folder_is_a_valid_output(tmp_path: Path, monkeypatch: pytes
 def test_overwrite_never_deletes_a_users_file_inside_gptopts_folders(tmp_path: Path) -> None:
     run = tmp_path / "run"
     (run / "logs").mkdir(parents=True)
-    fsutil.mark(run, "train-run")
+    outputs.mark(run, "train-run")
     (run / "logs" / "events.out.tfevents.1").write_text("gptopt's")
     contents = {"logs": ["events.out.tfevents.*"]}
-    assert fsutil.check_output(run, kind="train-run", overwrite=True, ours=["logs"], contents=contents) == [
+    assert outputs.check_output(run, kind="train-run", overwrite=True, ours=["logs"], contents=contents) == [
         run / "logs"]
     (run / "logs" / "notes.txt").write_text("the user's")
     with pytest.raises(ValueError, match=r"did not write \(logs/notes.txt\)"):
-        fsutil.check_output(run, kind="train-run", overwrite=True, ours=["logs"], contents=contents)
+        outputs.check_output(run, kind="train-run", overwrite=True, ours=["logs"], contents=contents)
 
 
 @pytest.mark.parametrize("where", ["/", "~"])
 def test_the_root_and_the_home_folder_are_never_an_output(where: str) -> None:
     with pytest.raises(ValueError, match="a folder of its own"):
-        fsutil.check_output(Path(where), kind="train-run", overwrite=True)
+        outputs.check_output(Path(where), kind="train-run", overwrite=True)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -285,7 +286,7 @@ def test_a_second_writer_is_refused_at_once_naming_the_first(tmp_path: Path, who
     with another_writer(out, whole=whole) as first:
         before = sorted(p.name for p in tmp_path.rglob("*"))
         with pytest.raises(ValueError, match=rf"being written by another gptopt process \(pid {first.pid}\); "
-                                             "nothing was written"), fsutil.lock_output(out, whole=whole):
+                                             "nothing was written"), outputs.lock_output(out, whole=whole):
             pass
         assert sorted(p.name for p in tmp_path.rglob("*")) == before
 
@@ -294,16 +295,16 @@ def test_a_writer_killed_outright_leaves_no_lock_behind(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with another_writer(out):
         pass  # SIGKILL: no clean-up ran, its lock file is still there
-    assert (out / fsutil.LOCK_FILE).exists()
-    with fsutil.lock_output(out):
+    assert (out / outputs.LOCK_FILE).exists()
+    with outputs.lock_output(out):
         (out / "written.txt").write_text("mine")
     assert [p.name for p in out.iterdir()] == ["written.txt"]  # the lock file goes with the lock
 
 
 _FORKS = """
 import os, sys, time
-from gptopt.outputs import staging as fsutil
-held = fsutil.lock_output(sys.argv[1])
+from gptopt import outputs
+held = outputs.lock_output(sys.argv[1])
 held.__enter__()
 child = os.fork()
 if child == 0:  # a DataLoader worker's life: longer than the writer's
@@ -323,7 +324,7 @@ def test_a_worker_forked_by_a_killed_writer_does_not_keep_its_lock(tmp_path: Pat
     try:
         writer.kill()
         writer.wait()
-        with fsutil.lock_output(out):  # the worker lives on; the lock went with the writer
+        with outputs.lock_output(out):  # the worker lives on; the lock went with the writer
             pass
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -332,7 +333,7 @@ def test_a_worker_forked_by_a_killed_writer_does_not_keep_its_lock(tmp_path: Pat
 
 def test_the_lock_is_taken_again_inside_one_process_and_leaves_no_folder_it_made(tmp_path: Path) -> None:
     out = tmp_path / "new" / "out"
-    with fsutil.lock_output(out), fsutil.lock_output(out):  # a verb calling another verb's writer
+    with outputs.lock_output(out), outputs.lock_output(out):  # a verb calling another verb's writer
         assert out.is_dir()
     assert list(tmp_path.iterdir()) == []  # refused or failed before writing: nothing made stays
 
@@ -342,7 +343,7 @@ def test_a_waiting_writer_goes_on_once_the_first_has_finished(tmp_path: Path) ->
     got = threading.Event()
 
     def second() -> None:
-        with fsutil.lock_output(out, wait=True):
+        with outputs.lock_output(out, wait=True):
             got.set()
 
     with another_writer(out) as first:
@@ -365,7 +366,7 @@ def test_a_filesystem_without_locks_is_written_with_a_warning(tmp_path: Path, mo
 
     monkeypatch.setattr(fcntl, "flock", no_locks)
     out = tmp_path / "nfs" / "out"
-    with caplog.at_level("WARNING", logger="gptopt"), fsutil.lock_output(out):
+    with caplog.at_level("WARNING", logger="gptopt"), outputs.lock_output(out):
         pass  # the verb goes on
     assert "takes no lock (No locks available)" in caplog.text
     assert list(tmp_path.iterdir()) == []  # the lock file, and the folders made for it, are gone

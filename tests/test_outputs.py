@@ -28,9 +28,8 @@ from pathlib import Path
 import pytest
 from conftest import another_writer
 
-from gptopt import cli
+from gptopt import cli, outputs
 from gptopt.models import checkpoint
-from gptopt.outputs import staging as fsutil
 
 NOTES = "notes.txt"
 DEBUG = ["--preset", "debug", "--seq_len", "32", "--device", "cpu"]
@@ -91,9 +90,9 @@ def a_shared_folder(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monk
     assert snapshot(out) == before
     assert cli.main([*argv, "--overwrite"]) == 0, capsys.readouterr().err
     assert (out / NOTES).read_text() == "my notes: keep"
-    assert fsutil.marked_kind(out) is not None
+    assert outputs.marked_kind(out) is not None
     check(out)
-    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != fsutil.OWNER_FILE]
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".") and p.name != outputs.OWNER_FILE]
     assert sorted(p.name for p in out.parent.iterdir()) == [out.name]  # no staging sibling left
 
 
@@ -177,7 +176,7 @@ def earlier_output(folder: Path, kind: str, files: dict[str, str]) -> Path:
     folder.mkdir(parents=True)
     for name, text in files.items():
         (folder / name).write_text(text)
-    fsutil.mark(folder, kind, files=list(files))
+    outputs.mark(folder, kind, files=list(files))
     return with_notes(folder)
 
 

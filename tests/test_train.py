@@ -574,7 +574,7 @@ def test_sigterm_to_the_process_group_saves_and_leaves_no_staging_folder(train_d
     stopped = checkpoint.load_train_state(checkpoint.latest_checkpoint(out))["step"]
     # a writer killed mid-save (kill -9) leaves its staging folder: the next run there removes it at start
     leftover = subprocess.run([sys.executable, "-c", (
-        "import os, signal, sys; from pathlib import Path; from gptopt.outputs.staging import staged_dir\n"
+        "import os, signal, sys; from pathlib import Path; from gptopt.outputs import staged_dir\n"
         "with staged_dir(Path(sys.argv[1])) as tmp:\n"
         "    (tmp / 'model.safetensors').write_bytes(b'half'); os.kill(os.getpid(), signal.SIGKILL)"),
         str(out / "ckpt-0000999")], capture_output=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from gptopt.bench.report import check_output_dir
 from gptopt.config import BenchConfig
-from gptopt.outputs.staging import lock_output
+from gptopt.outputs import lock_output
 
 
 def main(cfg: BenchConfig) -> int:

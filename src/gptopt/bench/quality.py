@@ -60,7 +60,7 @@ from gptopt.bench.report import KIND, QUALITY_FILES
 from gptopt.bench.setup import bench_preset
 from gptopt.config import BenchConfig, TrainConfig
 from gptopt.infer.measure import STOPPED
-from gptopt.outputs.staging import replacing
+from gptopt.outputs import replacing
 from gptopt.runtime.device import cpu_has_fast_bf16, environment, resolve
 from gptopt.utils.extras import has, require
 from gptopt.utils.tables import fmt, text_table, to_json, toml_text

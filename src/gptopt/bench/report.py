@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gptopt.outputs.staging import check_output, replacing
+from gptopt.outputs import check_output, replacing
 from gptopt.utils.extras import has
 from gptopt.utils.tables import fmt, md_table, text_table, toml_text
 
@@ -29,7 +29,7 @@ TRAIN_FILES = ("results.json", "results.csv", "best.toml", "report.md", "through
                "step_times.png")
 INFER_FILES = ("infer_results.json", "infer_results.csv", "infer_report.md", "infer_batch_sweep.png")
 QUALITY_FILES = ("quality_results.json", "quality_report.md", "quality.png", "quality_best.toml")
-KIND = "bench"  # the fsutil mark of a folder bench wrote into
+KIND = "bench"  # the outputs mark of a folder bench wrote into
 
 
 def check_output_dir(out: Path, mode: str, overwrite: bool) -> None:

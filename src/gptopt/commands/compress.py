@@ -39,7 +39,7 @@ from gptopt.infer.load import RECOMPILE_LIMIT, load_for_inference, model_source
 from gptopt.infer.measure import GptoptRunner, interleaved, tensor_bytes
 from gptopt.infer.quantize import check_supported, compress_model, describe, pack_state
 from gptopt.models import checkpoint
-from gptopt.outputs.staging import check_output, lock_output, staged_dir
+from gptopt.outputs import check_output, lock_output, staged_dir
 from gptopt.runtime.device import DevicePlan, environment, resolve
 from gptopt.utils.tables import text_table, to_json
 
@@ -127,7 +127,7 @@ def _speed(models: dict[str, nn.Module], plan: DevicePlan, prompts: list[list[in
 # Checks of the input, all before anything is written
 
 
-KIND = "compressed"  # the fsutil mark of a compress output: the only kind its --overwrite replaces
+KIND = "compressed"  # the outputs mark of a compress output: the only kind its --overwrite replaces
 
 
 def _check_output(out: Path, overwrite: bool) -> None:

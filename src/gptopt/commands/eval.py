@@ -59,7 +59,7 @@ from gptopt.data.tokenizer import eot_id
 from gptopt.infer.load import load_for_inference, model_source
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT
-from gptopt.outputs.staging import check_output, lock_output, staged_dir, staged_file
+from gptopt.outputs import check_output, lock_output, staged_dir, staged_file
 from gptopt.runtime.device import DevicePlan, environment, resolve
 from gptopt.utils.tables import text_table, to_json
 
@@ -71,7 +71,7 @@ log = logging.getLogger("gptopt")
 HELLASWAG_URL = "https://raw.githubusercontent.com/rowanz/hellaswag/master/data/hellaswag_val.jsonl"
 DOWNLOAD_TIMEOUT = 60.0  # seconds the server may stay silent before the download counts as failed
 ENDINGS = 4  # HellaSwag's: every example has exactly 4
-KIND = "eval"  # the fsutil mark of an eval output: the only kind its --overwrite replaces
+KIND = "eval"  # the outputs mark of an eval output: the only kind its --overwrite replaces
 FORMAT_HINT = 'each line must be one HellaSwag example: {"ctx": "...", "endings": [4 strings], "label": 0-3}'
 
 

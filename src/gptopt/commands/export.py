@@ -38,7 +38,7 @@ from gptopt.data.tokenizer import TOKENIZER, eot_id, load_tokenizer
 from gptopt.infer.load import check_vocab, find_tokenizer, has_tokenizer, model_source, own_tokenizer
 from gptopt.models import checkpoint, hf
 from gptopt.models.gpt import GPT
-from gptopt.outputs.staging import check_output, lock_output, mark, marked_kind, staged_dir
+from gptopt.outputs import check_output, lock_output, mark, marked_kind, staged_dir
 from gptopt.utils.extras import require
 
 __all__ = ["OnnxDecoder", "OnnxRunner", "OrtDecoder", "export_hf_checked", "export_onnx", "main", "to_onnx"]
@@ -245,7 +245,7 @@ def check_onnx(model: GPT, decoder: OrtDecoder, tolerance: float) -> dict[str, f
 # Writing a directory
 
 
-KINDS = {"onnx": "export-onnx", "hf": hf.EXPORT_KIND}  # the fsutil marks of the two export directories
+KINDS = {"onnx": "export-onnx", "hf": hf.EXPORT_KIND}  # the outputs marks of the two export directories
 
 
 def _adopt_legacy_onnx(target: Path) -> None:

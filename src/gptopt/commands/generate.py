@@ -29,7 +29,7 @@ from gptopt.data.tokenizer import eot_id
 from gptopt.infer import chat
 from gptopt.infer.generator import Generator, SamplingParams, StopChecker, complete, stream
 from gptopt.infer.load import load_for_inference, model_source
-from gptopt.outputs.staging import check_writable, lock_output, staged_file
+from gptopt.outputs import check_writable, lock_output, staged_file
 from gptopt.runtime.device import resolve
 
 __all__ = ["main"]

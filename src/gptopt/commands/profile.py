@@ -39,7 +39,7 @@ from gptopt.data import loader as data
 from gptopt.infer.cpu_layout import inference_layout, prepare
 from gptopt.infer.generator import Generator, SamplingParams
 from gptopt.models.gpt import GPT
-from gptopt.outputs.staging import check_output, lock_output, replacing
+from gptopt.outputs import check_output, lock_output, replacing
 from gptopt.runtime import memory
 from gptopt.runtime.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.runtime.monitor import peak_memory_bytes
@@ -63,7 +63,7 @@ SYNCS_PER_STEP = 0.0
 
 # What profile writes into --output_dir: on --overwrite these, and only these, are replaced.
 FILES = ("tensorboard", "trace.json", "memory_snapshot.pickle", "diagnosis.json")
-KIND = "profile"  # the fsutil mark of a folder profile wrote into
+KIND = "profile"  # the outputs mark of a folder profile wrote into
 STEP_RANGE = "gptopt::step"
 DATA_WAIT_RANGE = "gptopt::data_wait"
 SYNC_RANGE = "gptopt::sync"  # the barrier that ends each step so its wall time is true; exempt from the sync count

@@ -31,7 +31,7 @@ import torch
 from gptopt.bench.ladder import ALL, Bench, Rung, RungResult, StopHook, loss_matches, toml_options
 from gptopt.config import BenchConfig, TrainConfig, TuneConfig
 from gptopt.data import loader as data
-from gptopt.outputs.staging import lock_output
+from gptopt.outputs import lock_output
 from gptopt.runtime import memory
 from gptopt.runtime.device import cpu_has_fast_bf16, default_attention, environment
 from gptopt.train.optim import fused_available

@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from gptopt.outputs.staging import check_output, replacing
+from gptopt.outputs import check_output, replacing
 from gptopt.utils.extras import has
 from gptopt.utils.tables import fmt, md_table, text_table, toml_text
 
@@ -19,7 +19,7 @@ log = logging.getLogger("gptopt")
 
 # What tune writes into --output_dir: on --overwrite these, and only these, are replaced.
 FILES = ("tune.toml", "tune_report.md", "tune_results.json", "tune_results.csv", "tune.png")
-KIND = "tune"  # the fsutil mark of a folder tune wrote into
+KIND = "tune"  # the outputs mark of a folder tune wrote into
 TUNE_TOML_HEADER = ("# written by `gptopt tune`: the fastest candidate whose loss matched the fp32 reference",
                     "# gptopt train --config tune.toml")
 CSV_FIELDS = ["index", "stage", "name", "settings", "status", "batch_size", "gradient_accumulation_steps",

@@ -11,7 +11,7 @@ A data directory is nanoGPT's layout plus two files:
     tokenizer.json       the Hugging Face tokenizer that wrote them
     meta.json            {"format": "gptopt-tokens", ...}
 
-The files are written beside the folder and moved in, meta.json last (fsutil.staged_files), so one
+The files are written beside the folder and moved in, meta.json last (outputs.staged_files), so one
 with meta.json is complete; the user's other files in the folder are never touched. Reading it,
 and the batches training draws from it, are data.py's.
 """
@@ -38,7 +38,7 @@ from tqdm import tqdm
 
 from gptopt.config import PrepareConfig
 from gptopt.data.tokenizer import EOT, TOKENIZER, eot_id, load_tokenizer
-from gptopt.outputs.staging import check_output, lock_output, mark, marked_kind, staged_files
+from gptopt.outputs import check_output, lock_output, mark, marked_kind, staged_files
 from gptopt.utils.extras import require
 
 log = logging.getLogger("gptopt")
@@ -47,7 +47,7 @@ FORMAT = "gptopt-tokens"
 VERSION = 1
 META = "meta.json"
 SPLITS = ("train", "val")
-KIND = "prepared-data"  # the fsutil mark of a folder prepare wrote into
+KIND = "prepared-data"  # the outputs mark of a folder prepare wrote into
 OURS = ("train.bin", "val.bin", META, TOKENIZER)  # what prepare writes there; nothing else is touched
 
 

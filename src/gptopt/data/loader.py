@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 from gptopt.config import PrepareConfig
 from gptopt.data.corpus import FORMAT, META, SPLITS, VERSION, prepare
 from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
-from gptopt.outputs.staging import lock_output
+from gptopt.outputs import lock_output
 
 log = logging.getLogger("gptopt")
 

@@ -23,7 +23,7 @@ from gptopt.config import GPTConfig
 from gptopt.data.tokenizer import TOKENIZER
 from gptopt.infer.quantize import unpack_state
 from gptopt.models.gpt import GPT
-from gptopt.outputs.staging import remove, staged_dir, write_text_atomic
+from gptopt.outputs import remove, staged_dir, write_text_atomic
 
 WEIGHTS = "model.safetensors"
 META = "gptopt.json"
@@ -36,7 +36,7 @@ def is_gptopt_dir(path: str | os.PathLike[str]) -> bool:
 def write_model_files(
     config: GPTConfig, state: dict[str, torch.Tensor], directory: Path, extra: dict[str, Any] | None = None
 ) -> None:
-    """Weights + config into an existing directory (a staged one: fsutil.staged_dir makes them durable)."""
+    """Weights + config into an existing directory (a staged one: outputs.staged_dir makes them durable)."""
     # The tied lm_head shares wte's storage; safetensors refuses shared tensors, so store it once. An untied one
     # (Llama's) is a weight of its own.
     tensors = {k: v.detach().contiguous().cpu() for k, v in state.items()
@@ -206,7 +206,7 @@ def save_checkpoint(
     parent: Sequence[str] = (),
     tokenizer: Tokenizer | None = None,
 ) -> Path:
-    """Write ckpt-<step> atomically (fsutil.staged_dir), point `latest` at it, then drop all but the last
+    """Write ckpt-<step> atomically (outputs.staged_dir), point `latest` at it, then drop all but the last
     `keep` checkpoints of its lineage (parent: the lineage of the checkpoint the run continues; a fresh
     run's is empty). tokenizer: stored in the checkpoint, so generate and serve find it from anywhere.
 

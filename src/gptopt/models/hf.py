@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from gptopt.config import GPTConfig
 from gptopt.models.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.models.gpt import GPT
-from gptopt.outputs.staging import check_output, staged_dir
+from gptopt.outputs import check_output, staged_dir
 from gptopt.utils.extras import require
 
 __all__ = [
@@ -40,7 +40,7 @@ HF_CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"  # transformers' generate reads its defaults (eos_token_id) here
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-EXPORT_KIND = "export-hf"  # the fsutil mark of a directory export_hf wrote: the only kind its overwrite replaces
+EXPORT_KIND = "export-hf"  # the outputs mark of a directory export_hf wrote: the only kind its overwrite replaces
 PT_BIN = "pytorch_model.bin"
 PT_BIN_INDEX = "pytorch_model.bin.index.json"
 
@@ -538,7 +538,7 @@ def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool 
     eot goes into both files as bos_token_id and eos_token_id (GPT-2 uses <|endoftext|> for both), so
     transformers' generate stops where the model ends a text. Without one, no ids are written: the id is the
     tokenizer's, and a guessed one would stop generation at an ordinary token.
-    Staged (fsutil.staged_dir) and marked as gptopt's export: a crash never leaves half a directory.
+    Staged (outputs.staged_dir) and marked as gptopt's export: a crash never leaves half a directory.
     overwrite=True replaces only an earlier export of gptopt's that holds nothing else; never a folder
     gptopt did not write (a downloaded model looks just like an export).
     """

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from gptopt import outputs
 from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, arch_overrides, preset_for_data
 from gptopt.data import loader as data
 from gptopt.data.bpb import bits_per_byte, bytes_per_token
@@ -40,7 +41,6 @@ from gptopt.infer.load import model_source
 from gptopt.models import checkpoint, hf
 from gptopt.models.flops import at_least, flops_per_token, mfu
 from gptopt.models.gpt import GPT
-from gptopt.outputs import staging as fsutil
 from gptopt.runtime import memory
 from gptopt.runtime.device import (
     DevicePlan,
@@ -59,7 +59,7 @@ from gptopt.train.step import StepResult, TrainStep, is_oom, loader_options, rea
 from gptopt.train.tracing import scheduled_profiler
 
 log = logging.getLogger("gptopt")
-RUN_KIND = "train-run"  # the output-folder mark (fsutil.mark) of a training run
+RUN_KIND = "train-run"  # the output-folder mark (outputs.mark) of a training run
 # Every top-level entry a run writes into --output_dir: a folder holding any of them holds a run, which
 # only --resume continues and only --overwrite replaces. The user's other files there are never touched.
 # What a run writes inside its folders: anything else there is the user's, and --overwrite keeps away.
@@ -269,7 +269,7 @@ class Trainer:
         # Everything is validated before anything is written or deleted; the old run of --overwrite is
         # only moved aside in run(), and deleted once the new run has saved a checkpoint.
         self.replaced = self._check_output()
-        self.aside: fsutil.Aside | None = None
+        self.aside: outputs.Aside | None = None
         self.run_info: dict[str, Any] | None = None  # run.json, which the closing summary extends
         self.data = self._load_data()
         self.resume_dir = self._resume_dir()
@@ -293,26 +293,26 @@ class Trainer:
         staging folders (kill -9 mid-save), in every mode: the other ranks wait, then judge the same folder."""
         cfg, out, main = self.cfg, self.out, self.info.is_main
         if main:
-            fsutil.recover(out, RUN_ENTRIES)
-            fsutil.check_output(out, kind=RUN_KIND, overwrite=False)  # a file? writable? (+ the clean-up)
+            outputs.recover(out, RUN_ENTRIES)
+            outputs.check_output(out, kind=RUN_KIND, overwrite=False)  # a file? writable? (+ the clean-up)
         distributed.barrier(self.info)
         found = sorted(p.name for p in out.iterdir() if any(fnmatch.fnmatchcase(p.name, g) for g in RUN_ENTRIES)) \
             if out.is_dir() else []
         # A run of gptopt's is marked, or (from before marks) has its checkpoints. Files of a run's names that
         # are not one are the user's: neither --resume nor --overwrite writes over them, so that is said now.
-        if found and fsutil.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
-            raise ValueError(f"--output_dir {out} holds {fsutil.some(found)}, which gptopt did not write (no run of "
+        if found and outputs.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
+            raise ValueError(f"--output_dir {out} holds {outputs.some(found)}, which gptopt did not write (no run of "
                              "its own is there); nothing was written, and neither --resume nor --overwrite would write "
                              "over them: move them out, or choose another --output_dir")
         if cfg.resume:
             return []
         if found and not cfg.overwrite:
-            raise ValueError(f"--output_dir {out} holds a training run ({fsutil.some(found)}); nothing was written: "
+            raise ValueError(f"--output_dir {out} holds a training run ({outputs.some(found)}); nothing was written: "
                              "pass --resume auto to continue it, --overwrite to replace it (kept until the new run "
                              "saves its first checkpoint), or choose another --output_dir")
         if not found or not main:
             return []
-        return fsutil.check_output(out, kind=RUN_KIND, overwrite=True, ours=RUN_ENTRIES, contents=RUN_CONTENTS)
+        return outputs.check_output(out, kind=RUN_KIND, overwrite=True, ours=RUN_ENTRIES, contents=RUN_CONTENTS)
 
     def _lineage(self, resume_dir: Path | None) -> list[str]:
         """The chain the new checkpoints continue: the resumed checkpoint's, when it lies in --output_dir
@@ -522,8 +522,8 @@ class Trainer:
         if not self.info.is_main:
             return self._run()
         self.out.mkdir(parents=True, exist_ok=True)
-        with fsutil.Aside(self.out, self.replaced, RUN_ENTRIES) as self.aside:
-            fsutil.mark(self.out, RUN_KIND)
+        with outputs.Aside(self.out, self.replaced, RUN_ENTRIES) as self.aside:
+            outputs.mark(self.out, RUN_KIND)
             rc = self._run()
             if rc != 0:  # failed before its first checkpoint (after it, the old run is gone already)
                 self.aside.rollback()
@@ -842,7 +842,7 @@ class Trainer:
                          f"{best}")
         if self.run_info is not None:
             extra = {"summary": summary, **({"target": target} if target is not None else {})}
-            fsutil.write_text_atomic(self.out / "run.json",
+            outputs.write_text_atomic(self.out / "run.json",
                                      json.dumps({**self.run_info, **extra}, indent=2, default=str))
 
     @staticmethod
@@ -865,7 +865,7 @@ def main(cfg: TrainConfig) -> int:
         logging.getLogger("gptopt").setLevel(logging.WARNING)
     try:
         # One run in a folder at a time, from its checks to its last checkpoint; rank 0 alone writes.
-        with fsutil.lock_output(cfg.output_dir) if info.is_main else contextlib.nullcontext():
+        with outputs.lock_output(cfg.output_dir) if info.is_main else contextlib.nullcontext():
             return Trainer(cfg, info, device).run()
     except RuntimeError as e:
         if info.is_main:
