@@ -1,6 +1,6 @@
-""".ci/gpu_check.py, the one prepared call a GPU lease runs: the plan covers every GPU path within
-nine minutes, every command it will run parses, the runner never stops early, and a run is recorded
-in one command.
+""".ci/gpu_check.py (and its gpu_check_*.py modules), the one prepared call a GPU lease runs: the plan
+covers every GPU path within nine minutes, every command it will run parses, the runner never stops
+early, and a run is recorded in one command.
 
     pytest -q tests/test_gpu_check.py                 # the dry run, the commands, the runner (seconds)
     pytest -q -m slow tests/test_gpu_check.py         # every step with a CPU meaning, run on the CPU (minutes)
@@ -8,6 +8,7 @@ in one command.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
@@ -30,6 +31,9 @@ NINE_MINUTES = 540
 
 
 gc = load_script("gpu_check")
+# the modules it imports (its folder is on sys.path now), the very ones it uses: a name is patched where it is defined
+gc_plan, gc_figures, gc_runner, gc_record = (importlib.import_module(f"gpu_check_{part}")
+                                             for part in ("plan", "figures", "runner", "record"))
 
 
 @pytest.fixture(scope="module")
@@ -107,12 +111,13 @@ def test_the_plan_runs_every_gpu_path(dry_run: tuple[str, dict]) -> None:
 @pytest.mark.parametrize("target", ["gpu", "cpu"])
 def test_every_gptopt_command_of_the_plan_parses(target: str, tmp_path: Path) -> None:
     """A wrong flag or an out-of-range value is found here, not in the GPU lease."""
-    ctx = gc.Ctx(out=tmp_path, target=target, sizes=gc.SIZES[target])
+    ctx = gc_plan.Ctx(out=tmp_path, target=target, sizes=gc_plan.SIZES[target])
     argvs = []
-    for step in gc.plan(ctx):
-        argvs.append(gc.resolve(step.argv, str(tmp_path / "model"), 8000))
+    for step in gc_plan.plan(ctx):
+        argvs.append(gc_plan.resolve(step.argv, str(tmp_path / "model"), 8000))
         if step.serve:
-            argvs += [argv for _, argv in gc.loadtests(ctx, "http://127.0.0.1:8000", model=str(tmp_path / "model"))]
+            argvs += [argv for _, argv in gc_plan.loadtests(ctx, "http://127.0.0.1:8000",
+                                                            model=str(tmp_path / "model"))]
         argvs += [step.decode] if step.decode else []
     parsed = 0
     for argv in argvs:
@@ -133,10 +138,11 @@ def _fake_plan(marker: Path) -> list:
                f"open({str(marker)!r}, 'w').write(str(p.pid)); signal.signal(signal.SIGINT, signal.SIG_IGN); "
                "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(60)")
     return [
-        gc.Step("hangs", 2, "a step past its limit, with a child process", [py, "-c", sleeper]),
-        gc.Step("breaks", 30, "a step that fails", [py, "-c", "import sys; print('boom: the reason'); sys.exit(3)"]),
-        gc.Step("first", 30, "runs beside second", [py, "-c", "print('one')"], group="g"),
-        gc.Step("second", 30, "runs beside first", [py, "-c", "print('two')"], group="g"),
+        gc_plan.Step("hangs", 2, "a step past its limit, with a child process", [py, "-c", sleeper]),
+        gc_plan.Step("breaks", 30, "a step that fails",
+                     [py, "-c", "import sys; print('boom: the reason'); sys.exit(3)"]),
+        gc_plan.Step("first", 30, "runs beside second", [py, "-c", "print('one')"], group="g"),
+        gc_plan.Step("second", 30, "runs beside first", [py, "-c", "print('two')"], group="g"),
     ]
 
 
@@ -155,8 +161,8 @@ def _alive(pid: int) -> bool:
 
 def test_a_failing_or_hanging_step_costs_only_itself(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "child.pid"
-    monkeypatch.setattr(gc, "plan", lambda ctx: _fake_plan(marker))
-    monkeypatch.setattr(gc, "GRACE_S", (0.5, 0.5))
+    monkeypatch.setattr(gc_plan, "plan", lambda ctx: _fake_plan(marker))
+    monkeypatch.setattr(gc_runner, "GRACE_S", (0.5, 0.5))
     out = tmp_path / "run"
     assert gc.main(["run", str(out), "--budget", "62"]) == 1  # the plan's own limits: no time to spare
     doc = json.loads((out / "results.json").read_text())
@@ -171,9 +177,9 @@ def test_a_failing_or_hanging_step_costs_only_itself(tmp_path: Path, monkeypatch
     assert "breaks" in summary and "boom: the reason" in summary and "timeout" in summary
 
     # a rerun of one step after a fix keeps the others' results
-    monkeypatch.setattr(gc, "plan", lambda ctx: [_fake_plan(marker)[0],
-                                                 gc.Step("breaks", 30, "fixed", [sys.executable, "-c", "pass"]),
-                                                 *_fake_plan(marker)[2:]])
+    monkeypatch.setattr(gc_plan, "plan", lambda ctx: [
+        _fake_plan(marker)[0], gc_plan.Step("breaks", 30, "fixed", [sys.executable, "-c", "pass"]),
+        *_fake_plan(marker)[2:]])
     assert gc.main(["run", str(out), "--only", "breaks"]) == 0
     again = {r["name"]: r for r in json.loads((out / "results.json").read_text())["steps"]}
     assert again["breaks"]["status"] == "ok" and again["hangs"]["status"] == "timeout"
@@ -182,8 +188,8 @@ def test_a_failing_or_hanging_step_costs_only_itself(tmp_path: Path, monkeypatch
 def test_a_run_stopped_from_outside_stops_its_steps_and_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "child.pid"
-    monkeypatch.setattr(gc, "plan", lambda ctx: _fake_plan(marker)[:1] + [
-        gc.Step("after", 30, "never starts", [sys.executable, "-c", "pass"])])
+    monkeypatch.setattr(gc_plan, "plan", lambda ctx: _fake_plan(marker)[:1] + [
+        gc_plan.Step("after", 30, "never starts", [sys.executable, "-c", "pass"])])
     out = tmp_path / "run"
     threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()  # what ends a lease
     assert gc.main(["run", str(out), "--report", str(tmp_path / "small")]) == 130
@@ -198,8 +204,8 @@ def test_a_run_stopped_while_its_server_starts_stops_the_server_and_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     marker = tmp_path / "server.pid"
     never_ready = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(60)"
-    monkeypatch.setattr(gc, "plan", lambda ctx: [gc.Step("serve", 30, "a server that never gets ready",
-                                                         [sys.executable, "-c", never_ready], serve=True)])
+    monkeypatch.setattr(gc_plan, "plan", lambda ctx: [gc_plan.Step("serve", 30, "a server that never gets ready",
+                                                                   [sys.executable, "-c", never_ready], serve=True)])
     out = tmp_path / "run"
     threading.Timer(2.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
     assert gc.main(["run", str(out)]) == 130
@@ -210,9 +216,9 @@ def test_a_run_stopped_while_its_server_starts_stops_the_server_and_says_so(
 
 def test_time_a_step_leaves_unused_goes_to_the_later_ones(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     py = sys.executable
-    monkeypatch.setattr(gc, "plan", lambda ctx: [
-        gc.Step("quick", 20, "done at once", [py, "-c", "pass"]),
-        gc.Step("slow", 1, "needs 3 s, planned for 1", [py, "-c", "import time; time.sleep(3)"])])
+    monkeypatch.setattr(gc_plan, "plan", lambda ctx: [
+        gc_plan.Step("quick", 20, "done at once", [py, "-c", "pass"]),
+        gc_plan.Step("slow", 1, "needs 3 s, planned for 1", [py, "-c", "import time; time.sleep(3)"])])
     out = tmp_path / "run"
     assert gc.main(["run", str(out), "--budget", "21"]) == 0  # quick's spare seconds let slow finish
     by = {r["name"]: r for r in json.loads((out / "results.json").read_text())["steps"]}
@@ -223,7 +229,7 @@ def test_the_test_steps_figures_name_the_failing_tests_even_without_its_report(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     tests = tmp_path / "test_paths.py"
     tests.write_text("def test_works():\n    pass\n\n\ndef test_breaks():\n    assert 1 == 2\n")
-    monkeypatch.setattr(gc, "plan", lambda ctx: [gc.Step("cuda_tests", 60, "pytest", [
+    monkeypatch.setattr(gc_plan, "plan", lambda ctx: [gc_plan.Step("cuda_tests", 60, "pytest", [
         sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "--junitxml", ctx.path("cuda_tests.xml"),
         "-o", "addopts=", str(tests)])])
     out = tmp_path / "run"
@@ -233,10 +239,10 @@ def test_the_test_steps_figures_name_the_failing_tests_even_without_its_report(
     # stopped at its limit, pytest writes no report: the log's lines still say what failed
     (out / "cuda_tests.xml").unlink()
     log = (out / "cuda_tests.log").read_text()
-    again = gc.fig_pytest(out, log)
+    again = gc_figures.fig_pytest(out, log)
     assert again["ran"] == 2 and again["passed"] == 1 and again["failed"][0].endswith("::test_breaks")
     assert "running_at_stop" not in again
-    hung = gc.fig_pytest(out, log + f"{tests}::test_hangs ")  # stopped while a third test ran
+    hung = gc_figures.fig_pytest(out, log + f"{tests}::test_hangs ")  # stopped while a third test ran
     assert hung["running_at_stop"] == f"{tests}::test_hangs"
 
 
@@ -266,17 +272,17 @@ def test_unknown_step_names_are_refused_before_anything_runs(
 @pytest.mark.parametrize("marker", ["as the doc has it", "naming the script where it lives"])
 def test_record_adds_a_runs_rows_to_the_results_doc(
         marker: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(gc, "plan", lambda ctx: _fake_plan(tmp_path / "child.pid")[2:])
+    monkeypatch.setattr(gc_plan, "plan", lambda ctx: _fake_plan(tmp_path / "child.pid")[2:])
     out = tmp_path / "run"
     assert gc.main(["run", str(out)]) == 0
     doc = tmp_path / "gpu-results.md"
     shutil.copy(ROOT / "docs" / "gpu-results.md", doc)
     if marker != "as the doc has it":
-        doc.write_text(gc.RECORD_MARK.sub(gc.RECORD_START, doc.read_text(), count=1))
+        doc.write_text(gc_record.RECORD_MARK.sub(gc_record.RECORD_START, doc.read_text(), count=1))
     before = doc.read_text()
     assert gc.main(["record", str(out), "--doc", str(doc)]) == 0
     after = doc.read_text()
-    mark = gc.RECORD_MARK.search(before)
+    mark = gc_record.RECORD_MARK.search(before)
     assert mark is not None and after.startswith(before[:mark.end()])  # what was there stays
     # earlier runs' rows stay; the new run's rows are the ones the doc did not have
     old_rows = [line for line in before.splitlines() if line.startswith("| 20")]
@@ -289,7 +295,7 @@ def test_record_adds_a_runs_rows_to_the_results_doc(
     # a dry run ran nothing: there is nothing to record, and the doc is left as it was
     assert gc.main(["dry-run", str(tmp_path / "dry")]) == 0
     with pytest.raises(SystemExit, match="nothing to record"):
-        gc.record(tmp_path / "dry", doc)
+        gc_record.record(tmp_path / "dry", doc)
     assert doc.read_text() == after
 
 
@@ -308,11 +314,11 @@ SERVE = {"ready_s": 14.0, "clients_1": {"status": "ok", "output_tokens_per_s": 5
 
 
 def test_the_serve_steps_figures_set_each_client_count_beside_the_decode_at_that_batch_and_the_peer() -> None:
-    decode = gc.decode_rates(BENCH_INFER, "graphs")
+    decode = gc_figures.decode_rates(BENCH_INFER, "graphs")
     assert decode["status"] == "ok" and decode["prompt_tokens"] == decode["new_tokens"] == 128
     assert decode["tokens_per_s"] == {"1": 1000.0, "16": 16000.0, "64": 50000.0, "256": 80000.0}
     before = json.dumps(SERVE)
-    out = gc.compared({**SERVE, "decode": decode})
+    out = gc_figures.compared({**SERVE, "decode": decode})
     assert json.dumps(SERVE) == before  # the figures given are left as they were
     # share: serve's output tokens/s over the decode's at the batch of its client count
     assert [(out[k]["decode_tokens_per_s"], out[k]["share"]) for k in ("clients_1", "clients_16", "clients_64")] == [
@@ -321,18 +327,18 @@ def test_the_serve_steps_figures_set_each_client_count_beside_the_decode_at_that
     # vs_transformers: at the client counts both servers measured
     assert out["vs_transformers"] == {"clients_16": 2.5}
     # without the decode's figures or the peer's, the serve figures stay as they are
-    alone = gc.compared({k: v for k, v in SERVE.items() if k != "peer_transformers"})
+    alone = gc_figures.compared({k: v for k, v in SERVE.items() if k != "peer_transformers"})
     assert "vs_transformers" not in alone and all("share" not in alone[k] for k in alone if k.startswith("clients_"))
-    assert gc.decode_rates(None, "graphs")["status"] == "failed"
-    assert "no rung graphs" in gc.decode_rates({"rungs": [{"name": "kv"}]}, "graphs")["note"]
+    assert gc_figures.decode_rates(None, "graphs")["status"] == "failed"
+    assert "no rung graphs" in gc_figures.decode_rates({"rungs": [{"name": "kv"}]}, "graphs")["note"]
 
 
 def test_a_peer_that_cannot_run_here_is_skipped_with_the_reason_and_one_that_breaks_fails() -> None:
-    missing = gc._peer_exit(1, "Traceback ...\nImportError: Missing dependencies for serving. Install with "
+    missing = gc_runner._peer_exit(1, "Traceback ...\nImportError: Missing dependencies for serving. Install with "
                                "`pip install transformers[serving]`\n")
     assert missing["status"] == "skipped" and "transformers[serving]" in missing["note"]
-    assert gc._peer_exit(1, "ValueError: ... requires `accelerate`. You can install it")["status"] == "skipped"
-    broken = gc._peer_exit(1, "RuntimeError: CUDA error: an illegal memory access was encountered")
+    assert gc_runner._peer_exit(1, "ValueError: ... requires `accelerate`. You can install it")["status"] == "skipped"
+    broken = gc_runner._peer_exit(1, "RuntimeError: CUDA error: an illegal memory access was encountered")
     assert broken["status"] == "failed" and "illegal memory access" in broken["tail"]
 
 
@@ -345,15 +351,16 @@ def test_a_run_of_the_serve_step_alone_makes_its_peers_folder_too(tmp_path: Path
 def test_a_recorded_serve_row_holds_the_shares_and_the_ratios(tmp_path: Path) -> None:
     doc = {"started": "2026-12-06T10:00:00+00:00", "target": "gpu", "gpu": "NVIDIA H200, 143771 MiB", "budget_s": 540,
            "steps": [{"name": "serve", "what": "serve", "status": "ok", "limit_s": 69, "seconds": 60.0,
-                      "figures": gc.compared({**SERVE, "decode": gc.decode_rates(BENCH_INFER, "graphs")})}]}
+                      "figures": gc_figures.compared({**SERVE,
+                                                      "decode": gc_figures.decode_rates(BENCH_INFER, "graphs")})}]}
     out = tmp_path / "run"
     out.mkdir()
     (out / "results.json").write_text(json.dumps(doc))
     target = tmp_path / "gpu-results.md"
-    target.write_text(f"# GPU results\n\n{gc.RECORD_START}\n")
-    [row] = gc.record(out, target)
+    target.write_text(f"# GPU results\n\n{gc_record.RECORD_START}\n")
+    [row] = gc_record.record(out, target)
     assert '"share": 0.25' in row and '"vs_transformers": {"clients_16": 2.5}' in row and '"peer_transformers"' in row
-    assert '"share": 0.25' in gc.summary_text({**doc, "planned_s": 539, "weights": gc.RANDOM_WEIGHTS})
+    assert '"share": 0.25' in gc_record.summary_text({**doc, "planned_s": 539, "weights": gc_plan.RANDOM_WEIGHTS})
 
 
 @pytest.mark.slow
@@ -365,7 +372,8 @@ def test_every_step_with_a_cpu_meaning_runs_on_the_cpu(tmp_path: Path) -> None:
     by = {r["name"]: r for r in doc["steps"]}
     assert {n: r["status"] for n, r in by.items() if r["status"] != "ok"} == {}, done.stdout[-3000:]
     assert done.returncode == 0
-    assert set(by) == {s.name for s in gc.plan(gc.Ctx(tmp_path, "cpu", gc.SIZES["cpu"])) if s.cpu and s.default}
+    assert set(by) == {s.name for s in gc_plan.plan(gc_plan.Ctx(tmp_path, "cpu", gc_plan.SIZES["cpu"]))
+                       if s.cpu and s.default}
     for name in ("train", "train_ckpt", "train_auto_batch", "train_ddp", "train_fsdp"):
         assert by[name]["figures"]["tokens_per_s"] > 0 and by[name]["figures"]["steps"] > 0, name
     assert by["train_auto_batch"]["figures"]["micro_batch_x_accumulation"][0] * \
@@ -379,7 +387,7 @@ def test_every_step_with_a_cpu_meaning_runs_on_the_cpu(tmp_path: Path) -> None:
     assert by["compress_int8"]["figures"]["disk_ratio"] < 1
     serve = by["serve"]["figures"]
     assert serve["ready_s"] > 0 and serve["memory_at_end"]["process_resident_memory_gib"] > 0
-    cpu = gc.SIZES["cpu"]
+    cpu = gc_plan.SIZES["cpu"]
     assert serve["decode"]["status"] == "ok" and serve["decode"]["rung"] == cpu.decode_rung
     assert serve["decode"]["prompt_tokens"] == cpu.prompt_tokens and serve["decode"]["new_tokens"] == cpu.serve_tokens
     for clients in cpu.clients:
@@ -412,7 +420,7 @@ def test_the_training_levers_steps_run_only_when_named(dry_run: tuple[str, dict]
     # float8 trains what `train` trains, with --fp8 added
     assert cmds["train_fp8"].replace(" --fp8", "").replace("train_fp8", "train") == cmds["train"]
     for size in ("gpt2-medium", "gpt2-large", "gpt2-xl"):
-        cmd = cmds[gc.larger_step(size)]
+        cmd = cmds[gc_plan.larger_step(size)]
         assert f"--preset {size} " in cmd and "--auto_batch_size" in cmd and "--compile" in cmd
 
 
@@ -424,7 +432,7 @@ def test_the_fp8_steps_figures_set_its_curve_and_speed_beside_trains_bf16_run(tm
         (tmp_path / name / "run.json").write_text(json.dumps({
             "config": {"batch_size": 16, "gradient_accumulation_steps": 1, "fp8": name == "train_fp8"},
             "model": {"loss": "full"}, "summary": {"step": 21, "tokens_per_s": tps, "median_step_s": 0.04}}))
-    fig = gc.fig_train_fp8(tmp_path, "")
+    fig = gc_figures.fig_train_fp8(tmp_path, "")
     assert fig["vs_bf16_loss_max_rel_gap"] == pytest.approx(0.025)  # 8.2 against 8.0
     assert fig["vs_bf16_tokens_per_s"] == pytest.approx(1.3)
     assert fig["plan"] == {"loss": "full", "fp8": True}
@@ -479,10 +487,10 @@ def test_the_modern_steps_figures_set_its_speed_beside_trains(tmp_path: Path) ->
         (tmp_path / name / "run.json").write_text(json.dumps({
             "config": {"batch_size": 16, "gradient_accumulation_steps": 1}, "model": {"loss": "full"},
             "summary": {"step": 40, "tokens_per_s": tps, "median_step_s": 0.04}}))
-    fig = gc.FIGURES["train_modern"](tmp_path, "")
+    fig = gc_figures.FIGURES["train_modern"](tmp_path, "")
     assert fig["tokens_per_s"] == 300_000.0 and fig["vs_train_tokens_per_s"] == pytest.approx(0.75)
     (tmp_path / "train" / "run.json").unlink()  # train did not run: no ratio, its own figures still
-    assert "vs_train_tokens_per_s" not in gc.FIGURES["train_modern"](tmp_path, "")
+    assert "vs_train_tokens_per_s" not in gc_figures.FIGURES["train_modern"](tmp_path, "")
 
 
 @pytest.mark.slow
