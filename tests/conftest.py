@@ -123,13 +123,13 @@ def varied_model(debug_tokenizer: Tokenizer) -> GPT:
 @pytest.fixture(scope="session")
 def trained_out(train_data: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A `gptopt train` output dir (2 steps of the debug preset on train_data, ~3 s): what generate and serve load."""
+    from gptopt.commands import train as train_cmd
     from gptopt.config import TrainConfig
-    from gptopt.train import loop as train
 
     out = tmp_path_factory.mktemp("trained") / "out"
-    rc = train.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), preset="debug", seq_len=32, batch_size=4,
-                                max_steps=2, warmup_steps=1, device="cpu", sample_tokens=0, eval_interval=0,
-                                tensorboard=False))
+    rc = train_cmd.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), preset="debug", seq_len=32,
+                                    batch_size=4, max_steps=2, warmup_steps=1, device="cpu", sample_tokens=0,
+                                    eval_interval=0, tensorboard=False))
     assert rc == 0
     return out
 
@@ -171,11 +171,14 @@ SCRIPT_DIRS = (".ci", "benchmarks")  # the repository's stand-alone scripts: the
 
 def load_script(name: str) -> ModuleType:
     """NAME.py of one of SCRIPT_DIRS as a module (the scripts are not a package), registered under NAME:
-    dataclasses resolve their module by name."""
+    dataclasses resolve their module by name. Its folder goes on sys.path, as running the script puts it
+    first there, so the sibling modules it imports (the GPU check's gpu_check_*.py) are found."""
     root = Path(__file__).resolve().parents[1]
     found = [root / d / f"{name}.py" for d in SCRIPT_DIRS if (root / d / f"{name}.py").is_file()]
     assert len(found) == 1, f"{name}.py: want it in exactly one of {', '.join(SCRIPT_DIRS)}, found {found}"
     path = found[0]
+    if str(path.parent) not in sys.path:  # last, not first: a script's name must not hide an installed module
+        sys.path.append(str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

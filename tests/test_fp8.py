@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from gptopt import cli
 from gptopt.bench import ladder
+from gptopt.commands import train as train_cmd
 from gptopt.config import TrainConfig, preset
 from gptopt.infer.cpu_layout import to_float8
 from gptopt.models import checkpoint
@@ -84,7 +85,7 @@ def test_fp8_training_follows_the_bf16_loss_curve_and_saves_a_plain_checkpoint(
 
     def run(out: Path, **kw: Any) -> list[float]:
         cfg = TrainConfig(data_dir=str(train_data), output_dir=str(out), max_steps=12, **{**FAST, **kw})
-        assert train.main(cfg) == 0
+        assert train_cmd.main(cfg) == 0
         return losses(out)
 
     bf16, fp8 = run(tmp_path / "bf16"), run(tmp_path / "fp8", fp8=True)

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from conftest import load_script
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from gptopt.commands import train as train_cmd
 from gptopt.config import TrainConfig, preset
 from gptopt.models.gpt import GPT
 from gptopt.models.loss import linear_cross_entropy
 from gptopt.runtime import memory
-from gptopt.train import loop as train
+from gptopt.train import memory as train_memory
 
 N, C, V, V_PADDED = 300, 32, 500, 512  # 300 rows: the last chunk of 64 is short
 
@@ -119,7 +120,7 @@ def test_auto_takes_the_chunked_loss_only_where_the_full_logits_would_not_fit(
     cpu = torch.device("cpu")
 
     def estimate(loss: str) -> memory.Estimate:
-        return memory.for_training(dataclasses.replace(cfg, loss=loss), run, 1024, torch.bfloat16)
+        return train_memory.for_training(dataclasses.replace(cfg, loss=loss), run, 1024, torch.bfloat16)
 
     full, chunked = estimate("full").total, estimate("chunked").total
     assert chunked < full
@@ -127,10 +128,10 @@ def test_auto_takes_the_chunked_loss_only_where_the_full_logits_would_not_fit(
                             ((full + chunked) // 2 / memory.REFUSE_ABOVE, "chunked", "would not fit"),
                             (chunked // 2, "chunked", "does not fit with either loss")]:
         monkeypatch.setattr(memory, "available_bytes", lambda device, f=int(free): (f, "test RAM"))
-        loss, reason = memory.pick_loss("auto", estimate, cpu, "16 x 1024")
+        loss, reason = train_memory.pick_loss("auto", estimate, cpu, "16 x 1024")
         assert loss == want and why in reason
     # what the user names is kept, fitting or not
-    assert memory.pick_loss("full", estimate, cpu, "16 x 1024") == ("full", "--loss full")
+    assert train_memory.pick_loss("full", estimate, cpu, "16 x 1024") == ("full", "--loss full")
 
 
 def test_train_on_the_chunked_loss_follows_the_full_loss_curve(
@@ -142,7 +143,7 @@ def test_train_on_the_chunked_loss_follows_the_full_loss_curve(
         kw = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
                   eval_interval=0, log_interval=1, warmup_steps=2, max_steps=4)
         with caplog.at_level(logging.INFO, logger="gptopt"):
-            assert train.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), loss=loss, **kw)) == 0
+            assert train_cmd.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), loss=loss, **kw)) == 0
         assert f"loss: {loss} (--loss {loss})" in caplog.text
         records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
         curves[loss] = [r["loss"] for r in records if "loss" in r]
@@ -190,13 +191,13 @@ def test_auto_batch_size_takes_the_larger_micro_batch_the_chunked_loss_lets_fit(
 
     def logits_bytes(loss: str, batch: int) -> int:
         cfg = dataclasses.replace(GPT(preset("debug", vocab_size=320, vocab_pad_multiple=64)).config, loss=loss)
-        return memory.train_step_bytes(cfg, batch, 32).parts["logits"]
+        return train_memory.train_step_bytes(cfg, batch, 32).parts["logits"]
 
     assert logits_bytes("full", 2) < logits_bytes("chunked", 4) < logits_bytes("full", 4)
     limit["logits"] = logits_bytes("chunked", 4)
     monkeypatch.setattr(memory, "shortfall", shortfall)
     out = tmp_path / "o"
-    assert train.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), preset="debug", seq_len=32,
+    assert train_cmd.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), preset="debug", seq_len=32,
                                   batch_size=4, auto_batch_size=True, max_steps=2, device="cpu", sample_tokens=0,
                                   tensorboard=False, eval_interval=0)) == 0
     run = json.loads((out / "run.json").read_text())

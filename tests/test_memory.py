@@ -20,9 +20,14 @@ import torch
 
 from gptopt import cli
 from gptopt.config import TrainConfig, preset
+from gptopt.infer import memory as infer_memory
+from gptopt.infer.memory import inference_bytes
+from gptopt.models import flops
 from gptopt.models.gpt import GPT
 from gptopt.runtime import memory
-from gptopt.runtime.memory import Estimate, inference_bytes, train_step_bytes
+from gptopt.runtime.memory import Estimate
+from gptopt.train import memory as train_memory
+from gptopt.train.memory import train_step_bytes
 
 ABSURD = 10_000_000  # sequences: terabytes for any preset
 BIG = 4096  # within every static limit (config.MAX_BATCH, MAX_SLOTS): only the memory check refuses it
@@ -35,7 +40,7 @@ def test_param_count_is_the_models(name: str, overrides: dict[str, object]) -> N
     cfg = preset(name, **overrides)
     with torch.device("meta"):  # no memory: only the shapes
         model = GPT(cfg)
-    assert memory.param_count(cfg) == model.num_params()
+    assert flops.param_count(cfg) == model.num_params()
 
 
 # A fresh process, its resident memory sampled every millisecond while it takes two steps (so that AdamW's
@@ -97,17 +102,17 @@ def test_each_suggested_fix_makes_the_step_smaller() -> None:
     sdpa = preset("tiny", vocab_pad_multiple=64, attention="sdpa")
     assert train_step_bytes(sdpa, 64, 256).parts["attention scores"] == 0 < train_step_bytes(cfg, 64, 256).parts[
         "attention scores"]
-    fix = memory.train_fix(TrainConfig(batch_size=64, gradient_accumulation_steps=2), 256)
+    fix = train_memory.train_fix(TrainConfig(batch_size=64, gradient_accumulation_steps=2), 256)
     assert "--batch_size 32 --gradient_accumulation_steps 4" in fix and "--gradient_checkpointing" in fix
     assert "--seq_len 128" in fix
 
 
 def test_fsdp_shards_and_cpu_offload_take_the_state_off_the_device() -> None:
     cfg = preset("gpt2")
-    one = memory.for_training(cfg, TrainConfig(batch_size=1), 1024, torch.bfloat16)
-    eight = memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True), 1024, torch.bfloat16, world_size=8)
+    one = train_memory.for_training(cfg, TrainConfig(batch_size=1), 1024, torch.bfloat16)
+    eight = train_memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True), 1024, torch.bfloat16, world_size=8)
     assert eight.parts["AdamW state"] * 8 == pytest.approx(one.parts["AdamW state"], abs=8)
-    off = memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True, cpu_offload=True), 1024, torch.bfloat16)
+    off = train_memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True, cpu_offload=True), 1024, torch.bfloat16)
     assert "weights" not in off.parts and "AdamW state" not in off.parts and off.parts["activations"] > 0
 
 
@@ -118,7 +123,7 @@ def test_inference_counts_the_kv_cache_per_slot() -> None:
     # 2 (k, v) x 12 layers x 1024 positions x 768 x 2 bytes per slot
     assert one.parts["KV cache"] == 2 * 12 * 1024 * 768 * 2
     assert eight.parts["KV cache"] == 8 * one.parts["KV cache"]
-    assert one.parts["weights"] == memory.param_count(cfg) * 2
+    assert one.parts["weights"] == flops.param_count(cfg) * 2
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b"])
@@ -227,7 +232,7 @@ def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest
     train = TrainConfig(batch_size=16, gradient_accumulation_steps=2)
 
     def at(b: int) -> Estimate:
-        return memory.for_training(cfg, train, 64, None, batch_size=b)
+        return train_memory.for_training(cfg, train, 64, None, batch_size=b)
 
     free = int(at(5).total / memory.REFUSE_ABOVE) + 2  # 5 fits, 6 does not: 4 is the largest that divides 32
     monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "test RAM"))
@@ -235,28 +240,28 @@ def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest
     with pytest.raises(ValueError, match=r"use --batch_size 4 --gradient_accumulation_steps 8 "
                                          r"\(the same global batch\), "
                                          r"or --gradient_checkpointing, or --seq_len 32$"):
-        memory.require_training(at, torch.device("cpu"), train, 64)
+        train_memory.require_training(at, torch.device("cpu"), train, 64)
     # not even one sequence fits: the batch is not the fix
     monkeypatch.setattr(memory, "available_bytes", lambda device: (1, "test RAM"))
     with pytest.raises(ValueError, match=r"; use --gradient_checkpointing, or --seq_len 32$"):
-        memory.require_training(at, torch.device("cpu"), train, 64)
+        train_memory.require_training(at, torch.device("cpu"), train, 64)
 
 
 def test_auto_batch_size_skips_sizes_the_estimate_rules_out(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gptopt.train import loop as train
+    from gptopt.train import memory as trained
 
     tried: list[int] = []
-    real = train.find_batch_size
+    real = trained.find_batch_size
 
     def spy(try_batch, global_batch, largest, fits=None):  # type: ignore[no-untyped-def]
         return real(lambda b: (tried.append(b), try_batch(b))[1], global_batch, largest, fits)
 
-    monkeypatch.setattr(train, "find_batch_size", spy)
+    monkeypatch.setattr(trained, "find_batch_size", spy)
     # the free memory fits micro-batch 4 of the debug model at 64 tokens, not 8
     cfg = preset("debug", vocab_size=320, vocab_pad_multiple=64, attention="eager")  # train_data's vocabulary
-    four = memory.for_training(cfg, TrainConfig(batch_size=4), 64, None).without("weights").total
+    four = train_memory.for_training(cfg, TrainConfig(batch_size=4), 64, None).without("weights").total
     monkeypatch.setattr(memory, "available_bytes", lambda device: (int(1.2 * four / memory.REFUSE_ABOVE), "test RAM"))
     args = ["train", "--preset", "debug", "--data_dir", str(train_data), "--output_dir", str(tmp_path / "o"),
             "--device", "cpu", "--max_steps", "1", "--batch_size", "16", "--auto_batch_size", "--attention", "eager",
@@ -296,13 +301,13 @@ def test_a_servers_default_slots_are_what_fits_in_half_the_free_memory(monkeypat
     """serve without --max_batch_size: the device's cap where memory is plenty, fewer where it is not,
     and never a cache the start-up check then refuses."""
     cfg, cpu = preset("gpt2"), torch.device("cpu")
-    per_slot = memory.inference_bytes(cfg, 2, 1024).total - memory.inference_bytes(cfg, 1, 1024).total
+    per_slot = infer_memory.inference_bytes(cfg, 2, 1024).total - infer_memory.inference_bytes(cfg, 1, 1024).total
     monkeypatch.setattr(memory, "available_bytes", lambda device: (10**13, "test RAM"))
-    assert memory.auto_slots(cfg, 1024, cpu) == memory.AUTO_SLOTS["cpu"]
+    assert infer_memory.auto_slots(cfg, 1024, cpu) == infer_memory.AUTO_SLOTS["cpu"]
     free = 20 * per_slot
     monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "test RAM"))
-    slots = memory.auto_slots(cfg, 1024, cpu)
+    slots = infer_memory.auto_slots(cfg, 1024, cpu)
     assert 5 <= slots < 10  # about half of the 20 slots' worth that is free
-    assert memory.shortfall(memory.inference_bytes(cfg, slots, 1024).without("weights"), cpu) is None
+    assert memory.shortfall(infer_memory.inference_bytes(cfg, slots, 1024).without("weights"), cpu) is None
     monkeypatch.setattr(memory, "available_bytes", lambda device: (1, "test RAM"))
-    assert memory.auto_slots(cfg, 1024, cpu) == 1  # the start-up check then refuses, naming the figures
+    assert infer_memory.auto_slots(cfg, 1024, cpu) == 1  # the start-up check then refuses, naming the figures

@@ -17,18 +17,20 @@ from conftest import last_json_line
 
 from gptopt import cli
 from gptopt.bench import quality
+from gptopt.commands import train as train_cmd
 from gptopt.config import BenchConfig, GPTConfig, TrainConfig, arch_overrides, preset
 from gptopt.data import loader as data
 from gptopt.infer.measure import STOPPED
 from gptopt.models import checkpoint
 from gptopt.train import loop as train
+from gptopt.train.metrics import Progress
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
             log_interval=1, warmup_steps=2, learning_rate=3e-3, save_interval=0)
 
 
 def run(data_dir: Path, out: Path, **kw: Any) -> int:
-    return train.main(TrainConfig(data_dir=str(data_dir), output_dir=str(out), **{**FAST, **kw}))
+    return train_cmd.main(TrainConfig(data_dir=str(data_dir), output_dir=str(out), **{**FAST, **kw}))
 
 
 def records(out: Path) -> list[dict[str, Any]]:
@@ -373,7 +375,7 @@ def test_a_decay_that_ends_inside_the_warmup_is_refused() -> None:
 
 def test_a_diverged_evaluation_neither_reaches_the_target_nor_becomes_the_best() -> None:
     fake = type("T", (), {"cfg": TrainConfig(target_loss=3.0, eval_interval=10), "metrics": None})()
-    progress = train.Progress()
+    progress = Progress()
     train.Trainer._record_eval(fake, progress, float("nan"))
     assert progress.target is None and progress.best_val is None
     train.Trainer._record_eval(fake, progress, 2.5)

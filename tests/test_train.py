@@ -21,6 +21,7 @@ import torch
 from conftest import split_bytes_per_token
 
 from gptopt import cli
+from gptopt.commands import train as train_cmd
 from gptopt.config import GPTConfig, TrainConfig, preset
 from gptopt.data.loader import load_tokenizer
 from gptopt.infer.generator import Generator, SamplingParams, generate
@@ -37,7 +38,7 @@ FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_token
 
 
 def run(data: Path, out: Path, **kw: Any) -> int:
-    return train.main(TrainConfig(data_dir=str(data), output_dir=str(out), **{**FAST, **kw}))
+    return train_cmd.main(TrainConfig(data_dir=str(data), output_dir=str(out), **{**FAST, **kw}))
 
 
 def records(out: Path) -> list[dict[str, Any]]:

@@ -47,7 +47,7 @@ COMMANDS: dict[str, Command] = {
                       "check this machine's setup and name the fixes"),
     "prepare": Command("gptopt.config:PrepareConfig", "gptopt.data.corpus:prepare_main",
                        "tokenize a corpus into train/val token shards"),
-    "train": Command("gptopt.config:TrainConfig", "gptopt.train.loop:main",
+    "train": Command("gptopt.config:TrainConfig", "gptopt.commands.train:main",
                      "train or fine-tune, on one device or many (torchrun)"),
     "bench": Command("gptopt.config:BenchConfig", "gptopt.bench.main:main",
                      "measure every optimisation against the naive baseline"),

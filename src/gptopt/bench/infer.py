@@ -43,7 +43,7 @@ from gptopt.infer.measure import STOPPED, GptoptRunner, free_memory, interleaved
 from gptopt.infer.quantize import int4_unsupported
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, environment, memory_bandwidth
-from gptopt.train.step import is_oom
+from gptopt.runtime.memory import is_oom
 from gptopt.utils.extras import EXTRAS, has, require
 from gptopt.utils.tables import to_json
 

@@ -47,8 +47,10 @@ from gptopt.runtime.device import (
     reuse_host_memory,
     sdpa_backend_unavailable,
 )
+from gptopt.runtime.memory import is_oom
 from gptopt.runtime.monitor import Monitor, format_summary
-from gptopt.train.step import LOADER_FIELDS, TrainStep, is_oom, loader_options
+from gptopt.train import memory as train_memory
+from gptopt.train.step import LOADER_FIELDS, TrainStep, loader_options
 from gptopt.utils.extras import has
 from gptopt.utils.tables import to_json
 
@@ -241,8 +243,9 @@ class Bench:
         amp = plan.amp_name
         cfg = dataclasses.replace(cfg, attention=self._attention(cfg.attention, plan.amp_dtype), use_amp=amp != "fp32",
                                   amp_dtype="auto" if amp == "fp32" else amp, **loader_options(cfg, plan.device.type))
-        loss, _ = memory.pick_loss(cfg.loss, lambda loss: self.memory_estimate(dataclasses.replace(cfg, loss=loss)),
-                                   plan.device, f"{cfg.batch_size} x {self.seq_len}")
+        loss, _ = train_memory.pick_loss(
+            cfg.loss, lambda loss: self.memory_estimate(dataclasses.replace(cfg, loss=loss)), plan.device,
+            f"{cfg.batch_size} x {self.seq_len}")
         return dataclasses.replace(cfg, loss=loss)
 
     def _model_config(self, cfg: TrainConfig) -> GPTConfig:
@@ -295,8 +298,8 @@ class Bench:
                 "reuse_memory": rung.reuse_memory and self.plan.device.type == "cpu"}
 
     def memory_estimate(self, cfg: TrainConfig) -> memory.Estimate:
-        """The peak memory of a rung's step, as memory.train_step_bytes counts it."""
-        return memory.train_step_bytes(self._model_config(cfg), cfg.batch_size, self.seq_len,
+        """The peak memory of a rung's step, as train_memory.train_step_bytes counts it."""
+        return train_memory.train_step_bytes(self._model_config(cfg), cfg.batch_size, self.seq_len,
                                        amp_dtype=self._plan(cfg).amp_dtype,
                                        accumulation=cfg.gradient_accumulation_steps)
 

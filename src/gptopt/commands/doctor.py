@@ -30,8 +30,8 @@ import psutil
 import torch
 
 from gptopt.config import PRESETS, DoctorConfig, GPTConfig, TrainConfig, preset
+from gptopt.models.flops import param_count
 from gptopt.runtime import device as device_mod
-from gptopt.runtime.memory import param_count
 from gptopt.utils.extras import installed_extras
 
 log = logging.getLogger("gptopt")

@@ -36,6 +36,7 @@ from torch.profiler import DeviceType, ProfilerActivity, profile, record_functio
 
 from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.data import loader as data
+from gptopt.infer import memory as infer_memory
 from gptopt.infer.cpu_layout import inference_layout, prepare
 from gptopt.infer.generator import Generator, SamplingParams
 from gptopt.models.gpt import GPT
@@ -43,6 +44,7 @@ from gptopt.outputs import check_output, lock_output, replacing
 from gptopt.runtime import memory
 from gptopt.runtime.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.runtime.monitor import peak_memory_bytes
+from gptopt.train import memory as train_memory
 from gptopt.train.distributed import DistInfo
 from gptopt.train.step import READOUT_RANGE, TrainStep, loader_options
 
@@ -448,9 +450,9 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     seq_len = cfg.seq_len or model_cfg.block_size
     if seq_len > model_cfg.block_size:
         raise ValueError(f"--seq_len {seq_len} exceeds the model's context {model_cfg.block_size}")
-    memory.require(memory.train_step_bytes(model_cfg, cfg.batch_size, seq_len, amp_dtype=plan.amp_dtype)
+    memory.require(train_memory.train_step_bytes(model_cfg, cfg.batch_size, seq_len, amp_dtype=plan.amp_dtype)
                    if cfg.mode == "train"
-                   else memory.inference_bytes(model_cfg, cfg.batch_size, seq_len, dtype=plan.amp_dtype),
+                   else infer_memory.inference_bytes(model_cfg, cfg.batch_size, seq_len, dtype=plan.amp_dtype),
                    plan.device, f"profiling {cfg.mode} steps at batch {cfg.batch_size} x {seq_len} tokens",
                    "use a smaller --batch_size or --seq_len" + ("" if cfg.gradient_checkpointing or cfg.mode != "train"
                                                                 else ", or --gradient_checkpointing"))

@@ -43,7 +43,7 @@ from gptopt.infer.quantize import describe, int4_group_size, int4_unsupported, q
 from gptopt.models import checkpoint, hf
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
-from gptopt.train.step import is_oom
+from gptopt.runtime.memory import is_oom
 from gptopt.utils.extras import require
 
 __all__ = ["GraphedDecode", "check_vocab", "compile_decode", "find_tokenizer", "load_for_inference", "model_source",

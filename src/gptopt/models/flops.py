@@ -55,3 +55,9 @@ def at_least(peak: float, source: str, achieved: float, what: str) -> tuple[floa
     if achieved <= peak:
         return peak, source
     return achieved, f"{what} ({achieved / 1e12:.3g} TFLOP/s; the {source} was low)"
+
+
+def param_count(config: GPTConfig) -> int:
+    """Parameters of GPT(config), the tied lm_head once, position table included: from the config alone."""
+    table = config.block_size * config.n_embd if config.positions == "learned" else 0  # rotary has none
+    return non_embedding_params(config) + table

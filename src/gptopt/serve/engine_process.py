@@ -46,6 +46,7 @@ from typing import Any
 
 from gptopt.config import ServeConfig
 from gptopt.data.tokenizer import Tokenizer, eot_id
+from gptopt.infer import memory as infer_memory
 from gptopt.infer.constrain import Grammars
 from gptopt.infer.generator import Generator, SamplingParams
 from gptopt.infer.load import load_for_inference
@@ -88,10 +89,10 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
         raise ValueError("create_app: a model was given without its tokenizer")
     metrics = metrics or ServeMetrics()
     dtype, context = model.transformer.wte.weight.dtype, model.config.block_size
-    slots = cfg.max_batch_size or memory.auto_slots(model.config, context, plan.device, dtype=dtype)
+    slots = cfg.max_batch_size or infer_memory.auto_slots(model.config, context, plan.device, dtype=dtype)
     # the KV cache and the warm-up's forwards, checked before the cache is allocated (the weights are loaded)
-    memory.require(memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"), plan.device,
-                   f"--max_batch_size {slots} KV-cache slots of {context} tokens",
+    memory.require(infer_memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"),
+                   plan.device, f"--max_batch_size {slots} KV-cache slots of {context} tokens",
                    "lower --max_batch_size, or use --dtype bf16")
     generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
                           grammars=_grammars(tokenizer, model.config.vocab_size))

@@ -1,46 +1,37 @@
-"""The training loop: AMP, accumulation, compile, DDP/FSDP2, eval, metrics, checkpoints, faults.
+"""The training loop around TrainStep: AMP, accumulation, compile, DDP/FSDP2, eval, metrics, checkpoints,
+signals and faults. `gptopt train` (commands/train.py) runs it.
 
-    gptopt train --preset tiny --use_amp --compile                # the CPU default, data/stdlib
-    gptopt train --model_name gpt2 --batch_size 8 --use_compile --use_amp --profile --output_dir ./checkpoints
-    torchrun --nproc_per_node 8 -m gptopt train --preset gpt2 --use_amp --compile
-    gptopt train --init_from out --output_dir ft --learning_rate 3e-4   # fine-tune out's latest checkpoint
+    gptopt train --preset tiny --max_steps 20
 
 Exactness: batches are a pure function of (seed, micro-step), so a checkpoint needs only the step,
-the optimizer, the scaler and the RNGs to continue bit for bit.
+the optimizer, the scaler and the RNGs to continue bit for bit (train/resume.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import fnmatch
 import json
 import logging
 import math
-import random
 import signal
 import statistics
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tqdm import tqdm
 
 from gptopt import outputs
-from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, arch_overrides, preset_for_data
+from gptopt.config import TrainConfig
 from gptopt.data import loader as data
 from gptopt.data.bpb import bits_per_byte, bytes_per_token
 from gptopt.data.tokenizer import TOKENIZER
 from gptopt.infer.cpu_layout import Prepared, prepare
-from gptopt.infer.generator import Generator, SamplingParams, generate
-from gptopt.infer.load import model_source
-from gptopt.models import checkpoint, hf
+from gptopt.models import checkpoint
 from gptopt.models.flops import at_least, flops_per_token, mfu
-from gptopt.models.gpt import GPT
 from gptopt.runtime import memory
 from gptopt.runtime.device import (
     DevicePlan,
@@ -52,164 +43,21 @@ from gptopt.runtime.device import (
     reuse_host_memory,
     sdpa_backend_unavailable,
 )
+from gptopt.runtime.memory import is_oom
 from gptopt.runtime.monitor import Monitor, peak_memory_bytes
-from gptopt.train import distributed
+from gptopt.train import distributed, resume
+from gptopt.train import memory as train_memory
 from gptopt.train.distributed import DistInfo
-from gptopt.train.step import StepResult, TrainStep, is_oom, loader_options, read_all
+from gptopt.train.metrics import Metrics, Progress, sample
+from gptopt.train.resume import RUN_ENTRIES, RUN_KIND
+from gptopt.train.step import StepResult, TrainStep, loader_options, read_all
 from gptopt.train.tracing import scheduled_profiler
 
 log = logging.getLogger("gptopt")
-RUN_KIND = "train-run"  # the output-folder mark (outputs.mark) of a training run
-# Every top-level entry a run writes into --output_dir: a folder holding any of them holds a run, which
-# only --resume continues and only --overwrite replaces. The user's other files there are never touched.
-# What a run writes inside its folders: anything else there is the user's, and --overwrite keeps away.
-RUN_CONTENTS = {f"{checkpoint.PREFIX}*": [checkpoint.WEIGHTS, checkpoint.META, checkpoint.TRAIN_STATE, TOKENIZER],
-                "logs": ["events.out.tfevents.*", "profile/*"]}
-RUN_ENTRIES = (f"{checkpoint.PREFIX}*", checkpoint.LATEST, "metrics.jsonl", "run.json", "monitor.json", "logs")
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 # Steps read at most this far apart when --log_interval logs rarer (or never): bad steps are counted and
 # a run of them stopped within this many steps
 READ_EVERY = 100
-
-
-def oom_advice(cfg: TrainConfig, plan: DevicePlan) -> str:
-    figures = ""
-    if plan.device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(plan.device)
-        figures = (
-            f" (allocated {torch.cuda.memory_allocated(plan.device) / 2**30:.1f} GiB, reserved "
-            f"{torch.cuda.memory_reserved(plan.device) / 2**30:.1f} GiB, free {free / 2**30:.1f} of "
-            f"{total / 2**30:.1f} GiB)"
-        )
-    fixes = [f"--batch_size {max(1, cfg.batch_size // 2)} "
-             f"--gradient_accumulation_steps {cfg.gradient_accumulation_steps * 2}"]
-    if not cfg.gradient_checkpointing:
-        fixes.append("--gradient_checkpointing")
-    if not cfg.use_amp:
-        fixes.append("--use_amp")
-    fixes.append("--auto_batch_size")
-    return f"out of memory at micro-batch {cfg.batch_size}{figures}; try: " + ", or ".join(fixes)
-
-
-def find_batch_size(try_batch: Callable[[int], None], global_batch: int, largest: int,
-                    fits: Callable[[int], bool] | None = None) -> int:
-    """Largest divisor of global_batch (<= largest) for which try_batch does not run out of memory;
-    a size `fits` rules out (the memory estimate) is not tried: on a CPU trying it could be OOM-killed."""
-    for b in sorted((d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= largest), reverse=True):
-        if fits is not None and not fits(b):
-            log.info(f"auto batch size: micro-batch {b} would not fit (memory estimate)")
-            continue
-        try:
-            try_batch(b)
-            return b
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            log.info(f"auto batch size: micro-batch {b} does not fit")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    raise ValueError("not even a micro-batch of 1 fits: use --gradient_checkpointing, --use_amp, or a smaller model")
-
-
-def rng_state() -> dict[str, Any]:
-    np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": random.getstate(),
-        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2])},
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    random.setstate(_tuples(state["python"]))
-    np.random.set_state(("MT19937", state["numpy"]["keys"].numpy().astype(np.uint32), state["numpy"]["pos"], 0, 0.0))
-
-
-def _tuples(x: Any) -> Any:
-    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-@torch.no_grad()
-def sample(model: GPT, plan: DevicePlan, tokenizer: Any, eot_id: int | None, n_tokens: int, seed: int) -> str:
-    """A short sample for the eval log: n_tokens (at most the model's context) from a document's start,
-    by the Generator (KV cache, prefill + decode) with generate's default sampling. An end-of-text
-    does not end it, so early in training, when the model often predicts one, the log still shows text.
-
-    Its own seeded generator draws the tokens, so training's RNG stream is left untouched (exact
-    resume depends on it). Runs under the plan's autocast, as training's forward does; the caller
-    puts the model back into training mode."""
-    start = eot_id if eot_id is not None else 0
-    params = SamplingParams(max_new_tokens=n_tokens, seed=seed)
-    gen = Generator(model, plan, max_batch_size=1, max_len=min(model.config.block_size, n_tokens + 1))
-    with plan.autocast():
-        ids = generate(gen, [[start]], params)[0]
-    return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
-
-
-class Metrics:
-    """metrics.jsonl (one JSON object per logged step or eval) and TensorBoard scalars, rank 0 only."""
-
-    def __init__(self, out: Path, start_step: int, tensorboard: bool) -> None:
-        self.path = out / "metrics.jsonl"
-        if self.path.exists():  # a resumed run drops records past its checkpoint: they are being redone
-            kept = [line for line in self.path.read_text().splitlines() if line and self._step(line) <= start_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
-        self.fh = open(self.path, "a")
-        self.tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self.tb = SummaryWriter(str(out / "logs"), purge_step=start_step or None)
-            except ImportError:
-                log.info("TensorBoard logs off: pip install 'gptopt[tensorboard]'")
-
-    def _step(self, line: str) -> int:
-        try:
-            record = json.loads(line)
-            step = record.get("step", 0) if isinstance(record, dict) else None
-        except ValueError:
-            step = None
-        if not isinstance(step, int):
-            raise ValueError(f"{self.path}: a line is not one of gptopt's metrics records ({line[:60]!r}); move the "
-                             "file away (the run's checkpoints do not need it) and resume again")
-        return step
-
-    def write(self, record: dict[str, Any]) -> None:
-        self.fh.write(json.dumps(record) + "\n")
-        self.fh.flush()
-        if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, record["step"])
-
-    def close(self) -> None:
-        self.fh.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
-@dataclasses.dataclass
-class Progress:
-    """Where a run stands: what a checkpoint records, and the timings the final summary reports."""
-
-    step: int = 0
-    tokens_seen: int = 0
-    bad_steps: int = 0  # consecutive non-finite steps
-    last_good: Path | None = None  # the newest checkpoint, named when bad steps stop the run
-    compile_s: float | None = None  # the first step pays compile / warm-up: kept out of the speed figures
-    times: list[float] = dataclasses.field(default_factory=list)  # the later steps' wall times
-    waits: list[float] = dataclasses.field(default_factory=list)  # the share of each spent waiting for data
-    # Over the whole run, resumed parts included (checkpoints carry them): the steps' wall time (evals and
-    # saves left out), the part of it each process's first step took, and the best val loss so far.
-    train_s: float = 0.0
-    first_steps_s: float = 0.0
-    best_val: float | None = None
-    target: dict[str, Any] | None = None  # --target_loss: the step it was reached at, and what it took
 
 
 class DeviceBatches:
@@ -268,12 +116,12 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         # Everything is validated before anything is written or deleted; the old run of --overwrite is
         # only moved aside in run(), and deleted once the new run has saved a checkpoint.
-        self.replaced = self._check_output()
+        self.replaced = resume.check_run_output(cfg, info)
         self.aside: outputs.Aside | None = None
         self.run_info: dict[str, Any] | None = None  # run.json, which the closing summary extends
         self.data = self._load_data()
-        self.resume_dir = self._resume_dir()
-        self.raw = self._build_model(self.resume_dir)
+        self.resume_dir = resume.resume_dir(cfg)
+        self.raw = resume.build_model(cfg, self.attention, self.data.model_vocab_size, self.resume_dir)
         self.model_config = self.raw.config
         # A pretrained model's own context, known only once it is loaded: gpt2's 1024, a debug model's 64.
         self.seq_len = cfg.seq_len or self.model_config.block_size
@@ -283,48 +131,8 @@ class Trainer:
                              "or less")
         self.data.check_vocab(self.model_config.vocab_size)
         self.state: dict[str, Any] = checkpoint.load_train_state(self.resume_dir) if self.resume_dir else {}
-        self._check_ranks_resume_alike()
-        self.lineage = self._lineage(self.resume_dir)
-
-    def _check_output(self) -> list[Path]:
-        """Refuse a bad --output_dir before any work; returns the old run's entries that --overwrite replaces.
-
-        Rank 0 also gives back what a killed --overwrite had moved aside and removes dead processes'
-        staging folders (kill -9 mid-save), in every mode: the other ranks wait, then judge the same folder."""
-        cfg, out, main = self.cfg, self.out, self.info.is_main
-        if main:
-            outputs.recover(out, RUN_ENTRIES)
-            outputs.check_output(out, kind=RUN_KIND, overwrite=False)  # a file? writable? (+ the clean-up)
-        distributed.barrier(self.info)
-        found = sorted(p.name for p in out.iterdir() if any(fnmatch.fnmatchcase(p.name, g) for g in RUN_ENTRIES)) \
-            if out.is_dir() else []
-        # A run of gptopt's is marked, or (from before marks) has its checkpoints. Files of a run's names that
-        # are not one are the user's: neither --resume nor --overwrite writes over them, so that is said now.
-        if found and outputs.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
-            raise ValueError(f"--output_dir {out} holds {outputs.some(found)}, which gptopt did not write (no run of "
-                             "its own is there); nothing was written, and neither --resume nor --overwrite would write "
-                             "over them: move them out, or choose another --output_dir")
-        if cfg.resume:
-            return []
-        if found and not cfg.overwrite:
-            raise ValueError(f"--output_dir {out} holds a training run ({outputs.some(found)}); nothing was written: "
-                             "pass --resume auto to continue it, --overwrite to replace it (kept until the new run "
-                             "saves its first checkpoint), or choose another --output_dir")
-        if not found or not main:
-            return []
-        return outputs.check_output(out, kind=RUN_KIND, overwrite=True, ours=RUN_ENTRIES, contents=RUN_CONTENTS)
-
-    def _lineage(self, resume_dir: Path | None) -> list[str]:
-        """The chain the new checkpoints continue: the resumed checkpoint's, when it lies in --output_dir
-        (one from elsewhere starts a chain here). Later checkpoints of another branch are named, and kept."""
-        if resume_dir is None or resume_dir.resolve().parent != self.out.resolve():
-            return []
-        abandoned = checkpoint.abandoned_after(resume_dir)
-        if abandoned and self.info.is_main:
-            log.warning(f"resuming from {resume_dir.name}: {', '.join(d.name for d in abandoned)} belong to an "
-                        "abandoned branch of this run; they are kept (retention and `latest` follow this run's "
-                        "lineage), except where this run saves a checkpoint of the same step")
-        return checkpoint.lineage(resume_dir)
+        resume.check_ranks_resume_alike(self.state, self.resume_dir, info, self.plan.device)
+        self.lineage = resume.lineage(self.out, self.resume_dir, info)
 
     # -- before the loop ----------------------------------------------------------------------
 
@@ -332,91 +140,11 @@ class Trainer:
         return data.open_data(self.cfg.data_dir, is_main=self.info.is_main,
                               barrier=lambda: distributed.barrier(self.info))
 
-    def _resume_dir(self) -> Path | None:
-        cfg = self.cfg
-        if cfg.resume == "auto":
-            latest = checkpoint.latest_checkpoint(cfg.output_dir)
-            if latest is None:
-                log.info(f"--resume auto: no checkpoint in {cfg.output_dir}, starting afresh")
-            return latest
-        if cfg.resume:
-            path = Path(cfg.resume)
-            if not (path / checkpoint.TRAIN_STATE).is_file():
-                what = ("no such directory" if not path.exists()
-                        else f"not a training checkpoint (no {checkpoint.TRAIN_STATE})")
-                raise ValueError(f"--resume {cfg.resume}: {what}; pass --resume auto or a ckpt-* directory of a run")
-            return path
-        return None
-
-    def _check_ranks_resume_alike(self) -> None:
-        """Every rank reads its checkpoint from its own file system: on machines that do not share the output
-        folder, one rank could resume while another starts afresh, and DDP would then train one model under
-        optimizer states and data positions that differ between ranks. Refused on every rank alike."""
-        step = int(self.state["step"]) if self.state else -1  # -1: no checkpoint, a fresh start
-        low, high = distributed.spread(step, self.info, self.plan.device)
-        if low != high:
-            def at(s: int) -> str:
-                return "start afresh" if s < 0 else f"resume at step {s}"
-            raise ValueError(
-                f"the ranks disagree on where to start: some would {at(low)}, others {at(high)} (rank "
-                f"{self.info.rank}: {at(step)}, from {self.resume_dir or 'no checkpoint'}). Each rank reads "
-                "--output_dir (for --resume auto) or --resume on its own machine: put the output folder on storage "
-                "every machine shares, or the same checkpoint at the same path on each")
-
-    def _build_model(self, resume_dir: Path | None) -> GPT:
-        cfg = self.cfg
-        runtime = dict(attention=self.attention, gradient_checkpointing=cfg.gradient_checkpointing, dropout=cfg.dropout,
-                       loss="full" if cfg.loss == "auto" else cfg.loss)  # auto is settled in _setup, by memory
-        if resume_dir is not None:
-            meta = checkpoint.read_meta(resume_dir)
-            stored = GPTConfig.from_dict(meta["model"])
-            self._check_resumed_shape(stored, meta.get("train_config") or {}, resume_dir)
-            return self._with_config(checkpoint.load_model(resume_dir), dataclasses.replace(stored, **runtime))
-        if cfg.init_from == "scratch":
-            return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, self.data.model_vocab_size,
-                                       vocab_pad_multiple=cfg.vocab_pad_multiple, **arch_overrides(cfg.arch),
-                                       **runtime))
-        if cfg.arch:
-            raise ValueError(f"--arch designs a new model; {cfg.init_from} comes with its own: drop --arch, or "
-                             "train from scratch")
-        if cfg.init_from in ("debug", "tiny"):
-            raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
-        try:  # what `gptopt generate --model` takes: a training output dir means its latest checkpoint
-            source = model_source(cfg.init_from)
-        except ValueError as e:
-            raise ValueError(str(e).replace("--model", "--init_from")) from None
-        return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
-
-    def _check_resumed_shape(self, stored: GPTConfig, run: dict[str, Any], resume_dir: Path) -> None:
-        """--preset and --arch shape a new run only: those given for a resumed run must be its checkpoint's."""
-        cfg = self.cfg
-        changed = {k: v for k, v in arch_overrides(cfg.arch).items() if getattr(stored, k) != v}
-        if changed:
-            raise ValueError(f"--arch {cfg.arch} does not apply to a resumed run: {resume_dir} holds "
-                             + ", ".join(f"{k}={getattr(stored, k)}" for k in changed)
-                             + "; drop --arch to go on with it, or give the new design another --output_dir")
-        shape = {k: getattr(stored, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
-        if cfg.preset is None or not cfg.init_from == run.get("init_from", "scratch") == "scratch" or \
-                shape == {k: PRESETS[cfg.preset][k] for k in shape}:
-            return
-        stored_preset = run.get("preset", DEFAULT_PRESET) or DEFAULT_PRESET  # None: the default, as train read it
-        name = f"{stored_preset} " if stored_preset in PRESETS else ""
-        held = f"{resume_dir} holds the run's {name}model ({', '.join(f'{k} {v}' for k, v in shape.items())})"
-        raise ValueError(f"--preset {cfg.preset} does not apply to a resumed run: {held}; drop --preset to go on "
-                         f"with it, or give a new {cfg.preset} run another --output_dir")
-
-    @staticmethod
-    def _with_config(model: GPT, config: GPTConfig) -> GPT:
-        """Same weights, new runtime switches (attention kernel, checkpointing, dropout)."""
-        fresh = GPT(config)
-        fresh.load_state_dict(model.state_dict())
-        return fresh
-
     def _setup(self) -> Progress:
         """The loop's parts, and the progress of the run being resumed (if any)."""
         cfg, info, plan, main = self.cfg, self.info, self.plan, self.info.is_main
-        loss, why = memory.pick_loss(cfg.loss, lambda loss: self._memory_estimate(cfg.batch_size, loss), plan.device,
-                                     f"{cfg.batch_size} x {self.seq_len}")
+        loss, why = train_memory.pick_loss(cfg.loss, lambda loss: self._memory_estimate(cfg.batch_size, loss),
+                                           plan.device, f"{cfg.batch_size} x {self.seq_len}")
         if cfg.loss == "auto" and info.world_size > 1 and distributed.any_rank(loss == "chunked", info, plan.device):
             loss = "chunked"  # one loss on every rank, the one that fits where memory is least
         if loss != self.model_config.loss:  # a switch of the forward alone: no module changes
@@ -425,7 +153,7 @@ class Trainer:
             kernel = f" ({cfg.sdpa_backend} kernel only)" if cfg.sdpa_backend != "auto" else ""
             log.info(f"attention: {self.attention}{kernel}; loss: {loss} ({why})"
                      + ("; float8 matmuls in the blocks (--fp8)" if cfg.fp8 else ""))
-        memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
+        train_memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
         self.prep = prepare(
             self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, compile=cfg.compile,
             compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph, fp8=cfg.fp8,
@@ -464,7 +192,7 @@ class Trainer:
         distributed.load_optimizer_state(self.raw, optimizer, self.state["optimizer"], self.prep.sharded)
         if scaler is not None and self.state.get("scaler"):
             scaler.load_state_dict(self.state["scaler"])
-        set_rng_state(self.state["rng"])
+        resume.set_rng_state(self.state["rng"])
         progress.step, progress.tokens_seen = self.state["step"], self.state["tokens_seen"]
         progress.train_s = self.state.get("train_s", 0.0)  # absent from checkpoints of older versions
         progress.first_steps_s = self.state.get("first_steps_s", 0.0)
@@ -486,7 +214,7 @@ class Trainer:
         """The step's peak memory at a micro-batch (with `loss`, or the model's), less the weights where the model
         already is (the CPU, or the device after --auto_batch_size's search)."""
         config = self.model_config if loss is None else dataclasses.replace(self.model_config, loss=loss)
-        est = memory.for_training(config, self.cfg, self.seq_len, self.plan.amp_dtype,
+        est = train_memory.for_training(config, self.cfg, self.seq_len, self.plan.amp_dtype,
                                   batch_size=batch_size, world_size=self.info.world_size)
         there = next(self.raw.parameters()).device.type == self.plan.device.type
         return est.without("weights") if there else est
@@ -507,7 +235,7 @@ class Trainer:
             finally:
                 model.zero_grad(set_to_none=True)
 
-        b = find_batch_size(try_batch, global_batch, largest,
+        b = train_memory.find_batch_size(try_batch, global_batch, largest,
                             lambda b: memory.shortfall(self._memory_estimate(b), plan.device) is None)
         if b != cfg.batch_size:
             cfg.batch_size, cfg.gradient_accumulation_steps = b, global_batch // b
@@ -583,7 +311,7 @@ class Trainer:
                     break
         except Exception as e:
             if is_oom(e):
-                raise RuntimeError(oom_advice(cfg, self.plan)) from e
+                raise RuntimeError(train_memory.oom_advice(cfg, self.plan)) from e
             raise
         finally:
             bar.close()
@@ -781,7 +509,7 @@ class Trainer:
             train_state = {
                 "step": progress.step, "tokens_seen": progress.tokens_seen, "bad_steps": progress.bad_steps,
                 "optimizer": optim_state, "scaler": scaler.state_dict() if scaler is not None else None,
-                "rng": rng_state(), "world_size": self.info.world_size, "train_s": progress.train_s,
+                "rng": resume.rng_state(), "world_size": self.info.world_size, "train_s": progress.train_s,
                 "first_steps_s": progress.first_steps_s, "best_val_loss": progress.best_val,
                 "target": progress.target,
             }
@@ -858,19 +586,3 @@ class Trainer:
     def _restore_signals(old: dict[int, Any]) -> None:
         for sig, handler in old.items():
             signal.signal(sig, handler)
-
-def main(cfg: TrainConfig) -> int:
-    info, device = distributed.init(cfg.device)
-    if not info.is_main:  # one voice: only rank 0 logs
-        logging.getLogger("gptopt").setLevel(logging.WARNING)
-    try:
-        # One run in a folder at a time, from its checks to its last checkpoint; rank 0 alone writes.
-        with outputs.lock_output(cfg.output_dir) if info.is_main else contextlib.nullcontext():
-            return Trainer(cfg, info, device).run()
-    except RuntimeError as e:
-        if info.is_main:
-            print(f"gptopt train: {e}", file=sys.stderr)
-        return 1
-    finally:
-        distributed.cleanup()
-

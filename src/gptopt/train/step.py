@@ -52,15 +52,6 @@ def loader_options(cfg: TrainConfig, device_type: str) -> dict[str, Any]:
     return opts
 
 
-def is_oom(e: BaseException) -> bool:
-    """Whether an exception is the device (or host) running out of memory. A host allocation the kernel
-    refuses (a cgroup or `ulimit -v` limit) raises torch's RuntimeError "DefaultCPUAllocator: can't
-    allocate memory", or Python's MemoryError."""
-    text = str(e).lower()
-    return (isinstance(e, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text
-            or "can't allocate memory" in text)
-
-
 def forward_backward(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, plan: DevicePlan,
     scaler: torch.amp.GradScaler | None, accum: int,

@@ -1,0 +1,188 @@
+"""A run's folder and where it starts: the checks of --output_dir before any work, the checkpoint a run
+resumes from (--resume), the lineage its new checkpoints continue, and the RNG state a checkpoint carries.
+
+    python -c "from gptopt.train.resume import RUN_ENTRIES; print(RUN_ENTRIES)"
+
+Exactness: batches are a pure function of (seed, micro-step), so a checkpoint needs only the step, the
+optimizer, the scaler and the RNGs to continue bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import logging
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from gptopt import outputs
+from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, arch_overrides, preset_for_data
+from gptopt.data.tokenizer import TOKENIZER
+from gptopt.infer.load import model_source
+from gptopt.models import checkpoint, hf
+from gptopt.models.gpt import GPT
+from gptopt.train import distributed
+from gptopt.train.distributed import DistInfo
+
+log = logging.getLogger("gptopt")
+
+RUN_KIND = "train-run"  # the output-folder mark (outputs.mark) of a training run
+# Every top-level entry a run writes into --output_dir: a folder holding any of them holds a run, which
+# only --resume continues and only --overwrite replaces. The user's other files there are never touched.
+# What a run writes inside its folders: anything else there is the user's, and --overwrite keeps away.
+RUN_CONTENTS = {f"{checkpoint.PREFIX}*": [checkpoint.WEIGHTS, checkpoint.META, checkpoint.TRAIN_STATE, TOKENIZER],
+                "logs": ["events.out.tfevents.*", "profile/*"]}
+RUN_ENTRIES = (f"{checkpoint.PREFIX}*", checkpoint.LATEST, "metrics.jsonl", "run.json", "monitor.json", "logs")
+
+
+def check_run_output(cfg: TrainConfig, info: DistInfo) -> list[Path]:
+    """Refuse a bad --output_dir before any work; returns the old run's entries that --overwrite replaces.
+
+    Rank 0 also gives back what a killed --overwrite had moved aside and removes dead processes'
+    staging folders (kill -9 mid-save), in every mode: the other ranks wait, then judge the same folder."""
+    out, main = Path(cfg.output_dir), info.is_main
+    if main:
+        outputs.recover(out, RUN_ENTRIES)
+        outputs.check_output(out, kind=RUN_KIND, overwrite=False)  # a file? writable? (+ the clean-up)
+    distributed.barrier(info)
+    found = sorted(p.name for p in out.iterdir() if any(fnmatch.fnmatchcase(p.name, g) for g in RUN_ENTRIES)) \
+        if out.is_dir() else []
+    # A run of gptopt's is marked, or (from before marks) has its checkpoints. Files of a run's names that
+    # are not one are the user's: neither --resume nor --overwrite writes over them, so that is said now.
+    if found and outputs.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
+        raise ValueError(f"--output_dir {out} holds {outputs.some(found)}, which gptopt did not write (no run of "
+                         "its own is there); nothing was written, and neither --resume nor --overwrite would write "
+                         "over them: move them out, or choose another --output_dir")
+    if cfg.resume:
+        return []
+    if found and not cfg.overwrite:
+        raise ValueError(f"--output_dir {out} holds a training run ({outputs.some(found)}); nothing was written: "
+                         "pass --resume auto to continue it, --overwrite to replace it (kept until the new run "
+                         "saves its first checkpoint), or choose another --output_dir")
+    if not found or not main:
+        return []
+    return outputs.check_output(out, kind=RUN_KIND, overwrite=True, ours=RUN_ENTRIES, contents=RUN_CONTENTS)
+
+
+def resume_dir(cfg: TrainConfig) -> Path | None:
+    """The checkpoint --resume names (auto: the run's latest), or None for a fresh start."""
+    if cfg.resume == "auto":
+        latest = checkpoint.latest_checkpoint(cfg.output_dir)
+        if latest is None:
+            log.info(f"--resume auto: no checkpoint in {cfg.output_dir}, starting afresh")
+        return latest
+    if cfg.resume:
+        path = Path(cfg.resume)
+        if not (path / checkpoint.TRAIN_STATE).is_file():
+            what = ("no such directory" if not path.exists()
+                    else f"not a training checkpoint (no {checkpoint.TRAIN_STATE})")
+            raise ValueError(f"--resume {cfg.resume}: {what}; pass --resume auto or a ckpt-* directory of a run")
+        return path
+    return None
+
+
+def lineage(out: Path, resumed: Path | None, info: DistInfo) -> list[str]:
+    """The chain the new checkpoints continue: the resumed checkpoint's, when it lies in --output_dir
+    (one from elsewhere starts a chain here). Later checkpoints of another branch are named, and kept."""
+    if resumed is None or resumed.resolve().parent != out.resolve():
+        return []
+    abandoned = checkpoint.abandoned_after(resumed)
+    if abandoned and info.is_main:
+        log.warning(f"resuming from {resumed.name}: {', '.join(d.name for d in abandoned)} belong to an "
+                    "abandoned branch of this run; they are kept (retention and `latest` follow this run's "
+                    "lineage), except where this run saves a checkpoint of the same step")
+    return checkpoint.lineage(resumed)
+
+
+def check_ranks_resume_alike(state: dict[str, Any], resumed: Path | None, info: DistInfo,
+                             device: torch.device) -> None:
+    """Every rank reads its checkpoint from its own file system: on machines that do not share the output
+    folder, one rank could resume while another starts afresh, and DDP would then train one model under
+    optimizer states and data positions that differ between ranks. Refused on every rank alike."""
+    step = int(state["step"]) if state else -1  # -1: no checkpoint, a fresh start
+    low, high = distributed.spread(step, info, device)
+    if low != high:
+        def at(s: int) -> str:
+            return "start afresh" if s < 0 else f"resume at step {s}"
+        raise ValueError(
+            f"the ranks disagree on where to start: some would {at(low)}, others {at(high)} (rank "
+            f"{info.rank}: {at(step)}, from {resumed or 'no checkpoint'}). Each rank reads "
+            "--output_dir (for --resume auto) or --resume on its own machine: put the output folder on storage "
+            "every machine shares, or the same checkpoint at the same path on each")
+
+
+def build_model(cfg: TrainConfig, attention: str, data_vocab: int, resumed: Path | None) -> GPT:
+    """The model a run starts from: its checkpoint's (resumed), a new one of --preset and --arch sized for the
+    data's vocabulary (data_vocab), or --init_from's pretrained weights; with the run's own runtime switches
+    (the attention kernel, checkpointing, dropout, the loss)."""
+    runtime = dict(attention=attention, gradient_checkpointing=cfg.gradient_checkpointing, dropout=cfg.dropout,
+                   loss="full" if cfg.loss == "auto" else cfg.loss)  # auto is settled by memory, in the loop's setup
+    if resumed is not None:
+        meta = checkpoint.read_meta(resumed)
+        stored = GPTConfig.from_dict(meta["model"])
+        check_resumed_shape(cfg, stored, meta.get("train_config") or {}, resumed)
+        return _with_config(checkpoint.load_model(resumed), dataclasses.replace(stored, **runtime))
+    if cfg.init_from == "scratch":
+        return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, data_vocab, vocab_pad_multiple=cfg.vocab_pad_multiple,
+                                   **arch_overrides(cfg.arch), **runtime))
+    if cfg.arch:
+        raise ValueError(f"--arch designs a new model; {cfg.init_from} comes with its own: drop --arch, or "
+                         "train from scratch")
+    if cfg.init_from in ("debug", "tiny"):
+        raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
+    try:  # what `gptopt generate --model` takes: a training output dir means its latest checkpoint
+        source = model_source(cfg.init_from)
+    except ValueError as e:
+        raise ValueError(str(e).replace("--model", "--init_from")) from None
+    return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
+
+
+def _with_config(model: GPT, config: GPTConfig) -> GPT:
+    """Same weights, new runtime switches (attention kernel, checkpointing, dropout)."""
+    fresh = GPT(config)
+    fresh.load_state_dict(model.state_dict())
+    return fresh
+
+
+def check_resumed_shape(cfg: TrainConfig, stored: GPTConfig, run: dict[str, Any], resumed: Path) -> None:
+    """--preset and --arch shape a new run only: those given for a resumed run must be its checkpoint's."""
+    changed = {k: v for k, v in arch_overrides(cfg.arch).items() if getattr(stored, k) != v}
+    if changed:
+        raise ValueError(f"--arch {cfg.arch} does not apply to a resumed run: {resumed} holds "
+                         + ", ".join(f"{k}={getattr(stored, k)}" for k in changed)
+                         + "; drop --arch to go on with it, or give the new design another --output_dir")
+    shape = {k: getattr(stored, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    if cfg.preset is None or not cfg.init_from == run.get("init_from", "scratch") == "scratch" or \
+            shape == {k: PRESETS[cfg.preset][k] for k in shape}:
+        return
+    stored_preset = run.get("preset", DEFAULT_PRESET) or DEFAULT_PRESET  # None: the default, as train read it
+    name = f"{stored_preset} " if stored_preset in PRESETS else ""
+    held = f"{resumed} holds the run's {name}model ({', '.join(f'{k} {v}' for k, v in shape.items())})"
+    raise ValueError(f"--preset {cfg.preset} does not apply to a resumed run: {held}; drop --preset to go on "
+                     f"with it, or give a new {cfg.preset} run another --output_dir")
+
+
+def rng_state() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": random.getstate(),
+        "numpy": {"keys": torch.from_numpy(np_state[1].astype(np.int64)), "pos": int(np_state[2])},
+    }
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    random.setstate(_tuples(state["python"]))
+    np.random.set_state(("MT19937", state["numpy"]["keys"].numpy().astype(np.uint32), state["numpy"]["pos"], 0, 0.0))
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
