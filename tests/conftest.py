@@ -24,6 +24,10 @@ from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig, preset
 from gptopt.models.gpt import GPT
+from gptopt.runtime import process
+
+# The suite builds many compiled Generators in one process, as bench does: the decode's graphs add up.
+process.allow_recompiles()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -17,8 +17,9 @@ import torch
 from conftest import make_varied_model
 
 from gptopt.config import TrainConfig, preset
+from gptopt.infer.compiled import GraphedDecode
 from gptopt.infer.generator import Generator, SamplingParams, generate
-from gptopt.infer.load import GraphedDecode, prepare
+from gptopt.infer.load import optimize_for_inference
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, gpu_spec, measured_matmul_flops, peak_flops, resolve
 from gptopt.runtime.monitor import Monitor
@@ -347,8 +348,8 @@ def test_int8_weight_only_on_the_fly_keeps_the_bf16_models_logits() -> None:
     pytest.importorskip("torchao", reason="torchao is not installed (pip install 'gptopt[quant]')")
     plan = resolve()
     base = GPT(preset("debug")).eval()  # GPT-2's init: wide random weights would amplify any rounding
-    ref = prepare(copy.deepcopy(base), plan, dtype=torch.bfloat16)
-    quant = prepare(copy.deepcopy(base), plan, dtype=torch.bfloat16, quantize="int8-weight")
+    ref = optimize_for_inference(copy.deepcopy(base), plan, dtype=torch.bfloat16)
+    quant = optimize_for_inference(copy.deepcopy(base), plan, dtype=torch.bfloat16, quantize="int8-weight")
     linears = {n: m for n, m in quant.named_modules() if isinstance(m, torch.nn.Linear)}
     assert "lm_head" in linears and all(type(m.weight).__module__.startswith("torchao") for m in linears.values())
     x = torch.randint(0, 512, (2, 32), device=plan.device)

@@ -21,11 +21,11 @@ from gptopt import cli
 from gptopt.bench import ladder
 from gptopt.commands import train as train_cmd
 from gptopt.config import TrainConfig, preset
-from gptopt.infer.cpu_layout import to_float8
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT
 from gptopt.runtime import device
 from gptopt.train import loop as train
+from gptopt.train.wrap import to_float8
 
 FAST = dict(preset="debug", seq_len=64, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
             eval_interval=0, log_interval=1, warmup_steps=2, use_amp=True, amp_dtype="bf16", learning_rate=3e-3)

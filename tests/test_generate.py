@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from gptopt import cli
 from gptopt.commands import generate as gen_mod
 from gptopt.config import GenerateConfig
+from gptopt.infer.compiled import GraphedDecode
 from gptopt.infer.generator import (
     Generator,
     SamplingParams,
@@ -29,7 +30,7 @@ from gptopt.infer.generator import (
     generate,
     stream,
 )
-from gptopt.infer.load import GraphedDecode, load_for_inference
+from gptopt.infer.load import load_for_inference
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve

@@ -254,13 +254,13 @@ def test_int4_on_the_fly_runs_tinygemm_on_an_int4_grid_of_the_weights_compiled_t
     if torch.cuda.get_device_capability() < (8, 0):
         pytest.skip("torchao's int4 kernel needs compute capability 8.0+")
     from gptopt.config import preset
-    from gptopt.infer.load import prepare
+    from gptopt.infer.load import optimize_for_inference
 
     gpu = resolve("cuda", quiet=True)
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=320)).eval()
     original = {n: m.weight.detach().to("cuda", torch.bfloat16).float() for n, m in q.block_linears(model).items()}
-    int4 = prepare(model, gpu, dtype=torch.bfloat16, quantize="int4-weight")
+    int4 = optimize_for_inference(model, gpu, dtype=torch.bfloat16, quantize="int4-weight")
     g = q.int4_group_size(int4)
     assert int4.lm_head.weight is int4.transformer.wte.weight and int4.lm_head.weight.dtype == torch.bfloat16
     for name, layer in q.block_linears(int4).items():
@@ -300,10 +300,10 @@ def test_quantising_leaves_inductors_settings_for_the_rest_of_the_process(
 
     from torch._inductor import config as inductor
 
-    from gptopt.infer.load import prepare
+    from gptopt.infer.load import optimize_for_inference
 
     before = (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions)
-    prepare(copy.deepcopy(varied_model), CPU, dtype=torch.float32, quantize="int8-weight")
+    optimize_for_inference(copy.deepcopy(varied_model), CPU, dtype=torch.float32, quantize="int8-weight")
     directory = write(varied_model, tmp_path / "c", q.compress_model(copy.deepcopy(varied_model), method, None),
                       tokenizer_file)
     load_for_inference(str(directory), tokenizer=None, plan=CPU)

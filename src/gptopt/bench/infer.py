@@ -38,12 +38,13 @@ from gptopt.bench import report
 from gptopt.bench.setup import Setup
 from gptopt.commands.export import OnnxRunner
 from gptopt.config import BenchConfig
-from gptopt.infer.load import RECOMPILE_LIMIT, prepare, weights_dtype
+from gptopt.infer.load import optimize_for_inference, weights_dtype
 from gptopt.infer.measure import STOPPED, GptoptRunner, free_memory, interleaved, timed, weight_bytes
 from gptopt.infer.quantize import int4_unsupported
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, environment, memory_bandwidth
 from gptopt.runtime.memory import is_oom
+from gptopt.runtime.torch_private import recompile_limit_for, reset_dynamo
 from gptopt.utils.extras import EXTRAS, has, require
 from gptopt.utils.tables import to_json
 
@@ -277,7 +278,7 @@ class InferBench:
             return OnnxRunner(self._model(torch.float32)), torch.float32
         # The transforms generate and serve apply, in their order (dtype, int8 or int4, layout).
         quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
-        model = prepare(self._model(dtype), self.plan, dtype=dtype, quantize=quantize)
+        model = optimize_for_inference(self._model(dtype), self.plan, dtype=dtype, quantize=quantize)
         runner = GptoptRunner(model, self.plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs)
         return runner, model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
 
@@ -402,7 +403,7 @@ class InferBench:
         # batch size, a first static then a symbolic attention length on CPUs) share the decode's code.
         limit = max(64, 4 * len(self.batch_sizes) * sum(r.compile for r in rungs))
         try:
-            with torch._dynamo.config.patch(**{RECOMPILE_LIMIT: limit}):
+            with recompile_limit_for(limit):
                 for rung in rungs:
                     log.info(f"bench --mode infer: rung {rung.name}")
                     res, lv = self._set_up(rung)
@@ -422,7 +423,7 @@ class InferBench:
         finally:
             live.clear()  # the runners go, and with them their device memory
             free_memory(self.plan)
-            torch._dynamo.reset()  # a later ladder compiles afresh
+            reset_dynamo()  # a later ladder compiles afresh
 
     def _compare(self) -> None:
         ok = [r for r in self.results if r.status == "ok"]

@@ -33,11 +33,11 @@ from tqdm import tqdm
 from gptopt.bench.setup import Setup
 from gptopt.config import BenchConfig, GPTConfig, TrainConfig
 from gptopt.data import loader as data
-from gptopt.infer.cpu_layout import compile_model, to_float8
 from gptopt.infer.measure import STOPPED
 from gptopt.models.flops import at_least, flops_per_token, mfu
 from gptopt.models.gpt import GPT
 from gptopt.runtime import memory
+from gptopt.runtime.compile import compile_model
 from gptopt.runtime.device import (
     DevicePlan,
     default_attention,
@@ -49,8 +49,10 @@ from gptopt.runtime.device import (
 )
 from gptopt.runtime.memory import is_oom
 from gptopt.runtime.monitor import Monitor, format_summary
+from gptopt.runtime.torch_private import reset_dynamo
 from gptopt.train import memory as train_memory
 from gptopt.train.step import LOADER_FIELDS, TrainStep, loader_options
+from gptopt.train.wrap import to_float8
 from gptopt.utils.extras import has
 from gptopt.utils.tables import to_json
 
@@ -190,18 +192,6 @@ def loss_matches(loss: float, reference: float, tolerance: float) -> bool:
 # Asked before each step after the first: (step index, timed step times so far) -> None to go on, or
 # (status, note) to end the rung there (tune ends candidates that cannot win or run past the budget).
 StopHook = Callable[[int, list[float]], "tuple[str, str] | None"]
-
-
-def _reset_dynamo() -> None:
-    """torch._dynamo.reset(), where dynamo is fully imported. Not imported: nothing was compiled. Partly
-    imported (a Ctrl-C landed during torch's first import of it): reset is missing or half-made, and
-    calling it would raise AttributeError in place of the interrupt."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None or getattr(getattr(dynamo, "__spec__", None), "_initializing", False):
-        return
-    reset = getattr(dynamo, "reset", None)
-    if callable(reset):
-        reset()
 
 
 class Bench:
@@ -403,7 +393,7 @@ class Bench:
                 gc.collect()
                 if plan.device.type == "cuda":
                     torch.cuda.empty_cache()
-                _reset_dynamo()  # each rung compiles afresh; caches must not leak between rungs
+                reset_dynamo()  # each rung compiles afresh; caches must not leak between rungs
                 if reused:  # the next rung (the naive ones above all) runs with glibc's defaults
                     reuse_host_memory(False)
             except Exception as e:

@@ -35,12 +35,15 @@ from gptopt.config import CompressConfig, parse_prune
 from gptopt.data.bpb import bits_per_byte, bytes_per_token
 from gptopt.data.loader import DEFAULT_DATA, BatchDataset, TokenData, open_data
 from gptopt.data.tokenizer import TOKENIZER
-from gptopt.infer.load import RECOMPILE_LIMIT, load_for_inference, model_source
+from gptopt.infer.load import load_for_inference, model_source
 from gptopt.infer.measure import GptoptRunner, interleaved, tensor_bytes
 from gptopt.infer.quantize import check_supported, compress_model, describe, pack_state
 from gptopt.models import checkpoint
 from gptopt.outputs import check_output, lock_output, staged_dir
+from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, environment, resolve
+from gptopt.runtime.process import DECODE_GRAPHS
+from gptopt.runtime.torch_private import recompile_limit_for
 from gptopt.utils.tables import text_table, to_json
 
 __all__ = ["main", "mean_kl", "memory_bytes", "perplexity_and_kl"]
@@ -191,7 +194,7 @@ def measure(cfg: CompressConfig, plan: DevicePlan, data: TokenData, source: Path
     windows = BatchDataset(data, "val", EVAL_BATCH, seq_len, seed=0).eval_batches("val", batches)
     models = {"original": original, "compressed": compressed}
     with tqdm(total=2 * len(DECODE_BATCHES) + batches, desc="compress: measuring", file=sys.stderr,
-              dynamic_ncols=True) as bar, torch._dynamo.config.patch(**{RECOMPILE_LIMIT: 32}):
+              dynamic_ncols=True) as bar, recompile_limit_for(DECODE_GRAPHS):
         quality = perplexity_and_kl(original, compressed, windows, plan.device, on_batch=lambda: bar.update(1))
         speed = _speed(models, plan, _prompts(data, prompt_len, max(DECODE_BATCHES)), new_tokens, cfg, bar)
     sizes = {"original": (_disk_bytes(source, original), memory_bytes(original)),
@@ -272,6 +275,7 @@ def main(cfg: CompressConfig) -> int:
 def _compress(cfg: CompressConfig, out: Path) -> int:
     _check_output(out, cfg.overwrite)
     plan = resolve(cfg.device, quiet=True)
+    process.set_matmul_precision(plan)
     quantize, prune = (None if cfg.quantize == "none" else cfg.quantize), parse_prune(cfg.prune)
     check_supported(quantize, prune, plan)
     source = model_source(cfg.model)

@@ -32,6 +32,7 @@ import torch
 from gptopt.config import PRESETS, DoctorConfig, GPTConfig, TrainConfig, preset
 from gptopt.models.flops import param_count
 from gptopt.runtime import device as device_mod
+from gptopt.runtime import process
 from gptopt.utils.extras import installed_extras
 
 log = logging.getLogger("gptopt")
@@ -507,6 +508,7 @@ def run(config: DoctorConfig) -> int:
     plan, error = None, None
     try:
         plan = device_mod.resolve(config.device)
+        process.set_matmul_precision(plan)
     except ValueError as e:  # an impossible --device is a finding, not a crash
         error = str(e)
     facts = probe(plan, error)

@@ -60,6 +60,7 @@ from gptopt.infer.load import load_for_inference, model_source
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, lock_output, staged_dir, staged_file
+from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, environment, resolve
 from gptopt.utils.tables import text_table, to_json
 
@@ -394,6 +395,7 @@ def _evaluate(cfg: EvalConfig, out: Path | None) -> int:
         path, where = hellaswag_file(), "the downloaded HellaSwag file"
     examples = read_hellaswag(path, cfg.limit, name=where)
     plan = resolve(cfg.device, quiet=True)
+    process.set_matmul_precision(plan)
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype)
     scores = evaluate(model, tok, examples, plan, cfg.batch_size, f"{where} {path}")
     results = {"task": cfg.task, "model": str(model_source(cfg.model)), "data": str(path.resolve()),
@@ -415,6 +417,7 @@ def _bits_per_byte(cfg: EvalConfig, out: Path | None) -> int:
                          "text file, a folder of text files or a data dir from gptopt prepare (its val split)")
     held = read_held_out(path, where)  # before the model loads
     plan = resolve(cfg.device, quiet=True)
+    process.set_matmul_precision(plan)
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype)
     stream, per_token = _held_out_tokens(held, tok, model.config.vocab_size, where)
     scores = bits_per_byte_of(model, stream, per_token, plan, cfg.batch_size, cfg.limit)

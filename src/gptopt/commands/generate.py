@@ -30,6 +30,7 @@ from gptopt.infer import chat
 from gptopt.infer.generator import Generator, SamplingParams, StopChecker, complete, stream
 from gptopt.infer.load import load_for_inference, model_source
 from gptopt.outputs import check_writable, lock_output, staged_file
+from gptopt.runtime import process
 from gptopt.runtime.device import resolve
 
 __all__ = ["main"]
@@ -312,6 +313,9 @@ def _generate(cfg: GenerateConfig) -> int:
     if cfg.chat:
         _chat_template(cfg, None)  # a missing template or a bad --chat_template fails before the model loads
     plan = resolve(cfg.device, quiet=True)
+    process.set_matmul_precision(plan)
+    if cfg.compile:
+        process.allow_recompiles()
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
                                     quantize=cfg.quantize)
     eot = eot_id(tok)

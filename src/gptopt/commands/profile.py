@@ -37,16 +37,18 @@ from torch.profiler import DeviceType, ProfilerActivity, profile, record_functio
 from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.data import loader as data
 from gptopt.infer import memory as infer_memory
-from gptopt.infer.cpu_layout import inference_layout, prepare
+from gptopt.infer.cpu_layout import inference_layout
 from gptopt.infer.generator import Generator, SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, lock_output, replacing
-from gptopt.runtime import memory
+from gptopt.runtime import memory, process
 from gptopt.runtime.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.runtime.monitor import peak_memory_bytes
+from gptopt.runtime.torch_private import dump_memory_snapshot, graph_breaks, record_memory_history
 from gptopt.train import memory as train_memory
 from gptopt.train.distributed import DistInfo
 from gptopt.train.step import READOUT_RANGE, TrainStep, loader_options
+from gptopt.train.wrap import wrap_for_training
 
 log = logging.getLogger("gptopt")
 
@@ -378,7 +380,7 @@ def train_config(cfg: ProfileConfig) -> TrainConfig:
 
 def _train_step(tcfg: TrainConfig, raw: GPT, plan: DevicePlan, batches: Any) -> Callable[[], float]:
     """gptopt train's step on the next batch; it returns the seconds it waited for that batch."""
-    model = prepare(raw, plan, DistInfo(), compile=tcfg.compile, compile_mode=tcfg.compile_mode).model
+    model = wrap_for_training(raw, plan, DistInfo(), compile=tcfg.compile, compile_mode=tcfg.compile_mode).model
     train_step = TrainStep(model, raw, plan, tcfg)
     step = 0
 
@@ -430,14 +432,16 @@ def _generate_step(cfg: ProfileConfig, raw: GPT, plan: DevicePlan, prompts: torc
 
 def _memory_snapshot(out: Path) -> None:
     """Every allocation since recording began, with its stack: https://pytorch.org/memory_viz draws it."""
-    torch.cuda.memory._dump_snapshot(str(out / "memory_snapshot.pickle"))
-    torch.cuda.memory._record_memory_history(enabled=None)
+    dump_memory_snapshot(str(out / "memory_snapshot.pickle"))
 
 
 def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     """Profile the configured steps, write the traces to cfg.output_dir; returns the summary and op table.
     (main checks the folder first; this writes into it as it is.)"""
     plan = resolve(cfg.device, cfg.amp_dtype if cfg.use_amp else "fp32")
+    process.set_matmul_precision(plan)
+    if cfg.compile:
+        process.allow_recompiles()
     out = Path(cfg.output_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     tokens = data.open_data(cfg.data_dir)  # the default corpus is prepared on first use, as train does
@@ -462,9 +466,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     torch.manual_seed(tcfg.seed)  # the initial weights `gptopt train` starts from
     raw = GPT(model_cfg)
     if cfg.compile:
-        from torch._dynamo.utils import counters
-
-        counters["graph_break"].clear()  # count this model's breaks only
+        graph_breaks().clear()  # count this model's breaks only
     total = cfg.wait + cfg.warmup + cfg.active
     if cfg.mode == "generate":
         step = _generate_step(cfg, raw, plan, next(batches)[0], total)
@@ -474,7 +476,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
     if gpu:
         torch.cuda.reset_peak_memory_stats(plan.device)
-        torch.cuda.memory._record_memory_history(max_entries=100_000)
+        record_memory_history(max_entries=100_000)
     prof = profile(activities=activities,
                    schedule=schedule(wait=cfg.wait, warmup=cfg.warmup, active=cfg.active, repeat=1),
                    on_trace_ready=torch.profiler.tensorboard_trace_handler(str(out / "tensorboard")),
@@ -508,15 +510,15 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     written = max((out / "tensorboard").glob("*.pt.trace.json"), key=lambda p: p.stat().st_mtime)
     shutil.copyfile(written, out / "trace.json")
     log.info("reading the trace")
-    graph_breaks = None
+    breaks = None
     if cfg.compile:  # reason (its first line) -> count
-        graph_breaks = {str(r).strip().splitlines()[0]: n for r, n in counters["graph_break"].items()}
+        breaks = {str(r).strip().splitlines()[0]: n for r, n in graph_breaks().items()}
     events = prof.events()
     attach_dtypes(prof, events)
     summary = TraceSummary(
         device_type=plan.device.type, step_s=step_s, data_wait_s=waits, ops=trace_ops(events),
         peak_memory_bytes=peak_memory_bytes(plan), memory_capacity_bytes=memory.capacity_bytes(plan.device),
-        graph_breaks=graph_breaks, amp_speeds_matmuls=amp_speeds_matmuls(plan), mode=cfg.mode,
+        graph_breaks=breaks, amp_speeds_matmuls=amp_speeds_matmuls(plan), mode=cfg.mode,
         batch_size=cfg.batch_size, num_workers=loader_opts["num_workers"], pin_memory=loader_opts["pin_memory"],
         use_amp=cfg.use_amp, compile=cfg.compile, compile_mode=cfg.compile_mode,
         gradient_checkpointing=cfg.gradient_checkpointing,

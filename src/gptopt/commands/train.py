@@ -17,6 +17,8 @@ import sys
 
 from gptopt import outputs
 from gptopt.config import TrainConfig
+from gptopt.runtime import process
+from gptopt.runtime.device import resolve
 from gptopt.train import distributed
 from gptopt.train.loop import Trainer
 
@@ -28,7 +30,9 @@ def main(cfg: TrainConfig) -> int:
     try:
         # One run in a folder at a time, from its checks to its last checkpoint; rank 0 alone writes.
         with outputs.lock_output(cfg.output_dir) if info.is_main else contextlib.nullcontext():
-            return Trainer(cfg, info, device).run()
+            plan = resolve(device, cfg.amp_dtype if cfg.use_amp else "fp32")
+            process.set_matmul_precision(plan)
+            return Trainer(cfg, info, plan).run()
     except RuntimeError as e:
         if info.is_main:
             print(f"gptopt train: {e}", file=sys.stderr)

@@ -1,149 +1,22 @@
-"""The one place that applies runtime transforms to a plain model, in a fixed order:
-device -> FSDP2 or DDP -> torch.compile. (Quantisation, for inference, swaps modules before compile.)
+"""The CPU inference weight layouts, as module types of their own: CpuLinear (an nn.Linear whose weight is
+stored in the layout its products read fastest, with a oneDNN-packed copy for products of several rows) and
+PackedGeluMLP (GPT-2's MLP with its GELU inside c_fc's packed product).
 
-The model code stays single-device; train, bench and tune all call this.
+    python -c "from gptopt.infer.cpu_layout import inference_layout; help(inference_layout)"
 
-    python -c "from gptopt.infer.cpu_layout import compile_model; help(compile_model)"
+A layer converts in place (its class becomes the subclass: the same Parameter objects, so tied weights stay
+tied, the same state dict, and print(model) shows what runs). Inference only: the weights must not change or
+train afterwards (the packed copy would not follow, and an optimizer would see a strided layout).
 """
 
 from __future__ import annotations
-
-import types
-from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from gptopt.models.gpt import MLP, TanhGELU
-from gptopt.runtime.device import DevicePlan
-from gptopt.train import distributed
-from gptopt.train.distributed import DistInfo
-
-
-@dataclass
-class Prepared:
-    model: nn.Module  # what the step calls: maybe wrapped, maybe compiled
-    raw: nn.Module  # the plain GPT underneath (weights, config, sampling)
-    sharded: bool  # FSDP2: parameters are DTensors, state dicts need gathering
-
-
-def compile_model(model: nn.Module, *, mode: str = "default", fullgraph: bool = False,
-                  inference: bool = False, dynamic: bool | None = None) -> nn.Module:
-    """torch.compile. inference (default mode only): inductor's freezing, which folds a compiled
-    module's weights into the graph as constants (a method that reaches the model through an
-    attribute, like Generator's decode step, gets them as inputs still), and fewer guards on the
-    modules' attributes (_inference_guards). dynamic: torch.compile's (False: one graph per shape)."""
-    if inference:
-        if mode != "default":
-            raise ValueError(f"an inference compile uses the default compile mode only, not {mode!r}")
-        return torch.compile(model, fullgraph=fullgraph, dynamic=dynamic,
-                             options={"freezing": True, "guard_filter_fn": _inference_guards})
-    # "default" is passed as None: torch.compile's own default, without the mode lookup
-    return torch.compile(model, mode=None if mode == "default" else mode, fullgraph=fullgraph, dynamic=dynamic)
-
-
-# The guards on modules' attributes that an inference graph keeps: their tensors (shape, dtype,
-# subclass: another model, or a quantised one, is compiled anew) and their types (swapped modules).
-_KEPT_MODULE_GUARDS = frozenset({"TENSOR_MATCH", "TYPE_MATCH", "DUPLICATE_INPUT", "SEQUENCE_LENGTH"})
-
-
-def _inference_guards(entries: list) -> list[bool]:
-    # Dropped: the per-call checks of every module's hooks, attribute dict and constants, which an
-    # inference model does not change, and which made a small model's decode step slow to look its
-    # graph up (benchmarks/2026-12-02-inference-ladder.md, "After the fused multiply-and-sum decode").
-    # Dropping every module guard would be quicker still, but would also run one model's graph on
-    # another model's tensors of a different dtype or kind.
-    return [not e.orig_guard.source.is_unspecialized_nn_module() or e.guard_type in _KEPT_MODULE_GUARDS
-            for e in entries]
-
-
-def prepare(
-    model: nn.Module,
-    plan: DevicePlan,
-    info: DistInfo,
-    *,
-    fsdp: bool = False,
-    cpu_offload: bool = False,
-    compile: bool = False,
-    compile_mode: str = "default",
-    compile_fullgraph: bool = False,
-    fp8: bool = False,
-) -> Prepared:
-    raw = model
-    if fp8:  # before the wrappers: FSDP2 and DDP then see the float8 layers (torchao's order)
-        to_float8(model)
-    if fsdp:
-        if not info.enabled:
-            raise ValueError("--fsdp needs torchrun: torchrun --nproc_per_node N -m gptopt train --fsdp ...")
-        if not cpu_offload:
-            model.to(plan.device)
-        model = distributed.wrap_fsdp(model, param_dtype=plan.amp_dtype, cpu_offload=cpu_offload)
-    else:
-        model.to(plan.device)
-        if info.enabled and info.world_size > 1:
-            model = distributed.wrap_ddp(model, plan.device)
-    if compile:
-        model = compile_model(model, mode=compile_mode, fullgraph=compile_fullgraph)
-    return Prepared(model=model, raw=raw, sharded=fsdp)
-
-
-def to_float8(model: nn.Module) -> int:
-    """Train the blocks' Linear layers with float8 matmuls: torchao's Float8Linear, in place (dynamic tensorwise
-    scales; weights, gradients and optimizer state stay in their dtype, so checkpoints are unchanged). The head
-    stays as it is: it is tied to the embedding, and its logits are where float8's range costs the most. A
-    layer with a dimension that is not a multiple of 16 stays too (float8 GEMMs need it). Returns how many
-    layers were swapped. Needs the 'quant' extra; device.fp8_unavailable says where it pays."""
-    from torchao.float8 import convert_to_float8_training
-
-    def swap(module: nn.Module, name: str) -> bool:
-        return (name != "lm_head" and isinstance(module, nn.Linear)
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
-
-    before = sum(isinstance(m, nn.Linear) and type(m) is not nn.Linear for m in model.modules())
-    convert_to_float8_training(model, module_filter_fn=swap)
-    return sum(isinstance(m, nn.Linear) and type(m) is not nn.Linear for m in model.modules()) - before
-
-
-def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
-    """CPU inference: each fp32 Linear's weight stored column-major, in place, plus a oneDNN-packed
-    copy for products of several rows. Same values, same parameters and state dict.
-
-    One row (a batch-1 decode step): F.linear multiplies by weight.T; with this layout that operand
-    is contiguous, and the CPU BLAS's matrix-vector path runs much faster on it
-    (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
-    Several rows (a batched decode step, a prefill): oneDNN's linear over a weight reordered once into
-    its blocked layout (packed_linear), where the BLAS GEMM repacks it every call, so each Linear and
-    the compiled decode step of several rows run faster (benchmarks/2026-12-04-serving-vs-transformers.md,
-    "Products of several rows on oneDNN-packed weights"). The packed copy costs the Linear weights'
-    memory once more. Eager, on several rows, an MLP's GELU runs inside its first product, as
-    oneDNN's post-op (_packed_mlp_forward).
-
-    GPUs' GEMMs take either layout at full speed, so they are left alone. Inference only: the weights
-    must not change or train afterwards (the packed copy would not follow, and the optimizer would see
-    a strided layout). Quantised and half-precision weights are left as they are.
-    """
-    if device_type != "cpu":
-        return model
-    with torch.no_grad():
-        for module in _float_linears(model):
-            w = module.weight
-            if not w.t().is_contiguous():
-                w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
-            module._gemv = False  # a multiply-and-sum along this layout ran much slower (gemv_linears)
-            if not hasattr(module, "_packed"):  # once: a layout change keeps the values the copy holds
-                _pack(module)
-    for mlp in model.modules():
-        if isinstance(mlp, MLP) and isinstance(mlp.gelu, TanhGELU) and hasattr(mlp.c_fc, "_packed"):
-            mlp.forward = types.MethodType(_packed_mlp_forward, mlp)
-    return model
-
-
-def _float_linears(model: nn.Module) -> list[nn.Linear]:
-    """The Linear layers with plain floating-point weights: quantised ones (tensor subclasses, integers) excluded."""
-    return [m for m in model.modules() if isinstance(m, nn.Linear) and type(m.weight.data) is torch.Tensor
-            and m.weight.is_floating_point() and m.weight.dim() == 2]
-
+from gptopt.runtime.torch_private import onednn_linear, onednn_pack
 
 # Up to this many rows a compiled CPU Linear is a multiply-and-sum (gemv_linears); from 2 rows the
 # GEMM. The sum loops over the rows outermost, so it reads the whole weight once per row (at 8 rows
@@ -157,45 +30,14 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
 GEMV_MAX_ROWS = 1
 
 
-def gemv_linears(model: nn.Module) -> nn.Module:
-    """CPU compiled decode: each float Linear, given at most GEMV_MAX_ROWS rows inside torch.compile,
-    computes (x[..., None, :] * weight).sum(-1) + bias over its row-major weight, in place.
-
-    Inductor fuses that into one vectorised, multi-threaded pass over the weight with the bias in its
-    epilogue, where the BLAS's matrix-vector path reads the weight at a fraction of this CPU's memory
-    bandwidth and leaves the second thread idle (benchmarks/2026-12-02-inference-ladder.md, "After the fused
-    multiply-and-sum decode"). Larger batches keep inference_layout's packed product (or F.linear), and
-    so do eager one-row calls where there is a packed copy (F.linear otherwise). The weights go back to
-    row-major (the sum runs along memory; inference_layout's column-major order made it much slower).
-    Inference only, like inference_layout; quantised weights are left as they are. The model's type,
-    parameters and state dict are unchanged.
-    """
-    with torch.no_grad():
-        for module in _float_linears(model):
-            w = module.weight
-            w.data = w.data.contiguous()  # a no-op if already row-major; a tied Parameter stays one
-            module._gemv = True
-            module.forward = types.MethodType(_inference_forward, module)
-    return model
-
-
-def packed_products(model: nn.Module) -> bool:
-    """Whether every float Linear of `model` multiplies several rows by its oneDNN-packed copy
-    (inference_layout: fp32 weights, oneDNN present), so that its weight's own layout serves compiled
-    one-row products only."""
-    linears = _float_linears(model)
-    return torch.backends.mkldnn.is_available() and bool(linears) and all(
-        hasattr(m, "_packed") and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu" for m in linears)
-
-
 @torch.library.custom_op("gptopt::packed_linear", mutates_args=())
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """x @ W.T + bias, W given as torch.ops.mkldnn._reorder_linear_weight(W) (oneDNN's blocked layout).
+    """x @ W.T + bias, W given as onednn_pack(W) (oneDNN's blocked layout).
 
     An operator of gptopt's own so that torch.compile calls it as one opaque kernel: inductor has no
     lowering of the oneDNN linear for a packed weight that is a graph input (it packs only weights it
     froze itself, and fp32 ones through the BLAS)."""
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return onednn_linear(x, weight, bias)
 
 
 @packed_linear.register_fake
@@ -213,24 +55,7 @@ class _Packed:
         self.weight = weight
 
     def __deepcopy__(self, memo: dict[int, object]) -> _Packed:
-        return _Packed(torch.ops.mkldnn._reorder_linear_weight(self.weight.to_dense()))
-
-
-def _pack(module: nn.Linear) -> None:
-    if module.weight.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return  # half precision keeps the BLAS (oneDNN's bf16 path depends on the CPU's bf16 support)
-    module._packed = _Packed(torch.ops.mkldnn._reorder_linear_weight(module.weight.detach().contiguous()))
-    module.forward = types.MethodType(_inference_forward, module)
-
-
-def _packed_for(self: nn.Linear, x: torch.Tensor) -> torch.Tensor | None:
-    """The Linear's packed weight if it still serves x; None without one, or for a model (or this layer)
-    cast or moved since it was packed."""
-    packed, w = getattr(self, "_packed", None), self.weight
-    if packed is None or x.dtype != torch.float32 or x.device.type != "cpu" or w.dtype != torch.float32 \
-            or w.device.type != "cpu":
-        return None
-    return packed.weight
+        return _Packed(onednn_pack(self.weight.to_dense()))
 
 
 def _one_row(x: torch.Tensor) -> bool:
@@ -238,47 +63,140 @@ def _one_row(x: torch.Tensor) -> bool:
     return x.numel() <= GEMV_MAX_ROWS * x.shape[-1]
 
 
-def _inference_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    one, row_major = _one_row(x), getattr(self, "_gemv", False)
-    if one and row_major and torch.compiler.is_compiling():
-        y = (x.unsqueeze(-2) * self.weight).sum(-1)
-        return y if self.bias is None else y + self.bias
-    # One row on column-major weights: the BLAS's matrix-vector path, which reads them fastest. One
-    # eager row on row-major ones (a prompt's last position at the lm_head) takes the packed copy: the
-    # BLAS's product on them ran slower than oneDNN's on the copy with two threads, over shapes of
-    # tiny's and gpt2's, and slower than on column-major weights too
-    # (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
-    packed = None if one and not row_major else _packed_for(self, x)
-    if packed is None:
-        return F.linear(x, self.weight, self.bias)
-    if torch.compiler.is_compiling():
-        return packed_linear(x, packed, self.bias)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")  # no custom-op dispatch
+class CpuLinear(nn.Linear):
+    """nn.Linear for CPU inference, with the same weight and bias.
+
+    gemv False (inference_layout): the weight column-major. One row (a batch-1 decode step) multiplies by
+    weight.T, contiguous in this layout, on the CPU BLAS's matrix-vector path, which runs much faster on it
+    (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
+    gemv True (gemv_linears): the weight row-major; a compiled step of at most GEMV_MAX_ROWS rows computes
+    (x[..., None, :] * weight).sum(-1) + bias, which inductor fuses into one vectorised, multi-threaded pass
+    over the weight with the bias in its epilogue (benchmarks/2026-12-02-inference-ladder.md, "After the fused
+    multiply-and-sum decode").
+    Several rows (a batched decode step, a prefill) and an eager row on row-major weights: oneDNN's linear over
+    `packed`, the weight reordered once into its blocked layout, where the BLAS GEMM repacks it every call
+    (benchmarks/2026-12-04-serving-vs-transformers.md, "Products of several rows on oneDNN-packed weights").
+    The packed copy costs the weight's memory once more; fp32 weights only, and only while the layer is
+    neither cast nor moved (F.linear otherwise).
+    """
+
+    packed: _Packed | None
+    gemv: bool
+
+    @classmethod
+    def convert(cls, linear: nn.Linear) -> CpuLinear:
+        """`linear`, in place, as a CpuLinear (column-major, no packed copy yet)."""
+        if not isinstance(linear, cls):
+            linear.__class__ = cls
+            linear.packed, linear.gemv = None, False  # type: ignore[attr-defined]
+        return linear  # type: ignore[return-value]
+
+    def pack(self) -> None:
+        """The oneDNN-packed copy, once (a layout change keeps the values it holds); fp32 weights only: half
+        precision keeps the BLAS (oneDNN's bf16 path depends on the CPU's bf16 support)."""
+        if self.packed is None and self.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+            self.packed = _Packed(onednn_pack(self.weight.detach().contiguous()))
+
+    def packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The packed weight if it still serves x; None without one, or for a model (or this layer) cast or
+        moved since it was packed."""
+        w = self.weight
+        if self.packed is None or x.dtype != torch.float32 or x.device.type != "cpu" or w.dtype != torch.float32 \
+                or w.device.type != "cpu":
+            return None
+        return self.packed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        one = _one_row(x)
+        if one and self.gemv and torch.compiler.is_compiling():
+            y = (x.unsqueeze(-2) * self.weight).sum(-1)
+            return y if self.bias is None else y + self.bias
+        # One row on column-major weights: the BLAS's matrix-vector path, which reads them fastest. One
+        # eager row on row-major ones (a prompt's last position at the lm_head) takes the packed copy: the
+        # BLAS's product on them ran slower than oneDNN's on the copy with two threads, over shapes of
+        # tiny's and gpt2's, and slower than on column-major weights too
+        # (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
+        packed = None if one and not self.gemv else self.packed_for(x)
+        if packed is None:
+            return F.linear(x, self.weight, self.bias)
+        if torch.compiler.is_compiling():
+            return packed_linear(x, packed, self.bias)
+        return onednn_linear(x, packed, self.bias)  # eager: no custom-op dispatch
 
 
-def _packed_mlp_forward(self: MLP, x: torch.Tensor) -> torch.Tensor:
-    """MLP.forward with the GELU applied by oneDNN inside c_fc's packed product (its tanh GELU post-op),
-    eager and for several rows; compiled steps (inductor fuses the GELU itself) and one row keep
-    MLP.forward. The separate GELU was a pass of its own over the widest activation, and c_fc with the
-    post-op costs less than the product and the GELU apart (benchmarks/2026-12-04-serving-vs-transformers.md,
-    "The GELU inside the prefill's first product"); the values differ in their last bits only."""
-    packed = None
-    if not torch.compiler.is_compiling() and not _one_row(x):
-        packed = _packed_for(self.c_fc, x)
-    if packed is None:
-        return MLP.forward(self, x)
-    h = torch.ops.mkldnn._linear_pointwise(x, packed, self.c_fc.bias, "gelu", [], "tanh")
-    return self.dropout(self.c_proj(h))
+class PackedGeluMLP(MLP):
+    """GPT-2's MLP with the GELU applied by oneDNN inside c_fc's packed product (its tanh GELU post-op),
+    eager and for several rows; compiled steps (inductor fuses the GELU itself) and one row keep MLP.forward.
+    The separate GELU was a pass of its own over the widest activation, and c_fc with the post-op costs less
+    than the product and the GELU apart (benchmarks/2026-12-04-serving-vs-transformers.md, "The GELU inside
+    the prefill's first product"); the values differ in their last bits only."""
+
+    c_fc: CpuLinear
+
+    @classmethod
+    def convert(cls, mlp: MLP) -> PackedGeluMLP:
+        """`mlp`, in place, as a PackedGeluMLP: its c_fc must be a packed CpuLinear."""
+        mlp.__class__ = cls
+        return mlp  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        packed = None
+        if not torch.compiler.is_compiling() and not _one_row(x):
+            packed = self.c_fc.packed_for(x)
+        if packed is None:
+            return super().forward(x)
+        h = onednn_linear(x, packed, self.c_fc.bias, "gelu", "tanh")
+        return self.dropout(self.c_proj(h))
 
 
-def graph_break_reason(exc: BaseException) -> str | None:
-    """The reason torch.compile gave up under fullgraph=True, or None if exc is something else."""
-    try:
-        from torch._dynamo import exc as dynamo_exc
-    except ImportError:  # pragma: no cover
-        return None
-    kinds = tuple(k for k in (getattr(dynamo_exc, "Unsupported", None), getattr(dynamo_exc, "UserError", None)) if k)
-    if isinstance(exc, kinds):
-        return str(exc).strip().splitlines()[0]
-    return None
+def _float_linears(model: nn.Module) -> list[nn.Linear]:
+    """The Linear layers with plain floating-point weights: quantised ones (tensor subclasses, integers) excluded."""
+    return [m for m in model.modules() if type(m) in (nn.Linear, CpuLinear) and type(m.weight.data) is torch.Tensor
+            and m.weight.is_floating_point() and m.weight.dim() == 2]
 
+
+def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
+    """CPU inference: each float Linear a CpuLinear, its weight column-major with a oneDNN-packed copy (fp32),
+    and each GPT-2 MLP whose c_fc is packed a PackedGeluMLP; in place. Same values, parameters and state dict.
+
+    GPUs' GEMMs take either layout at full speed, so they are left alone. Quantised and half-precision
+    weights keep their layout (half precision gets no packed copy).
+    """
+    if device_type != "cpu":
+        return model
+    with torch.no_grad():
+        for module in _float_linears(model):
+            layer = CpuLinear.convert(module)
+            w = layer.weight
+            if not w.t().is_contiguous():
+                w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
+            layer.gemv = False  # a multiply-and-sum along this layout ran much slower (gemv_linears)
+            layer.pack()
+    for mlp in model.modules():
+        if isinstance(mlp, MLP) and isinstance(mlp.gelu, TanhGELU) and getattr(mlp.c_fc, "packed", None) is not None:
+            PackedGeluMLP.convert(mlp)
+    return model
+
+
+def gemv_linears(model: nn.Module) -> nn.Module:
+    """CPU compiled decode: each float Linear a CpuLinear whose compiled steps of at most GEMV_MAX_ROWS rows are
+    the multiply-and-sum over its row-major weight, in place. Larger batches keep inference_layout's packed
+    product (or F.linear), and so do eager one-row calls where there is a packed copy (F.linear otherwise). The
+    weights go back to row-major (the sum runs along memory; inference_layout's column-major order made it much
+    slower). Quantised weights are left as they are; the parameters and state dict are unchanged."""
+    with torch.no_grad():
+        for module in _float_linears(model):
+            layer = CpuLinear.convert(module)
+            layer.weight.data = layer.weight.data.contiguous()  # a no-op if already row-major; ties hold
+            layer.gemv = True
+    return model
+
+
+def packed_products(model: nn.Module) -> bool:
+    """Whether every float Linear of `model` multiplies several rows by its oneDNN-packed copy
+    (inference_layout: fp32 weights, oneDNN present), so that its weight's own layout serves compiled
+    one-row products only."""
+    linears = _float_linears(model)
+    return torch.backends.mkldnn.is_available() and bool(linears) and all(
+        getattr(m, "packed", None) is not None and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+        for m in linears)

@@ -25,9 +25,10 @@ import torch
 from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig, SamplingConfig
-from gptopt.infer.load import GraphedDecode, compile_decode
+from gptopt.infer.compiled import GraphedDecode, compile_decode
 from gptopt.models.gpt import GPT, KVCacheLayer
 from gptopt.runtime.device import DevicePlan
+from gptopt.runtime.torch_private import maybe_mark_dynamic
 
 __all__ = ["Decoding", "Generator", "KVCache", "SamplingParams", "StopChecker", "TokenLogprob", "complete", "generate",
            "stream", "unescape"]
@@ -547,7 +548,7 @@ class Generator:
             keys = self._keys  # a CUDA graph per length would be recorded every step: the whole cache
         else:  # the positions written so far only, as the eager decode: faster at many rows than the whole cache
             keys = self._keys[: max(pos_all) + 1]
-            torch._dynamo.maybe_mark_dynamic(keys, 0)
+            maybe_mark_dynamic(keys, 0)
         assert self._step is not None
         logits = self._step(self._tensor(tok_all).view(-1, 1), self._tensor(pos_all).view(-1, 1), keys)
         if slots == list(range(rows)):

@@ -2,7 +2,7 @@
 
     python -c "from gptopt.infer.load import load_for_inference; help(load_for_inference)"
 
-What prepare_model.prepare is for training, this is for generate, serve, bench --mode infer,
+What train.wrap.wrap_for_training is for training, this is for generate, serve, bench --mode infer,
 compress and export. The order, and why it is this one:
 
   1. model_source: `--model` -> a directory (a training output dir means its latest checkpoint)
@@ -11,16 +11,16 @@ compress and export. The order, and why it is this one:
      checkpoint recorded, else one in the folder above, else GPT-2's.
   3. weights: hf.load_pretrained (a compressed checkpoint comes back dequantised, in fp32); check_vocab
      refuses a tokenizer that is not the model's.
-  4. prepare, once per model:
+  4. optimize_for_inference, once per model:
      a. dtype and device (weights_dtype), or a compressed checkpoint rebuilt for this device
         (quantize.restore, which needs the fp32 weights of step 3 to recover the stored integers);
      b. int8 or int4 weight-only (quantize_int8, quantize_int4): swaps weights for torchao tensors, so
         after the cast (int4 runs bf16 on sm_80+ CUDA only: refused before step 1 elsewhere);
-     c. weight layout (prepare_model.inference_layout): float weights only, so after int8.
-  5. compile_decode, once per Generator (it needs the KV cache, which the Generator owns):
-     static cache addresses for CUDA graphs, or on CPUs the gemv Linears (prepare_model.gemv_linears,
+     c. weight layout (cpu_layout.inference_layout: CpuLinear): float weights only, so after int8.
+  5. compiled.compile_decode, once per Generator (it needs the KV cache, which the Generator owns):
+     static cache addresses for CUDA graphs, or on CPUs the gemv Linears (cpu_layout.gemv_linears,
      which undo step c's layout: they read row-major weights), then torch.compile. Or, on CUDA without
-     a compiler, GraphedDecode: the eager decode recorded as one CUDA graph per batch bucket.
+     a compiler, compiled.GraphedDecode: the eager decode recorded as one CUDA graph per batch bucket.
 """
 
 from __future__ import annotations
@@ -28,26 +28,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
-import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
 
 from gptopt.config import INFER_QUANTIZE
 from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
-from gptopt.infer.cpu_layout import GEMV_MAX_ROWS, compile_model, gemv_linears, inference_layout, packed_products
+from gptopt.infer.cpu_layout import inference_layout
 from gptopt.infer.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
 from gptopt.models import checkpoint, hf
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
-from gptopt.runtime.memory import is_oom
 from gptopt.utils.extras import require
 
-__all__ = ["GraphedDecode", "check_vocab", "compile_decode", "find_tokenizer", "load_for_inference", "model_source",
-           "own_tokenizer", "prepare", "weights_dtype"]
+__all__ = ["check_vocab", "find_tokenizer", "load_for_inference", "model_source", "optimize_for_inference",
+           "own_tokenizer", "weights_dtype"]
 
 log = logging.getLogger("gptopt")
 
@@ -159,7 +156,7 @@ def _check_quantize(quantize: str, plan: DevicePlan, dtype: torch.dtype) -> None
         require("torchao.quantization", "quant", "--quantize int4-weight")
 
 
-def prepare(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, quantize: str = "none",
+def optimize_for_inference(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, quantize: str = "none",
             compression: dict[str, Any] | None = None, layout: bool = True) -> GPT:
     """Steps 4a-c of the module docstring, in place: the model in eval mode on plan.device, ready for a Generator.
 
@@ -200,120 +197,4 @@ def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, d
     log.info("model %s: %.1fM parameters, %s weights on %s (generation runs in the weights' dtype, no autocast)",
              source, net.num_params() / 1e6, describe(record) if record else str(dt).removeprefix("torch."),
              plan.device)
-    return prepare(net, plan, dtype=dt, quantize=quantize, compression=record, layout=layout), tok
-
-
-F = TypeVar("F", bound=Callable[..., Any])
-# dynamo's limit of graphs per function: recompile_limit from torch 2.6 on, cache_size_limit before
-RECOMPILE_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
-
-
-def compile_decode(step: F, model: GPT, cache: Sequence[torch.Tensor], device: torch.device, rows: int) -> F:
-    """Step 5: `step`, the decode of the first B of `rows` cache rows over `model` and its KV `cache`
-    (B: Generator.buckets), compiled: on CPUs one graph for one row and one for every B of 2 and more.
-
-    CUDA: reduce-overhead (CUDA graphs), with the cache at static addresses so the graphs update it in place,
-    one static graph and CUDA graph per bucket. Elsewhere no graphs to capture: an inference compile (frozen
-    weights) whose attention length is symbolic too, and for a step of at most GEMV_MAX_ROWS rows the decode's
-    matrix-vector products as fused multiply-sums on row-major weights (gemv_linears): also the 1-row bucket
-    of a Generator of more slots when the products of several rows run on oneDNN-packed copies
-    (packed_products), which the row-major layout leaves alone. There the 1-row step runs faster than
-    as a GEMM on column-major weights, and the steps of more rows no slower
-    (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
-    Without packed copies (bf16 weights, no oneDNN) a step of more rows gets inference_layout's
-    column-major weights back: on row-major ones its compiled GEMMs ran slower than the eager decode
-    (benchmarks/2026-12-02-inference-ladder.md, "The compiled decode at every batch size"), and its
-    1-row bucket is a GEMM too (the layout is the model's; `rows` is the largest bucket).
-    """
-    # One graph per bucket: more than dynamo keeps per function by default once buckets reach 4096 rows
-    # (or several generators, as bench --mode infer builds, share the decode's code).
-    limit = RECOMPILE_LIMIT
-    setattr(torch._dynamo.config, limit, max(getattr(torch._dynamo.config, limit), 64))
-    if device.type == "cuda":
-        for t in cache:
-            torch._dynamo.mark_static_address(t)
-        # One static graph and CUDA graph per bucket. A symbolic row count (dynamic=True) failed on an H200
-        # with torch 2.11 (inductor's code named an undefined size, "NameError: name 's51' is not defined").
-        return compile_model(step, mode="reduce-overhead", dynamic=False)  # type: ignore[arg-type,return-value]
-    if rows > GEMV_MAX_ROWS and not packed_products(model):
-        # the packed copies if the model has none yet (one not loaded by load_for_inference), else
-        # column-major again after a smaller step's gemv_linears on this model (bench's batch sweep)
-        inference_layout(model, device.type)
-    if rows <= GEMV_MAX_ROWS or packed_products(model):
-        gemv_linears(model)
-    # Sizes dynamo sees change become symbolic: the attention's length (marked so) and, from the second
-    # bucket on, the row count, so every bucket of 2 rows and more shares one graph.
-    return compile_model(step, inference=True)  # type: ignore[arg-type,return-value]
-
-
-class GraphedDecode:
-    """Step 5 without a compiler, CUDA only: `step` (the Generator's decode of the first B cache rows)
-    recorded as one CUDA graph per row count B on its first call, and replayed after that.
-
-    A GPT-2-class decode step is hundreds of small kernels whose launches, not their arithmetic, set
-    its time on a GPU; a replay launches them all at once. Recording a bucket is far quicker than
-    torch.compile's reduce-overhead compile of it (docs/gpu-results.md): this is what makes a server
-    ready in seconds. The graphs read their tokens and positions from static buffers, and the KV
-    cache and `keys` (the attended length, the whole cache) must keep their addresses and shapes: the
-    Generator's do. The returned logits are the graph's own buffer in the memory pool the buckets
-    share, so the next replay of any bucket may overwrite them: copy what is kept before the next call
-    (Generator._decode_static does).
-    """
-
-    def __init__(self, step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
-                 device: torch.device) -> None:
-        if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
-        self.step = step
-        self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.pos = torch.zeros_like(self.tok)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor] | None] = {}  # None: runs eagerly
-        self.pool = torch.cuda.graph_pool_handle()  # the buckets' graphs share one memory pool
-        self.record_s = 0.0  # seconds spent recording, every bucket so far
-
-    def __call__(self, tok: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        rows = tok.shape[0]
-        self.tok[:rows].copy_(tok, non_blocking=True)
-        self.pos[:rows].copy_(pos, non_blocking=True)
-        if rows not in self.graphs:
-            self.graphs[rows] = self._record(rows, keys)
-        recorded = self.graphs[rows]
-        if recorded is None:
-            return self.step(self.tok[:rows], self.pos[:rows], keys)
-        graph, logits = recorded
-        graph.replay()
-        return logits
-
-    def _record(self, rows: int, keys: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor] | None:
-        """The bucket's graph and its output buffer; None, with a warning, where a kernel cannot be
-        recorded (a quantised layer's, say): that bucket then runs eagerly, slower but right. Running
-        out of memory is raised: it is the caller's to report."""
-        t0 = time.perf_counter()
-        try:
-            return self._capture(rows, keys)
-        except RuntimeError as e:
-            if is_oom(e):
-                raise
-            log.warning("could not record the decode of %d rows as a CUDA graph (%s: %s); it runs eagerly. "
-                        "--no-cuda_graphs runs every batch eagerly", rows, type(e).__name__,
-                        (str(e).splitlines() or [""])[0])
-            return None
-        finally:
-            self.record_s += time.perf_counter() - t0
-
-    def _capture(self, rows: int, keys: torch.Tensor) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        args = (self.tok[:rows], self.pos[:rows], keys)
-        # One eager run first, on a side stream as recording wants: cuBLAS's handles and workspaces and
-        # every other lazy initialisation happen outside the graph. It writes the same keys and values
-        # at the same positions as the replay that follows, so the cache is no different for it.
-        side = torch.cuda.Stream(device=self.tok.device)
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            self.step(*args)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: another thread's CUDA calls (the server's /metrics reading device memory) do not
-        # break this thread's recording
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
-            logits = self.step(*args)
-        return graph, logits
+    return optimize_for_inference(net, plan, dtype=dt, quantize=quantize, compression=record, layout=layout), tok

@@ -16,6 +16,7 @@ import torch.nn as nn
 from gptopt.infer.generator import Generator, SamplingParams, generate
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
+from gptopt.runtime.torch_private import inner_tensors
 
 GREEDY = dict(temperature=0.0, top_k=None)
 # The note of a rung that a stopped bench (Ctrl-C, SIGINT) did not finish: the rest are still reported.
@@ -30,9 +31,9 @@ def free_memory(plan: DevicePlan) -> None:
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor occupies; quantised subclasses (torchao) are summed over their inner tensors."""
-    if hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names)
+    inner = inner_tensors(t)
+    if inner is not None:
+        return sum(map(tensor_bytes, inner))
     return t.numel() * t.element_size()
 
 

@@ -140,7 +140,8 @@ def _pick_device(device: str) -> torch.device:
 
 
 def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True, quiet: bool = False) -> DevicePlan:
-    """Choose the device and autocast dtype once; raise ValueError naming the fix for impossible asks.
+    """Choose the device and autocast dtype once; raise ValueError naming the fix for impossible asks. The plan
+    says whether fp32 matmuls may use TF32 (plan.tf32); the command switches it on (process.set_matmul_precision).
 
     quiet: do not log the reason (inference logs its own line: it runs in the weights' dtype)."""
     if amp_dtype not in AMP_DTYPES:
@@ -188,8 +189,6 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
             why.append(f"CPU: {amp} as asked"
                        + ("" if fast or amp == "fp32" else f" (no native bf16{said}: expect it slower)"))
         use_tf32 = False
-    if use_tf32:
-        torch.set_float32_matmul_precision("high")
     dtype = None if amp == "fp32" else _DTYPES[amp]
     plan = DevicePlan(
         device=dev, amp_dtype=dtype, use_grad_scaler=amp == "fp16" and dev.type == "cuda", tf32=use_tf32,

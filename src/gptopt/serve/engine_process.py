@@ -50,7 +50,7 @@ from gptopt.infer import memory as infer_memory
 from gptopt.infer.constrain import Grammars
 from gptopt.infer.generator import Generator, SamplingParams
 from gptopt.infer.load import load_for_inference
-from gptopt.runtime import memory
+from gptopt.runtime import memory, process
 from gptopt.runtime.device import resolve
 from gptopt.serve.blocklist import Blocklist, load_blocklist
 from gptopt.serve.engine import (
@@ -82,6 +82,9 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
                  metrics: ServeMetrics | None = None) -> Engine:
     """The model (loaded now unless given) in a Generator, in a warmed-up engine that is not started yet."""
     plan = resolve(cfg.device, quiet=True)
+    process.set_matmul_precision(plan)
+    if cfg.compile:
+        process.allow_recompiles()
     if model is None:
         model, tokenizer = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
                                               quantize=cfg.quantize)

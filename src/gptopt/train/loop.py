@@ -29,7 +29,6 @@ from gptopt.config import TrainConfig
 from gptopt.data import loader as data
 from gptopt.data.bpb import bits_per_byte, bytes_per_token
 from gptopt.data.tokenizer import TOKENIZER
-from gptopt.infer.cpu_layout import Prepared, prepare
 from gptopt.models import checkpoint
 from gptopt.models.flops import at_least, flops_per_token, mfu
 from gptopt.runtime import memory
@@ -39,7 +38,6 @@ from gptopt.runtime.device import (
     environment,
     fp8_unavailable,
     peak_flops,
-    resolve,
     reuse_host_memory,
     sdpa_backend_unavailable,
 )
@@ -52,6 +50,7 @@ from gptopt.train.metrics import Metrics, Progress, sample
 from gptopt.train.resume import RUN_ENTRIES, RUN_KIND
 from gptopt.train.step import StepResult, TrainStep, loader_options, read_all
 from gptopt.train.tracing import scheduled_profiler
+from gptopt.train.wrap import Prepared, wrap_for_training
 
 log = logging.getLogger("gptopt")
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -103,9 +102,8 @@ class Trainer:
     pending: list[tuple[int, StepResult, float]]  # (step, its result, its lr): trained, not yet read
     bar: tqdm
 
-    def __init__(self, cfg: TrainConfig, info: DistInfo, device: str) -> None:
-        self.cfg, self.info = cfg, info
-        self.plan = resolve(device, cfg.amp_dtype if cfg.use_amp else "fp32")
+    def __init__(self, cfg: TrainConfig, info: DistInfo, plan: DevicePlan) -> None:
+        self.cfg, self.info, self.plan = cfg, info, plan
         self.out = Path(cfg.output_dir)
         if cfg.fp8 and (why := fp8_unavailable(self.plan.device)):
             raise ValueError(f"--fp8: {why}; drop --fp8")
@@ -154,7 +152,7 @@ class Trainer:
             log.info(f"attention: {self.attention}{kernel}; loss: {loss} ({why})"
                      + ("; float8 matmuls in the blocks (--fp8)" if cfg.fp8 else ""))
         train_memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
-        self.prep = prepare(
+        self.prep = wrap_for_training(
             self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, compile=cfg.compile,
             compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph, fp8=cfg.fp8,
         )

@@ -25,8 +25,8 @@ from torch.profiler import record_function
 
 from gptopt.config import TrainConfig
 from gptopt.data import loader as data
-from gptopt.infer.cpu_layout import graph_break_reason
 from gptopt.runtime.device import DevicePlan, sdpa_backends
+from gptopt.runtime.torch_private import graph_break_reason, skip_step_if
 from gptopt.train import distributed
 from gptopt.train.distributed import DistInfo
 from gptopt.train.optim import group_lrs, lr_at, make_optimizer
@@ -177,11 +177,8 @@ class TrainStep:
         values = torch.stack([loss_sum.float(), grad_norm.float().to(loss_sum.device)])
         if self.skips_on_device:
             finite = values.isfinite().all()
-            opt.found_inf = (~finite).float()  # type: ignore[attr-defined]  # read by the fused kernel
-            try:
+            with skip_step_if(opt, (~finite).float()):  # read by the fused kernel
                 opt.step()
-            finally:
-                del opt.found_inf  # type: ignore[attr-defined]
             opt.zero_grad(set_to_none=True)
             return StepResult(torch.cat([values, finite.float().unsqueeze(0)]))
         with record_function(READOUT_RANGE):
