@@ -23,7 +23,7 @@ import time
 from typing import Any
 
 from gptopt.config import ServeConfig
-from gptopt.infer.generator import SamplingParams
+from gptopt.infer.sampling import SamplingParams
 from gptopt.serve.engine import Engine, Event
 from gptopt.serve.engine_process import build_engine
 

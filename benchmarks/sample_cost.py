@@ -20,8 +20,9 @@ from tokenizers import Tokenizer
 from gptopt.config import GPTConfig
 from gptopt.data.corpus import stdlib_corpus, train_bpe
 from gptopt.infer.constrain import Grammars, grammar_for
-from gptopt.infer.generator import Generator, SamplingParams
+from gptopt.infer.generator import Generator
 from gptopt.infer.load import VOCAB_PAD
+from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve
 

@@ -22,7 +22,8 @@ from tokenizers import Tokenizer
 from gptopt import cli
 from gptopt.commands import export
 from gptopt.config import preset
-from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.infer.generator import Generator, generate
+from gptopt.infer.sampling import SamplingParams
 from gptopt.models import hf
 from gptopt.models.checkpoint import save_model
 from gptopt.models.gpt import GPT

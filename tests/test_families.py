@@ -120,7 +120,7 @@ def test_a_hugging_face_model_of_the_family_loads_with_its_logits(kind: str, tmp
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_cached_decoding_gives_the_full_forwards_logits(kind: str, tmp_path: Path) -> None:
     """Rotary positions and grouped key/value heads through the KV cache: a prompt, then one token at a time."""
-    from gptopt.infer.generator import KVCache
+    from gptopt.infer.kv_cache import KVCache
 
     hf_model(kind).save_pretrained(tmp_path / kind)
     model = hf.load_pretrained(tmp_path / kind).eval()
@@ -193,7 +193,8 @@ def test_bench_trains_a_llama_shaped_preset_against_its_transformers_model(train
 def test_a_llama_shaped_model_exports_to_a_folder_transformers_loads_and_generates_from_alike(
     qwen: bool, tmp_path: Path
 ) -> None:
-    from gptopt.infer.generator import Generator, SamplingParams, generate
+    from gptopt.infer.generator import Generator, generate
+    from gptopt.infer.sampling import SamplingParams
     from gptopt.runtime.device import resolve
 
     torch.manual_seed(0)
@@ -214,8 +215,9 @@ def test_a_llama_shaped_model_exports_to_a_folder_transformers_loads_and_generat
 
 def greedy_text(directory: Path, ids: list[int], n: int, stop: tuple[int, ...] = ()) -> str:
     """The Generator's greedy text after ids, from the directory as inference loads it: what the server must send."""
-    from gptopt.infer.generator import Generator, SamplingParams, generate
+    from gptopt.infer.generator import Generator, generate
     from gptopt.infer.load import load_for_inference
+    from gptopt.infer.sampling import SamplingParams
     from gptopt.runtime.device import resolve
 
     plan = resolve("cpu", "fp32", quiet=True)

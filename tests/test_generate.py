@@ -22,15 +22,10 @@ from gptopt import cli
 from gptopt.commands import generate as gen_mod
 from gptopt.config import GenerateConfig
 from gptopt.infer.compiled import GraphedDecode
-from gptopt.infer.generator import (
-    Generator,
-    SamplingParams,
-    StopChecker,
-    complete,
-    generate,
-    stream,
-)
+from gptopt.infer.generator import Generator, complete, generate, stream
 from gptopt.infer.load import load_for_inference
+from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.stop import StopChecker
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve

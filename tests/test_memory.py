@@ -130,7 +130,7 @@ def test_inference_counts_the_kv_cache_per_slot() -> None:
 def test_the_kv_cache_estimate_is_the_generators_cache_of_the_key_value_heads(name: str) -> None:
     """Grouped-query attention caches its key/value heads only (SmolLM2: 3 of 9), each head_dim wide (Qwen3: not
     the width over the heads): what serve sizes its slots by is what the Generator allocates."""
-    from gptopt.infer.generator import KVCache
+    from gptopt.infer.kv_cache import KVCache
 
     cfg = preset(name)
     cache = KVCache(cfg, 2, 512, device="meta", dtype=torch.bfloat16)

@@ -18,7 +18,8 @@ from conftest import graph_ops, make_varied_model
 from gptopt.config import preset
 from gptopt.infer.compiled import compile_decode
 from gptopt.infer.cpu_layout import GEMV_MAX_ROWS, CpuLinear, gemv_linears, inference_layout, packed_products
-from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.infer.generator import Generator, generate
+from gptopt.infer.sampling import SamplingParams
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT
 from gptopt.runtime.compile import compile_model

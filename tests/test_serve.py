@@ -30,7 +30,9 @@ httpx = pytest.importorskip("httpx")
 
 from gptopt.config import ServeConfig, preset  # noqa: E402
 from gptopt.data.tokenizer import eot_id  # noqa: E402
-from gptopt.infer.generator import Generator, SamplingParams, complete  # noqa: E402
+from gptopt.infer import sampling  # noqa: E402
+from gptopt.infer.generator import Generator, complete  # noqa: E402
+from gptopt.infer.sampling import SamplingParams  # noqa: E402
 from gptopt.models.gpt import GPT  # noqa: E402
 from gptopt.runtime.device import resolve  # noqa: E402
 from gptopt.serve.app import MAX_BODY_BYTES, create_app  # noqa: E402
@@ -1334,15 +1336,15 @@ def test_head_probes_and_one_model_by_id(url: str) -> None:
 
 def end_of_text_after(gen: Generator, monkeypatch: pytest.MonkeyPatch, prompt_len: int, n: int, eot: int) -> None:
     """The engine's sampler picks end-of-text as the n-th new token (as a model that ends there would)."""
-    real = Generator._pick
+    real = sampling.pick
 
     def pick(logits: torch.Tensor, params: Any, histories: list[list[int]], generators: Any,
              *rest: Any) -> torch.Tensor:
-        t = real(gen, logits, params, histories, generators, *rest)
+        t = real(logits, params, histories, generators, *rest)
         at_end = torch.tensor([len(h) - prompt_len >= n - 1 for h in histories])
         return torch.where(at_end, torch.full_like(t, eot), t)
 
-    monkeypatch.setattr(gen, "_pick", pick)
+    monkeypatch.setattr(sampling, "pick", pick)  # every Generator's: the test's engine runs only `gen`
 
 
 def test_a_reply_ended_by_end_of_text_loses_no_text_to_the_blocklist_holdback(

@@ -19,7 +19,8 @@ httpx = pytest.importorskip("httpx")
 from test_serve import PROMPT, assert_openai_error, completion, running, sse  # noqa: E402
 
 from gptopt.infer.constrain import Grammars, grammar_for  # noqa: E402
-from gptopt.infer.generator import Generator, SamplingParams, complete  # noqa: E402
+from gptopt.infer.generator import Generator, complete  # noqa: E402
+from gptopt.infer.sampling import SamplingParams  # noqa: E402
 from gptopt.runtime.device import resolve  # noqa: E402
 
 

@@ -27,8 +27,10 @@ from tqdm import tqdm
 from gptopt.config import GenerateConfig
 from gptopt.data.tokenizer import eot_id
 from gptopt.infer import chat
-from gptopt.infer.generator import Generator, SamplingParams, StopChecker, complete, stream
+from gptopt.infer.generator import Generator, complete, stream
 from gptopt.infer.load import load_for_inference, model_source
+from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.stop import StopChecker
 from gptopt.outputs import check_writable, lock_output, staged_file
 from gptopt.runtime import process
 from gptopt.runtime.device import resolve

@@ -38,7 +38,8 @@ from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.data import loader as data
 from gptopt.infer import memory as infer_memory
 from gptopt.infer.cpu_layout import inference_layout
-from gptopt.infer.generator import Generator, SamplingParams
+from gptopt.infer.generator import Generator
+from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, lock_output, replacing
 from gptopt.runtime import memory, process

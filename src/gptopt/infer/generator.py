@@ -1,11 +1,12 @@
-"""Generation: a preallocated KV cache, prefill + decode, sampling on the device, one token generator.
+"""Generation: prefill + decode over a preallocated KV cache, one token generator.
 
 `gptopt generate`, the bench inference rungs, train's eval sample and the server's continuous-batching
 engine all drive one `Generator`: `prefill` a prompt into a cache slot, `decode` one token for several
 slots at their own positions, `sample` the next tokens, `free` the slot. `begin` / `decode_next` /
-`sample_next` / `end` do the same for `Decoding`s, which hold each sequence's slot and tokens and decide
-when it ends; `StopChecker` turns tokens into text that ends at a stop string. Shaped after gpt-fast's
-generate.py. Loading a model for it: inference.py; the command: generate.py.
+`sample_next` / `end` do the same for `Decoding`s (decoding.py), which hold each sequence's slot and
+tokens and decide when it ends. Shaped after gpt-fast's generate.py. Its parts: kv_cache.py (the cache),
+sampling.py (the sampler), stop.py (tokens -> text that ends at a stop string); loading a model for it:
+load.py; the command: commands/generate.py.
 
     python -c "from gptopt.infer.generator import Generator; help(Generator)"
 """
@@ -13,221 +14,25 @@ generate.py. Loading a model for it: inference.py; the command: generate.py.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
-import math
-import re
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
-from tokenizers import Tokenizer
 
-from gptopt.config import GPTConfig, SamplingConfig
+from gptopt.infer import sampling
 from gptopt.infer.compiled import GraphedDecode, compile_decode
-from gptopt.models.gpt import GPT, KVCacheLayer
+from gptopt.infer.decoding import Decoding, Finish
+from gptopt.infer.kv_cache import KVCache
+from gptopt.infer.sampling import SamplingParams, TokenLogprob
+from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.runtime.torch_private import maybe_mark_dynamic
 
-__all__ = ["Decoding", "Generator", "KVCache", "SamplingParams", "StopChecker", "TokenLogprob", "complete", "generate",
-           "stream", "unescape"]
+__all__ = ["Generator", "complete", "generate", "stream"]
 
 log = logging.getLogger("gptopt")
 
-
-def unescape(text: str) -> str:
-    """The escapes a shell cannot type easily (\\n, \\t, \\r, \\\\) -> their characters; other text as it is."""
-    return re.sub(r"\\[ntr\\]", lambda m: {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}[m.group()[1]], text)
-
-
-@dataclass(kw_only=True)
-class SamplingParams:
-    """How one sequence is sampled (the server builds one per request)."""
-
-    max_new_tokens: int = 128
-    temperature: float = 0.8  # 0 = greedy (argmax)
-    top_k: int | None = 50
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0  # HF's rule: a seen token's logit / p if positive, * p if negative
-    # OpenAI's penalties, by vLLM's rule: a token's logit minus presence_penalty once it has been generated,
-    # minus frequency_penalty times the number of times it has (the prompt's tokens do not count).
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, a value added to its logit before sampling)
-    # Constrained decoding: the key of a grammar (constrain.Grammars) every new token must keep the text a
-    # prefix of; the end-of-text token only once the text is complete.
-    grammar: str | None = None
-    seed: int | None = None  # the same seed and prompt give the same sample, alone or in a batch
-    stop: tuple[str, ...] = ()  # texts that end the sequence (StopChecker); not part of the output
-    stop_token_ids: tuple[int, ...] = ()  # ids that end it (e.g. <|endoftext|>); not part of the output
-    # Log-probabilities, only computed when asked (None): each new token's, with this many most likely
-    # alternatives (Decoding.logprobs); and each prompt token's after the first (Decoding.prompt_logprobs).
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-
-    def __post_init__(self) -> None:
-        self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
-        self.logit_bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
-        for ok, rule, value in [
-            # 0: the prompt only, no new token (scoring a text by its prompt_logprobs)
-            (self.max_new_tokens >= 0, "max_new_tokens must be >= 0", self.max_new_tokens),
-            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0 (or None)", self.logprobs),
-            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs must be >= 0 (or None)",
-             self.prompt_logprobs),
-            (self.temperature >= 0, "temperature must be >= 0", self.temperature),
-            (self.top_k is None or self.top_k >= 1, "top_k must be >= 1 (or None: all tokens)", self.top_k),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty),
-            (math.isfinite(self.presence_penalty), "presence_penalty must be finite", self.presence_penalty),
-            (math.isfinite(self.frequency_penalty), "frequency_penalty must be finite", self.frequency_penalty),
-            (all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias),
-             "logit_bias must map token ids >= 0 to finite values", self.logit_bias),
-            (all(self.stop), "stop strings must not be empty", self.stop),
-        ]:
-            if not ok:
-                raise ValueError(f"{rule}, got {value!r}")
-
-    @classmethod
-    def from_config(cls, c: SamplingConfig) -> SamplingParams:
-        return cls(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
-                   repetition_penalty=c.repetition_penalty, seed=c.seed, stop=(unescape(c.stop),) if c.stop else ())
-
-
-# Why a sequence ended: a stop token id or stop string ("stop"), or its token budget ("length").
-Finish = Literal["stop", "length"]
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """One token's log-probability under the model's own distribution (log_softmax of the raw logits:
-    before the repetition penalty, temperature, top-k and top-p, as vLLM reports by default), and the
-    `k` most likely tokens at that position, most likely first (the token itself may be among them)."""
-
-    token: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
-
-
-@dataclass(eq=False)
-class Decoding:
-    """One sequence in one cache slot, from its prefill to its end; `add` is the one end-of-sequence rule.
-
-    Generator.begin makes one, Generator.decode_next and sample_next advance a batch of them, and
-    Generator.end frees the slot: the CLI's token generators and the server's engine all use these.
-    """
-
-    slot: int
-    params: SamplingParams
-    prompt_len: int
-    budget: int  # new tokens it may take: max_new_tokens, capped so prompt + new tokens fit the cache
-    rng: torch.Generator | None  # Generator.rng(params.seed)
-    ids: list[int]  # the prompt, then the new tokens (the repetition penalty's history)
-    finish: Finish | None = None
-    cached: int = 0  # prompt tokens in the cache so far: prefill_step runs the rest, a chunk at a time
-    # With params.logprobs: one entry per new token, the stop token that ends it included (OpenAI's
-    # legacy completions list it, and lm-eval reads it). With params.prompt_logprobs: one per prompt
-    # token after the first (the first has no context to be predicted from), filled as prefill_step runs.
-    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
-    pending: TokenLogprob | None = None  # sample_next's entry for the token `add` takes next
-    matcher: Any = None  # with params.grammar: the grammar's state after the tokens so far (constrain.Matcher)
-
-    @property
-    def prefilled(self) -> bool:
-        return self.cached >= self.prompt_len
-
-    @property
-    def tokens(self) -> list[int]:
-        """The new tokens so far."""
-        return self.ids[self.prompt_len :]
-
-    @property
-    def n_new(self) -> int:
-        return len(self.ids) - self.prompt_len
-
-    def add(self, token: int) -> Finish | None:
-        """Take the next sampled token; why the sequence ends with it, or None while it goes on.
-        A stop token id ends it ("stop") and is not kept; the budget's last token ends it ("length")."""
-        assert self.finish is None, "a finished sequence takes no more tokens"
-        entry, self.pending = self.pending, None
-        if entry is not None:  # a stop token's too, as OpenAI and vLLM list it: lm-eval counts on it being there
-            self.logprobs.append(entry)
-        if self.matcher is not None:
-            self.matcher.accept(token)
-        if token in self.params.stop_token_ids:
-            self.finish = "stop"
-        else:
-            self.ids.append(token)
-            if self.n_new >= self.budget:
-                self.finish = "length"
-        return self.finish
-
-    def stop(self) -> None:
-        """End it after its last token: its text reached a stop string (StopChecker)."""
-        self.finish = "stop"
-
-
-# ----------------------------------------------------------------------------------------------
-# KV cache
-
-
-class _LayerView:
-    """One layer of a KVCache as one forward sees it: these rows, writing at these positions."""
-
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | slice, flat: torch.Tensor,
-                 length: int) -> None:
-        self.k, self.v, self.rows, self.flat, self.length = k, v, rows, flat, length
-
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each row writes at its own positions: rows at different lengths share one forward. One
-        # index_copy_ into the cache seen as rows of head_dim: faster on a CPU than the equivalent
-        # cache[rows, :, positions] = ..., whose indexing around a slice takes a general scatter
-        # (benchmarks/2026-12-04-serving-vs-transformers.md, "Where an engine iteration's time goes").
-        hs = k.size(-1)
-        self.k.view(-1, hs).index_copy_(0, self.flat, k.reshape(-1, hs).to(self.k.dtype))  # k: (B, nh, T, hs)
-        self.v.view(-1, hs).index_copy_(0, self.flat, v.reshape(-1, hs).to(self.v.dtype))
-        return self.k[self.rows, :, : self.length], self.v[self.rows, :, : self.length]  # (B, nh, S, hs)
-
-
-class KVCache:
-    """Preallocated keys/values for `slots` sequences of up to `max_len` tokens, every layer:
-    (slots, nh, max_len, hs)."""
-
-    def __init__(self, config: GPTConfig, slots: int, max_len: int, *, device: torch.device | str,
-                 dtype: torch.dtype) -> None:
-        shape = (slots, config.kv_heads, max_len, config.head_dim)  # grouped-query attention keeps fewer heads
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.slots, self.max_len, self.n_head, self.device = slots, max_len, config.kv_heads, torch.device(device)
-
-    def layers(self, rows: torch.Tensor | slice, positions: torch.Tensor,
-               length: int | None = None) -> list[KVCacheLayer]:
-        """Per-layer views for one forward. rows: (B,) slot indices, or a slice of consecutive slots (the
-        layers then return views of the cache, no gather copy). positions: (B, T) being written.
-        length: return only the first `length` positions (more than any written), so fewer keys are attended."""
-        if isinstance(rows, slice):
-            # not rows.indices(): it would make a compiled decode's row count a constant (one graph per count)
-            assert rows.step in (None, 1), "a slice of rows must be consecutive"
-            start, stop = rows.start or 0, self.slots if rows.stop is None else rows.stop
-            index = torch.arange(start, stop, device=self.device)
-        else:
-            index = rows
-        # (B, nh, T): the row of each written key in the cache viewed as (slots * nh * max_len, hs)
-        heads = torch.arange(self.n_head, device=self.device)
-        flat = ((index[:, None, None] * self.n_head + heads[None, :, None]) * self.max_len + positions[:, None, :])
-        flat = flat.reshape(-1)
-        length = self.max_len if length is None else length
-        return [_LayerView(k, v, rows, flat, length) for k, v in zip(self.k, self.v, strict=True)]
-
-    def mask(self, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
-        """(B, 1, T, length) bool, True where the key's position <= the query's: each row sees its own past only."""
-        keys = torch.arange(self.max_len if length is None else length, device=positions.device)
-        return (keys <= positions[..., None]).unsqueeze(1)
-
-
-# ----------------------------------------------------------------------------------------------
-# The generator
 
 
 class Generator:
@@ -382,10 +187,10 @@ class Generator:
         if not targets:  # a one-token prompt: nothing to predict
             return
         k = max(s.params.prompt_logprobs or 0 for s in seqs)
-        entries = _unpack(_logprob_table(torch.cat(picked), self._tensor(targets), k).tolist())
+        entries = sampling.unpack(sampling.logprob_table(torch.cat(picked), self._tensor(targets), k).tolist())
         for s, c in zip(seqs, chunks, strict=True):
             n = min(s.cached + len(c) + 1, s.prompt_len) - (s.cached + 1)
-            s.prompt_logprobs += [_top(e, s.params.prompt_logprobs or 0) for e in entries[:n]]
+            s.prompt_logprobs += [sampling.top_of(e, s.params.prompt_logprobs or 0) for e in entries[:n]]
             entries = entries[n:]
 
     def decode_next(self, seqs: Sequence[Decoding]) -> torch.Tensor:
@@ -409,6 +214,19 @@ class Generator:
     def end(self, seq: Decoding) -> None:
         """Free the sequence's slot, however it ended."""
         self.free(seq.slot)
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+               generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
+               allowed: torch.Tensor | None = None) -> list[int]:
+        """sampling.sample: the next token of each row."""
+        return sampling.sample(logits, params, histories, generators, prompt_lens=prompt_lens, allowed=allowed)
+
+    def sample_logprobs(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                        generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
+                        allowed: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+        """sampling.sample_logprobs: the next token of each row, with its TokenLogprob where asked."""
+        return sampling.sample_logprobs(logits, params, histories, generators, prompt_lens=prompt_lens,
+                                        allowed=allowed)
 
     def rng(self, seed: int | None) -> torch.Generator | None:
         """A per-sequence random generator on the device for `sample`, or None (the global RNG) without a seed."""
@@ -555,124 +373,6 @@ class Generator:
             return logits.clone()  # a copy: CUDA graphs reuse their output buffer next step
         return logits[self._tensor(slots)]
 
-    # sampling ---------------------------------------------------------------------------------
-    @torch.no_grad()
-    def sample(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-               generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
-               allowed: torch.Tensor | None = None) -> list[int]:
-        """The next token of each row: the allowed tokens only, logit bias, repetition, presence and
-        frequency penalties, then argmax (temperature 0) or temperature, top-k and top-p sampling. On the
-        device throughout; the one host sync is the final .tolist().
-
-        histories: each row's prompt + generated ids (for the penalties); prompt_lens: where each row's
-        generated ids begin in it (None: all of it is generated). generators: Generator.rng(seed) per
-        row, or None for the global RNG. allowed: (B, V) bool, the tokens each row may take (None: all).
-        """
-        return self._pick(logits, params, histories, generators, prompt_lens, allowed).tolist()
-
-    @torch.no_grad()
-    def sample_logprobs(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-                        generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
-                        allowed: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
-        """`sample`, and for each row whose params ask (logprobs not None) its token's TokenLogprob with
-        params.logprobs alternatives, from the raw `logits` (None for the other rows). Still one host sync:
-        the tokens travel in the same float32 tensor as the log-probabilities."""
-        tokens = self._pick(logits, params, histories, generators, prompt_lens, allowed)
-        rows = [i for i, p in enumerate(params) if p.logprobs is not None]
-        k = max(params[i].logprobs or 0 for i in rows)
-        index = self._tensor(rows)
-        table = _logprob_table(logits[index], tokens[index], k)  # (R, 2 + 2k)
-        flat = torch.cat([tokens.float(), table.flatten()]).tolist()
-        B = len(params)
-        entries: list[TokenLogprob | None] = [None] * B
-        for i, e in zip(rows, _unpack([flat[B + r * table.shape[1] : B + (r + 1) * table.shape[1]]
-                                       for r in range(len(rows))]), strict=True):
-            entries[i] = _top(e, params[i].logprobs or 0)
-        return [int(t) for t in flat[:B]], entries
-
-    def _pick(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
-              generators: list[torch.Generator | None], prompt_lens: Sequence[int] | None = None,
-              allowed: torch.Tensor | None = None) -> torch.Tensor:
-        """sample's tokens (B,), on the device: no host sync."""
-        B, V = logits.shape
-        logits = logits.float()
-        # Out-of-place throughout: the raw logits stay as they are, for the log-probabilities.
-        if allowed is not None:  # first, so that no bias or penalty can bring a forbidden token back
-            logits = torch.where(allowed, logits, float("-inf"))
-        if any(p.logit_bias for p in params):
-            rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
-            cols = [t for p in params for t, _ in p.logit_bias]
-            bias = self._tensor([b for p in params for _, b in p.logit_bias], torch.float32)
-            logits = logits.index_put((self._tensor(rows), self._tensor(cols)), bias, accumulate=True)
-        if any(p.repetition_penalty != 1.0 for p in params):  # vLLM's order: it, then OpenAI's two
-            seen = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
-            rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 for _ in histories[i]]
-            cols = [t for i, p in enumerate(params) if p.repetition_penalty != 1.0 for t in histories[i]]
-            seen[self._tensor(rows), self._tensor(cols)] = True
-            pen = self._tensor([p.repetition_penalty for p in params], torch.float32).view(B, 1)
-            logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
-        if any(p.presence_penalty or p.frequency_penalty for p in params):
-            starts = prompt_lens or [0] * B
-            penalised = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
-            rows = [i for i in penalised for _ in histories[i][starts[i]:]]
-            cols = [t for i in penalised for t in histories[i][starts[i]:]]
-            counts = torch.zeros(B, V, device=logits.device)
-            counts.index_put_((self._tensor(rows), self._tensor(cols)), torch.ones(len(rows), device=logits.device),
-                              accumulate=True)
-            frequency = self._tensor([p.frequency_penalty for p in params], torch.float32).view(B, 1)
-            presence = self._tensor([p.presence_penalty for p in params], torch.float32).view(B, 1)
-            logits = logits - frequency * counts - presence * (counts > 0)
-        greedy = logits.argmax(dim=-1)
-        if all(p.temperature == 0 for p in params):
-            return greedy
-        # Work in the k_max best logits, sorted; k_max = V (a full sort) when some row has no top-k.
-        k_max = min(V, max(p.top_k or V for p in params))
-        vals, idx = logits.topk(k_max, dim=-1)  # (B, k_max)
-        vals = vals / self._tensor([p.temperature or 1.0 for p in params], torch.float32).view(B, 1)
-        ranks = torch.arange(k_max, device=logits.device)
-        keep = ranks < self._tensor([min(p.top_k or V, k_max) for p in params]).view(B, 1)
-        probs = vals.masked_fill(~keep, float("-inf")).softmax(dim=-1)
-        if any(p.top_p < 1.0 for p in params):
-            # The smallest prefix whose mass reaches p: a token stays while the mass before it is < p.
-            top_p = self._tensor([p.top_p for p in params], torch.float32).view(B, 1)
-            probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
-        # argmax(probs / Exp(1) noise) is how torch.multinomial draws one sample (same generator, same
-        # draw), minus its input check, which syncs with the host. Unnormalised probs are fine for it.
-        noise = torch.empty_like(probs)
-        if any(g is None for g in generators):
-            noise.exponential_()
-        for i, g in enumerate(generators):
-            if g is not None:
-                noise[i].exponential_(generator=g)
-        sampled = idx.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
-        is_greedy = self._tensor([p.temperature == 0 for p in params], torch.bool)
-        return torch.where(is_greedy, greedy, sampled)
-
-
-def _logprob_table(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
-    """(R, 2 + 2k) float32: each row's target token, its log-probability, the k most likely token ids and
-    their log-probabilities, most likely first. One log_softmax gives both, so a greedy token's logprob
-    equals the top one exactly. Token ids are exact in float32 below 2**24 (config.MAX_VOCAB)."""
-    lp = logits.float().log_softmax(dim=-1)  # (R, V)
-    top, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
-    return torch.cat([targets[:, None].float(), lp.gather(-1, targets[:, None]), ids.float(), top], dim=-1)
-
-
-def _unpack(rows: list[list[float]]) -> list[TokenLogprob]:
-    """_logprob_table's rows, on the host, as TokenLogprobs."""
-    out = []
-    for row in rows:
-        n = (len(row) - 2) // 2
-        out.append(TokenLogprob(token=int(row[0]), logprob=row[1],
-                                top=tuple((int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + n :], strict=True))))
-    return out
-
-
-def _top(entry: TokenLogprob, k: int) -> TokenLogprob:
-    """The entry with its k most likely alternatives only (a batch computes its rows' largest k)."""
-    return entry if len(entry.top) <= k else dataclasses.replace(entry, top=entry.top[:k])
-
-
 # ----------------------------------------------------------------------------------------------
 # Token generators on top of Generator
 
@@ -753,61 +453,3 @@ def stream(gen: Generator, prompt: list[int], params: SamplingParams) -> Iterato
     return tokens()
 
 
-class StopChecker:
-    """Incremental detokenizer: a growing list of token ids -> text safe to show, ended at a stop string.
-
-    Byte-level BPE splits multi-byte characters (emoji, accents) across tokens, so text ending in
-    U+FFFD (an incomplete UTF-8 sequence) is held back until a later token completes it. A stop
-    string may span tokens, so the longest tail that could begin one is held back too. The text
-    before a stop string is emitted; the stop string and anything after it never are.
-
-        checker = StopChecker(tokenizer, ("\\n\\n",))
-        for token in stream(gen, ids, params):
-            print(checker.add(token), end="")
-            if checker.stopped:
-                break
-        print(checker.finish())
-    """
-
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()) -> None:
-        self.tokenizer, self.stop = tokenizer, tuple(s for s in stop if s)
-        # Each stop string's proper prefixes by their last character, longest first: the tail held back
-        # is found by trying only the prefixes that end as the text does, not every prefix of every string.
-        self._prefixes: dict[str, list[str]] = {}
-        for p in sorted({s[:k] for s in self.stop for k in range(1, len(s))}, key=len, reverse=True):
-            self._prefixes.setdefault(p[-1], []).append(p)
-        self.ids: list[int] = []
-        self.text = ""  # everything emitted so far
-        self.stopped = False
-        # ids[_prefix:_read] is text already accounted for: decoding a short window, not the whole
-        # list, keeps each step O(1) and still gives the decoder its context (vLLM's scheme).
-        self._prefix = self._read = 0
-        self._pending = ""  # decoded but held back: it may be the start of a stop string
-
-    def add(self, token: int) -> str:
-        """Take one token; the new text that is safe to show now (often "")."""
-        if self.stopped:
-            return ""
-        self.ids.append(token)
-        return self._advance(final=False)
-
-    def finish(self) -> str:
-        """The held-back rest, when no more tokens come (an incomplete character stays U+FFFD)."""
-        return "" if self.stopped else self._advance(final=True)
-
-    def _advance(self, *, final: bool) -> str:
-        decode = self.tokenizer.decode  # skips special tokens (<|endoftext|>) by default
-        before, after = decode(self.ids[self._prefix : self._read]), decode(self.ids[self._prefix :])
-        if not final and (len(after) <= len(before) or after.endswith("\ufffd")):
-            return ""  # an incomplete character: wait for the token that completes it
-        self._prefix, self._read = self._read, len(self.ids)
-        text = self._pending + after[len(before) :]
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        if hits:
-            out, self._pending, self.stopped = text[: min(hits)], "", True
-        else:  # hold back the longest tail that may begin a stop string
-            hold = 0 if final or not text else next(
-                (len(p) for p in self._prefixes.get(text[-1], ()) if text.endswith(p)), 0)
-            out, self._pending = text[: len(text) - hold], text[len(text) - hold :]
-        self.text += out
-        return out

@@ -13,7 +13,8 @@ from collections.abc import Callable, Collection
 import torch
 import torch.nn as nn
 
-from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.infer.generator import Generator, generate
+from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.runtime.torch_private import inner_tensors

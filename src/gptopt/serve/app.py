@@ -34,7 +34,7 @@ from typing import Any
 from gptopt.config import ServeConfig
 from gptopt.data.tokenizer import eot_id
 from gptopt.infer import chat, constrain
-from gptopt.infer.generator import SamplingParams
+from gptopt.infer.sampling import SamplingParams
 from gptopt.utils.extras import require
 
 require("fastapi", "serve", "gptopt serve")

@@ -200,7 +200,7 @@ def load_blocklist(path: str | None) -> Blocklist:
 class TextFilter:
     """Cuts generated text at the first blocklist match, holding back what could still become one.
 
-    Stop strings are handled by generator.StopChecker; this works on its output. Streaming cannot take
+    Stop strings are handled by stop.StopChecker; this works on its output. Streaming cannot take
     text back, so the last `holdback` characters wait until the match is decided: the longest match a
     rule makes, with what it reads past it. Until the output is complete its end is not the output's end
     (`$` does not match there). Each search starts `holdback` characters before the unreleased text, so

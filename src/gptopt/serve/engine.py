@@ -46,7 +46,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 import torch
 
-from gptopt.infer.generator import Decoding, Generator, SamplingParams, StopChecker, TokenLogprob
+from gptopt.infer.decoding import Decoding
+from gptopt.infer.generator import Generator
+from gptopt.infer.sampling import SamplingParams, TokenLogprob
+from gptopt.infer.stop import StopChecker
 from gptopt.models.flops import flops_per_token
 from gptopt.serve.blocklist import Blocklist, TextFilter
 

@@ -2,7 +2,7 @@
 
     pytest -q tests/test_logprobs.py
 
-The numbers come from the Generator (generator.TokenLogprob: log_softmax of the model's raw logits,
+The numbers come from the Generator (sampling.TokenLogprob: log_softmax of the model's raw logits,
 before penalty, temperature, top-k and top-p). This module only names the tokens and places them in
 the text: `Vocab` gives a token's text and bytes, `CompletionLogprobs` builds one choice's `tokens`,
 `token_logprobs`, `top_logprobs` and `text_offset` as its tokens arrive, `chat_content` the entries
@@ -16,7 +16,7 @@ from typing import Any
 
 from tokenizers import Tokenizer, decoders
 
-from gptopt.infer.generator import TokenLogprob
+from gptopt.infer.sampling import TokenLogprob
 from gptopt.serve.engine import Event
 
 __all__ = ["ChatChoice", "CompletionChoice", "CompletionLogprobs", "Vocab", "chat_content"]

@@ -29,7 +29,7 @@ MAX_LOGIT_BIAS = 300  # token ids one logit_bias may name, as OpenAI allows
 # the batches clients send (lm-evaluation-harness: --batch_size prompts in one request).
 MAX_PROMPTS = 4096
 # Stop strings: OpenAI allows 4, vLLM any number, and lm-evaluation-harness sends a task's list plus the
-# end-of-text. The per-token check (generator.StopChecker) tries the prefixes of the stop strings that end
+# end-of-text. The per-token check (stop.StopChecker) tries the prefixes of the stop strings that end
 # as the text does; text and stop strings of one repeated character make that every prefix, a cost that
 # grows with their total length squared: that total is bounded too, at what 4 of the longest cost.
 MAX_STOP = 32

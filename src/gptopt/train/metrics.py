@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from gptopt.infer.generator import Generator, SamplingParams, generate
+from gptopt.infer.generator import Generator, generate
+from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 

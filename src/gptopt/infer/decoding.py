@@ -1,0 +1,77 @@
+"""One sequence from its prefill to its end (Decoding): its cache slot, its tokens, and the one end-of-sequence
+rule; Generator.begin makes one, decode_next and sample_next advance a batch of them, end frees the slot.
+
+    python -c "from gptopt.infer.decoding import Decoding; help(Decoding.add)"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from gptopt.infer.sampling import SamplingParams, TokenLogprob
+
+# Why a sequence ended: a stop token id or stop string ("stop"), or its token budget ("length").
+Finish = Literal["stop", "length"]
+
+
+@dataclass(eq=False)
+class Decoding:
+    """One sequence in one cache slot, from its prefill to its end; `add` is the one end-of-sequence rule.
+
+    Generator.begin makes one, Generator.decode_next and sample_next advance a batch of them, and
+    Generator.end frees the slot: the CLI's token generators and the server's engine all use these.
+    """
+
+    slot: int
+    params: SamplingParams
+    prompt_len: int
+    budget: int  # new tokens it may take: max_new_tokens, capped so prompt + new tokens fit the cache
+    rng: torch.Generator | None  # Generator.rng(params.seed)
+    ids: list[int]  # the prompt, then the new tokens (the repetition penalty's history)
+    finish: Finish | None = None
+    cached: int = 0  # prompt tokens in the cache so far: prefill_step runs the rest, a chunk at a time
+    # With params.logprobs: one entry per new token, the stop token that ends it included (OpenAI's
+    # legacy completions list it, and lm-eval reads it). With params.prompt_logprobs: one per prompt
+    # token after the first (the first has no context to be predicted from), filled as prefill_step runs.
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
+    pending: TokenLogprob | None = None  # sample_next's entry for the token `add` takes next
+    matcher: Any = None  # with params.grammar: the grammar's state after the tokens so far (constrain.Matcher)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.cached >= self.prompt_len
+
+    @property
+    def tokens(self) -> list[int]:
+        """The new tokens so far."""
+        return self.ids[self.prompt_len :]
+
+    @property
+    def n_new(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+    def add(self, token: int) -> Finish | None:
+        """Take the next sampled token; why the sequence ends with it, or None while it goes on.
+        A stop token id ends it ("stop") and is not kept; the budget's last token ends it ("length")."""
+        assert self.finish is None, "a finished sequence takes no more tokens"
+        entry, self.pending = self.pending, None
+        if entry is not None:  # a stop token's too, as OpenAI and vLLM list it: lm-eval counts on it being there
+            self.logprobs.append(entry)
+        if self.matcher is not None:
+            self.matcher.accept(token)
+        if token in self.params.stop_token_ids:
+            self.finish = "stop"
+        else:
+            self.ids.append(token)
+            if self.n_new >= self.budget:
+                self.finish = "length"
+        return self.finish
+
+    def stop(self) -> None:
+        """End it after its last token: its text reached a stop string (StopChecker)."""
+        self.finish = "stop"

@@ -1,0 +1,209 @@
+"""Sampling: how one sequence is sampled (SamplingParams), and the one batched step that picks every row's next
+token on the device, in one order: the grammar's mask (response_format), logit_bias, the repetition, presence
+and frequency penalties, then temperature, top-k and top-p. Log-probabilities (TokenLogprob) are the model's
+raw distribution, computed only for the rows that ask.
+
+    python -c "from gptopt.infer.sampling import SamplingParams; print(SamplingParams(temperature=0))"
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gptopt.config import SamplingConfig
+from gptopt.infer.stop import unescape
+
+
+@dataclass(kw_only=True)
+class SamplingParams:
+    """How one sequence is sampled (the server builds one per request)."""
+
+    max_new_tokens: int = 128
+    temperature: float = 0.8  # 0 = greedy (argmax)
+    top_k: int | None = 50
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0  # HF's rule: a seen token's logit / p if positive, * p if negative
+    # OpenAI's penalties, by vLLM's rule: a token's logit minus presence_penalty once it has been generated,
+    # minus frequency_penalty times the number of times it has (the prompt's tokens do not count).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, a value added to its logit before sampling)
+    # Constrained decoding: the key of a grammar (constrain.Grammars) every new token must keep the text a
+    # prefix of; the end-of-text token only once the text is complete.
+    grammar: str | None = None
+    seed: int | None = None  # the same seed and prompt give the same sample, alone or in a batch
+    stop: tuple[str, ...] = ()  # texts that end the sequence (StopChecker); not part of the output
+    stop_token_ids: tuple[int, ...] = ()  # ids that end it (e.g. <|endoftext|>); not part of the output
+    # Log-probabilities, only computed when asked (None): each new token's, with this many most likely
+    # alternatives (Decoding.logprobs); and each prompt token's after the first (Decoding.prompt_logprobs).
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+
+    def __post_init__(self) -> None:
+        self.stop, self.stop_token_ids = tuple(self.stop), tuple(self.stop_token_ids)
+        self.logit_bias = tuple((int(t), float(b)) for t, b in self.logit_bias)
+        for ok, rule, value in [
+            # 0: the prompt only, no new token (scoring a text by its prompt_logprobs)
+            (self.max_new_tokens >= 0, "max_new_tokens must be >= 0", self.max_new_tokens),
+            (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0 (or None)", self.logprobs),
+            (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs must be >= 0 (or None)",
+             self.prompt_logprobs),
+            (self.temperature >= 0, "temperature must be >= 0", self.temperature),
+            (self.top_k is None or self.top_k >= 1, "top_k must be >= 1 (or None: all tokens)", self.top_k),
+            (0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p),
+            (self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty),
+            (math.isfinite(self.presence_penalty), "presence_penalty must be finite", self.presence_penalty),
+            (math.isfinite(self.frequency_penalty), "frequency_penalty must be finite", self.frequency_penalty),
+            (all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias),
+             "logit_bias must map token ids >= 0 to finite values", self.logit_bias),
+            (all(self.stop), "stop strings must not be empty", self.stop),
+        ]:
+            if not ok:
+                raise ValueError(f"{rule}, got {value!r}")
+
+    @classmethod
+    def from_config(cls, c: SamplingConfig) -> SamplingParams:
+        return cls(max_new_tokens=c.max_new_tokens, temperature=c.temperature, top_k=c.top_k, top_p=c.top_p,
+                   repetition_penalty=c.repetition_penalty, seed=c.seed, stop=(unescape(c.stop),) if c.stop else ())
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the model's own distribution (log_softmax of the raw logits:
+    before the repetition penalty, temperature, top-k and top-p, as vLLM reports by default), and the
+    `k` most likely tokens at that position, most likely first (the token itself may be among them)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def _tensor(device: torch.device, values: Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    # From pinned memory the copy is asynchronous: the host does not wait for the GPU to catch up.
+    pinned = device.type == "cuda"
+    return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(device, non_blocking=pinned)
+
+
+@torch.no_grad()
+def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+           generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
+           allowed: torch.Tensor | None = None) -> list[int]:
+    """The next token of each row: the allowed tokens only, logit bias, repetition, presence and
+    frequency penalties, then argmax (temperature 0) or temperature, top-k and top-p sampling. On the
+    device throughout; the one host sync is the final .tolist().
+
+    histories: each row's prompt + generated ids (for the penalties); prompt_lens: where each row's
+    generated ids begin in it (None: all of it is generated). generators: Generator.rng(seed) per
+    row, or None for the global RNG. allowed: (B, V) bool, the tokens each row may take (None: all).
+    """
+    return pick(logits, params, histories, generators, prompt_lens, allowed).tolist()
+
+@torch.no_grad()
+def sample_logprobs(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+                    generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
+                    allowed: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
+    """`sample`, and for each row whose params ask (logprobs not None) its token's TokenLogprob with
+    params.logprobs alternatives, from the raw `logits` (None for the other rows). Still one host sync:
+    the tokens travel in the same float32 tensor as the log-probabilities."""
+    tokens = pick(logits, params, histories, generators, prompt_lens, allowed)
+    on_device = functools.partial(_tensor, logits.device)
+    rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+    k = max(params[i].logprobs or 0 for i in rows)
+    index = on_device(rows)
+    table = logprob_table(logits[index], tokens[index], k)  # (R, 2 + 2k)
+    flat = torch.cat([tokens.float(), table.flatten()]).tolist()
+    B = len(params)
+    entries: list[TokenLogprob | None] = [None] * B
+    for i, e in zip(rows, unpack([flat[B + r * table.shape[1] : B + (r + 1) * table.shape[1]]
+                                   for r in range(len(rows))]), strict=True):
+        entries[i] = top_of(e, params[i].logprobs or 0)
+    return [int(t) for t in flat[:B]], entries
+
+def pick(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+          generators: list[torch.Generator | None], prompt_lens: Sequence[int] | None = None,
+          allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """sample's tokens (B,), on the device: no host sync."""
+    on_device = functools.partial(_tensor, logits.device)
+    B, V = logits.shape
+    logits = logits.float()
+    # Out-of-place throughout: the raw logits stay as they are, for the log-probabilities.
+    if allowed is not None:  # first, so that no bias or penalty can bring a forbidden token back
+        logits = torch.where(allowed, logits, float("-inf"))
+    if any(p.logit_bias for p in params):
+        rows = [i for i, p in enumerate(params) for _ in p.logit_bias]
+        cols = [t for p in params for t, _ in p.logit_bias]
+        bias = on_device([b for p in params for _, b in p.logit_bias], torch.float32)
+        logits = logits.index_put((on_device(rows), on_device(cols)), bias, accumulate=True)
+    if any(p.repetition_penalty != 1.0 for p in params):  # vLLM's order: it, then OpenAI's two
+        seen = torch.zeros(B, V, dtype=torch.bool, device=logits.device)
+        rows = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0 for _ in histories[i]]
+        cols = [t for i, p in enumerate(params) if p.repetition_penalty != 1.0 for t in histories[i]]
+        seen[on_device(rows), on_device(cols)] = True
+        pen = on_device([p.repetition_penalty for p in params], torch.float32).view(B, 1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / pen, logits * pen), logits)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        starts = prompt_lens or [0] * B
+        penalised = [i for i, p in enumerate(params) if p.presence_penalty or p.frequency_penalty]
+        rows = [i for i in penalised for _ in histories[i][starts[i]:]]
+        cols = [t for i in penalised for t in histories[i][starts[i]:]]
+        counts = torch.zeros(B, V, device=logits.device)
+        counts.index_put_((on_device(rows), on_device(cols)), torch.ones(len(rows), device=logits.device),
+                          accumulate=True)
+        frequency = on_device([p.frequency_penalty for p in params], torch.float32).view(B, 1)
+        presence = on_device([p.presence_penalty for p in params], torch.float32).view(B, 1)
+        logits = logits - frequency * counts - presence * (counts > 0)
+    greedy = logits.argmax(dim=-1)
+    if all(p.temperature == 0 for p in params):
+        return greedy
+    # Work in the k_max best logits, sorted; k_max = V (a full sort) when some row has no top-k.
+    k_max = min(V, max(p.top_k or V for p in params))
+    vals, idx = logits.topk(k_max, dim=-1)  # (B, k_max)
+    vals = vals / on_device([p.temperature or 1.0 for p in params], torch.float32).view(B, 1)
+    ranks = torch.arange(k_max, device=logits.device)
+    keep = ranks < on_device([min(p.top_k or V, k_max) for p in params]).view(B, 1)
+    probs = vals.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+    if any(p.top_p < 1.0 for p in params):
+        # The smallest prefix whose mass reaches p: a token stays while the mass before it is < p.
+        top_p = on_device([p.top_p for p in params], torch.float32).view(B, 1)
+        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
+    # argmax(probs / Exp(1) noise) is how torch.multinomial draws one sample (same generator, same
+    # draw), minus its input check, which syncs with the host. Unnormalised probs are fine for it.
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    sampled = idx.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
+    is_greedy = on_device([p.temperature == 0 for p in params], torch.bool)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def logprob_table(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
+    """(R, 2 + 2k) float32: each row's target token, its log-probability, the k most likely token ids and
+    their log-probabilities, most likely first. One log_softmax gives both, so a greedy token's logprob
+    equals the top one exactly. Token ids are exact in float32 below 2**24 (config.MAX_VOCAB)."""
+    lp = logits.float().log_softmax(dim=-1)  # (R, V)
+    top, ids = lp.topk(min(k, lp.shape[-1]), dim=-1)
+    return torch.cat([targets[:, None].float(), lp.gather(-1, targets[:, None]), ids.float(), top], dim=-1)
+
+
+def unpack(rows: list[list[float]]) -> list[TokenLogprob]:
+    """logprob_table's rows, on the host, as TokenLogprobs."""
+    out = []
+    for row in rows:
+        n = (len(row) - 2) // 2
+        out.append(TokenLogprob(token=int(row[0]), logprob=row[1],
+                                top=tuple((int(t), v) for t, v in zip(row[2 : 2 + n], row[2 + n :], strict=True))))
+    return out
+
+
+def top_of(entry: TokenLogprob, k: int) -> TokenLogprob:
+    """The entry with its k most likely alternatives only (a batch computes its rows' largest k)."""
+    return entry if len(entry.top) <= k else dataclasses.replace(entry, top=entry.top[:k])
