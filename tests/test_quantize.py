@@ -23,6 +23,7 @@ from gptopt.infer.generator import Generator, generate
 from gptopt.infer.load import load_for_inference
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models import checkpoint, hf
+from gptopt.models import compressed as fmt
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve
 
@@ -34,7 +35,7 @@ PROMPT = [5, 17, 99, 4, 200, 31, 8]
 def write(model: GPT, directory: Path, record: dict[str, Any], tokenizer: Path) -> Path:
     """A compressed checkpoint as gptopt compress writes it (without the report)."""
     directory.mkdir()
-    checkpoint.write_model_files(model.config, q.pack_state(model, record), directory, {"compression": record})
+    checkpoint.write_model_files(model.config, fmt.pack_state(model, record), directory, {"compression": record})
     (directory / TOKENIZER).write_bytes(tokenizer.read_bytes())
     return directory
 
@@ -68,7 +69,7 @@ def test_2_4_pruning_holds_the_pattern_in_every_block_linear_and_leaves_no_hooks
     wte = debug_model.transformer.wte.weight.clone()
     q.prune_2_4(debug_model)
     assert set(debug_model.state_dict()) == keys  # no weight_orig / weight_mask left behind
-    layers = q.block_linears(debug_model)
+    layers = fmt.block_linears(debug_model)
     assert len(layers) == 4 * debug_model.config.n_layer
     for layer in layers.values():
         assert ((layer.weight.view(-1, 4) != 0).sum(-1) == 2).all()
@@ -77,9 +78,9 @@ def test_2_4_pruning_holds_the_pattern_in_every_block_linear_and_leaves_no_hooks
 
 
 def test_magnitude_pruning_zeros_the_smallest_share_of_each_layer(debug_model: GPT) -> None:
-    before = {n: m.weight.detach().clone() for n, m in q.block_linears(debug_model).items()}
+    before = {n: m.weight.detach().clone() for n, m in fmt.block_linears(debug_model).items()}
     q.prune_magnitude(debug_model, 0.3)
-    for name, layer in q.block_linears(debug_model).items():
+    for name, layer in fmt.block_linears(debug_model).items():
         w, old = layer.weight.detach(), before[name]
         zero = w == 0
         assert zero.sum().item() == round(0.3 * w.numel())
@@ -101,34 +102,34 @@ def test_prune_must_be_a_fraction_in_the_open_unit_interval_or_2_4(spec: str) ->
 def test_int8_per_channel_is_within_half_a_step_and_idempotent() -> None:
     w = torch.randn(8, 32)
     w[3] = 0  # a pruned-away row keeps a finite scale
-    ints, scale = q.int8_per_channel(w)
+    ints, scale = fmt.int8_per_channel(w)
     assert ints.dtype == torch.int8 and ints.abs().max() == 127 and torch.isfinite(scale).all()
     back = ints.float() * scale[:, None]
     assert ((back - w).abs() <= scale[:, None] / 2 + 1e-7).all()
-    again, scale2 = q.int8_per_channel(back)
+    again, scale2 = fmt.int8_per_channel(back)
     assert again.equal(ints) and torch.allclose(scale2, scale, rtol=1e-6)
 
 
 def test_int4_groups_pack_two_per_byte_and_stay_within_half_a_step() -> None:
     w = torch.randn(6, 128)
-    ints, scale, lo = q.int4_groupwise(w, 32)
+    ints, scale, lo = fmt.int4_groupwise(w, 32)
     assert ints.max() <= 15 and scale.shape == lo.shape == (6, 4)
-    packed = q.pack_int4(ints)
-    assert packed.shape == (6, 64) and packed.dtype == torch.uint8 and q.unpack_int4(packed).equal(ints)
+    packed = fmt.pack_int4(ints)
+    assert packed.shape == (6, 64) and packed.dtype == torch.uint8 and fmt.unpack_int4(packed).equal(ints)
     back = lo.repeat_interleave(32, 1) + ints.float() * scale.repeat_interleave(32, 1)
     assert ((back - w).abs() <= scale.repeat_interleave(32, 1) / 2 + 1e-6).all()
 
 
 def test_packed_state_holds_integers_and_dequantises_onto_the_grid(debug_model: GPT) -> None:
     record = q.compress_model(debug_model, "int8-dynamic", None)
-    state = q.pack_state(debug_model, record)
+    state = fmt.pack_state(debug_model, record)
     assert state["transformer.h.0.mlp.c_fc.weight"].dtype == torch.int8
     assert state["transformer.wte.weight"].dtype == torch.int8  # lm_head's integers, through the tie
     assert "lm_head.weight" not in state and state["transformer.h.0.ln_1.weight"].dtype == torch.float32
-    fp = q.unpack_state(state, record, "test")
+    fp = fmt.unpack_state(state, record, "test")
     assert set(fp) == {k for k in debug_model.state_dict() if k != "lm_head.weight"}
     w = debug_model.transformer.h[0].mlp.c_fc.weight
-    ints, scale = q.int8_per_channel(w)
+    ints, scale = fmt.int8_per_channel(w)
     assert fp["transformer.h.0.mlp.c_fc.weight"].equal(ints.float() * scale[:, None])
 
 
@@ -189,7 +190,7 @@ def test_quantize_flag_on_a_compressed_checkpoint_and_a_newer_format_are_refused
     with pytest.raises(ValueError, match="fp32 activations"):
         load_for_inference(str(directory), tokenizer=None, plan=CPU, dtype="bf16")
     meta = json.loads((directory / checkpoint.META).read_text())
-    meta["compression"]["format"] = q.FORMAT + 1
+    meta["compression"]["format"] = fmt.FORMAT + 1
     (directory / checkpoint.META).write_text(json.dumps(meta))
     with pytest.raises(ValueError, match="newer gptopt"):
         load_for_inference(str(directory), tokenizer=None, plan=CPU)
@@ -260,11 +261,11 @@ def test_int4_on_the_fly_runs_tinygemm_on_an_int4_grid_of_the_weights_compiled_t
     gpu = resolve("cuda", quiet=True)
     torch.manual_seed(0)
     model = GPT(preset("tiny", vocab_size=320)).eval()
-    original = {n: m.weight.detach().to("cuda", torch.bfloat16).float() for n, m in q.block_linears(model).items()}
+    original = {n: m.weight.detach().to("cuda", torch.bfloat16).float() for n, m in fmt.block_linears(model).items()}
     int4 = optimize_for_inference(model, gpu, dtype=torch.bfloat16, quantize="int4-weight")
-    g = q.int4_group_size(int4)
+    g = fmt.int4_group_size(int4)
     assert int4.lm_head.weight is int4.transformer.wte.weight and int4.lm_head.weight.dtype == torch.bfloat16
-    for name, layer in q.block_linears(int4).items():
+    for name, layer in fmt.block_linears(int4).items():
         assert type(layer.weight).__name__ == "Int4TilePackedTo4dTensor", name
         eye = torch.eye(layer.in_features, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():  # x = I gives back the weights the kernel multiplies by, (out, in)

@@ -37,8 +37,9 @@ from gptopt.data.loader import DEFAULT_DATA, BatchDataset, TokenData, open_data
 from gptopt.data.tokenizer import TOKENIZER
 from gptopt.infer.load import load_for_inference, model_source
 from gptopt.infer.measure import GptoptRunner, interleaved, tensor_bytes
-from gptopt.infer.quantize import check_supported, compress_model, describe, pack_state
+from gptopt.infer.quantize import check_supported, compress_model
 from gptopt.models import checkpoint
+from gptopt.models.compressed import describe, pack_state
 from gptopt.outputs import check_output, lock_output, staged_dir
 from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, environment, resolve

@@ -37,8 +37,9 @@ from tokenizers import Tokenizer
 from gptopt.config import INFER_QUANTIZE
 from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
 from gptopt.infer.cpu_layout import inference_layout
-from gptopt.infer.quantize import describe, int4_group_size, int4_unsupported, quantize_int4, quantize_int8, restore
+from gptopt.infer.quantize import int4_unsupported, quantize_int4, quantize_int8, restore
 from gptopt.models import checkpoint, hf
+from gptopt.models.compressed import describe, int4_group_size
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.utils.extras import require

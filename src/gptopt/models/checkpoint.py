@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig
 from gptopt.data.tokenizer import TOKENIZER
-from gptopt.infer.quantize import unpack_state
+from gptopt.models.compressed import unpack_state
 from gptopt.models.gpt import GPT
 from gptopt.outputs import remove, staged_dir, write_text_atomic
 
