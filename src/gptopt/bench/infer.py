@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +37,7 @@ import torch.nn as nn
 
 from gptopt.bench import report
 from gptopt.bench.setup import Setup
-from gptopt.commands.export import OnnxRunner
+from gptopt.commands.export import ONNX_FILE, OrtDecoder, export_onnx
 from gptopt.config import BenchConfig
 from gptopt.infer.load import optimize_for_inference, weights_dtype
 from gptopt.infer.measure import STOPPED, GptoptRunner, free_memory, interleaved, timed, weight_bytes
@@ -143,6 +144,24 @@ class HFRunner:
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
         ids = torch.tensor([prompt], device=self.device)
         return self.model(input_ids=ids, use_cache=True, **self.forward_kw).logits[0, -1].float()
+
+
+class OnnxRunner:
+    """`gptopt bench --mode infer`'s onnxruntime rung: the model exported (and checked) into a temporary
+    directory, decoded greedily through onnxruntime. The bench's runner interface: generate, last_logits."""
+
+    def __init__(self, model: GPT) -> None:
+        self.model = model  # the bench counts its weight bytes
+        self._dir = tempfile.TemporaryDirectory(prefix="gptopt-onnx-")
+        path = Path(self._dir.name) / "export"
+        export_onnx(model, path)
+        self.decoder = OrtDecoder(path / ONNX_FILE, block_size=model.config.block_size)
+
+    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+        return self.decoder.greedy(prompts, n)
+
+    def last_logits(self, prompt: list[int]) -> torch.Tensor:
+        return torch.from_numpy(self.decoder.prefill([prompt])[0][0, -1]).float()
 
 
 Runner = GptoptRunner | HFRunner | OnnxRunner  # each: generate(prompts, n), last_logits(prompt), model

@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import sys
-import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, lock_output, mark, marked_kind, staged_dir
 from gptopt.utils.extras import require
 
-__all__ = ["OnnxDecoder", "OnnxRunner", "OrtDecoder", "export_hf_checked", "export_onnx", "main", "to_onnx"]
+__all__ = ["ONNX_FILE", "OnnxDecoder", "OrtDecoder", "export_hf_checked", "export_onnx", "main", "to_onnx"]
 
 log = logging.getLogger("gptopt")
 
@@ -367,28 +366,6 @@ def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer
         check = _verdict("transformers", diffs, scale, tolerance)
         del loaded
     return check
-
-
-# ----------------------------------------------------------------------------------------------
-# The bench's onnxruntime rung
-
-
-class OnnxRunner:
-    """`gptopt bench --mode infer`'s onnxruntime rung: the model exported (and checked) into a temporary
-    directory, decoded greedily through onnxruntime. The bench's runner interface: generate, last_logits."""
-
-    def __init__(self, model: GPT) -> None:
-        self.model = model  # the bench counts its weight bytes
-        self._dir = tempfile.TemporaryDirectory(prefix="gptopt-onnx-")
-        path = Path(self._dir.name) / "export"
-        export_onnx(model, path)
-        self.decoder = OrtDecoder(path / ONNX_FILE, block_size=model.config.block_size)
-
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        return self.decoder.greedy(prompts, n)
-
-    def last_logits(self, prompt: list[int]) -> torch.Tensor:
-        return torch.from_numpy(self.decoder.prefill([prompt])[0][0, -1]).float()
 
 
 # ----------------------------------------------------------------------------------------------
