@@ -74,14 +74,14 @@ def train_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import sysconfig
 
     from gptopt.config import PrepareConfig
-    from gptopt.data.corpus import prepare
+    from gptopt.data.corpus import tokenize_corpus
 
     src = tmp_path_factory.mktemp("corpus")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     for name in ("argparse.py", "textwrap.py", "shlex.py", "fnmatch.py", "glob.py", "bisect.py", "heapq.py"):
         (src / f"{name}.txt").write_text((stdlib / name).read_text(encoding="utf-8"), encoding="utf-8")
     out = tmp_path_factory.mktemp("prepared") / "data"
-    prepare(PrepareConfig(input=str(src), output_dir=str(out), vocab_size=320, val_fraction=0.3))
+    tokenize_corpus(PrepareConfig(input=str(src), output_dir=str(out), vocab_size=320, val_fraction=0.3))
     return out
 
 

@@ -22,7 +22,7 @@ import gptopt.data.loader as data
 import gptopt.data.tokenizer as tokenizer
 from gptopt.cli import main
 from gptopt.config import PrepareConfig
-from gptopt.data.corpus import prepare, token_dtype
+from gptopt.data.corpus import token_dtype, tokenize_corpus
 from gptopt.data.loader import BatchDataset, TokenData, make_loader
 from gptopt.data.tokenizer import load_tokenizer
 
@@ -59,7 +59,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def prepared(corpus: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return prepare(config(corpus, tmp_path_factory.mktemp("prep") / "data"))
+    return tokenize_corpus(config(corpus, tmp_path_factory.mktemp("prep") / "data"))
 
 
 def split_documents(d: TokenData, split: str) -> list[str]:
@@ -105,8 +105,8 @@ def test_tokenizer_round_trips_text(prepared: Path) -> None:
 
 
 def test_split_is_seeded(corpus: Path, prepared: Path, tmp_path: Path) -> None:
-    same = TokenData(prepare(config(corpus, tmp_path / "same")))
-    other = TokenData(prepare(config(corpus, tmp_path / "other", seed=7)))
+    same = TokenData(tokenize_corpus(config(corpus, tmp_path / "same")))
+    other = TokenData(tokenize_corpus(config(corpus, tmp_path / "other", seed=7)))
     val = sorted(split_documents(TokenData(prepared), "val"))
     assert sorted(split_documents(same, "val")) == val
     assert sorted(split_documents(other, "val")) != val
@@ -114,7 +114,7 @@ def test_split_is_seeded(corpus: Path, prepared: Path, tmp_path: Path) -> None:
 
 def test_thread_count_changes_nothing_but_speed(corpus: Path, prepared: Path, tmp_path: Path) -> None:
     env = dict(os.environ)
-    serial = prepare(config(corpus, tmp_path / "serial", num_workers=1))
+    serial = tokenize_corpus(config(corpus, tmp_path / "serial", num_workers=1))
     assert dict(os.environ) == env  # the thread settings are put back
     for name in ("train.bin", "val.bin"):
         assert (serial / name).read_bytes() == (prepared / name).read_bytes()
@@ -136,13 +136,13 @@ def test_prepare_writes_beside_the_users_files_and_overwrite_keeps_them(corpus: 
     d = nanogpt_folder(tmp_path / "shakespeare", corpus)
     users = listing(d)
     # --input D/input.txt --output_dir D: nothing there is prepare's, so nothing is overwritten.
-    prepare(config(d / "input.txt", d))
+    tokenize_corpus(config(d / "input.txt", d))
     assert TokenData(d).vocab_size == 300
     (d / "notes.txt").write_text("mine")
     users = {**users, "notes.txt": b"mine"}
     with pytest.raises(ValueError, match="already holds output .*pass --overwrite"):
-        prepare(config(d / "input.txt", d, vocab_size=320))
-    prepare(config(d / "input.txt", d, vocab_size=320, overwrite=True))
+        tokenize_corpus(config(d / "input.txt", d, vocab_size=320))
+    tokenize_corpus(config(d / "input.txt", d, vocab_size=320, overwrite=True))
     assert TokenData(d).vocab_size == 320
     assert {k: v for k, v in listing(d).items() if k in users} == users  # the corpus it read, the script, the notes
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare"]  # no staging folder left
@@ -157,22 +157,22 @@ def test_shards_gptopt_did_not_write_are_never_replaced_and_the_advice_is_not_ov
     before = listing(d)
     for overwrite in (False, True):  # the first refusal never names a flag that would refuse in turn
         with pytest.raises(ValueError) as e:
-            prepare(config(d / "input.txt", d, overwrite=overwrite))
+            tokenize_corpus(config(d / "input.txt", d, overwrite=overwrite))
         assert "holds train.bin, val.bin and is not marked as gptopt's" in str(e.value)
         assert "pass --overwrite" not in str(e.value)
         assert str(e.value).endswith("move them out, or choose another --output_dir")
     assert listing(d) == before and sorted(p.name for p in tmp_path.iterdir()) == ["shakespeare"]
     for name in ("train.bin", "val.bin"):  # the advice works: moved out, prepare writes beside input.txt
         (d / name).rename(tmp_path / name)
-    prepare(config(d / "input.txt", d))
+    tokenize_corpus(config(d / "input.txt", d))
     assert TokenData(d).vocab_size == 300
 
 
 def test_data_prepared_before_marks_existed_can_be_overwritten(corpus: Path, tmp_path: Path) -> None:
-    out = prepare(config(corpus, tmp_path / "out"))
+    out = tokenize_corpus(config(corpus, tmp_path / "out"))
     (out / ".gptopt-output.json").unlink()  # as every earlier version left data/stdlib
     (out / "notes.txt").write_text("mine")
-    prepare(config(corpus, out, vocab_size=320, overwrite=True))
+    tokenize_corpus(config(corpus, out, vocab_size=320, overwrite=True))
     assert TokenData(out).vocab_size == 320 and (out / "notes.txt").read_text() == "mine"
 
 
@@ -181,12 +181,12 @@ def test_an_output_dir_inside_the_input_folder_is_refused(corpus: Path, tmp_path
     texts = write_corpus(tmp_path / "texts")
     for out in (texts, texts / "data"):
         with pytest.raises(ValueError, match="lies inside --input"):
-            prepare(config(texts, out))
+            tokenize_corpus(config(texts, out))
     assert not (texts / "data").exists() and not (texts / "train.bin").exists()
 
 
 def test_a_failed_move_puts_the_old_files_back(corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    out = prepare(config(corpus, tmp_path / "out"))
+    out = tokenize_corpus(config(corpus, tmp_path / "out"))
     (out / "notes.txt").write_text("mine")
     before = listing(out)
     real = os.replace
@@ -198,7 +198,7 @@ def test_a_failed_move_puts_the_old_files_back(corpus: Path, tmp_path: Path, mon
 
     monkeypatch.setattr(os, "replace", full_disk)
     with pytest.raises(OSError, match="No space"):
-        prepare(config(corpus, out, vocab_size=320, overwrite=True))
+        tokenize_corpus(config(corpus, out, vocab_size=320, overwrite=True))
     monkeypatch.undo()
     assert listing(out) == before and TokenData(out).vocab_size == 300
     assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".gptopt-output.json"]
@@ -206,11 +206,11 @@ def test_a_failed_move_puts_the_old_files_back(corpus: Path, tmp_path: Path, mon
 
 
 def test_overwrite_replaces_prepared_data(corpus: Path, tmp_path: Path) -> None:
-    out = prepare(config(corpus, tmp_path / "out"))
+    out = tokenize_corpus(config(corpus, tmp_path / "out"))
     with pytest.raises(ValueError, match="--overwrite"):
-        prepare(config(corpus, out, vocab_size=320))
+        tokenize_corpus(config(corpus, out, vocab_size=320))
     assert TokenData(out).vocab_size == 300
-    prepare(config(corpus, out, vocab_size=320, overwrite=True))
+    tokenize_corpus(config(corpus, out, vocab_size=320, overwrite=True))
     assert TokenData(out).vocab_size == 320
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or old dir left behind
 
@@ -218,7 +218,7 @@ def test_overwrite_replaces_prepared_data(corpus: Path, tmp_path: Path) -> None:
 @pytest.mark.parametrize("where", ["_encode", "_write_meta"])
 def test_interrupted_prepare_leaves_nothing(corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             where: str) -> None:
-    old = prepare(config(corpus, tmp_path / "old"))
+    old = tokenize_corpus(config(corpus, tmp_path / "old"))
     old_meta = (old / "meta.json").read_text()
 
     def interrupt(*args: object) -> None:
@@ -226,34 +226,34 @@ def test_interrupted_prepare_leaves_nothing(corpus: Path, tmp_path: Path, monkey
 
     monkeypatch.setattr(prep, where, interrupt)
     with pytest.raises(KeyboardInterrupt):
-        prepare(config(corpus, tmp_path / "new"))
+        tokenize_corpus(config(corpus, tmp_path / "new"))
     with pytest.raises(KeyboardInterrupt):
-        prepare(config(corpus, old, overwrite=True, vocab_size=320))
+        tokenize_corpus(config(corpus, old, overwrite=True, vocab_size=320))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]  # no new dir, no temp dir
     assert (old / "meta.json").read_text() == old_meta and TokenData(old).num_tokens("train") > 0
 
 
 def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no such file or folder"):
-        prepare(config(tmp_path / "missing", tmp_path / "o1"))
+        tokenize_corpus(config(tmp_path / "missing", tmp_path / "o1"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="no text files"):
-        prepare(config(tmp_path / "empty", tmp_path / "o2"))
+        tokenize_corpus(config(tmp_path / "empty", tmp_path / "o2"))
     (tmp_path / "blank").mkdir()
     (tmp_path / "blank" / "a.txt").write_text("")
     (tmp_path / "blank" / "b.txt").write_text(" \n\n")
     with pytest.raises(ValueError, match="no text"):
-        prepare(config(tmp_path / "blank", tmp_path / "o3"))
+        tokenize_corpus(config(tmp_path / "blank", tmp_path / "o3"))
     (tmp_path / "bad.jsonl").write_text('{"body": "hello"}\n')
     with pytest.raises(ValueError, match="--text_field"):
-        prepare(config(tmp_path / "bad.jsonl", tmp_path / "o4"))
+        tokenize_corpus(config(tmp_path / "bad.jsonl", tmp_path / "o4"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.jsonl", "blank", "empty"]
 
 
 def test_single_file_is_split_inside(tmp_path: Path) -> None:
     text = "".join(f"To be or not to be, line {i}.\n" for i in range(400))
     (tmp_path / "play.txt").write_text(text)
-    d = TokenData(prepare(config(tmp_path / "play.txt", tmp_path / "out", val_fraction=0.1)))
+    d = TokenData(tokenize_corpus(config(tmp_path / "play.txt", tmp_path / "out", val_fraction=0.1)))
     assert d.meta["documents"] == 1
     tok = d.tokenizer()
     train, val = tok.decode(d.tokens("train").tolist()), tok.decode(d.tokens("val").tolist())
@@ -265,7 +265,7 @@ def test_jsonl_documents_and_max_documents(tmp_path: Path) -> None:
     rows = [{"content": f"document number {i}\n" * 20} for i in range(10)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = config(tmp_path / "docs.jsonl", tmp_path / "out", text_field="content", max_documents=6)
-    d = TokenData(prepare(cfg))
+    d = TokenData(tokenize_corpus(cfg))
     docs = split_documents(d, "train") + split_documents(d, "val")
     assert sorted(docs) == sorted(r["content"] for r in rows[:6])
 
@@ -278,7 +278,7 @@ def test_given_tokenizer_folder_in_gpt2_layout(prepared: Path, corpus: Path, tmp
     tok = load_tokenizer(tmp_path / "tok")
     s = "def fib(n): return 'Café'"
     assert tok.encode(s).ids == source.encode(s).ids and tok.decode(tok.encode(s).ids) == s
-    d = TokenData(prepare(config(corpus, tmp_path / "out", tokenizer=str(tmp_path / "tok"))))
+    d = TokenData(tokenize_corpus(config(corpus, tmp_path / "out", tokenizer=str(tmp_path / "tok"))))
     assert d.meta["tokenizer"]["kind"] == "file"
     assert d.eot_id == source.token_to_id("<|endoftext|>")
     same = TokenData(prepared)  # same corpus, same tokenizer, same seed: the same shards
@@ -307,14 +307,14 @@ def test_dataset_source_streams_rows(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
     monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
     cfg = dict(input=None, dataset="some/corpus", dataset_config="en", max_documents=12)
-    d = TokenData(prepare(config(tmp_path, tmp_path / "out", **cfg)))
+    d = TokenData(tokenize_corpus(config(tmp_path, tmp_path / "out", **cfg)))
     assert calls == [("some/corpus", "en", "train", True)]
     assert d.meta["documents"] == 12 and d.meta["source"] == "dataset some/corpus:train"
     assert not (tmp_path / "out" / "documents.jsonl").exists()  # the spool is not part of the output
     with pytest.raises(ValueError, match="'body' column.*--text_field"):
-        prepare(config(tmp_path, tmp_path / "o2", **cfg, text_field="body"))
+        tokenize_corpus(config(tmp_path, tmp_path / "o2", **cfg, text_field="body"))
     with pytest.raises(ValueError, match="no documents"):
-        prepare(config(tmp_path, tmp_path / "o3", input=None, dataset="empty"))
+        tokenize_corpus(config(tmp_path, tmp_path / "o3", input=None, dataset="empty"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
@@ -322,7 +322,7 @@ def test_dataset_with_real_datasets_library(tmp_path: Path) -> None:
     pytest.importorskip("datasets")
     rows = [{"text": f"record {i}: " + "words " * 30} for i in range(15)]
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    d = TokenData(prepare(config(tmp_path, tmp_path / "out", input=None, dataset=str(tmp_path / "rows.jsonl"))))
+    d = TokenData(tokenize_corpus(config(tmp_path, tmp_path / "out", input=None, dataset=str(tmp_path / "rows.jsonl"))))
     assert sorted(split_documents(d, "train") + split_documents(d, "val")) == sorted(r["text"] for r in rows)
 
 
@@ -339,7 +339,7 @@ def test_cli_prepare(corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture
 
 @pytest.mark.slow
 def test_stdlib_corpus_default_vocab(tmp_path: Path) -> None:
-    d = TokenData(prepare(PrepareConfig(output_dir=str(tmp_path / "stdlib"))))
+    d = TokenData(tokenize_corpus(PrepareConfig(output_dir=str(tmp_path / "stdlib"))))
     assert d.meta["source"].startswith("stdlib") and d.vocab_size == 8192
     assert d.meta["documents"] > 500 and d.meta["val_documents"] >= 1
     # the stdlib's sources are millions of tokens; the bound leaves room for a smaller installation

@@ -22,7 +22,7 @@ from conftest import another_writer
 
 from gptopt import outputs
 from gptopt.config import PrepareConfig
-from gptopt.data.corpus import prepare
+from gptopt.data.corpus import tokenize_corpus
 from gptopt.models import checkpoint, hf
 from gptopt.models.gpt import GPT
 from gptopt.outputs import staged_dir
@@ -64,7 +64,7 @@ def _hf_export(model: GPT, out: Path) -> Path:
 
 def _prepared(model: GPT, out: Path) -> Path:
     (out / "text.txt").write_text("one line of text\n" * 200 + "and another\n" * 200)
-    return prepare(PrepareConfig(input=str(out / "text.txt"), output_dir=str(out / "data"), vocab_size=260))
+    return tokenize_corpus(PrepareConfig(input=str(out / "text.txt"), output_dir=str(out / "data"), vocab_size=260))
 
 
 def _staged(model: GPT, out: Path) -> Path:  # the ONNX export's path, without its minute of tracing
@@ -252,8 +252,8 @@ def test_the_current_folder_is_a_valid_output(tmp_path: Path, monkeypatch: pytes
     """nanoGPT's layout: `cd data/x && gptopt prepare --input input.txt --output_dir .` beside input.txt."""
     monkeypatch.chdir(tmp_path)
     (tmp_path / "input.txt").write_text("one line of text\n" * 200 + "and another\n" * 200)
-    prepare(PrepareConfig(input="input.txt", output_dir=".", vocab_size=260))
-    prepare(PrepareConfig(input="input.txt", output_dir=".", vocab_size=260, overwrite=True))
+    tokenize_corpus(PrepareConfig(input="input.txt", output_dir=".", vocab_size=260))
+    tokenize_corpus(PrepareConfig(input="input.txt", output_dir=".", vocab_size=260, overwrite=True))
     assert {"input.txt", "train.bin", "val.bin", "meta.json"} <= {p.name for p in tmp_path.iterdir()}
 
 

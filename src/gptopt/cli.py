@@ -45,7 +45,7 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "doctor": Command("gptopt.config:DoctorConfig", "gptopt.commands.doctor:run",
                       "check this machine's setup and name the fixes"),
-    "prepare": Command("gptopt.config:PrepareConfig", "gptopt.data.corpus:prepare_main",
+    "prepare": Command("gptopt.config:PrepareConfig", "gptopt.commands.prepare:main",
                        "tokenize a corpus into train/val token shards"),
     "train": Command("gptopt.config:TrainConfig", "gptopt.commands.train:main",
                      "train or fine-tune, on one device or many (torchrun)"),

@@ -1,4 +1,5 @@
-"""Corpus preparation: a corpus -> a tokenizer -> train.bin / val.bin shards (`gptopt prepare`).
+"""Corpus preparation: a corpus -> a tokenizer -> train.bin / val.bin shards (tokenize_corpus, which
+`gptopt prepare` runs: commands/prepare.py).
 
     gptopt prepare                                       # stdlib corpus, byte-level BPE of 8192 -> data/stdlib
     gptopt prepare --input my_texts/ --output_dir data/mine --vocab_size 4096
@@ -13,7 +14,7 @@ A data directory is nanoGPT's layout plus two files:
 
 The files are written beside the folder and moved in, meta.json last (outputs.staged_files), so one
 with meta.json is complete; the user's other files in the folder are never touched. Reading it,
-and the batches training draws from it, are data.py's.
+and the batches training draws from it, are loader.py's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import os
 import re
 import sys
 import sysconfig
-import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -407,7 +407,7 @@ def _check_input(config: PrepareConfig, out: Path) -> None:
                          "choose another --output_dir")
 
 
-def prepare(config: PrepareConfig) -> Path:
+def tokenize_corpus(config: PrepareConfig) -> Path:
     """Tokenize the configured corpus into config.output_dir; returns that directory.
 
     Every file is written into a hidden temporary sibling and moved in at the end, meta.json last, so an
@@ -489,15 +489,3 @@ def _prepare(config: PrepareConfig, out: Path) -> Path:
         }
         _write_meta(tmp, meta)
     return out
-
-
-def prepare_main(config: PrepareConfig) -> int:
-    start = time.perf_counter()
-    out = prepare(config)
-    meta = json.loads((out / META).read_text())
-    print(
-        f"prepared {meta['documents']:,} documents -> {meta['train_tokens']:,} train + {meta['val_tokens']:,} val "
-        f"tokens, vocab {meta['vocab_size']:,} ({meta['dtype']}), {time.perf_counter() - start:.1f} s -> {out}"
-    )
-    return 0
-

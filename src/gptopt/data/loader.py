@@ -22,7 +22,7 @@ import torch
 from tokenizers import Tokenizer
 
 from gptopt.config import PrepareConfig
-from gptopt.data.corpus import FORMAT, META, SPLITS, VERSION, prepare
+from gptopt.data.corpus import FORMAT, META, SPLITS, VERSION, tokenize_corpus
 from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
 from gptopt.outputs import lock_output
 
@@ -239,7 +239,7 @@ def open_data(data_dir: str | os.PathLike[str], *, is_main: bool = True, barrier
             with lock_output(path, wait=True):
                 if not (path / "meta.json").is_file():
                     log.info(f"{DEFAULT_DATA} not found: preparing the default stdlib corpus (once)")
-                    prepare(PrepareConfig(output_dir=DEFAULT_DATA))
+                    tokenize_corpus(PrepareConfig(output_dir=DEFAULT_DATA))
         if barrier is not None:
             barrier()
     return TokenData(data_dir)
