@@ -29,20 +29,21 @@ from pathlib import Path
 # (phase, frame substrings): a frame matches a phase if it contains any of them
 PHASES: list[tuple[str, tuple[str, ...]]] = [
     ("idle", ("Condition.wait", "EpollSelector.select", "select (selectors")),
-    ("sampling", ("Generator.sample",)),
+    ("sampling", ("Generator.sample", "gptopt/infer/sampling.py")),
     ("detokenize and stop strings", ("StopChecker",)),
     ("blocklist", ("TextFilter",)),
     ("metrics", ("prometheus_client",)),
     ("event delivery", ("deliver (", "_deliver", "asyncio_sink", "call_soon_threadsafe", "_put_all",
                         "_Pipe.", "EngineProcess._read", "EngineProcess._dispatch", "EngineProcess._send",
                         "EngineProcess._flush", "EngineProcess.submit", "_command (", "_commands (")),
-    ("tokenize", ("_API.encode", "_API.read_prompts")),
+    ("tokenize", ("Routes.encode", "Routes.read_prompts")),
     # Generator._forward is in neither: the prefill and the eager decode share it, so the caller decides
     ("prefill forward", ("Generator.extend", "Generator.prefill (", "Generator.prefill_step", "Generator.begin")),
     ("decode forward", ("Generator.decode", "_decode_static")),
     ("other engine work", ("Engine._",)),
-    ("SSE frames", ("_sse",)),
-    ("HTTP stack", ("starlette", "fastapi", "uvicorn", "h11", "httptools", "gptopt/serve/app.py")),
+    ("SSE frames", ("gptopt/serve/sse.py",)),
+    ("HTTP stack", ("starlette", "fastapi", "uvicorn", "h11", "httptools", "gptopt/serve/app.py",
+                    "gptopt/serve/guard.py")),
     ("event loop", ("asyncio/", "uvloop")),
 ]
 

@@ -24,8 +24,9 @@ from typing import Any
 
 from gptopt.config import ServeConfig
 from gptopt.infer.sampling import SamplingParams
-from gptopt.serve.engine import Engine, Event
+from gptopt.serve.engine import Engine
 from gptopt.serve.engine_process import build_engine
+from gptopt.serve.events import Event
 
 
 def check(clients: int, requests: int) -> None:

@@ -26,9 +26,9 @@ STACKS = [
     f"{ENGINE};Engine._decode (e.py:2);Engine._accept (e.py:7);StopChecker.add (g.py:8);"
     "StopChecker._advance (g.py:9) 10",
     f"{ENGINE};Engine._iterate (e.py:1);Engine._deliver (e.py:10);deliver (e.py:11) 5",
-    "thread (1): MainThread;run (u.py:1);_sse (gptopt/serve/app.py:640) 4",
-    "thread (1): MainThread;run (u.py:1);_API.completions (gptopt/serve/app.py:570);"
-    "_API.encode (gptopt/serve/app.py:433) 2",
+    "thread (1): MainThread;run (u.py:1);sse (gptopt/serve/sse.py:60) 4",
+    "thread (1): MainThread;run (u.py:1);Routes.completions (gptopt/serve/routes.py:330);"
+    "Routes.encode (gptopt/serve/routes.py:190) 2",
     "thread (1): MainThread;run (u.py:1);RequestResponseCycle.send (uvicorn/protocols/http/h11_impl.py:498) 3",
     "thread (1): MainThread;Runner.run (asyncio/runners.py:118) 1",
     # blocked in C, though sampled as running: a pool worker waiting for work, the events pipe's read

@@ -35,9 +35,10 @@ from gptopt.infer.generator import Generator, complete  # noqa: E402
 from gptopt.infer.sampling import SamplingParams  # noqa: E402
 from gptopt.models.gpt import GPT  # noqa: E402
 from gptopt.runtime.device import resolve  # noqa: E402
-from gptopt.serve.app import MAX_BODY_BYTES, create_app  # noqa: E402
+from gptopt.serve.app import create_app  # noqa: E402
 from gptopt.serve.blocklist import Blocklist, CheckTimeout, TextFilter, load_blocklist  # noqa: E402
-from gptopt.serve.engine import Draining, EngineClient  # noqa: E402
+from gptopt.serve.client import Draining, EngineClient  # noqa: E402
+from gptopt.serve.guard import MAX_BODY_BYTES  # noqa: E402
 from gptopt.serve.protocol import EXAMPLE_BODY, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS  # noqa: E402
 from gptopt.serve.server import serve_in_thread  # noqa: E402
 
@@ -410,7 +411,7 @@ def test_bad_completion_requests_get_4xx_openai_errors(url: str, body: dict[str,
 
 def test_a_prompt_is_read_as_the_tokenizer_reads_it_on_the_event_loop_or_off_it(url: str, debug_tokenizer: Any) -> None:
     """A short prompt is encoded on the event loop, a long one on a thread: both as the tokenizer does."""
-    from gptopt.serve.app import INLINE_ENCODE_CHARS
+    from gptopt.serve.routes import INLINE_ENCODE_CHARS
 
     line = "def f(x): return x\n"
     long, short = line * (INLINE_ENCODE_CHARS // len(line) + 1), line * 2
@@ -1576,8 +1577,8 @@ def test_requests_that_arrive_together_reach_an_engine_process_in_one_write_and_
     that submitted it ends cancelled, and the others are answered in full."""
     import asyncio
 
-    from gptopt.serve.engine import asyncio_sink
     from gptopt.serve.engine_process import EngineProcess
+    from gptopt.serve.events import asyncio_sink
 
     engine = EngineProcess(ServeConfig(model=str(model_dir), device="cpu", max_batch_size=4))
     engine.start()

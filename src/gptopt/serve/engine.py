@@ -26,42 +26,37 @@ were compiled under (dynamo guards on it: a step under another count would recom
 compiles each under the count its steps run with.
 
 Only this thread touches the model; other threads (the HTTP event loop) only submit, cancel and
-read stats, under one lock. Text goes back through a `sink`: for asyncio clients,
-`asyncio_sink(queue)` puts each event into the queue on its event loop (`deliver`).
+read stats, under one lock. Text goes back through a `sink` (events.py); the HTTP side sees the engine
+through client.EngineClient alone.
 """
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import gc
 import logging
-import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gptopt.infer.decoding import Decoding
 from gptopt.infer.generator import Generator
-from gptopt.infer.sampling import SamplingParams, TokenLogprob
+from gptopt.infer.sampling import SamplingParams
 from gptopt.infer.stop import StopChecker
 from gptopt.models.flops import flops_per_token
 from gptopt.serve.blocklist import Blocklist, TextFilter
+from gptopt.serve.client import Draining, QueueFull, RetryAfter
+from gptopt.serve.events import COMPLETED, Event, FinishReason, Sink, deliver
 
 if TYPE_CHECKING:  # a type only: the engine itself never needs prometheus_client
-    from gptopt.serve.metrics import ServeMetrics
+    pass
 
 log = logging.getLogger(__name__)
-
-# Why a sequence ended. stop/length/content_filter are OpenAI's and come with a result (COMPLETED);
-# the others end it without one.
-FinishReason = Literal["stop", "length", "content_filter", "cancelled", "timeout", "error"]
-COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter")
 
 
 # Prompt tokens one prefill forward takes (Engine's prefill_chunk): 16 clients' 32-token prompts in
@@ -109,114 +104,6 @@ def default_solo_threads() -> int:
     return max(1, torch.get_num_threads() - 1)
 
 
-class RetryAfter:
-    """Retry-After for a 429: the waiting requests per slot times a moving average of request latency."""
-
-    def __init__(self) -> None:
-        self.mean_latency = 1.0
-
-    def observe(self, latency: float) -> None:
-        """A completed request's latency, submit to last token."""
-        self.mean_latency = 0.9 * self.mean_latency + 0.1 * latency
-
-    def seconds(self, waiting: int, slots: int) -> int:
-        """Whole seconds until a slot is likely free for one more request, 1 to 60."""
-        return int(min(60, max(1, math.ceil((waiting + 1) / slots * self.mean_latency))))
-
-
-class QueueFull(Exception):
-    """The waiting queue is at max_queue; retry after `retry_after` seconds (HTTP 429)."""
-
-    def __init__(self, retry_after: int) -> None:
-        super().__init__(f"the server is at capacity; retry in {retry_after} s")
-        self.retry_after = retry_after
-
-
-class Draining(Exception):
-    """The engine is shutting down and admits no new requests (HTTP 503)."""
-
-
-@dataclass
-class Event:
-    """What a client receives: new text of one sequence, and at the end why it finished."""
-
-    index: int  # which sequence of the client's request (OpenAI's choice index)
-    text: str  # complete UTF-8 characters only; "" when the new token's text is held back
-    finish_reason: FinishReason | None = None  # set on the last event of the sequence
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    error: str | None = None
-    # Only for requests whose params ask for them: the new tokens' entries since the previous event (a
-    # token whose text is held back goes with the next event), and, on the sequence's first event, the
-    # prompt's (one per prompt token after the first).
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
-
-
-Sink = Callable[[Event], None]
-
-
-class AsyncioSink:
-    """Delivers events into an asyncio queue on its event loop (make it on that loop). The engine hands
-    an iteration's events for one loop over in a single call (deliver), so the loop wakes once."""
-
-    def __init__(self, queue: asyncio.Queue[Event], loop: asyncio.AbstractEventLoop | None = None) -> None:
-        self.queue, self.loop = queue, loop or asyncio.get_running_loop()
-
-    def __call__(self, event: Event) -> None:
-        deliver([(self, event)])
-
-
-def asyncio_sink(queue: asyncio.Queue[Event], loop: asyncio.AbstractEventLoop | None = None) -> AsyncioSink:
-    """A sink that delivers events into `queue` on its event loop (call from that loop)."""
-    return AsyncioSink(queue, loop)
-
-
-class Channel:
-    """Where a ChannelSink's events go: send() takes an iteration's events for this channel in one call,
-    as (key, event) pairs (engine_process.py's pipe to the HTTP process)."""
-
-    def send(self, items: list[tuple[int, Event]]) -> None:
-        raise NotImplementedError
-
-
-class ChannelSink:
-    """Delivers events into `channel` under `key` (which request they belong to), grouped per channel."""
-
-    def __init__(self, channel: Channel, key: int) -> None:
-        self.channel, self.key = channel, key
-
-    def __call__(self, event: Event) -> None:
-        deliver([(self, event)])
-
-
-def _put_all(items: list[tuple[AsyncioSink, Event]]) -> None:
-    for sink, event in items:
-        sink.queue.put_nowait(event)
-
-
-def deliver(outbox: list[tuple[Sink, Event]]) -> None:
-    """Hand each event to its sink, in order: asyncio sinks grouped by event loop, one call_soon_threadsafe
-    per loop (each is a write to the loop's wake-up pipe and a pass of the loop), channel sinks grouped
-    by channel, one send each; other sinks called."""
-    loops: dict[asyncio.AbstractEventLoop, list[tuple[AsyncioSink, Event]]] = {}
-    channels: dict[Channel, list[tuple[int, Event]]] = {}
-    for sink, event in outbox:
-        if isinstance(sink, AsyncioSink):
-            loops.setdefault(sink.loop, []).append((sink, event))
-        elif isinstance(sink, ChannelSink):
-            channels.setdefault(sink.channel, []).append((sink.key, event))
-        else:
-            sink(event)
-    for channel, keyed in channels.items():
-        channel.send(keyed)
-    for loop, items in loops.items():
-        try:
-            loop.call_soon_threadsafe(_put_all, items)
-        except RuntimeError:  # the loop is closed: its clients are gone, nothing to deliver to
-            pass
-
-
 @dataclass(eq=False)
 class Request:
     """One sequence to generate. The client side may call cancel(); the rest is the engine's."""
@@ -247,58 +134,6 @@ class Request:
     @property
     def completion_tokens(self) -> int:
         return 0 if self.seq is None else self.seq.n_new
-
-
-class Submitted(Protocol):
-    """What submit returns: the handle a client cancels its sequence with (Request, or the engine process's)."""
-
-    def cancel(self) -> None: ...
-
-
-@runtime_checkable
-class EngineClient(Protocol):
-    """What the HTTP side (serve/app.py, serve/server.py) uses of an engine, and all it may use: Engine
-    here, in this process, or engine_process.EngineProcess, the same engine in a child process.
-
-    Only the client side: the engine's own thread, its model and its Generator stay behind it."""
-
-    # what the routes check a request against
-    @property
-    def tokenizer(self) -> Any: ...
-    @property
-    def blocklist(self) -> Blocklist: ...
-    @property
-    def max_len(self) -> int: ...
-    @property
-    def vocab_size(self) -> int: ...
-    @property
-    def constrains(self) -> bool: ...
-    @property
-    def max_batch_size(self) -> int: ...
-    @property
-    def max_queue(self) -> int: ...
-    @property
-    def capacity(self) -> int: ...
-
-    # requests in, events out (to the sink), each sequence cancelled through its handle
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> Submitted: ...
-
-    # the probes and /metrics
-    @property
-    def alive(self) -> bool: ...
-    @property
-    def draining(self) -> bool: ...
-    @property
-    def failed(self) -> bool: ...
-    def stats(self) -> dict[str, int]: ...
-    @property
-    def metrics(self) -> ServeMetrics: ...
-    def render_metrics(self) -> bytes: ...
-
-    # the server's lifespan
-    def start(self) -> None: ...
-    def begin_drain(self) -> None: ...
-    def shutdown(self, timeout: float | None = None) -> None: ...
 
 
 class Engine:

@@ -54,21 +54,9 @@ from gptopt.infer.sampling import SamplingParams
 from gptopt.runtime import memory, process
 from gptopt.runtime.device import resolve
 from gptopt.serve.blocklist import Blocklist, load_blocklist
-from gptopt.serve.engine import (
-    COMPLETED,
-    Channel,
-    ChannelSink,
-    Draining,
-    Engine,
-    Event,
-    FinishReason,
-    QueueFull,
-    RetryAfter,
-    Sink,
-    default_solo_threads,
-    deliver,
-    settled_heap,
-)
+from gptopt.serve.client import Draining, QueueFull, RetryAfter
+from gptopt.serve.engine import Engine, default_solo_threads, settled_heap
+from gptopt.serve.events import COMPLETED, Channel, ChannelSink, Event, FinishReason, Sink, deliver
 from gptopt.serve.metrics import ServeMetrics
 from gptopt.utils.extras import has
 from gptopt.utils.logs import setup_logging

@@ -17,7 +17,7 @@ from typing import Any
 from tokenizers import Tokenizer, decoders
 
 from gptopt.infer.sampling import TokenLogprob
-from gptopt.serve.engine import Event
+from gptopt.serve.events import Event
 
 __all__ = ["ChatChoice", "CompletionChoice", "CompletionLogprobs", "Vocab", "chat_content"]
 

@@ -29,8 +29,9 @@ for _module in ("fastapi", "uvicorn"):
 import uvicorn  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
-from gptopt.serve.app import api_key, create_app  # noqa: E402
-from gptopt.serve.engine import EngineClient  # noqa: E402
+from gptopt.serve.app import create_app  # noqa: E402
+from gptopt.serve.client import EngineClient  # noqa: E402
+from gptopt.serve.guard import api_key  # noqa: E402
 
 log = logging.getLogger(__name__)
 
