@@ -26,6 +26,7 @@ from gptopt.config.fields import (
     check_fields,
     field_types,
     opt,
+    range_text,
     type_ok,
 )
 from gptopt.config.infer import (
@@ -39,7 +40,6 @@ from gptopt.config.infer import (
     ExportConfig,
     GenerateConfig,
     LoadtestConfig,
-    SamplingConfig,
     ServeConfig,
     parse_prune,
 )
@@ -53,6 +53,18 @@ from gptopt.config.model import (
     arch_overrides,
     preset,
     preset_for_data,
+)
+from gptopt.config.sampling import (
+    FREQUENCY_PENALTY,
+    LOGIT_BIAS,
+    PRESENCE_PENALTY,
+    REPETITION_PENALTY,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    Bound,
+    SamplingConfig,
 )
 from gptopt.config.train import (
     COMPILE_MODES,

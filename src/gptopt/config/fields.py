@@ -72,7 +72,8 @@ def field_types(cls: type) -> dict[str, tuple[type, bool]]:
     return {f.name: _base_type(hints[f.name]) for f in dataclasses.fields(cls)}
 
 
-def _range_text(meta: Any) -> str:
+def range_text(meta: Any) -> str:
+    """A range as the refusals say it: 'in [0, 2]', '>= 1', '< 0.5'."""
     def num(x: float) -> str:
         return f"{x:g}" if isinstance(x, float) else str(x)
 
@@ -115,5 +116,5 @@ def check_fields(obj: Any, prefix: str = "--") -> None:
             and ("le" not in meta or value <= meta["le"]) and ("lt" not in meta or value < meta["lt"])
         ):
             hint = f"; {meta['hint']}" if "hint" in meta else ""
-            raise ValueError(f"{name} must be {_range_text(meta)}, got {value}{hint}")
+            raise ValueError(f"{name} must be {range_text(meta)}, got {value}{hint}")
 

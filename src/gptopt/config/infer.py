@@ -19,24 +19,7 @@ from gptopt.config.fields import (
     check_fields,
     opt,
 )
-
-
-@dataclass(kw_only=True)
-class SamplingConfig:
-    """Sampling options shared by generate and serve (serve takes them per request)."""
-
-    max_new_tokens: int = opt(128, "tokens to generate per prompt", ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = opt(0.8, "softmax temperature; 0 = greedy", ge=0.0)
-    top_k: int | None = opt(50, "sample from the k most likely tokens (none = all)", ge=1, le=MAX_VOCAB)
-    top_p: float = opt(1.0, "nucleus sampling: the smallest set of tokens whose probability reaches p", gt=0.0, le=1.0)
-    repetition_penalty: float = opt(1.0, "divide the logits of tokens already present by this (> 1 discourages "
-                                    "repeats)", gt=0.0)
-    seed: int | None = opt(None, "seed: the same seed and prompt give the same sample", ge=0, le=MAX_SEED)
-    stop: str | None = opt(None, "stop when this text appears (\\n escapes allowed); it is not included")
-
-    def __post_init__(self) -> None:
-        check_fields(self)  # every field, a subclass's too
-
+from gptopt.config.sampling import TEMPERATURE, SamplingConfig
 
 # --quantize of generate and serve: the names gptopt compress gives the same torchao methods
 INFER_QUANTIZE = ("none", "int8-weight", "int4-weight")
@@ -164,7 +147,7 @@ class LoadtestConfig:
     tokenizer: str | None = opt(None, "the served model's tokenizer.json, or its model directory: each prompt is "
                                 "then random tokens of it (as vLLM's random data set), exactly --prompt_tokens long")
     max_tokens: int = opt(64, "max_tokens of each request", ge=1, le=MAX_NEW_TOKENS)
-    temperature: float = opt(0.0, "temperature of each request", ge=0.0)
+    temperature: float = opt(0.0, "temperature of each request", **TEMPERATURE.limits)
     model: str | None = opt(None, "the model field of each request")
     api_key: str | None = opt(None, "Bearer key, if the server needs one")
     timeout: float = opt(300.0, "seconds before a request counts as an error", gt=0.0, le=MAX_SECONDS)

@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from gptopt.config import SamplingConfig
+from gptopt.config.sampling import (
+    FREQUENCY_PENALTY,
+    LOGIT_BIAS,
+    PRESENCE_PENALTY,
+    REPETITION_PENALTY,
+    SEED,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    SamplingConfig,
+)
 from gptopt.infer.stop import unescape
 
 
@@ -54,18 +63,21 @@ class SamplingParams:
             (self.logprobs is None or self.logprobs >= 0, "logprobs must be >= 0 (or None)", self.logprobs),
             (self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs must be >= 0 (or None)",
              self.prompt_logprobs),
-            (self.temperature >= 0, "temperature must be >= 0", self.temperature),
-            (self.top_k is None or self.top_k >= 1, "top_k must be >= 1 (or None: all tokens)", self.top_k),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]", self.top_p),
-            (self.repetition_penalty > 0, "repetition_penalty must be > 0", self.repetition_penalty),
-            (math.isfinite(self.presence_penalty), "presence_penalty must be finite", self.presence_penalty),
-            (math.isfinite(self.frequency_penalty), "frequency_penalty must be finite", self.frequency_penalty),
-            (all(t >= 0 and math.isfinite(b) for t, b in self.logit_bias),
-             "logit_bias must map token ids >= 0 to finite values", self.logit_bias),
+            (all(t >= 0 for t, _ in self.logit_bias), "logit_bias must map token ids >= 0", self.logit_bias),
             (all(self.stop), "stop strings must not be empty", self.stop),
         ]:
             if not ok:
                 raise ValueError(f"{rule}, got {value!r}")
+        # the bounds the CLI and the HTTP schemas check too (config/sampling.py)
+        for name, bound in (("temperature", TEMPERATURE), ("top_p", TOP_P), ("repetition_penalty", REPETITION_PENALTY),
+                            ("presence_penalty", PRESENCE_PENALTY), ("frequency_penalty", FREQUENCY_PENALTY)):
+            bound.check(name, getattr(self, name))
+        if self.top_k is not None:
+            TOP_K.check("top_k", self.top_k)
+        if self.seed is not None:
+            SEED.check("seed", self.seed)
+        for _, b in self.logit_bias:
+            LOGIT_BIAS.check("a logit_bias value", b)
 
     @classmethod
     def from_config(cls, c: SamplingConfig) -> SamplingParams:
