@@ -1,4 +1,5 @@
-"""Dependencies point one way: no import cycle among gptopt's modules, lazy imports included.
+"""Dependencies point one way: each package imports only its own layer and the layers below it, no import cycle
+among gptopt's modules, lazy imports included, and nothing imports the command line.
 
     pytest -q tests/test_imports.py
 """
@@ -11,6 +12,22 @@ from pathlib import Path
 import gptopt
 
 SRC = Path(gptopt.__file__).resolve().parent  # src/gptopt
+
+# gptopt's layers, lowest first (docs/design.md says what each holds). A module may import modules of its own
+# layer and of the layers below; never of a layer above. The package root (gptopt/__init__: the version) is
+# below them all.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("config", "utils"),  # options, presets and their checks; plain helpers (extras, logs, tables)
+    ("outputs", "runtime"),  # how gptopt writes a user's disk; the device, its memory and torch's switches
+    ("data",),  # tokenizers, corpora -> token shards, the loader
+    ("models",),  # the model and its families, Hugging Face in and out, checkpoints, FLOPs
+    ("infer",),  # loading for inference, the KV cache, the sampler, the Generator, CPU layouts, quantisation
+    ("train",),  # the step, optimizers, wrapping, the loop, resuming, its memory plan
+    ("commands", "bench", "serve"),  # the verbs: each uses the layers below, another verb's public functions only
+    ("cli", "__main__"),  # the command line
+)
+# The old import paths kept for users' code (re-exports): nothing of gptopt's imports them.
+OLD_PATHS = ("model", "hf", "checkpoint", "export")
 
 
 def _module_name(path: Path, src: Path) -> str:
@@ -130,3 +147,42 @@ def test_nothing_below_the_command_line_imports_it() -> None:
     importers = sorted(f"{name} ({edges['gptopt.cli']})" for name, edges in graph.items()
                        if "gptopt.cli" in edges and name != "gptopt.__main__")
     assert not importers, "gptopt.cli imported by: " + ", ".join(importers)
+
+
+def layer(module: str) -> int | None:
+    """The index in LAYERS of a module's top-level package (or module); -1 for the package root; None if none."""
+    top = module.split(".")[1] if "." in module else None
+    if top is None:
+        return -1
+    return next((i for i, names in enumerate(LAYERS) if top in names), None)
+
+
+def test_the_layers_name_every_package_and_the_old_paths_only_re_export() -> None:
+    graph = import_graph()
+    old = {f"gptopt.{name}" for name in OLD_PATHS}
+    unplaced = sorted({m.split(".")[1] for m in graph if m not in old and layer(m) is None})
+    assert not unplaced, f"in no layer of tests/test_imports.py's LAYERS (place them): {', '.join(unplaced)}"
+    importers = sorted(f"{name} -> {target} ({where})" for name, edges in graph.items()
+                       for target, where in edges.items() if target in old)
+    assert not importers, "gptopt's own modules import an old path (import its new home):\n" + "\n".join(importers)
+
+
+def test_no_module_imports_a_layer_above_its_own() -> None:
+    graph = import_graph()
+    upward = sorted(f"{name} -> {target}  ({where})" for name, edges in graph.items() if layer(name) is not None
+                    for target, where in edges.items() if (layer(target) or -1) > layer(name))
+    assert not upward, "imports that point up the layers (tests/test_imports.py's LAYERS):\n" + "\n".join(upward)
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
+    pkg = tmp_path / "gptopt"
+    for d in ("models", "train"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "train" / "loop.py").write_text("from gptopt.models import gpt\n")
+    (pkg / "models" / "gpt.py").write_text("def f():\n    from gptopt.train import loop\n")  # lazy, and upward
+    graph = import_graph(pkg)
+    up = [(a, b) for a, edges in graph.items() for b in edges
+          if layer(a) is not None and layer(b) is not None and layer(b) > layer(a)]
+    assert up == [("gptopt.models.gpt", "gptopt.train.loop")]
