@@ -1,1 +1,3 @@
-"""gptopt bench: the measured optimisation ladder (ladder.py) and its reports (report.py)."""
+"""gptopt bench: the measured optimisation ladders (ladder.py: training; infer.py: generation; quality.py: time to
+a target loss), what they share (setup.py) and their reports (report.py); main.py picks by --mode.
+"""

@@ -67,7 +67,7 @@ class Generator:
         self.buckets = [2**i for i in range(max_batch_size.bit_length()) if 2**i < max_batch_size] + [max_batch_size]
         self._step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._keys = torch.empty(self.max_len, device=plan.device)  # _decode_rows' length, as a size
-        if compile:  # the last inference transform (inference.py's step 5): it needs this cache
+        if compile:  # the last inference transform (load.py's step 5): it needs this cache
             self._step = compile_decode(self._decode_rows, self.model, self.cache.k + self.cache.v, self.device,
                                         max_batch_size)
         elif cuda_graphs and self.device.type == "cuda":

@@ -181,7 +181,7 @@ def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, d
     """The model (eval, on plan.device, in `dtype`) and its tokenizer, from a training output dir (its
     latest checkpoint), a checkpoint or model dir, a Hugging Face GPT-2 dir or a hub name: steps 1-4.
 
-    layout: store fp weights in the layout that runs inference fastest (prepare_model.inference_layout);
+    layout: store fp weights in the layout that runs inference fastest (cpu_layout.inference_layout);
     False for a caller that transforms the weights further (gptopt compress)."""
     dt = weights_dtype(dtype, plan)
     _check_quantize(quantize, plan, dt)  # before any loading

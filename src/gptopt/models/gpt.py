@@ -1,7 +1,7 @@
 """The GPT-2 model: one readable module with Hugging Face GPT-2's parameter names.
 
 Single-device and plain on purpose: torch.compile, DDP/FSDP and quantisation are applied from
-outside (prepare_model.py). Names match HF (wte, wpe, h.N.ln_1, attn.c_attn, ...) so weights map
+outside (train/wrap.py, infer/load.py). Names match HF (wte, wpe, h.N.ln_1, attn.c_attn, ...) so weights map
 1:1; HF's Conv1D stores (in, out) and is transposed once at load time in hf.py.
 
     python -c "from gptopt.models.gpt import GPT; from gptopt.config import preset; print(GPT(preset('tiny')))"
