@@ -5,7 +5,8 @@ and checkpoints and benchmark results store them; every field is checked when a 
     python -c "from gptopt.config import preset; print(preset('tiny'))"
 
 fields.py: the limits, `opt` and check_fields; model.py: GPTConfig and the presets; sampling.py: the sampling
-options and their bounds; train.py and infer.py: the commands' configs. Import from here.
+options and their bounds (those from gptopt.config.sampling); train.py and infer.py: the commands' configs.
+Import from here.
 """
 
 from gptopt.config.fields import (
@@ -54,18 +55,7 @@ from gptopt.config.model import (
     preset,
     preset_for_data,
 )
-from gptopt.config.sampling import (
-    FREQUENCY_PENALTY,
-    LOGIT_BIAS,
-    PRESENCE_PENALTY,
-    REPETITION_PENALTY,
-    SEED,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
-    Bound,
-    SamplingConfig,
-)
+from gptopt.config.sampling import Bound, SamplingConfig
 from gptopt.config.train import (
     COMPILE_MODES,
     MUON_LR_SCALE,

@@ -15,17 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from gptopt.config.sampling import (
-    FREQUENCY_PENALTY,
-    LOGIT_BIAS,
-    PRESENCE_PENALTY,
-    REPETITION_PENALTY,
-    SEED,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
-    SamplingConfig,
-)
+from gptopt.config import sampling as bounds
+from gptopt.config.sampling import SamplingConfig
 from gptopt.infer.stop import unescape
 
 
@@ -69,15 +60,14 @@ class SamplingParams:
             if not ok:
                 raise ValueError(f"{rule}, got {value!r}")
         # the bounds the CLI and the HTTP schemas check too (config/sampling.py)
-        for name, bound in (("temperature", TEMPERATURE), ("top_p", TOP_P), ("repetition_penalty", REPETITION_PENALTY),
-                            ("presence_penalty", PRESENCE_PENALTY), ("frequency_penalty", FREQUENCY_PENALTY)):
-            bound.check(name, getattr(self, name))
+        for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            getattr(bounds, name.upper()).check(name, getattr(self, name))
         if self.top_k is not None:
-            TOP_K.check("top_k", self.top_k)
+            bounds.TOP_K.check("top_k", self.top_k)
         if self.seed is not None:
-            SEED.check("seed", self.seed)
+            bounds.SEED.check("seed", self.seed)
         for _, b in self.logit_bias:
-            LOGIT_BIAS.check("a logit_bias value", b)
+            bounds.LOGIT_BIAS.check("a logit_bias value", b)
 
     @classmethod
     def from_config(cls, c: SamplingConfig) -> SamplingParams:

@@ -14,16 +14,7 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from gptopt.config.sampling import (
-    FREQUENCY_PENALTY,
-    LOGIT_BIAS,
-    PRESENCE_PENALTY,
-    REPETITION_PENALTY,
-    SEED,
-    TEMPERATURE,
-    TOP_K,
-    TOP_P,
-)
+from gptopt.config import sampling as bounds
 from gptopt.infer import chat
 from gptopt.utils.extras import require
 
@@ -133,21 +124,21 @@ class Sampling(BaseModel):
     """The fields /v1/completions and /v1/chat/completions share: sampling, choices, stop, streaming."""
 
     model_config = _STRICT
-    temperature: float = Field(1.0, **TEMPERATURE.limits, description="0 = greedy")
-    top_p: float = Field(1.0, **TOP_P.limits)
+    temperature: float = Field(1.0, **bounds.TEMPERATURE.limits, description="0 = greedy")
+    top_p: float = Field(1.0, **bounds.TOP_P.limits)
     n: Int = Field(1, ge=1, le=MAX_N)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
-    seed: IntOrNone = Field(None, **SEED.limits)
+    seed: IntOrNone = Field(None, **bounds.SEED.limits)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    top_k: IntOrNone = Field(None, **TOP_K.limits, description="extension: sample from the k most likely tokens")
-    repetition_penalty: float = Field(1.0, **REPETITION_PENALTY.limits,
+    top_k: IntOrNone = Field(None, **bounds.TOP_K.limits, description="extension: sample from the k most likely tokens")
+    repetition_penalty: float = Field(1.0, **bounds.REPETITION_PENALTY.limits,
                                       description="extension: > 1 discourages repeats")
-    presence_penalty: float = Field(0.0, **PRESENCE_PENALTY.limits, description="subtracted from the logit of every "
-                                    "token generated so far (the prompt's do not count)")
-    frequency_penalty: float = Field(0.0, **FREQUENCY_PENALTY.limits, description="times the number of times a token "
-                                     "has been generated so far, subtracted from its logit")
-    logit_bias: Annotated[dict[TokenKey, Annotated[float, Field(**LOGIT_BIAS.limits)]],
+    presence_penalty: float = Field(0.0, **bounds.PRESENCE_PENALTY.limits, description="subtracted from the logit of "
+                                    "every token generated so far (the prompt's do not count)")
+    frequency_penalty: float = Field(0.0, **bounds.FREQUENCY_PENALTY.limits, description="times the number of times a "
+                                     "token has been generated so far, subtracted from its logit")
+    logit_bias: Annotated[dict[TokenKey, Annotated[float, Field(**bounds.LOGIT_BIAS.limits)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="token id (a string) -> a value from -100 to 100 added to its logit before sampling")
     response_format: ResponseFormat | None = Field(None, description="json_object or json_schema: every token is "
@@ -212,7 +203,7 @@ class GenerateRequest(BaseModel):
     # is at least one token.
     max_length: Int = Field(100, ge=2, description="total tokens, prompt included (capped at the context): more "
                             "than the prompt's tokens, else 400")
-    temperature: float = Field(1.0, **TEMPERATURE.limits)
+    temperature: float = Field(1.0, **bounds.TEMPERATURE.limits)
 
 
 class GenerateResponse(BaseModel):
