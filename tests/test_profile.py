@@ -21,10 +21,10 @@ from gptopt.commands import profile
 from gptopt.commands.profile import STEP_RANGE, Finding, OpRecord, TraceSummary, diagnose, figures
 from gptopt.config import ProfileConfig, TrainConfig
 from gptopt.data import loader as data
-from gptopt.infer import cpu_layout as prepare_model
 from gptopt.infer.generator import Generator
 from gptopt.models.gpt import GPT
 from gptopt.runtime import device, memory
+from gptopt.train import wrap
 
 # Few, small steps: every real trace below takes a few seconds on a 2-core CPU.
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", wait=1, warmup=1, active=2, row_limit=5)
@@ -125,7 +125,7 @@ def test_graph_breaks_of_a_compiled_model_are_counted_with_reasons(train_data: P
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     # Dynamo finds the breaks before any backend runs: the eager backend skips Inductor's slow code
     # generation on a CPU and breaks in exactly the same places.
-    monkeypatch.setattr(prepare_model, "compile_model",
+    monkeypatch.setattr(wrap, "compile_model",
                         lambda model, mode="default", fullgraph=False: torch.compile(model, backend="eager"))
     _forward_that_reads_the_loss(monkeypatch)
     summary, names = profiled(train_data, tmp_path, compile=True)
