@@ -100,7 +100,8 @@ def test_bench_writes_the_contract_and_a_best_toml_train_accepts(
     last = last_json_line(stdout)
     results = json.loads((out / "results.json").read_text())
     assert last["rungs"] == json.loads(json.dumps(results["rungs"]))
-    assert results["peak_flops"] > 0 and results["peak_source"].startswith("measured matmul peak")
+    # the matmul peak measured here, or a rung faster than it (bf16 emulated where the CPU has none)
+    assert results["peak_flops"] > 0 and "measured matmul peak" in results["peak_source"]
     names = [r["name"] for r in results["rungs"]]
     assert names == ["hf", "eager", "sdpa", "amp"]
     for r in results["rungs"]:

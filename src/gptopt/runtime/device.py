@@ -354,6 +354,8 @@ def measured_matmul_flops(device: str, dtype: torch.dtype, *, remeasure: bool = 
 
 def _measure_matmul(dev: torch.device, dtype: torch.dtype) -> float:
     n = 2048 if dev.type == "cpu" else 8192
+    if dev.type == "cpu":  # smaller where one product is slow (bf16 emulated without native support): a rep stays short
+        n = _cpu_size(dtype, n)
     # its own generator: measuring must not move the global RNG (dropout, init) of the run it serves
     g = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, dtype=dtype, generator=g)
@@ -374,6 +376,21 @@ def _measure_matmul(dev: torch.device, dtype: torch.dtype) -> float:
         if reps >= 50:
             break
     return 2 * n**3 / best
+
+
+def _cpu_size(dtype: torch.dtype, largest: int) -> int:
+    """The side of the square matmul that measures a CPU: doubled from 256 while one product takes under 50 ms,
+    up to `largest`. A fast path (fp32, native bf16) reaches `largest`; an emulated one stops early, so the
+    measurement takes seconds where 2048 would take minutes."""
+    n = 256
+    while n < largest:
+        a = torch.ones(n, n, dtype=dtype)
+        t0 = time.perf_counter()
+        a @ a
+        if time.perf_counter() - t0 > 0.05:
+            break
+        n *= 2
+    return n
 
 
 def peak_flops(plan: DevicePlan, dtype: torch.dtype | None = None, *, remeasure: bool = False) -> tuple[float, str]:
