@@ -35,7 +35,7 @@ from gptopt.infer.sampling import SamplingParams, TokenLogprob  # noqa: E402
 from gptopt.models.gpt import GPT  # noqa: E402
 from gptopt.runtime.device import resolve  # noqa: E402
 from gptopt.serve.app import create_app  # noqa: E402
-from gptopt.serve.logprobs import Vocab, chat_content  # noqa: E402
+from gptopt.serve.logprobs import CompletionLogprobs, Vocab, chat_content  # noqa: E402
 from gptopt.serve.server import serve_in_thread  # noqa: E402
 
 TOL = 1e-4  # the cached, batched forward against one plain forward: fp32 rounding only
@@ -437,3 +437,29 @@ def test_end_of_text_keeps_its_logprob_so_lm_evals_slice_stays_aligned(debug_tok
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
             "logprobs": True}).json()["choices"][0]
         assert reply["finish_reason"] == "stop" and len(reply["logprobs"]["content"]) == 2
+
+
+def test_text_offsets_count_a_byte_no_token_completes_as_its_replacement_character(debug_tokenizer: Any) -> None:
+    """A lone UTF-8 continuation byte decodes to U+FFFD for good: the tokens after it start one character later;
+    the bytes of a character split over tokens all point at its start."""
+    by_byte = {b: debug_tokenizer.token_to_id(c) for b, c in bytes_to_unicode().items()}  # its one-byte tokens
+    lone, space, euro = by_byte[0xAA], by_byte[0x20], [by_byte[b] for b in "€".encode()]
+    fmt = CompletionLogprobs(Vocab(debug_tokenizer))
+    ids = [lone, space, *euro, space]
+    text = debug_tokenizer.decode(ids)
+    assert text == "\ufffd € "
+    offsets = fmt.add(ids, [None] * len(ids), shown=len(text))["text_offset"]
+    assert offsets == [0, 1, 2, 2, 2, 3]
+
+
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table, which byte-level BPE vocabularies are written in."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return chars

@@ -11,6 +11,7 @@ of a chat choice; CompletionChoice and ChatChoice give each engine event's text 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,12 +83,17 @@ class CompletionLogprobs:
         self._tail: list[int] = []
 
     def _offset(self, token: int, decode: Any) -> int:
-        # Decoding only the tokens since the last whole character keeps this O(1) a token.
-        offset = self._done + len(decode(self._tail).rstrip("\ufffd"))
+        # Decoding only the tokens since the last whole character keeps this O(1) a token. While the text
+        # ends in U+FFFD the character may still be completing: the token belongs to it. Once it does not, the
+        # token's text starts where the text before it stops agreeing with the text with it: a character the
+        # token completes begins before it, and a byte nothing completed stays U+FFFD, a character of the text.
+        before = decode(self._tail)
         self._tail.append(token)
         text = decode(self._tail)
-        if not text.endswith("\ufffd"):
-            self._done, self._tail = self._done + len(text), []
+        if text.endswith("\ufffd"):
+            return self._done + len(before.rstrip("\ufffd"))
+        offset = self._done + len(os.path.commonprefix([before, text]))
+        self._done, self._tail = self._done + len(text), []
         return offset
 
     def add(self, ids: Sequence[int], entries: Sequence[TokenLogprob | None], *, shown: int,
