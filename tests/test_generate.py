@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
 import io
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +23,9 @@ from tokenizers import Tokenizer
 from gptopt import cli
 from gptopt.commands import generate as gen_mod
 from gptopt.config import GenerateConfig
+from gptopt.data.tokenizer import eot_id
 from gptopt.infer.compiled import GraphedDecode
+from gptopt.infer.decoding import Decoding
 from gptopt.infer.generator import Generator, complete, generate, stream
 from gptopt.infer.load import load_for_inference
 from gptopt.infer.sampling import SamplingParams
@@ -128,6 +132,58 @@ def test_the_same_seed_gives_the_same_sample_and_another_seed_another(varied_mod
     # Each sequence has its own generator: the same sample alone or among other prompts.
     assert generate(gen, [PROMPTS[1], PROMPTS[0]], params)[1] == first[0]
     assert generate(gen, [PROMPTS[0]], dataclasses.replace(params, seed=124)) != first
+
+
+def _decode_together(gen: Generator, rows: list[tuple[list[int], SamplingParams, int]]) -> list[list[int]]:
+    """Each (prompt, params, step it joins at) decoded in one batch, as the server's engine batches requests:
+    a row joins the running ones at its step and leaves when it ends. Each row's new tokens."""
+    seqs: dict[int, Decoding] = {}
+    running: dict[int, Decoding] = {}
+    step = 0
+    while step <= max(at for *_, at in rows) or running:
+        if running:  # one decode step of the rows already running
+            ids = list(running)
+            logits = gen.decode_next([running[i] for i in ids])
+            for i, token in zip(ids, gen.sample_next(logits, [running[i] for i in ids]), strict=True):
+                if running[i].add(token) is not None:
+                    gen.end(running.pop(i))
+        for i, (prompt, params, at) in enumerate(rows):  # then the rows that join at this step
+            if at == step:
+                seq, logits = gen.begin(prompt, params)
+                seqs[i] = running[i] = seq
+                if seq.add(gen.sample_next(logits[None], [seq])[0]) is not None:
+                    gen.end(running.pop(i))
+        step += 1
+    return [seqs[i].tokens for i in range(len(rows))]
+
+
+def test_a_seeded_row_gives_the_same_tokens_alone_and_in_any_batch(varied_model: GPT, debug_tokenizer: Any) -> None:
+    """The sampler draws each row from its own settings and generator only: a request with a seed gets the same
+    text whatever shares its batch (other top_k, top_p, temperature, penalties, grammars, lengths, join times)."""
+    grammars = None
+    if importlib.util.find_spec("llguidance") is not None:
+        from gptopt.infer.constrain import Grammars
+        grammars = Grammars(debug_tokenizer, eot_id(debug_tokenizer), varied_model.config.vocab_size)
+    gen = Generator(varied_model, CPU, max_batch_size=6, grammars=grammars)
+    seeded = [SamplingParams(temperature=1.0, top_k=k, top_p=p, max_new_tokens=12, seed=11)
+              for k, p in ((5, 1.0), (None, 1.0), (None, 0.9), (40, 0.8))]
+    others = [SamplingParams(temperature=1.0, top_k=None, max_new_tokens=16),
+              SamplingParams(temperature=0.7, top_k=200, top_p=0.5, max_new_tokens=5),
+              SamplingParams(temperature=0, max_new_tokens=9, repetition_penalty=2.0),
+              SamplingParams(temperature=1.3, top_k=2, presence_penalty=1.0, frequency_penalty=0.5, max_new_tokens=20,
+                             seed=3)]
+    if grammars is not None:  # a constrained row masks its own logits only
+        from gptopt.infer.constrain import grammar_for
+        others.append(SamplingParams(temperature=1.0, max_new_tokens=10, grammar=grammar_for({"type": "json_object"})))
+    for params in seeded:
+        alone = _decode_together(gen, [(PROMPTS[0], params, 0)])[0]
+        assert len(alone) == 12
+        mixes = [[(PROMPTS[1], others[0], 0), (PROMPTS[0], params, 0)],
+                 [(PROMPTS[2], others[1], 0), (PROMPTS[1], others[2], 1), (PROMPTS[0], params, 2)],
+                 [(PROMPTS[0], params, 0), *[(PROMPTS[j % len(PROMPTS)], o, j) for j, o in enumerate(others)]]]
+        for mix in mixes:
+            got = _decode_together(gen, mix)
+            assert got[[r[1] for r in mix].index(params)] == alone, (params, mix)
 
 
 def test_top_k_1_and_a_tiny_top_p_equal_greedy(varied_model: GPT) -> None:

@@ -86,6 +86,10 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
+# What pick gives a row that may take no token (a grammar at a dead end): never a token id.
+NO_TOKEN = -1
+
+
 def _tensor(device: torch.device, values: Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
     # From pinned memory the copy is asynchronous: the host does not wait for the GPU to catch up.
     pinned = device.type == "cuda"
@@ -162,29 +166,54 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], histories: list[lis
         logits = logits - frequency * counts - presence * (counts > 0)
     greedy = logits.argmax(dim=-1)
     if all(p.temperature == 0 for p in params):
-        return greedy
-    # Work in the k_max best logits, sorted; k_max = V (a full sort) when some row has no top-k.
-    k_max = min(V, max(p.top_k or V for p in params))
-    vals, idx = logits.topk(k_max, dim=-1)  # (B, k_max)
-    vals = vals / on_device([p.temperature or 1.0 for p in params], torch.float32).view(B, 1)
-    ranks = torch.arange(k_max, device=logits.device)
-    keep = ranks < on_device([min(p.top_k or V, k_max) for p in params]).view(B, 1)
-    probs = vals.masked_fill(~keep, float("-inf")).softmax(dim=-1)
+        return _unless_none_allowed(greedy, logits, allowed)
+    return _unless_none_allowed(_sampled(logits, params, generators, greedy), logits, allowed)
+
+
+def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
+             greedy: torch.Tensor) -> torch.Tensor:
+    """Each sampled row's token, drawn from its own row alone: temperature, its top-k (the k-th largest logit as a
+    threshold), its top-p, then one exponential race over the whole vocabulary. So a seeded row draws the same
+    noise, and the same token, alone and in any batch; and only rows with a top-p sort anything (vLLM's
+    sampler works this way). Greedy rows (temperature 0) take `greedy`."""
+    on_device = functools.partial(_tensor, logits.device)
+    B, V = logits.shape
+    x = logits / on_device([p.temperature or 1.0 for p in params], torch.float32).view(B, 1)
+    ks = [p.top_k if p.top_k is not None and p.top_k < V else None for p in params]
+    if any(ks):
+        rows = [i for i, k in enumerate(ks) if k]
+        k_max = max(k for k in ks if k)
+        # The k-th largest of each row, whatever the other rows ask: a threshold, not the top-k's indices (whose
+        # order among equal logits could change with k_max)
+        kth = x[rows].topk(k_max, dim=-1).values.gather(-1, on_device([ks[i] - 1 for i in rows]).view(-1, 1))
+        x[rows] = x[rows].masked_fill(x[rows] < kth, float("-inf"))
+    probs = x.softmax(dim=-1)
     if any(p.top_p < 1.0 for p in params):
+        rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        sub, order = probs[rows].sort(dim=-1, descending=True)
         # The smallest prefix whose mass reaches p: a token stays while the mass before it is < p.
-        top_p = on_device([p.top_p for p in params], torch.float32).view(B, 1)
-        probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p, 0.0)
-    # argmax(probs / Exp(1) noise) is how torch.multinomial draws one sample (same generator, same
-    # draw), minus its input check, which syncs with the host. Unnormalised probs are fine for it.
+        top_p = on_device([params[i].top_p for i in rows], torch.float32).view(-1, 1)
+        drop = sub.cumsum(dim=-1) - sub >= top_p
+        probs[rows] = probs[rows].masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), 0.0)
+    # argmax(probs / Exp(1) noise) is how torch.multinomial draws one sample, minus its input check, which
+    # syncs with the host. Unnormalised probs are fine for it. A seeded row's noise comes from its own generator,
+    # over the whole vocabulary: the same draw in any batch.
     noise = torch.empty_like(probs)
     if any(g is None for g in generators):
         noise.exponential_()
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].exponential_(generator=g)
-    sampled = idx.gather(-1, (probs / noise).argmax(dim=-1, keepdim=True)).squeeze(-1)
+    sampled = (probs / noise).argmax(dim=-1)
     is_greedy = on_device([p.temperature == 0 for p in params], torch.bool)
     return torch.where(is_greedy, greedy, sampled)
+
+
+def _unless_none_allowed(tokens: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
+    """NO_TOKEN for a row that may take no token at all (its grammar allows none): never a forbidden one."""
+    if allowed is None:
+        return tokens
+    return torch.where(allowed.any(dim=-1), tokens, NO_TOKEN)
 
 
 def logprob_table(logits: torch.Tensor, targets: torch.Tensor, k: int) -> torch.Tensor:
