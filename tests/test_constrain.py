@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import random
 from typing import Any
 
 import pytest
@@ -139,11 +140,39 @@ def test_a_bad_response_format_is_one_line_naming_the_problem(response_format: A
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_keyword_it_cannot_enforce_is_refused_when_strict_and_ignored_otherwise() -> None:
-    schema = {"type": "object", "properties": {"a": {"type": "string"}}, "not": {"required": ["b"]}}
-    assert grammar_for({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
-    with pytest.raises(ValueError):
-        grammar_for({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}})
+@pytest.mark.parametrize(("keyword", "schema"), [
+    ("uniqueItems", {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}),
+    ("not", {"type": "object", "properties": {"a": {"type": "string"}}, "not": {"required": ["b"]}}),
+    ("if", {"type": "object", "if": {"properties": {"a": {"const": 1}}}, "then": {"required": ["b"]}}),
+    ("contains", {"type": "array", "contains": {"type": "integer"}}),
+    ("dependentRequired", {"type": "object", "dependentRequired": {"a": ["b"]}}),
+])
+def test_a_keyword_it_cannot_enforce_is_refused_strict_or_not_naming_it(keyword: str, schema: dict) -> None:
+    for strict in (False, True):
+        with pytest.raises(ValueError, match=f"uses {keyword}.*cannot enforce"):
+            grammar_for({"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": strict}})
+
+
+def test_a_multiple_of_without_bounds_is_enforced_to_the_end_of_the_document(debug_tokenizer: Any) -> None:
+    """Random walks over the tokens the grammar allows: every one that reaches end of text is a multiple of 7."""
+    eot = eot_id(debug_tokenizer)
+    vocab = debug_tokenizer.get_vocab_size()
+    grammars = Grammars(debug_tokenizer, eot, vocab)
+    grammar = grammar_for({"type": "json_schema", "json_schema": {"name": "n", "schema": {
+        "type": "integer", "multipleOf": 7}}})
+    rng = random.Random(0)
+    ended = []
+    for _ in range(30):
+        m, ids = grammars.matcher(grammar), []
+        for _ in range(40):
+            allowed = grammars.allowed([m], vocab, "cpu")[0].nonzero().flatten().tolist()
+            token = eot if eot in allowed and rng.random() < 0.3 else rng.choice(allowed)
+            assert m.accept(token)
+            if token == eot:
+                ended.append(json.loads(debug_tokenizer.decode(ids)))
+                break
+            ids.append(token)
+    assert len(ended) >= 20 and all(v % 7 == 0 for v in ended)
 
 
 def test_both_unpackings_put_bit_j_of_word_i_at_token_32i_plus_j() -> None:

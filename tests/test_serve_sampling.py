@@ -20,7 +20,7 @@ from test_serve import PROMPT, assert_openai_error, completion, running, sse  # 
 
 from gptopt.infer.constrain import Grammars, grammar_for  # noqa: E402
 from gptopt.infer.generator import Generator, complete  # noqa: E402
-from gptopt.infer.sampling import SamplingParams  # noqa: E402
+from gptopt.infer.sampling import NO_TOKEN, SamplingParams  # noqa: E402
 from gptopt.runtime.device import resolve  # noqa: E402
 
 
@@ -161,6 +161,28 @@ def test_a_json_schema_reply_validates_and_equals_the_direct_computation(server:
                                  "n": 2}).json()
     for choice in sampled["choices"]:
         jsonschema.validate(json.loads(choice["text"]), SCHEMA)
+
+
+def test_a_stop_string_that_cuts_a_constrained_reply_short_ends_it_incomplete_not_stop(url: str) -> None:
+    """A reply that breaks its schema never says "stop": cut by a stop string before its document is complete (here
+    at its first character), it ends "incomplete"; unconstrained, the same stop string ends it "stop"."""
+    pytest.importorskip("llguidance")
+    body = {"prompt": "x", "max_tokens": 30, "temperature": 0, "stop": ["{"]}
+    cut = completion(url, **body, response_format={"type": "json_object"}).json()["choices"][0]
+    assert cut["finish_reason"] == "incomplete" and cut["text"] == ""
+    assert completion(url, **{**body, "stop": ["\u2603"]}).json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_a_row_its_grammar_leaves_no_token_ends_incomplete_and_never_takes_a_forbidden_token(
+        debug_model: Any) -> None:
+    gen = Generator(debug_model, resolve("cpu"), max_batch_size=2)
+    seq, logits = gen.begin([1, 2, 3], SamplingParams(temperature=0, max_new_tokens=5))
+    allowed = torch.zeros(2, logits.shape[-1], dtype=torch.bool)
+    allowed[1, 7] = True  # the other row may take token 7 only
+    tokens = gen.sample(torch.stack([logits, logits]), [seq.params] * 2, [seq.ids] * 2, [None, None], allowed=allowed)
+    assert tokens == [NO_TOKEN, 7]
+    assert seq.add(tokens[0]) == "incomplete" and seq.tokens == []
+    gen.end(seq)
 
 
 def test_chat_with_json_object_replies_with_a_json_object(url: str) -> None:

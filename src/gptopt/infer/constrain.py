@@ -22,6 +22,7 @@ benchmarks/2026-12-05-constrained-decoding.md).
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +39,8 @@ FEATURE = "response_format (constrained decoding)"
 # What the model may write between JSON tokens: ", " and ": ", no newlines. A small model left free
 # spends its budget on runs of whitespace, a known failure of free whitespace in constrained JSON.
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# llguidance's message for keywords it does not implement: 'Unimplemented keys: ["uniqueItems"]'
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys?: \[(.*?)\]")
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
@@ -48,10 +51,10 @@ def _llguidance() -> Any:
 def grammar_for(response_format: Any) -> str | None:
     """The grammar of an OpenAI response_format, or None for {"type": "text"} (no constraint).
 
-    json_object: any JSON object. json_schema: a document valid against json_schema.schema. With
-    "strict": true a keyword llguidance does not implement is refused, as OpenAI refuses a strict schema
-    it cannot enforce; without, such keywords are ignored and the rest is still enforced. ValueError names
-    the problem for anything malformed, unsupported or unsatisfiable.
+    json_object: any JSON object. json_schema: a document valid against json_schema.schema. A keyword llguidance
+    does not implement (uniqueItems, not, if/then, contains, dependentRequired, ...) is refused, strict or not:
+    ignored, it would let through replies that break the schema. ValueError names the problem (the keyword)
+    for anything malformed, unsupported or unsatisfiable.
     """
     if not isinstance(response_format, dict):
         raise ValueError('response_format must be an object such as {"type": "json_object"}')
@@ -60,7 +63,6 @@ def grammar_for(response_format: Any) -> str | None:
         return None
     if kind == "json_object":
         schema: Any = {"type": "object"}
-        strict = True
     elif kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
@@ -69,7 +71,6 @@ def grammar_for(response_format: Any) -> str | None:
         if not (isinstance(name, str) and 1 <= len(name) <= 64 and set(name) <= _NAME_CHARS):
             raise ValueError("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
         schema = spec.get("schema", {})  # optional, as in OpenAI's API: absent, any JSON value
-        strict = spec.get("strict") or False
         if not isinstance(schema, dict):
             raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
         if not isinstance(spec.get("strict", False), bool | None):
@@ -79,13 +80,20 @@ def grammar_for(response_format: Any) -> str | None:
     llg = _llguidance()
     try:
         # The options as overrides: a schema's own "x-guidance" must not loosen what the server decided.
-        grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides={**COMPACT, "lenient": not strict})
+        # Never lenient: a keyword llguidance cannot enforce is refused whether the schema is strict or not, since
+        # output that ignores it would break the schema the client asked for.
+        grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides={**COMPACT, "lenient": False})
     except ValueError as e:  # not serialisable as JSON, or not an object
         raise ValueError(f"invalid JSON schema in response_format: {_first_line(e)}") from None
     # Compiles the schema, with no tokenizer: type errors, a bad $ref, a bad pattern, unsatisfiable bounds,
-    # and (strict) unimplemented keywords. Warnings (a keyword ignored when not strict) are not errors.
+    # and unimplemented keywords.
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
     if is_error:
+        unenforced = _UNIMPLEMENTED.search(_first_line(messages[0]))
+        if unenforced:
+            keywords = unenforced.group(1).replace('"', "")
+            raise ValueError(f"response_format's schema uses {keywords}, which constrained decoding cannot enforce "
+                             "(the reply could break it): drop it from the schema, and check the reply for it yourself")
         raise ValueError(f"invalid JSON schema in response_format: {_first_line(messages[0])}")
     return grammar
 

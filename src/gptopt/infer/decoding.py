@@ -12,10 +12,12 @@ from typing import Any, Literal
 
 import torch
 
-from gptopt.infer.sampling import SamplingParams, TokenLogprob
+from gptopt.infer.sampling import NO_TOKEN, SamplingParams, TokenLogprob
 
-# Why a sequence ended: a stop token id or stop string ("stop"), or its token budget ("length").
-Finish = Literal["stop", "length"]
+# Why a sequence ended: a stop token id or stop string ("stop"), its token budget ("length"), or, for a sequence
+# its grammar constrains, before its document was complete ("incomplete": a stop string cut it, or no token
+# could follow), so that a reply that breaks its schema never ends "stop".
+Finish = Literal["stop", "length", "incomplete"]
 
 
 @dataclass(eq=False)
@@ -57,13 +59,15 @@ class Decoding:
 
     def add(self, token: int) -> Finish | None:
         """Take the next sampled token; why the sequence ends with it, or None while it goes on.
-        A stop token id ends it ("stop") and is not kept; the budget's last token ends it ("length")."""
+        A stop token id ends it ("stop") and is not kept; the budget's last token ends it ("length"); NO_TOKEN
+        (its grammar allowed none) or a token its grammar rejects ends it "incomplete", not kept either."""
         assert self.finish is None, "a finished sequence takes no more tokens"
         entry, self.pending = self.pending, None
+        if token == NO_TOKEN or self.matcher is not None and not self.matcher.accept(token):
+            self.finish = "incomplete"
+            return self.finish
         if entry is not None:  # a stop token's too, as OpenAI and vLLM list it: lm-eval counts on it being there
             self.logprobs.append(entry)
-        if self.matcher is not None:
-            self.matcher.accept(token)
         if token in self.params.stop_token_ids:
             self.finish = "stop"
         else:
@@ -72,6 +76,8 @@ class Decoding:
                 self.finish = "length"
         return self.finish
 
-    def stop(self) -> None:
-        """End it after its last token: its text reached a stop string (StopChecker)."""
-        self.finish = "stop"
+    def stop(self) -> Finish:
+        """End it after its last token: its text reached a stop string (StopChecker). "incomplete" where that cut
+        a constrained document short, else "stop"."""
+        self.finish = "incomplete" if self.matcher is not None and not self.matcher.is_complete() else "stop"
+        return self.finish

@@ -380,7 +380,8 @@ class Generator:
 def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
          finished: set[int]) -> Iterator[tuple[int, int | None, Finish | None]]:
     """Decode prompts together: yields (row, token, finish) as tokens come. finish is None while the
-    row goes on, "length" on its last token, "stop" with token None for a stop token id. Rows the
+    row goes on, "length" on its last token, "stop" with token None for a stop token id ("incomplete" with
+    token None where its grammar allowed no token). Rows the
     caller adds to `finished` end after their current token. Slots are freed however this ends."""
     if len(prompts) > gen.max_batch_size:
         raise ValueError(f"{len(prompts)} prompts exceed the {gen.max_batch_size} cache slots")
@@ -398,7 +399,7 @@ def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
             going = []
             for i, t in zip(active, tokens, strict=True):
                 finish = seqs[i].add(t)
-                yield i, None if finish == "stop" else t, finish
+                yield i, None if finish in ("stop", "incomplete") else t, finish
                 if finish is None and i not in finished:
                     going.append(i)
             active = going

@@ -476,10 +476,9 @@ class Engine:
         reason: FinishReason | None = seq.add(token)
         # A stop token id (end-of-text) has no text of its own, but what the checker holds back (a
         # possible stop string's start, a split character) and the filter's holdback end the reply.
-        text = "" if reason == "stop" else checker.add(token)
+        text = "" if reason in ("stop", "incomplete") else checker.add(token)
         if checker.stopped:
-            seq.stop()
-            reason = "stop"
+            reason = seq.stop()
         if reason is not None:
             text += checker.finish()  # "" after a stop string
         if req.filter is not None:

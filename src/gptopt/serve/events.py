@@ -19,10 +19,10 @@ from gptopt.infer.sampling import TokenLogprob
 if TYPE_CHECKING:  # a type only: the engine itself never needs prometheus_client
     pass
 
-# Why a sequence ended. stop/length/content_filter are OpenAI's and come with a result (COMPLETED);
-# the others end it without one.
-FinishReason = Literal["stop", "length", "content_filter", "cancelled", "timeout", "error"]
-COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter")
+# Why a sequence ended. stop/length/content_filter are OpenAI's, and incomplete gptopt's (a constrained reply cut
+# before its document was complete: decoding.Finish); they come with a result (COMPLETED), the others without.
+FinishReason = Literal["stop", "length", "content_filter", "incomplete", "cancelled", "timeout", "error"]
+COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter", "incomplete")
 
 
 @dataclass
