@@ -1636,3 +1636,31 @@ def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(de
 def test_an_engine_process_that_cannot_start_says_why(model_dir: Path) -> None:
     with pytest.raises(ValueError, match="int4-weight needs an NVIDIA GPU"):  # the child's error, raised here
         create_app(ServeConfig(model=str(model_dir), device="cpu", quantize="int4-weight"))
+
+
+def test_every_end_of_sequence_id_of_the_model_ends_a_completion_and_ignore_eos_goes_past_it(
+        model_dir: Path, debug_tokenizer: Any, tmp_path: Path) -> None:
+    """A Llama 3 or Qwen3 folder names end-of-sequence ids besides end-of-text (generation_config.json's
+    eos_token_id list): completions and /generate stop at each, as transformers' generate does; ignore_eos
+    (vLLM's) goes on to max_tokens."""
+    folder = tmp_path / "m"
+    shutil.copytree(model_dir, folder)
+    ids = debug_tokenizer.encode(PROMPT).ids
+    from gptopt.infer.load import load_for_inference
+    net, _ = load_for_inference(str(folder), tokenizer=None, plan=resolve("cpu"))
+    greedy = complete(Generator(net, resolve("cpu"), max_batch_size=1), [ids],
+                      SamplingParams(temperature=0, max_new_tokens=8))[0][0]
+    k = next(i for i, t in enumerate(greedy) if i >= 2 and t not in greedy[:i])  # a token first seen at step k
+    (folder / "generation_config.json").write_text(json.dumps(
+        {"eos_token_id": [eot_id(debug_tokenizer), greedy[k]]}))
+    app = create_app(ServeConfig(model=str(folder), device="cpu", engine_process=False, max_batch_size=2))
+    with serve_in_thread(app) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        body = {"prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+        stopped = completion(url, **body).json()["choices"][0]
+        assert stopped["finish_reason"] == "stop" and stopped["text"] == debug_tokenizer.decode(greedy[:k])
+        past = completion(url, **body, ignore_eos=True).json()
+        assert past["choices"][0]["finish_reason"] == "length" and past["usage"]["completion_tokens"] == 8
+        generated = httpx.post(f"{url}/generate", json={"prompt": PROMPT, "max_length": len(ids) + 8,
+                                                        "temperature": 0}).json()["generated_text"]
+        assert generated == PROMPT + debug_tokenizer.decode(greedy[:k])

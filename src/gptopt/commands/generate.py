@@ -160,7 +160,8 @@ def _chat(gen: Generator, tok: Tokenizer, template: chat.ChatTemplate, params: S
           system: str | None) -> int:
     """generate --chat: each line of stdin is a user turn; the reply streams to stdout. /reset clears the
     conversation, /exit or the end of input ends it. The number of tokens generated in all."""
-    params = dataclasses.replace(params, stop=params.stop + template.stop, stop_token_ids=template.stop_token_ids(tok))
+    ends = tuple(dict.fromkeys((*params.stop_token_ids, *template.stop_token_ids(tok))))
+    params = dataclasses.replace(params, stop=params.stop + template.stop, stop_token_ids=ends)
     # the rendered conversation leaves room for a reply: at most half the context, so turns are not all dropped
     limit = gen.max_len - min(params.max_new_tokens, gen.max_len // 2)
     start = [{"role": "system", "content": system}] if system else []
@@ -321,7 +322,9 @@ def _generate(cfg: GenerateConfig) -> int:
     model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
                                     quantize=cfg.quantize)
     eot = eot_id(tok)
-    params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=() if eot is None else (eot,))
+    # every end-of-sequence id of the model, as transformers' generate stops at
+    ends = chat.end_token_ids(chat.template_folders(cfg.model, cfg.tokenizer), tok)
+    params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=ends)
     gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile,
                     cuda_graphs=cfg.cuda_graphs)
     if cfg.chat:  # no tokens/s: the time is mostly the person typing

@@ -138,6 +138,8 @@ class Sampling(BaseModel):
                                     "every token generated so far (the prompt's do not count)")
     frequency_penalty: float = Field(0.0, **bounds.FREQUENCY_PENALTY.limits, description="times the number of times a "
                                      "token has been generated so far, subtracted from its logit")
+    ignore_eos: bool = Field(False, description="extension (vLLM's): go on past the model's end-of-sequence tokens, "
+                             "to max_tokens or a stop string")
     logit_bias: Annotated[dict[TokenKey, Annotated[float, Field(**bounds.LOGIT_BIAS.limits)]],
                           Field(max_length=MAX_LOGIT_BIAS)] | None = Field(
         None, description="token id (a string) -> a value from -100 to 100 added to its logit before sampling")

@@ -17,7 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from gptopt.config import ServeConfig
-from gptopt.data.tokenizer import eot_id
 from gptopt.infer import chat, constrain
 from gptopt.infer.sampling import SamplingParams
 from gptopt.utils.extras import require
@@ -115,8 +114,6 @@ class Routes:
 
     def __init__(self, cfg: ServeConfig, engine: EngineClient) -> None:
         self.cfg, self.engine, self.tokenizer = cfg, engine, engine.tokenizer
-        eot = eot_id(self.tokenizer)  # read only: the tokenizer served is the one the model was trained with
-        self.stop_ids = () if eot is None else (eot,)
         self.context = engine.max_len
         self.model_name = cfg.model_name or Path(cfg.model.rstrip("/")).name or cfg.model
         # Also the --model argument exactly as given: vLLM's convention, so clients that send the path
@@ -127,6 +124,8 @@ class Routes:
         self.checks = concurrent.futures.ThreadPoolExecutor(BLOCKLIST_THREADS, thread_name_prefix="gptopt-blocklist")
         # the chat template, resolved once: a bad --chat_template fails at start-up, not per request
         folders = chat.template_folders(cfg.model, cfg.tokenizer)
+        # every end-of-sequence id of the model ends a completion, as in transformers' generate
+        self.stop_ids = chat.end_token_ids(folders, self.tokenizer)
         # What the chat route answers without a template: in words, never the server's paths (its log has them).
         self.no_chat = chat.no_template(None if folders else ())
         try:
@@ -142,6 +141,8 @@ class Routes:
                 reason = reason.replace(os.fspath(folder), "the model's folder")
             self.chat, self.no_chat = None, f"{reason} (the model's own template: start the server with " \
                                             "--chat_template FILE or plain)"
+        self.chat_stop_ids = tuple(dict.fromkeys(
+            (*self.stop_ids, *(self.chat.stop_token_ids(self.tokenizer) if self.chat is not None else ()))))
         self.vocab = Vocab(self.tokenizer)  # token texts and bytes for logprobs
 
     def add_routes(self, app: FastAPI) -> None:
@@ -273,7 +274,7 @@ class Routes:
                     max_new_tokens=budget, temperature=body.temperature, top_k=body.top_k, top_p=body.top_p,
                     repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty, logit_bias=bias, grammar=grammar, stop=stop,
-                    stop_token_ids=stop_ids,
+                    stop_token_ids=() if body.ignore_eos else stop_ids,
                     seed=None if body.seed is None else body.seed + i * copies + j,  # choices differ
                     logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         return seqs, params
@@ -407,7 +408,7 @@ class Routes:
                            param="messages", code="chat_template_error")
         stop = stop_strings(body.stop)
         seqs, params = self.sampling(body, [ids], [self.fit(ids, max_tokens, param)], stop + self.chat.stop,
-                                     self.chat.stop_token_ids(self.tokenizer), copies=body.n, grammar=grammar,
+                                     self.chat_stop_ids, copies=body.n, grammar=grammar,
                                      logprobs=(body.top_logprobs or 0) if body.logprobs else None)
         choices = [ChatChoice(self.vocab, body.logprobs, p.stop_token_ids) for p in params]
         queue, reqs = self.submit(seqs, params)
