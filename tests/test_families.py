@@ -358,3 +358,26 @@ def test_rmsnorm_under_bf16_autocast_takes_the_fused_kernel_in_fp32_and_keeps_it
         y = norm(x)
     exact = torch.nn.functional.rms_norm(x.float(), (64,), norm.weight.detach(), 1e-6)
     assert y.dtype == torch.bfloat16 and torch.equal(y, exact.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_hugging_face_export_of_a_chat_model_keeps_its_template_and_its_own_end_ids(
+        kind: str, debug_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    """export --format hf of a Llama 3 or Qwen3 chat folder: tokenizer_config.json and its chat template come
+    along, and the model's own bos and eos ids (its end of turn among them), not the tokenizer's end-of-text."""
+    from gptopt import cli
+
+    d = chat_model_dir(kind, debug_tokenizer, tmp_path / kind)
+    theirs = transformers.AutoTokenizer.from_pretrained(d)
+    end_of_turn = theirs.convert_tokens_to_ids(CHAT[kind][3])
+    eos = [end_of_turn, theirs.convert_tokens_to_ids("<|endoftext|>")]
+    (d / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": eos}))
+    out = tmp_path / "out"
+    assert cli.main(["export", "--model", str(d), "--format", "hf", "--output_dir", str(out)]) == 0
+    generation = transformers.GenerationConfig.from_pretrained(str(out))
+    assert generation.eos_token_id == eos and generation.bos_token_id == 1
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "def fib(n):"}]
+    assert exported.apply_chat_template(messages, add_generation_prompt=True, return_dict=False) == \
+        theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert json.loads((out / "tokenizer_config.json").read_text())["eos_token"] == CHAT[kind][3]

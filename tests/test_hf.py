@@ -18,7 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-import gptopt  # noqa: E402
+import gptopt.models  # noqa: E402
 from gptopt.config import GPTConfig, preset  # noqa: E402
 from gptopt.models import hf  # noqa: E402
 from gptopt.models.checkpoint import save_model  # noqa: E402
@@ -314,7 +314,7 @@ def test_local_dirs_load_without_the_hf_extra(tmp_path: Path, monkeypatch: pytes
     # Re-import gptopt.models.hf fresh; monkeypatch puts the original module back afterwards (in sys.modules
     # and as the package attribute) so later tests see one gptopt.models.hf.
     monkeypatch.delitem(sys.modules, "gptopt.models.hf")
-    monkeypatch.setattr(gptopt, "hf", hf)
+    monkeypatch.setattr(gptopt.models, "hf", hf)
     import gptopt.models.hf as fresh  # the module itself imports without the extra
 
     model = fresh.load_pretrained(str(directory))

@@ -20,10 +20,11 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,7 @@ from tokenizers import Tokenizer
 
 from gptopt.config import MIN_OPSET, ExportConfig
 from gptopt.data.tokenizer import TOKENIZER, eot_id, load_tokenizer
+from gptopt.infer import chat
 from gptopt.infer.load import check_vocab, find_tokenizer, has_tokenizer, model_source, own_tokenizer
 from gptopt.models import checkpoint, hf
 from gptopt.models.gpt import GPT
@@ -341,10 +343,13 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
 
 @torch.no_grad()
 def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | None = None,
-                      tolerance: float = 1e-4, overwrite: bool = False) -> dict[str, float]:
-    """hf.export_hf plus tokenizer.json, moved into place only once transformers' logits match PyTorch's.
+                      tolerance: float = 1e-4, overwrite: bool = False, bos: int | None = None,
+                      eos: int | list[int] | None = None, files: Sequence[Path] = ()) -> dict[str, float]:
+    """hf.export_hf plus tokenizer.json and `files` (copied as they are: the model's tokenizer_config.json and
+    chat template), moved into place only once transformers' logits match PyTorch's.
 
-    The tokenizer's end-of-text id becomes the export's bos and eos ids (hf.export_hf says why)."""
+    The tokenizer's end-of-text id becomes the export's bos and eos ids where the model has none of its own
+    (bos, eos: hf.export_hf says why)."""
     target = Path(directory)
     _check_output_dir(target, "hf", overwrite)
     transformers = require("transformers", "hf", "Hugging Face export")
@@ -353,9 +358,11 @@ def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer
     model = model.eval()
     with _staged(target, "hf", overwrite) as tmp:
         # into the empty staging dir: export_hf writes its own files atomically
-        hf.export_hf(model, tmp, eot=None if tokenizer is None else eot_id(tokenizer))
+        hf.export_hf(model, tmp, eot=None if tokenizer is None else eot_id(tokenizer), bos=bos, eos=eos)
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER))
+        for f in files:
+            shutil.copyfile(f, tmp / f.name)
         loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp)).eval()  # the class config.json names
         diffs, scale = {"max_abs_diff": 0.0}, 0.0
         for p in _check_prompts(model.config)[0]:
@@ -394,6 +401,44 @@ def main(cfg: ExportConfig) -> int:
         return _export(cfg, target)
 
 
+# What a chat model's folder carries beside its tokenizer.json: its template and special tokens, which the export
+# keeps, so that the exported folder chats (and ends its turns) as the model does.
+CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
+
+
+def _chat_files(folders: Sequence[Path]) -> list[Path]:
+    """Each of CHAT_FILES from the first of the model's folders (chat.template_folders) that has it."""
+    found: dict[str, Path] = {}
+    for d in folders:
+        for name in CHAT_FILES:
+            if name not in found and (d / name).is_file():
+                found[name] = d / name
+    return list(found.values())
+
+
+def _special_ids(folders: Sequence[Path]) -> tuple[int | None, int | list[int] | None]:
+    """The model's own bos and eos ids (eos an id or a list), from its folder's generation_config.json, else its
+    config.json; None for what neither names (a gptopt checkpoint: the export then writes its end-of-text)."""
+    bos: int | None = None
+    eos: int | list[int] | None = None
+    for d in folders:
+        for name in (hf.GENERATION_CONFIG, hf.HF_CONFIG):
+            path = d / name
+            if not path.is_file():
+                continue
+            try:
+                data = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise ValueError(f"{path}: cannot read it as JSON ({e}); fix or remove the file") from None
+            for key, value in (("bos_token_id", data.get("bos_token_id")), ("eos_token_id", data.get("eos_token_id"))):
+                ids = value if isinstance(value, list) else [value]
+                if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+                    raise ValueError(f"{path}: {key} must be a token id or a list of them, not {value!r}; fix the file")
+            bos = data.get("bos_token_id") if bos is None else bos
+            eos = data.get("eos_token_id") if eos is None else eos
+    return bos, eos
+
+
 def _export(cfg: ExportConfig, target: Path) -> int:
     onnx = cfg.format == "onnx"
     _check_output_dir(target, cfg.format, cfg.overwrite)  # before any loading
@@ -420,9 +465,13 @@ def _export(cfg: ExportConfig, target: Path) -> int:
                     f"PyTorch: max |logit diff| prefill {check['prefill_max_abs_diff']:.2g}, decode "
                     f"{check['decode_max_abs_diff']:.2g}")
         else:
-            check = export_hf_checked(model, target, tokenizer=tok, tolerance=cfg.tolerance, overwrite=cfg.overwrite)
+            folders = chat.template_folders(cfg.model, cfg.tokenizer)
+            bos, eos = _special_ids(folders)
+            kept = _chat_files(folders) if tok is not None else []
+            check = export_hf_checked(model, target, tokenizer=tok, tolerance=cfg.tolerance, overwrite=cfg.overwrite,
+                                      bos=bos, eos=eos, files=kept)
             files = [hf.HF_CONFIG, *([hf.GENERATION_CONFIG] if (target / hf.GENERATION_CONFIG).is_file() else []),
-                     hf.SAFETENSORS]
+                     hf.SAFETENSORS, *(f.name for f in kept)]
             what = (f"{target} ({', '.join(files)}); transformers matches: max |logit diff| "
                     f"{check['max_abs_diff']:.2g}")
     except ExportCheckError as e:

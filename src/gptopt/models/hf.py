@@ -214,13 +214,19 @@ def family(config: GPTConfig) -> str:
                      "model has its shape, so it cannot be exported")
 
 
-def hf_config(config: GPTConfig, dtype: torch.dtype = torch.float32, *, eot: int | None = None) -> Any:
+def hf_config(config: GPTConfig, dtype: torch.dtype = torch.float32, *, eot: int | None = None,
+              bos: int | None = None, eos: int | list[int] | None = None) -> Any:
     """The transformers config (GPT2Config, LlamaConfig or Qwen3Config) that describes a gptopt model; eot: the
-    end-of-text id of its tokenizer (tokenizer.eot_id), written as both bos and eos. None leaves both unset."""
+    end-of-text id of its tokenizer (tokenizer.eot_id), written as both bos and eos where bos / eos (a model's
+    own: an id, eos a list too) are not given. None leaves them unset."""
     transformers = require("transformers", "hf", "exporting to Hugging Face format")
-    if eot is not None and not 0 <= eot < config.vocab_size:
-        raise ValueError(f"end-of-text id {eot} is outside the model's vocabulary of {config.vocab_size}: "
-                         "the tokenizer does not belong to the model")
+    bos = eot if bos is None else bos
+    eos = eot if eos is None else eos
+    for what, i in [("beginning-of-text", bos), *(("end-of-sequence", e) for e in (eos if isinstance(eos, list)
+                                                                                      else [eos]))]:
+        if i is not None and not 0 <= i < config.vocab_size:
+            raise ValueError(f"{what} id {i} is outside the model's vocabulary of {config.vocab_size}: "
+                             "the tokenizer does not belong to the model")
     kind = family(config)
     if kind != "gpt2":
         make = transformers.Qwen3Config if kind == "qwen3" else transformers.LlamaConfig
@@ -230,7 +236,7 @@ def hf_config(config: GPTConfig, dtype: torch.dtype = torch.float32, *, eot: int
             num_key_value_heads=config.kv_heads, head_dim=config.head_dim,
             max_position_embeddings=config.block_size, rms_norm_eps=config.layer_norm_epsilon,
             rope_theta=config.rope_theta, tie_word_embeddings=config.tie_embeddings, attention_bias=False,
-            bos_token_id=eot, eos_token_id=eot,
+            bos_token_id=bos, eos_token_id=eos,
             architectures=["Qwen3ForCausalLM" if kind == "qwen3" else "LlamaForCausalLM"],
             torch_dtype=str(dtype).removeprefix("torch."),
         )
@@ -247,8 +253,8 @@ def hf_config(config: GPTConfig, dtype: torch.dtype = torch.float32, *, eot: int
         embd_pdrop=config.dropout,
         attn_pdrop=config.dropout,
         tie_word_embeddings=True,
-        bos_token_id=eot,
-        eos_token_id=eot,
+        bos_token_id=bos,
+        eos_token_id=eos,
         architectures=["GPT2LMHeadModel"],
         torch_dtype=str(dtype).removeprefix("torch."),  # accepted by transformers 4.x and 5.x
     )
@@ -531,13 +537,14 @@ def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> G
 
 
 def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool = False,
-              eot: int | None = None) -> Path:
+              eot: int | None = None, bos: int | None = None, eos: int | list[int] | None = None) -> Path:
     """Write a directory `transformers.GPT2LMHeadModel.from_pretrained` loads: config.json + model.safetensors,
-    and with eot (the tokenizer's end-of-text id) generation_config.json.
+    and with eot (the tokenizer's end-of-text id) or bos / eos generation_config.json.
 
     eot goes into both files as bos_token_id and eos_token_id (GPT-2 uses <|endoftext|> for both), so
-    transformers' generate stops where the model ends a text. Without one, no ids are written: the id is the
-    tokenizer's, and a guessed one would stop generation at an ordinary token.
+    transformers' generate stops where the model ends a text; a model's own bos / eos (a Llama 3 or Qwen3
+    folder's: eos a list, its chat's end of turn among them) take their places. Without any, no ids are
+    written: the id is the tokenizer's, and a guessed one would stop generation at an ordinary token.
     Staged (outputs.staged_dir) and marked as gptopt's export: a crash never leaves half a directory.
     overwrite=True replaces only an earlier export of gptopt's that holds nothing else; never a folder
     gptopt did not write (a downloaded model looks just like an export).
@@ -545,12 +552,12 @@ def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool 
     target = Path(directory)
     check_output(target, kind=EXPORT_KIND, overwrite=overwrite, whole=True, flag="export directory")
     state = gptopt_state_to_hf(model)  # refuses what HF cannot hold before anything is written
-    hf_cfg = hf_config(model.config, model.transformer.wte.weight.dtype, eot=eot)
+    hf_cfg = hf_config(model.config, model.transformer.wte.weight.dtype, eot=eot, bos=bos, eos=eos)
     with staged_dir(target, replace=overwrite, kind=EXPORT_KIND) as tmp:
         hf_cfg.to_json_file(str(tmp / HF_CONFIG))
-        if eot is not None:  # the ids only: sampling settings are the user's, gptopt records none
+        if hf_cfg.bos_token_id is not None or hf_cfg.eos_token_id is not None:  # the ids only: sampling settings
             generation = require("transformers", "hf", "exporting to Hugging Face format").GenerationConfig(
-                bos_token_id=eot, eos_token_id=eot)
+                bos_token_id=hf_cfg.bos_token_id, eos_token_id=hf_cfg.eos_token_id)  # are the user's
             generation.to_json_file(str(tmp / GENERATION_CONFIG))
         # transformers refuses safetensors files without the "format" metadata.
         save_file(state, str(tmp / SAFETENSORS), metadata={"format": "pt"})
