@@ -455,6 +455,59 @@ def test_resume_without_preset_keeps_the_checkpoints_and_a_given_default_is_refu
     assert checkpoint.latest_checkpoint(out).name == "ckpt-0000003"
 
 
+def test_resume_refuses_a_preset_of_another_family_of_the_same_size(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """llama-tiny has tiny's size: over a GPT-2-shaped tiny run it is still another model, and refused."""
+    out = tmp_path / "r"
+    assert run(train_data, out, max_steps=2, preset="tiny", seq_len=16) == 0
+    before = tree(out)
+    capsys.readouterr()
+    assert cli.main([*cli_args(train_data, out, "--resume", "auto", "--max_steps", "3"), "--preset", "llama-tiny",
+                     "--seq_len", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "--preset llama-tiny does not apply to a resumed run" in err and "positions learned" in err
+    assert "positions rope" in err and tree(out) == before
+
+
+def _other_data(text_dir: Path, out: Path, **kw: Any) -> Path:
+    """Data of another tokenizer: a BPE trained on other text (kw: prepare's options)."""
+    import sysconfig
+
+    from gptopt.config import PrepareConfig
+    from gptopt.data.corpus import tokenize_corpus
+
+    text_dir.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in ("json/encoder.py", "csv.py", "string.py", "ast.py"):
+        (text_dir / f"{Path(name).name}.txt").write_text((stdlib / name).read_text(encoding="utf-8"), encoding="utf-8")
+    return tokenize_corpus(PrepareConfig(input=str(text_dir), output_dir=str(out), val_fraction=0.3,
+                                         **{"vocab_size": 300, **kw}))
+
+
+def test_a_run_never_resumes_or_starts_from_a_model_on_another_tokenizers_data(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The quick start's model, then `gptopt prepare` of the user's own text (a BPE of its own): --resume auto and
+    --init_from on that data are refused, naming the fix, which then works: prepare with the model's tokenizer."""
+    out = tmp_path / "r"
+    assert run(train_data, out, max_steps=2) == 0
+    mine = _other_data(tmp_path / "texts", tmp_path / "mine")
+    before = tree(out)
+    capsys.readouterr()
+    assert cli.main(cli_args(mine, out, "--resume", "auto", "--max_steps", "3")) == 2
+    err = capsys.readouterr().err
+    ckpt = checkpoint.latest_checkpoint(out)
+    assert "was tokenized with another tokenizer than the run's checkpoint" in err and "nothing was written" in err
+    assert f"--tokenizer {ckpt / 'tokenizer.json'}" in err and tree(out) == before
+    assert cli.main(cli_args(mine, tmp_path / "ft", "--init_from", str(out), "--max_steps", "2")) == 2
+    assert "another tokenizer than --init_from" in capsys.readouterr().err and not (tmp_path / "ft").exists()
+    # the fix: the same text, tokenized with the model's own tokenizer
+    fixed = _other_data(tmp_path / "texts2", tmp_path / "fixed", tokenizer=str(ckpt / "tokenizer.json"))
+    assert cli.main(cli_args(fixed, out, "--resume", "auto", "--max_steps", "3")) == 0
+    assert checkpoint.latest_checkpoint(out).name == "ckpt-0000003"
+
+
 def test_contradicting_flags(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(cli_args(train_data, tmp_path / "o", "--use_amp", "--amp_dtype", "fp16")) == 2
     assert "fp16 autocast on a CPU" in capsys.readouterr().err

@@ -165,7 +165,8 @@ class TokenData:
         if need > model_vocab_size:
             raise ValueError(
                 f"shard token ids exceed the model's vocabulary: {what}, the model has {model_vocab_size}; "
-                f"use a model with vocab_size >= {need}, or prepare the data with --vocab_size <= {model_vocab_size}"
+                "a model trains only on data of its own tokenizer: tokenize the text with it (gptopt prepare "
+                "--tokenizer with the tokenizer.json beside the model), or train a new model on this data"
             )
 
 

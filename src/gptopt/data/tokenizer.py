@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from pathlib import Path
 
@@ -19,6 +21,16 @@ EOT_CANDIDATES = (EOT, "<|end_of_text|>", "</s>", "<eos>")
 def eot_id(tok: Tokenizer) -> int | None:
     """The id of the tokenizer's end-of-text token (any of EOT_CANDIDATES), or None; never changes the tokenizer."""
     return next((i for i in map(tok.token_to_id, EOT_CANDIDATES) if i is not None), None)
+
+
+def tokenizer_digest(tok: Tokenizer) -> str:
+    """The identity of the ids a tokenizer writes: a hash of its model (vocabulary and merges) and its added
+    tokens, not of how its file is formatted or what it adds around a text. Two tokenizers with one digest turn
+    every text into the same ids; a checkpoint records its own, so training refuses data of another."""
+    data = json.loads(tok.to_str())
+    ids = {"model": data.get("model"),
+           "added": sorted((t["id"], t["content"]) for t in data.get("added_tokens") or [])}
+    return hashlib.sha256(json.dumps(ids, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def _from_hub(name: str) -> Tokenizer:

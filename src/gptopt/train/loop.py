@@ -28,7 +28,7 @@ from gptopt import outputs
 from gptopt.config import TrainConfig
 from gptopt.data import loader as data
 from gptopt.data.bpb import bits_per_byte, bytes_per_token
-from gptopt.data.tokenizer import TOKENIZER
+from gptopt.data.tokenizer import TOKENIZER, tokenizer_digest
 from gptopt.models import checkpoint
 from gptopt.models.flops import at_least, flops_per_token, mfu
 from gptopt.runtime import memory
@@ -120,6 +120,7 @@ class Trainer:
         self.data = self._load_data()
         self.resume_dir = resume.resume_dir(cfg)
         self.raw = resume.build_model(cfg, self.attention, self.data.model_vocab_size, self.resume_dir)
+        resume.check_tokenizer(cfg, self.data, self.resume_dir)
         self.model_config = self.raw.config
         # A pretrained model's own context, known only once it is loaded: gpt2's 1024, a debug model's 64.
         self.seq_len = cfg.seq_len or self.model_config.block_size
@@ -517,7 +518,8 @@ class Trainer:
             # data_dir too: compress and bench evaluate on it by default, from whatever folder they run in
             meta = {"environment": environment(self.plan), "train_config": dataclasses.asdict(self.cfg),
                     "data_dir": str(Path(self.cfg.data_dir).resolve()),
-                    **({"tokenizer": str(Path(self.cfg.data_dir).resolve() / TOKENIZER)} if tokenizer else {})}
+                    **({"tokenizer": str(Path(self.cfg.data_dir).resolve() / TOKENIZER),
+                        "tokenizer_digest": tokenizer_digest(tokenizer)} if tokenizer else {})}
             path = checkpoint.save_checkpoint(self.out, progress.step, self.model_config, model_state, train_state,
                                               meta=meta, keep=self.cfg.save_total_limit, parent=self.lineage,
                                               tokenizer=tokenizer)

@@ -20,9 +20,19 @@ import numpy as np
 import torch
 
 from gptopt import outputs
-from gptopt.config import DEFAULT_PRESET, PRESETS, GPTConfig, TrainConfig, arch_overrides, preset_for_data
-from gptopt.data.tokenizer import TOKENIZER
-from gptopt.infer.load import model_source
+from gptopt.config import (
+    ARCH_FIELDS,
+    DEFAULT_PRESET,
+    PRESETS,
+    GPTConfig,
+    TrainConfig,
+    arch_overrides,
+    preset,
+    preset_for_data,
+)
+from gptopt.data.loader import TokenData
+from gptopt.data.tokenizer import TOKENIZER, tokenizer_digest
+from gptopt.infer.load import model_source, own_tokenizer
 from gptopt.models import checkpoint, hf
 from gptopt.models.gpt import GPT
 from gptopt.train import distributed
@@ -148,6 +158,34 @@ def _with_config(model: GPT, config: GPTConfig) -> GPT:
     return fresh
 
 
+def check_tokenizer(cfg: TrainConfig, data: TokenData, resumed: Path | None) -> None:
+    """Refuse data tokenized by another tokenizer than the model's (ValueError naming both and the fix): the model
+    would train on ids that mean other text, and its checkpoints would carry the data's tokenizer. The model's:
+    the resumed checkpoint's (its recorded digest, else its tokenizer.json), or --init_from's own. Data without
+    a tokenizer (nanoGPT's) and a model whose tokenizer is not at hand (a hub name) are not compared."""
+    ours = data.tokenizer()
+    if ours is None or (resumed is None and cfg.init_from == "scratch"):
+        return
+    what = f"the run's checkpoint {resumed}" if resumed is not None else f"--init_from {cfg.init_from}"
+    source = resumed if resumed is not None else model_source(cfg.init_from)
+    recorded = checkpoint.read_meta(source).get("tokenizer_digest") if isinstance(source, Path) and \
+        checkpoint.is_gptopt_dir(source) else None
+    theirs = own_tokenizer(source)
+    digest = recorded or (tokenizer_digest(theirs) if theirs is not None else None)
+    if digest is None or digest == tokenizer_digest(ours):
+        return
+    where = source / TOKENIZER if isinstance(source, Path) and (source / TOKENIZER).is_file() else source
+    raise ValueError(f"--data_dir {cfg.data_dir} was tokenized with another tokenizer than {what}'s (tokenizer "
+                     f"{tokenizer_digest(ours)} against the model's {digest}): the model would train on ids that "
+                     f"mean other text; nothing was written. Tokenize your text with the model's tokenizer: gptopt "
+                     f"prepare --input YOUR_TEXT --tokenizer {where} --output_dir NEW_DATA, then train with "
+                     "--data_dir NEW_DATA")
+
+
+# What --preset decides of a model: its size and its block's design (zero_init only how it starts)
+SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", *(f for f in ARCH_FIELDS if f != "zero_init"))
+
+
 def check_resumed_shape(cfg: TrainConfig, stored: GPTConfig, run: dict[str, Any], resumed: Path) -> None:
     """--preset and --arch shape a new run only: those given for a resumed run must be its checkpoint's."""
     changed = {k: v for k, v in arch_overrides(cfg.arch).items() if getattr(stored, k) != v}
@@ -155,15 +193,21 @@ def check_resumed_shape(cfg: TrainConfig, stored: GPTConfig, run: dict[str, Any]
         raise ValueError(f"--arch {cfg.arch} does not apply to a resumed run: {resumed} holds "
                          + ", ".join(f"{k}={getattr(stored, k)}" for k in changed)
                          + "; drop --arch to go on with it, or give the new design another --output_dir")
-    shape = {k: getattr(stored, k) for k in ("n_layer", "n_head", "n_embd", "block_size")}
-    if cfg.preset is None or not cfg.init_from == run.get("init_from", "scratch") == "scratch" or \
-            shape == {k: PRESETS[cfg.preset][k] for k in shape}:
-        return
     stored_preset = run.get("preset", DEFAULT_PRESET) or DEFAULT_PRESET  # None: the default, as train read it
-    name = f"{stored_preset} " if stored_preset in PRESETS else ""
-    held = f"{resumed} holds the run's {name}model ({', '.join(f'{k} {v}' for k, v in shape.items())})"
-    raise ValueError(f"--preset {cfg.preset} does not apply to a resumed run: {held}; drop --preset to go on "
-                     f"with it, or give a new {cfg.preset} run another --output_dir")
+    pretrained = run.get("init_from", "scratch") != "scratch"
+    if cfg.preset is None:
+        return
+    # the preset's shape and family (its block's design, with --arch's changes): --preset llama-tiny over a tiny
+    # run has tiny's size, and is still another model
+    asked = preset(cfg.preset, **arch_overrides(cfg.arch))
+    differ = [k for k in SHAPE_FIELDS if getattr(stored, k) != getattr(asked, k)]
+    if not differ:
+        return
+    name = "" if pretrained or stored_preset not in PRESETS else f"{stored_preset} "
+    held = f"{resumed} holds the run's {name}model ({', '.join(f'{k} {getattr(stored, k)}' for k in differ)})"
+    raise ValueError(f"--preset {cfg.preset} does not apply to a resumed run: {held}, where {cfg.preset} has "
+                     f"{', '.join(f'{k} {getattr(asked, k)}' for k in differ)}; drop --preset to go on with it, or "
+                     f"give a new {cfg.preset} run another --output_dir")
 
 
 def rng_state() -> dict[str, Any]:
