@@ -62,3 +62,29 @@ def test_a_gpt2_sized_model_trained_with_a_smaller_tokenizer_meets_only_that_one
     with pytest.raises(ValueError, match="the tokenizer has 50257 tokens, the model 50257 and the tokenizer.json in "
                                          "its folder 320: they do not belong together; drop --tokenizer"):
         load_for_inference(str(directory), tokenizer=str(tmp_path / "gpt2-sized.json"), plan=CPU)
+
+
+def test_a_typo_in_a_local_path_fails_at_once_without_asking_the_hub(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'out/ckpt-0000002x' where out/ exists is a path with a typo, not the Hub name 'org/name': generate, serve
+    and export say so at once (offline the Hub's retries took most of a minute, then named something else)."""
+    from gptopt.data import tokenizer as tokenizer_module
+    from gptopt.data.tokenizer import load_tokenizer
+    from gptopt.infer.load import model_source
+    from gptopt.models import hf
+
+    def no_hub(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the Hub was asked")
+
+    monkeypatch.setattr(hf, "_download", no_hub)
+    monkeypatch.setattr(tokenizer_module, "_from_hub", no_hub)
+    (tmp_path / "out").mkdir()
+    monkeypatch.chdir(tmp_path)
+    for typo in ("out/ckpt-0000002x", "./out/model", "~/no/such/model", str(tmp_path / "nope")):
+        with pytest.raises(ValueError, match="no such directory"):
+            model_source(typo)
+        with pytest.raises(ValueError, match="no such model directory"):
+            hf.load_pretrained(typo)
+    with pytest.raises(ValueError, match="no such file or folder"):
+        load_tokenizer("out/tokenizer.jsn")
+    assert model_source("openai-community/gpt2") == "openai-community/gpt2"  # a Hub name stays one

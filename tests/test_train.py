@@ -807,3 +807,24 @@ def test_a_bad_arch_is_refused_naming_the_field_before_anything_is_written(
     with pytest.raises(SystemExit) as e:  # argparse's exit: the config is checked as the flags are read
         cli.main(cli_args(train_data, out, "--max_steps", "2", "--arch", arch))
     assert e.value.code == 2 and problem in capsys.readouterr().err and not out.exists()
+
+
+def test_ctrl_c_is_said_at_once_and_a_second_one_stops_at_once_without_a_checkpoint(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "r"
+    real = train.Trainer._train_one
+    calls = {"n": 0}
+
+    def interrupted(self: train.Trainer, progress: Any) -> None:
+        calls["n"] += 1
+        if calls["n"] == 3:  # a long step: Ctrl-C, then Ctrl-C again before it ends
+            os.kill(os.getpid(), signal.SIGINT)
+            assert "stopping after this step" in capsys.readouterr().err  # said before the step goes on
+            os.kill(os.getpid(), signal.SIGINT)
+        real(self, progress)
+
+    monkeypatch.setattr(train.Trainer, "_train_one", interrupted)
+    assert cli.main(cli_args(train_data, out, "--max_steps", "20", "--save_interval", "1")) == 130
+    assert "stopped (Ctrl-C)" in capsys.readouterr().err
+    assert checkpoint.latest_checkpoint(out).name == "ckpt-0000002"  # the interrupted third step left none

@@ -252,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gptopt {verb}: error: {line}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        print(f"\ngptopt {verb}: stopped (Ctrl-C)", file=sys.stderr)
         return 130
 
 

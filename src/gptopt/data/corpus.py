@@ -39,6 +39,7 @@ from tqdm import tqdm
 from gptopt.config import PrepareConfig
 from gptopt.data.tokenizer import EOT, TOKENIZER, eot_id, load_tokenizer
 from gptopt.outputs import check_output, lock_output, mark, marked_kind, staged_files
+from gptopt.runtime.process import interruptible
 from gptopt.utils.extras import require
 
 log = logging.getLogger("gptopt")
@@ -239,7 +240,7 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=sys.stderr.isatty(),
     )
-    tok.train_from_iterator((p for t in texts for p in _pieces(t)), trainer)
+    interruptible(tok.train_from_iterator, (p for t in texts for p in _pieces(t)), trainer)
     return tok
 
 
@@ -281,9 +282,10 @@ def _tokenizer_threads(num_workers: int) -> Iterator[None]:
 
 
 def _encode(tok: Tokenizer, texts: list[str]) -> list[list[int]]:
-    # encode_batch_fast (tokenizers >= 0.20) skips the offsets we never use.
+    # encode_batch_fast (tokenizers >= 0.20) skips the offsets we never use; a chunk takes seconds in Rust, so it
+    # runs interruptible (Ctrl-C at once)
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    return [e.ids for e in encode(texts, add_special_tokens=False)]
+    return [e.ids for e in interruptible(encode, texts, add_special_tokens=False)]
 
 
 # ----------------------------------------------------------------------------------------------

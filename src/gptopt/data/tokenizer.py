@@ -12,6 +12,8 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from gptopt.utils.paths import looks_local
+
 TOKENIZER = "tokenizer.json"  # the file name beside shards, checkpoints and exports
 EOT = "<|endoftext|>"  # GPT-2's document separator; a trained BPE gets it as its one special token
 # End-of-text spellings of other tokenizers, looked up before adding EOT to a given tokenizer.
@@ -55,6 +57,9 @@ def load_tokenizer(path_or_name: str | os.PathLike[str]) -> Tokenizer:
                 tok.add_special_tokens([EOT])  # in the vocab already; this makes it special (never split, skippable)
             return tok
         raise ValueError(f"tokenizer folder {p} has neither {TOKENIZER} nor vocab.json + merges.txt")
+    if looks_local(str(path_or_name)):  # a typo'd path: said at once, not after the Hub's retries offline
+        raise ValueError(f"tokenizer {path_or_name}: no such file or folder; give a tokenizer.json or a folder "
+                         "holding one")
     try:
         return _from_hub(str(path_or_name))
     except Exception as e:  # offline, unknown name: hub errors are many types

@@ -43,6 +43,7 @@ from gptopt.models.compressed import describe, int4_group_size
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.utils.extras import require
+from gptopt.utils.paths import looks_local
 
 __all__ = ["check_vocab", "find_tokenizer", "load_for_inference", "model_source", "optimize_for_inference",
            "own_tokenizer", "weights_dtype"]
@@ -73,7 +74,7 @@ def model_source(model: str) -> Path | str:
         return p
     if p.exists():
         raise ValueError(f"--model {p} is a file; give the model's directory")
-    if _HUB_NAME.fullmatch(model):
+    if _HUB_NAME.fullmatch(model) and not looks_local(model):
         return model
     raise ValueError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
 

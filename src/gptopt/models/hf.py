@@ -26,6 +26,7 @@ from gptopt.models.checkpoint import META, check_state, is_gptopt_dir, load_mode
 from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, staged_dir
 from gptopt.utils.extras import require
+from gptopt.utils.paths import looks_local
 
 __all__ = [
     "config_from_hf",
@@ -527,7 +528,7 @@ def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> G
             return _load_gptopt_dir(path, overrides)
         return load_hf_dir(path, **overrides)
     name = str(name_or_path)
-    if not _HUB_ID.fullmatch(name):
+    if not _HUB_ID.fullmatch(name) or looks_local(name):
         raise ValueError(f"{name}: no such model directory (and not a Hugging Face Hub name like 'gpt2')")
     return load_hf_dir(_download(name), **overrides)
 

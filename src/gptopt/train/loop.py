@@ -16,6 +16,7 @@ import logging
 import math
 import signal
 import statistics
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -573,13 +574,24 @@ class Trainer:
             outputs.write_text_atomic(self.out / "run.json",
                                      json.dumps({**self.run_info, **extra}, indent=2, default=str))
 
-    @staticmethod
-    def _install_signals(flag: list[int]) -> dict[int, Any]:
-        """SIGTERM/SIGINT only set a flag: the loop saves at the next step boundary, then exits."""
+    def _install_signals(self, flag: list[int]) -> dict[int, Any]:
+        """The first SIGTERM/SIGINT sets a flag, said at once: the loop saves at the next step boundary, then
+        exits. A second one stops at once (KeyboardInterrupt: no checkpoint of this step; an --overwrite not
+        yet replaced by a checkpoint comes back)."""
+        main = self.info.is_main
+
+        def handler(signum: int, frame: Any) -> None:
+            if flag:
+                raise KeyboardInterrupt
+            flag.append(signum)
+            if main:
+                print(f"gptopt train: {signal.Signals(signum).name}: stopping after this step, with a checkpoint; "
+                      "Ctrl-C again stops at once, without one", file=sys.stderr, flush=True)
+
         old: dict[int, Any] = {}
         with contextlib.suppress(ValueError):  # not the main thread (e.g. a test runner's worker)
             for sig in (signal.SIGINT, signal.SIGTERM):
-                old[sig] = signal.signal(sig, lambda signum, frame: flag.append(signum))
+                old[sig] = signal.signal(sig, handler)
         return old
 
     @staticmethod

@@ -1,0 +1,42 @@
+"""The process-wide switches a command sets where it starts, and interruptible long calls.
+
+    pytest -q tests/test_process.py
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+from gptopt.runtime import process
+from gptopt.runtime.torch_private import recompile_limit
+
+
+def test_a_call_that_never_returns_to_python_still_takes_ctrl_c_at_once() -> None:
+    """A call blocked in native code (here a wait no one ends) holds no Ctrl-C back: the caller gets
+    KeyboardInterrupt while the call is still blocked, and the process need not wait for it."""
+    release = threading.Event()
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt):
+        process.interruptible(release.wait)
+    assert not release.is_set()  # the call was left, not finished
+    release.set()
+
+
+def test_interruptible_returns_the_value_and_raises_the_error_of_the_call() -> None:
+    assert process.interruptible(sum, [1, 2, 3]) == 6
+    with pytest.raises(ValueError, match="boom"):
+        process.interruptible(lambda: (_ for _ in ()).throw(ValueError("boom")))
+
+
+def test_allow_recompiles_raises_dynamos_limit_and_never_lowers_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
+                        else "cache_size_limit", 8)
+    process.allow_recompiles(64)
+    assert recompile_limit() == 64
+    process.allow_recompiles(16)  # a command that needs fewer leaves a larger limit as it is
+    assert recompile_limit() == 64
