@@ -447,3 +447,26 @@ def test_a_best_toml_written_before_the_rename_still_trains_compiled(tmp_path: P
     cfg = cli.parse_config("train", TrainConfig, ["--config", str(path)], cli.build_parser("train", TrainConfig))
     assert cfg == TrainConfig(preset="debug", seq_len=32, batch_size=4, attention="eager", use_amp=True, compile=True,
                               num_workers=0, amp_dtype="bf16")
+
+
+def test_an_internal_error_keeps_its_traceback_and_a_users_is_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bug (any exception but a UserError) is not dressed as bad input: its traceback, exit 1. What the user
+    gave is one line naming the fix, exit 2; GPTOPT_DEBUG keeps that one's traceback too."""
+    from gptopt.commands import doctor
+    from gptopt.utils.errors import UserError
+
+    monkeypatch.setattr(doctor, "run", lambda cfg: int("not a number"))  # a ValueError of gptopt's own making
+    assert cli.main(["doctor"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" in err and "invalid literal for int()" in err and "internal error" in err
+
+    def refused(cfg: object) -> int:
+        raise UserError("--device cuda: no GPU here; use --device cpu")
+
+    monkeypatch.setattr(doctor, "run", refused)
+    assert cli.main(["doctor"]) == 2
+    assert capsys.readouterr().err == "gptopt doctor: error: --device cuda: no GPU here; use --device cpu\n"
+    monkeypatch.setenv(cli.DEBUG_ENV, "1")
+    with pytest.raises(UserError):
+        cli.main(["doctor"])

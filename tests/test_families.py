@@ -89,7 +89,11 @@ def chat_model_dir(kind: str, tokenizer: Tokenizer, path: Path) -> Path:
         tok.post_processor = processors.Sequence([
             processors.ByteLevel(trim_offsets=False),
             processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])])
-    model = hf_model(kind, vocab_size=tok.get_vocab_size())
+    # its configs name its own special tokens, as a published model's do (transformers' defaults, 1 and 2, would be
+    # ordinary tokens of this tokenizer)
+    ends = {"bos_token_id": tok.token_to_id(bos) if bos else None, "eos_token_id": tok.token_to_id(eos)}
+    model = hf_model(kind, vocab_size=tok.get_vocab_size(), **ends)
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = ends.values()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

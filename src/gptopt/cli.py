@@ -19,11 +19,13 @@ import errno
 import importlib
 import os
 import sys
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from gptopt import __version__
 from gptopt.config import field_types, type_ok
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import MissingExtra
 from gptopt.utils.logs import setup_logging
 
@@ -42,6 +44,9 @@ class Command:
 
 # Entries are imported only when their verb runs, so `gptopt --help` is fast and a verb whose
 # extra is missing does not break the others.
+# Set (to anything): every error keeps its traceback, those of what the user gave included
+DEBUG_ENV = "GPTOPT_DEBUG"
+
 COMMANDS: dict[str, Command] = {
     "doctor": Command("gptopt.config:DoctorConfig", "gptopt.commands.doctor:run",
                       "check this machine's setup and name the fixes"),
@@ -124,16 +129,16 @@ def load_toml(path: str, cls: type, verb: str | None = None) -> dict[str, Any]:
         with open(path, "rb") as fh:
             data = tomllib.load(fh)
     except FileNotFoundError:
-        raise ValueError(f"--config {path}: no such file") from None
+        raise UserError(f"--config {path}: no such file") from None
     except IsADirectoryError:
-        raise ValueError(f"--config {path} is a folder; give the TOML file in it, e.g. {path}/best.toml") from None
+        raise UserError(f"--config {path} is a folder; give the TOML file in it, e.g. {path}/best.toml") from None
     except PermissionError:
-        raise ValueError(f"--config {path}: cannot read it (permission denied); fix its permissions or copy it "
+        raise UserError(f"--config {path}: cannot read it (permission denied); fix its permissions or copy it "
                          "somewhere readable") from None
     except OSError as e:
-        raise ValueError(f"--config {path}: cannot read it ({e.strerror or e}); give a readable TOML file") from None
+        raise UserError(f"--config {path}: cannot read it ({e.strerror or e}); give a readable TOML file") from None
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"--config {path}: not valid TOML ({e})") from None
+        raise UserError(f"--config {path}: not valid TOML ({e})") from None
     flat = {k: v for k, v in data.items() if not isinstance(v, dict)}
     section = data.get(verb, {}) if verb else {}
     return {**_check_toml(path, flat, cls), **_check_toml(path, section, cls)}
@@ -151,16 +156,16 @@ def _check_toml(path: str, table: dict[str, Any], cls: type) -> dict[str, Any]:
     for key, value in table.items():
         name = old_names.get(key, key)  # files written before a rename keep loading
         if name not in fields:
-            raise ValueError(f"--config {path}: unknown option {key!r}; valid: {', '.join(sorted(fields))}")
+            raise UserError(f"--config {path}: unknown option {key!r}; valid: {', '.join(sorted(fields))}")
         if name in values:  # the same table cannot say which of the two it means
             alias = key if key != name else next(k for k in table if old_names.get(k) == name)
-            raise ValueError(f"--config {path}: {name} and {alias} are one option ({alias} is its old name): "
+            raise UserError(f"--config {path}: {name} and {alias} are one option ({alias} is its old name): "
                              f"keep {name} alone")
         kind = fields[name]
         if kind is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if not type_ok(value, kind):
-            raise ValueError(f"--config {path}: {name} must be {kind.__name__}, got {value!r}")
+            raise UserError(f"--config {path}: {name} must be {kind.__name__}, got {value!r}")
         values[name] = value
     return values
 
@@ -239,18 +244,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MissingExtra as e:
         print(f"gptopt {verb}: {e}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        if os.environ.get("GPTOPT_DEBUG"):
+    except (UserError, FileNotFoundError, FileExistsError) as e:  # what the user gave: one line and the fix
+        if os.environ.get(DEBUG_ENV):
             raise
         print(f"gptopt {verb}: error: {e}", file=sys.stderr)
         return 2
     except OSError as e:
         # The net under the commands' own checks: a folder that turned out unwritable, a full disk.
         line = os_error_line(e, output_flag(config))
-        if line is None or os.environ.get("GPTOPT_DEBUG"):
+        if line is None or os.environ.get(DEBUG_ENV):
             raise
         print(f"gptopt {verb}: error: {line}", file=sys.stderr)
         return 2
+    except Exception:  # gptopt's own fault (or a library's under it): the traceback, to report and fix
+        traceback.print_exc()
+        print(f"gptopt {verb}: internal error (the traceback above); please report it", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"\ngptopt {verb}: stopped (Ctrl-C)", file=sys.stderr)
         return 130

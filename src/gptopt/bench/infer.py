@@ -46,6 +46,7 @@ from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, environment, memory_bandwidth
 from gptopt.runtime.memory import is_oom
 from gptopt.runtime.torch_private import recompile_limit_for, reset_dynamo
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import EXTRAS, has, require
 from gptopt.utils.tables import to_json
 
@@ -89,10 +90,10 @@ def select_rungs(spec: str) -> list[InferRung]:
     names: list[str] = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
         if part not in by_name and part not in ("default", "all"):
-            raise ValueError(f"unknown rung {part!r} for --mode infer; valid rungs: {valid}")
+            raise UserError(f"unknown rung {part!r} for --mode infer; valid rungs: {valid}")
         names += list(by_name) if part in ("default", "all") else [part]
     if not names:  # nothing to measure: refused before a report with no rungs is written
-        raise ValueError(f"--rungs {spec!r} names no rung for --mode infer; valid rungs: {valid}")
+        raise UserError(f"--rungs {spec!r} names no rung for --mode infer; valid rungs: {valid}")
     return [by_name[n] for n in dict.fromkeys(names)]
 
 
@@ -192,7 +193,7 @@ class InferBench:
         self.model_config, seq_len = setup.model_config, setup.seq_len
         gpu = self.plan.device.type == "cuda"
         if seq_len < 4:
-            raise ValueError(f"--seq_len must be >= 4 in --mode infer (prompt + 2 new tokens), got {seq_len}")
+            raise UserError(f"--seq_len must be >= 4 in --mode infer (prompt + 2 new tokens), got {seq_len}")
         self.prompt_len = min(seq_len // 2, 128)
         self.new_tokens = min(256 if gpu else 64, seq_len - self.prompt_len)
         self.max_len = self.prompt_len + self.new_tokens

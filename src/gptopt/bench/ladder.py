@@ -53,6 +53,7 @@ from gptopt.runtime.torch_private import reset_dynamo
 from gptopt.train import memory as train_memory
 from gptopt.train.step import LOADER_FIELDS, TrainStep, loader_options
 from gptopt.train.wrap import to_float8
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import has
 from gptopt.utils.tables import to_json
 
@@ -126,9 +127,9 @@ def select_rungs(spec: str) -> list[Rung]:
         elif part in by_name or part == SWEEP:
             names.append(part)
         else:
-            raise ValueError(f"unknown rung {part!r}; valid rungs: {valid}")
+            raise UserError(f"unknown rung {part!r}; valid rungs: {valid}")
     if not names:  # nothing to measure: refused before a report with no rungs is written
-        raise ValueError(f"--rungs {spec!r} names no rung; valid rungs: {valid} (`--rungs list` says what each does)")
+        raise UserError(f"--rungs {spec!r} names no rung; valid rungs: {valid} (`--rungs list` says what each does)")
     seen: list[str] = []
     for n in names:
         if n not in seen:

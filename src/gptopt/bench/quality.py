@@ -63,6 +63,7 @@ from gptopt.infer.measure import STOPPED
 from gptopt.outputs import replacing
 from gptopt.runtime import process
 from gptopt.runtime.device import cpu_has_fast_bf16, environment, resolve
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import has, require
 from gptopt.utils.tables import fmt, text_table, to_json, toml_text
 
@@ -172,10 +173,10 @@ def recipes(spec: str) -> list[str]:
         else [p.strip() for p in spec.split(",") if p.strip()]
     known = [*CHANGES, *DERIVED]
     if not names:  # the baseline alone would run, compared with nothing
-        raise ValueError(f"--recipes {spec!r} names no recipe; choose from {', '.join(known)}, or default")
+        raise UserError(f"--recipes {spec!r} names no recipe; choose from {', '.join(known)}, or default")
     bad = [n for n in names if n not in known]
     if bad:
-        raise ValueError(f"--recipes: unknown {', '.join(bad)}; choose from {', '.join(known)}")
+        raise UserError(f"--recipes: unknown {', '.join(bad)}; choose from {', '.join(known)}")
     if BASELINE not in names:
         names.insert(0, BASELINE)  # every figure is against it
     return [n for n in known if n in names]  # derived recipes after what they derive from
@@ -247,7 +248,7 @@ class Ladder:
         self.preset = bench_preset(cfg, self.plan)
         self.cfg = dataclasses.replace(cfg, preset=self.preset)  # every run trains the preset the report names
         if cfg.target_loss is None and self.preset not in DEFAULT_TARGET:
-            raise ValueError(f"--mode quality has no default target for {self.preset}: pass --target_loss")
+            raise UserError(f"--mode quality has no default target for {self.preset}: pass --target_loss")
         self.target = cfg.target_loss if cfg.target_loss is not None else DEFAULT_TARGET[self.preset]
         self.max_steps = cfg.max_steps or DEFAULT_MAX_STEPS
         toml = self.out / "best.toml"  # the training ladder's fastest step settings, if it ran here

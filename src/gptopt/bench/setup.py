@@ -14,6 +14,7 @@ from gptopt.config import PRESETS, BenchConfig, GPTConfig, TrainConfig, preset_f
 from gptopt.data import loader as data
 from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, resolve
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -51,6 +52,6 @@ def bench_preset(cfg: BenchConfig, plan: DevicePlan) -> str:
     name = cfg.preset or ("gpt2" if plan.device.type == "cuda" else "tiny")
     context = PRESETS[name]["block_size"]
     if cfg.seq_len is not None and cfg.seq_len > context:
-        raise ValueError(f"--seq_len {cfg.seq_len} exceeds the model's context {context} (preset {name}): "
+        raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's context {context} (preset {name}): "
                          f"use --seq_len {context} or less")
     return name

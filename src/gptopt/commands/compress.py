@@ -45,6 +45,7 @@ from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, environment, resolve
 from gptopt.runtime.process import DECODE_GRAPHS
 from gptopt.runtime.torch_private import recompile_limit_for
+from gptopt.utils.errors import UserError
 from gptopt.utils.tables import text_table, to_json
 
 __all__ = ["main", "mean_kl", "memory_bytes", "perplexity_and_kl"]
@@ -94,7 +95,7 @@ def perplexity_and_kl(reference: nn.Module, candidate: nn.Module, batches: Itera
         if on_batch is not None:
             on_batch()
     if not n:
-        raise ValueError("no val tokens to score")
+        raise UserError("no val tokens to score")
     return {"perplexity_reference": math.exp(ce_ref / n), "perplexity": math.exp(ce / n), "kl": kl / n, "tokens": n}
 
 
@@ -144,7 +145,7 @@ def _check_source(source: Path | str) -> None:
     if isinstance(source, Path) and checkpoint.is_gptopt_dir(source):
         meta = checkpoint.read_meta(source)
         if meta.get("compression"):
-            raise ValueError(f"--model {source} is already compressed ({describe(meta['compression'])}); compress "
+            raise UserError(f"--model {source} is already compressed ({describe(meta['compression'])}); compress "
                              f"the original instead: {meta.get('compressed_from', 'the model it was made from')}")
 
 
@@ -154,7 +155,7 @@ def _open_eval_data(cfg: CompressConfig, source: Path | str, tok: Tokenizer, mod
     data = open_data(cfg.data_dir or trained_on or DEFAULT_DATA)
     if data.tokenized_by(tok) is False:
         fix = f"--data_dir {trained_on}" if trained_on else "--data_dir <the data the model was trained on>"
-        raise ValueError(f"{data.directory} was tokenized by another tokenizer than the model's, so perplexity and "
+        raise UserError(f"{data.directory} was tokenized by another tokenizer than the model's, so perplexity and "
                          f"KL would score the wrong tokens; pass {fix}, or prepare shards with the model's tokenizer: "
                          "gptopt prepare --tokenizer <its tokenizer.json, or gpt2> --output_dir DIR")
     data.check_vocab(model_vocab)  # nanoGPT data stores no tokenizer: its ids must at least fit

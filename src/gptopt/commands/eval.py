@@ -62,6 +62,7 @@ from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, lock_output, staged_dir, staged_file
 from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, environment, resolve
+from gptopt.utils.errors import UserError
 from gptopt.utils.tables import text_table, to_json
 
 __all__ = ["HELLASWAG_URL", "Example", "HeldOut", "bits_per_byte_of", "cache_dir", "encode", "ending_logliks",
@@ -103,14 +104,14 @@ def hellaswag_file() -> Path:
     try:
         response = urlopen(HELLASWAG_URL, timeout=DOWNLOAD_TIMEOUT)
     except (OSError, http.client.HTTPException) as e:  # URLError, HTTPError and timeouts are OSErrors
-        raise ValueError(f"could not download HellaSwag from {HELLASWAG_URL} ({_reason(e)}){fix}") from None
+        raise UserError(f"could not download HellaSwag from {HELLASWAG_URL} ({_reason(e)}){fix}") from None
     log.info("downloading HellaSwag's val set from %s into %s (once)", HELLASWAG_URL, target)
     # Written beside and renamed: a download that breaks off leaves no half file to be read as the val set.
     with response, staged_file(target) as tmp, open(tmp, "wb") as fh:
         try:
             shutil.copyfileobj(response, fh)
         except (URLError, TimeoutError, ConnectionError, http.client.HTTPException) as e:
-            raise ValueError(f"the download of HellaSwag from {HELLASWAG_URL} broke off ({_reason(e)}){fix}") from None
+            raise UserError(f"the download of HellaSwag from {HELLASWAG_URL} broke off ({_reason(e)}){fix}") from None
     return target
 
 
@@ -126,10 +127,10 @@ def read_hellaswag(path: Path, limit: int | None = None, *, name: str = "--data"
     try:
         fh = open(path, "rb")  # bytes: a line that is not UTF-8 is named by its number, as any other bad line
     except FileNotFoundError:
-        raise ValueError(f"{where}: no such file; give HellaSwag's hellaswag_val.jsonl or a file in its format "
+        raise UserError(f"{where}: no such file; give HellaSwag's hellaswag_val.jsonl or a file in its format "
                          "(or leave --data out to download it)") from None
     except IsADirectoryError:
-        raise ValueError(f"{where} is a folder; give the .jsonl file in it") from None
+        raise UserError(f"{where} is a folder; give the .jsonl file in it") from None
     examples: list[Example] = []
     with fh:
         for n, raw in enumerate(fh, 1):
@@ -138,13 +139,13 @@ def read_hellaswag(path: Path, limit: int | None = None, *, name: str = "--data"
             if raw.strip():
                 examples.append(_example(raw, n, where))
     if not examples:
-        raise ValueError(f"{where} holds no examples; {FORMAT_HINT}")
+        raise UserError(f"{where} holds no examples; {FORMAT_HINT}")
     return examples
 
 
 def _example(raw: bytes, n: int, where: str) -> Example:
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{where} line {n}: {what}; {FORMAT_HINT}")
+    def bad(what: str) -> UserError:
+        return UserError(f"{where} line {n}: {what}; {FORMAT_HINT}")
 
     try:
         obj = json.loads(raw)
@@ -194,14 +195,14 @@ def encode(tok: Tokenizer, ex: Example, eot: int | None, block_size: int,
     context = tok.encode(ex.context).ids
     if not context:  # the first ending token needs something to follow: a fresh document (as lm-eval)
         if eot is None:
-            raise ValueError(f"{where} line {ex.line}: the context is empty and the tokenizer has no end-of-text "
+            raise UserError(f"{where} line {ex.line}: the context is empty and the tokenizer has no end-of-text "
                              "token to start from; give the example a context")
         context = [eot]
     rows = []
     for i, ending in enumerate(ex.endings):
         ids = tok.encode(" " + ending).ids
         if len(ids) > block_size:
-            raise ValueError(f"{where} line {ex.line}: ending {i} is {len(ids)} tokens, longer than the model's "
+            raise UserError(f"{where} line {ex.line}: ending {i} is {len(ids)} tokens, longer than the model's "
                              f"context of {block_size}; score it with a model of a longer context, or drop the line")
         rows.append((context, ids))
     return rows
@@ -279,14 +280,14 @@ class HeldOut:
 def read_held_out(path: Path, where: str) -> HeldOut:
     """The held-out text at path, checked (a ValueError naming `where` and the fix) before any model loads."""
     if not path.exists():
-        raise ValueError(f"{where} {path}: no such file or folder; {HELD_OUT_HINT}")
+        raise UserError(f"{where} {path}: no such file or folder; {HELD_OUT_HINT}")
     if path.is_dir() and ((path / META).is_file() or (path / "train.bin").is_file()):
         data = TokenData(path)
         if data.tokenizer() is None:
-            raise ValueError(f"{where} {path} stores no tokenizer (nanoGPT's train.bin/val.bin), so its bytes cannot "
+            raise UserError(f"{where} {path} stores no tokenizer (nanoGPT's train.bin/val.bin), so its bytes cannot "
                              "be counted; give the text itself: a text file or a folder of text files")
         if data.num_tokens("val") < 2:
-            raise ValueError(f"{where} {path}: its val split is empty; prepare it with --val_fraction above 0, or "
+            raise UserError(f"{where} {path}: its val split is empty; prepare it with --val_fraction above 0, or "
                              "give a text file")
         return HeldOut(path, data)
     files = [path] if path.is_file() else sorted(
@@ -296,10 +297,10 @@ def read_held_out(path: Path, where: str) -> HeldOut:
         try:
             texts.append(f.read_text(encoding="utf-8"))
         except UnicodeDecodeError:
-            raise ValueError(f"{where} {f}: not UTF-8 text; convert it (e.g. iconv -t utf-8) or leave it out") from None
+            raise UserError(f"{where} {f}: not UTF-8 text; convert it (e.g. iconv -t utf-8) or leave it out") from None
     texts = [t for t in texts if t.strip()]
     if not texts:
-        raise ValueError(f"{where} {path} holds no text; {HELD_OUT_HINT}")
+        raise UserError(f"{where} {path} holds no text; {HELD_OUT_HINT}")
     return HeldOut(path, None, tuple(texts))
 
 
@@ -308,7 +309,7 @@ def _held_out_tokens(held: HeldOut, tok: Tokenizer, vocab_size: int, where: str)
     token (None where none can be counted)."""
     if held.data is not None:
         if held.data.tokenized_by(tok) is False:
-            raise ValueError(f"{where} {held.path} was tokenized by another tokenizer than the model's; give the text "
+            raise UserError(f"{where} {held.path} was tokenized by another tokenizer than the model's; give the text "
                              "itself (a text file or folder), or data prepared with the model's tokenizer: gptopt "
                              "prepare --tokenizer <its tokenizer.json> --output_dir DIR")
         held.data.check_vocab(vocab_size)
@@ -321,7 +322,7 @@ def _held_out_tokens(held: HeldOut, tok: Tokenizer, vocab_size: int, where: str)
         nbytes -= len(held.texts[0][:first].encode("utf-8"))
     stream = np.array([t for e in encoded for t in ([] if eot is None else [eot]) + e.ids], dtype=np.int64)
     if len(stream) < 2:
-        raise ValueError(f"{where} {held.path}: too little text to score (one token); {HELD_OUT_HINT}")
+        raise UserError(f"{where} {held.path}: too little text to score (one token); {HELD_OUT_HINT}")
     return stream, nbytes / (len(stream) - 1)
 
 
@@ -413,7 +414,7 @@ def _bits_per_byte(cfg: EvalConfig, out: Path | None) -> int:
     elif trained_on:
         path, where = Path(trained_on), "the data the model was trained on"
     else:
-        raise ValueError(f"the bpb task needs held-out text and {source} records no training data: pass --data, a "
+        raise UserError(f"the bpb task needs held-out text and {source} records no training data: pass --data, a "
                          "text file, a folder of text files or a data dir from gptopt prepare (its val split)")
     held = read_held_out(path, where)  # before the model loads
     plan = resolve(cfg.device, quiet=True)

@@ -40,6 +40,7 @@ from gptopt.infer.load import check_vocab, find_tokenizer, has_tokenizer, model_
 from gptopt.models import checkpoint, hf
 from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, lock_output, mark, marked_kind, staged_dir
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 __all__ = ["ONNX_FILE", "OnnxDecoder", "OrtDecoder", "export_hf_checked", "export_onnx", "main", "to_onnx"]
@@ -180,7 +181,7 @@ class OrtDecoder:
     def prefill(self, prompts: list[list[int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[np.ndarray]]:
         """Logits (B, L, V) of the prompts left-padded to the longest (L), with the mask, positions and cache."""
         if not prompts or not all(prompts):
-            raise ValueError("every prompt needs at least one token")
+            raise UserError("every prompt needs at least one token")
         B, L = len(prompts), max(map(len, prompts))
         ids, mask = np.zeros((B, L), np.int64), np.zeros((B, L), np.int64)
         for r, p in enumerate(prompts):
@@ -194,7 +195,7 @@ class OrtDecoder:
         """n new tokens per prompt by argmax, as the gptopt Generator picks them at temperature 0."""
         longest = max(map(len, prompts), default=0)
         if self.block_size is not None and longest + n - 1 > self.block_size:
-            raise ValueError(f"{longest} prompt tokens + {n} new ones exceed the model's context {self.block_size}")
+            raise UserError(f"{longest} prompt tokens + {n} new ones exceed the model's context {self.block_size}")
         logits, mask, pos, past = self.prefill(prompts)
         tokens = [logits[:, -1].argmax(-1)]
         for _ in range(n - 1):
@@ -208,7 +209,7 @@ class OrtDecoder:
 def _check_prompts(cfg: Any) -> tuple[list[list[int]], list[int]]:
     """Two prompts of different lengths (the shorter is padded) and one next token each, from a fixed seed."""
     if cfg.block_size < 2:
-        raise ValueError(f"the model's context is {cfg.block_size} token: nothing to decode after a prompt")
+        raise UserError(f"the model's context is {cfg.block_size} token: nothing to decode after a prompt")
     g = torch.Generator().manual_seed(0)
     n = min(7, cfg.block_size - 1)
     prompts = [torch.randint(0, cfg.vocab_size, (k,), generator=g).tolist() for k in (n, max(1, n - 3))]
@@ -284,7 +285,7 @@ def _staged(target: Path, fmt: str, replace: bool) -> Iterator[Path]:
         try:
             tmp = stack.enter_context(staged_dir(target, replace=replace, kind=KINDS[fmt]))
         except OSError as e:
-            raise ValueError(f"--output_dir {target}: cannot create a folder there ({e.strerror or e}); nothing was "
+            raise UserError(f"--output_dir {target}: cannot create a folder there ({e.strerror or e}); nothing was "
                              "written: choose a folder you can write with --output_dir") from None
         yield tmp
 
@@ -303,10 +304,10 @@ def export_onnx(model: GPT, directory: str | Path, *, tokenizer: Tokenizer | Non
     for module in ("onnx", "onnxscript", "onnxruntime"):
         require(module, "onnx", "ONNX export")
     if opset < MIN_OPSET:
-        raise ValueError(f"opset must be >= {MIN_OPSET}, got {opset}")
+        raise UserError(f"opset must be >= {MIN_OPSET}, got {opset}")
     weight = model.transformer.wte.weight
     if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"the ONNX export starts from an fp32 model on the CPU, got {weight.dtype} on {weight.device} "
+        raise UserError(f"the ONNX export starts from an fp32 model on the CPU, got {weight.dtype} on {weight.device} "
                          "(load_pretrained gives one)")
     model = model.eval()
     if model.config.attention != "eager":  # SDPA traces into the same math plus NaN guards: a longer graph
@@ -354,7 +355,7 @@ def export_hf_checked(model: GPT, directory: str | Path, *, tokenizer: Tokenizer
     _check_output_dir(target, "hf", overwrite)
     transformers = require("transformers", "hf", "Hugging Face export")
     if model.transformer.wte.weight.device.type != "cpu":
-        raise ValueError("the Hugging Face export is checked on the CPU: pass the model there")
+        raise UserError("the Hugging Face export is checked on the CPU: pass the model there")
     model = model.eval()
     with _staged(target, "hf", overwrite) as tmp:
         # into the empty staging dir: export_hf writes its own files atomically
@@ -429,11 +430,11 @@ def _special_ids(folders: Sequence[Path]) -> tuple[int | None, int | list[int] |
             try:
                 data = json.loads(path.read_text(encoding="utf-8"))
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise ValueError(f"{path}: cannot read it as JSON ({e}); fix or remove the file") from None
+                raise UserError(f"{path}: cannot read it as JSON ({e}); fix or remove the file") from None
             for key, value in (("bos_token_id", data.get("bos_token_id")), ("eos_token_id", data.get("eos_token_id"))):
                 ids = value if isinstance(value, list) else [value]
                 if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                    raise ValueError(f"{path}: {key} must be a token id or a list of them, not {value!r}; fix the file")
+                    raise UserError(f"{path}: {key} must be a token id or a list of them, not {value!r}; fix the file")
             bos = data.get("bos_token_id") if bos is None else bos
             eos = data.get("eos_token_id") if eos is None else eos
     return bos, eos

@@ -34,6 +34,7 @@ from gptopt.infer.stop import StopChecker
 from gptopt.outputs import check_writable, lock_output, staged_file
 from gptopt.runtime import process
 from gptopt.runtime.device import resolve
+from gptopt.utils.errors import UserError
 
 __all__ = ["main"]
 
@@ -44,7 +45,7 @@ def _check_utf8(text: str, what: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:  # a lone surrogate: argv's stand-in for a byte that is not UTF-8
-        raise ValueError(f"{what} is not valid UTF-8 text ({_bad_char(text[e.start])} at character {e.start}); "
+        raise UserError(f"{what} is not valid UTF-8 text ({_bad_char(text[e.start])} at character {e.start}); "
                          "give it as UTF-8") from None
 
 
@@ -53,7 +54,7 @@ def _encode(tok: Tokenizer, text: str, eot: int | None, what: str = "the prompt"
     ids = tok.encode(text).ids
     if not ids:
         if eot is None:
-            raise ValueError("the prompt is empty and the tokenizer has no end-of-text token to start from")
+            raise UserError("the prompt is empty and the tokenizer has no end-of-text token to start from")
         ids = [eot]  # an empty prompt starts a fresh document
     return ids
 
@@ -71,17 +72,17 @@ def _read_prompts(path: str) -> list[str]:
     """One prompt per non-blank line; in a .jsonl file, each line's "prompt" field."""
     p = Path(path).expanduser()
     if p.is_dir():
-        raise ValueError(f"--input {path} is a folder; give a file of prompts, one a line (or .jsonl)")
+        raise UserError(f"--input {path} is a folder; give a file of prompts, one a line (or .jsonl)")
     if not p.exists():
-        raise ValueError(f"--input {path}: no such file")
+        raise UserError(f"--input {path}: no such file")
     try:  # not only regular files: a pipe (--input <(cmd)) is read too
         data = p.read_bytes()
     except OSError as e:
-        raise ValueError(f"--input {path}: cannot read it ({e.strerror or e}); give a readable file") from None
+        raise UserError(f"--input {path}: cannot read it ({e.strerror or e}); give a readable file") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(f"--input {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+        raise UserError(f"--input {path} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
                          "convert it, e.g. iconv -f latin1 -t utf-8") from None
     prompts = []
     for n, line in enumerate(text.splitlines(), 1):
@@ -92,10 +93,10 @@ def _read_prompts(path: str) -> list[str]:
         with contextlib.suppress(json.JSONDecodeError):
             row = json.loads(line)
         if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
-            raise ValueError(f'{p}:{n}: expected a JSON object with a "prompt" string, got {line[:80]!r}')
+            raise UserError(f'{p}:{n}: expected a JSON object with a "prompt" string, got {line[:80]!r}')
         prompts.append(row["prompt"])
     if not prompts:
-        raise ValueError(f"--input {path}: no prompts in it (it is empty or all blank lines)")
+        raise UserError(f"--input {path}: no prompts in it (it is empty or all blank lines)")
     return prompts
 
 
@@ -107,7 +108,7 @@ def _prompt_text(prompt: str | None) -> str:
     try:
         text = sys.stdin.read()
     except UnicodeDecodeError as e:
-        raise ValueError(f"the prompt on stdin is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
+        raise UserError(f"the prompt on stdin is not UTF-8 text (byte 0x{e.object[e.start]:02x} at offset "
                          f"{e.start}); convert it, e.g. iconv -f latin1 -t utf-8") from None
     return text.removesuffix("\n")  # the newline echo adds is not part of the prompt
 
@@ -137,7 +138,7 @@ def _chat_template(cfg: GenerateConfig, tok: Tokenizer | None) -> chat.ChatTempl
     folders = chat.template_folders(cfg.model, cfg.tokenizer)
     template = chat.load_template(cfg.chat_template, folders, tok)
     if template is None:
-        raise ValueError(chat.no_template(folders))
+        raise UserError(chat.no_template(folders))
     return template
 
 
@@ -148,7 +149,7 @@ def _read_turn() -> str | None:
     try:
         line = sys.stdin.readline()
     except UnicodeDecodeError as e:
-        raise ValueError(f"stdin is not UTF-8 text (byte 0x{e.object[e.start]:02x}); convert it, e.g. "
+        raise UserError(f"stdin is not UTF-8 text (byte 0x{e.object[e.start]:02x}); convert it, e.g. "
                          "iconv -f latin1 -t utf-8") from None
     if not line:
         sys.stderr.write("\n")
@@ -176,7 +177,7 @@ def _chat(gen: Generator, tok: Tokenizer, template: chat.ChatTemplate, params: S
         except ValueError:  # a template that refuses an empty turn: each real turn says why it fails
             least = 0
         if least > limit:
-            raise ValueError(f"the system message takes {least} tokens in the chat template, more than the {limit} "
+            raise UserError(f"the system message takes {least} tokens in the chat template, more than the {limit} "
                              f"a prompt may take (the model's context of {gen.max_len} tokens less "
                              f"{gen.max_len - limit} kept for the reply), so no turn fits; shorten the system "
                              "message, or lower --max_new_tokens")
@@ -244,16 +245,16 @@ def _check_output_file(cfg: GenerateConfig) -> None:
     assert output is not None
     path = Path(output).expanduser()
     if path.is_dir():
-        raise ValueError(f"--output {output} is a folder; give the path of a file (.jsonl)")
+        raise UserError(f"--output {output} is a folder; give the path of a file (.jsonl)")
     real = os.path.realpath(path)  # through symlinks and .., as the write would go
     if cfg.input and (real == os.path.realpath(Path(cfg.input).expanduser()) or _same_file(path, cfg.input)):
-        raise ValueError(f"--output {output} is the --input file; nothing was written: choose another --output")
+        raise UserError(f"--output {output} is the --input file; nothing was written: choose another --output")
     for folder in _model_folders(cfg.model):
         if os.path.commonpath([real, folder]) == folder:
-            raise ValueError(f"--output {output} is inside the model folder {folder}; nothing was written: "
+            raise UserError(f"--output {output} is inside the model folder {folder}; nothing was written: "
                              "choose an --output outside it")
     if path.exists() and not _overwrite_ok(path, cfg.overwrite, output):
-        raise ValueError(f"--output {output} exists; nothing was written: pass --overwrite to replace it (kept until "
+        raise UserError(f"--output {output} exists; nothing was written: pass --overwrite to replace it (kept until "
                          "the new file is complete), or choose another path")
     check_writable(path.parent, "--output", shown=output)  # the folder the file goes into
 
@@ -284,7 +285,7 @@ def _overwrite_ok(path: Path, overwrite: bool, output: str) -> bool:
     if not overwrite:
         return False
     if not path.is_file():
-        raise ValueError(f"--output {output} exists and is not a regular file; choose another --output")
+        raise UserError(f"--output {output} exists and is not a regular file; choose another --output")
     try:
         with path.open("rb") as fh:
             for line in fh:
@@ -297,7 +298,7 @@ def _overwrite_ok(path: Path, overwrite: bool, output: str) -> bool:
                 return True
     except (OSError, ValueError):  # unreadable, not UTF-8 (UnicodeDecodeError) or not JSON: not ours
         pass
-    raise ValueError(f"--output {output} exists and is not a generate output (.jsonl of prompt/completion "
+    raise UserError(f"--output {output} exists and is not a generate output (.jsonl of prompt/completion "
                      "lines), so --overwrite does not replace it; nothing was written: choose another --output, "
                      "or move the file away first")
 

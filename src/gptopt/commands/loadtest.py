@@ -42,6 +42,7 @@ from tqdm import tqdm
 
 from gptopt.config import LoadtestConfig
 from gptopt.data.tokenizer import eot_id, load_tokenizer
+from gptopt.utils.errors import UserError
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -129,7 +130,7 @@ def prompt_tokenizer(path: str) -> Tokenizer:
     tokenizer found as generate and serve find it: inference.find_tokenizer)."""
     p = Path(path).expanduser()
     if not p.exists():
-        raise ValueError(f"--tokenizer {path}: no such file or folder; give the served model's tokenizer.json or "
+        raise UserError(f"--tokenizer {path}: no such file or folder; give the served model's tokenizer.json or "
                          "its model directory")
     if p.is_file():
         return load_tokenizer(p)
@@ -140,7 +141,7 @@ def prompt_tokenizer(path: str) -> Tokenizer:
     try:
         source = model_source(str(p))
     except ValueError:
-        raise ValueError(f"--tokenizer {path}: no tokenizer.json in this folder, and no model whose tokenizer it "
+        raise UserError(f"--tokenizer {path}: no tokenizer.json in this folder, and no model whose tokenizer it "
                          "could be; give the served model's tokenizer.json or its model directory") from None
     return find_tokenizer(source)
 
@@ -162,7 +163,7 @@ class TokenPrompts:
         pieces = tok.decode_batch([[i] for i in ids], skip_special_tokens=False)
         self.ids = np.asarray([i for i, piece in zip(ids, pieces, strict=True) if piece and "\ufffd" not in piece])
         if not len(self.ids):
-            raise ValueError("no token of it decodes to text on its own; give the served model's tokenizer.json")
+            raise UserError("no token of it decodes to text on its own; give the served model's tokenizer.json")
 
     def _draw(self, n: int) -> str:
         return self.tok.decode(self.rng.choice(self.ids, n).tolist(), skip_special_tokens=False)
@@ -183,7 +184,7 @@ class TokenPrompts:
                 text = text[:offsets[n][0]].rstrip()
             else:
                 text += self._draw(n - len(ids))
-        raise ValueError(f"no text of exactly {n} of its tokens in {PROMPT_TRIES} tries of random tokens; try "
+        raise UserError(f"no text of exactly {n} of its tokens in {PROMPT_TRIES} tries of random tokens; try "
                          "another --prompt_tokens or --seed")
 
 
@@ -196,7 +197,7 @@ def make_prompts(cfg: LoadtestConfig, rng: random.Random) -> list[str]:
         prompt = TokenPrompts(tok, np.random.default_rng(cfg.seed))
         return [prompt(cfg.prompt_tokens) for _ in range(cfg.requests)]
     except ValueError as e:
-        raise ValueError(f"--tokenizer {cfg.tokenizer}: {e}") from None
+        raise UserError(f"--tokenizer {cfg.tokenizer}: {e}") from None
 
 
 def prompt_kind(cfg: LoadtestConfig) -> dict[str, Any]:

@@ -50,6 +50,7 @@ from gptopt.train import memory as train_memory
 from gptopt.train.distributed import DistInfo
 from gptopt.train.step import READOUT_RANGE, TrainStep, loader_options
 from gptopt.train.wrap import wrap_for_training
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -172,7 +173,7 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
 def figures(s: TraceSummary) -> Figures:
     n = len(s.step_s)
     if n == 0 or len(s.data_wait_s) != n:
-        raise ValueError(f"a summary needs one data wait per step, got {n} steps and {len(s.data_wait_s)} waits")
+        raise UserError(f"a summary needs one data wait per step, got {n} steps and {len(s.data_wait_s)} waits")
     total_s = sum(s.step_s)
     idle = None
     if s.ops:
@@ -405,7 +406,7 @@ def _generate_step(cfg: ProfileConfig, raw: GPT, plan: DevicePlan, prompts: torc
     before any profiled step). The sequences grow to seq_len tokens: the prompts are `steps` shorter."""
     seq_len = prompts.size(1)
     if seq_len - steps < 1:
-        raise ValueError(f"--seq_len {seq_len} leaves no prompt for {steps} decode steps: use --seq_len {steps + 1} "
+        raise UserError(f"--seq_len {seq_len} leaves no prompt for {steps} decode steps: use --seq_len {steps + 1} "
                          "or more")
     # Generation runs in the weights' dtype, without autocast (load_for_inference casts them once):
     # --use_amp gives the weights the autocast dtype the device policy resolves to.
@@ -454,7 +455,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     tokens.check_vocab(model_cfg.vocab_size)
     seq_len = cfg.seq_len or model_cfg.block_size
     if seq_len > model_cfg.block_size:
-        raise ValueError(f"--seq_len {seq_len} exceeds the model's context {model_cfg.block_size}")
+        raise UserError(f"--seq_len {seq_len} exceeds the model's context {model_cfg.block_size}")
     memory.require(train_memory.train_step_bytes(model_cfg, cfg.batch_size, seq_len, amp_dtype=plan.amp_dtype)
                    if cfg.mode == "train"
                    else infer_memory.inference_bytes(model_cfg, cfg.batch_size, seq_len, dtype=plan.amp_dtype),

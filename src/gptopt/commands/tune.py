@@ -36,6 +36,7 @@ from gptopt.runtime import memory
 from gptopt.runtime.device import cpu_has_fast_bf16, default_attention, environment
 from gptopt.train.optim import fused_available
 from gptopt.train.step import LOADER_FIELDS
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -109,7 +110,7 @@ class Tuner:
         T = self.bench.seq_len
         tokens = cfg.global_batch_tokens or (64 if self.device_type == "cuda" else 16) * T
         if tokens % T:
-            raise ValueError(f"--global_batch_tokens {tokens} is not a multiple of the sequence length {T}: "
+            raise UserError(f"--global_batch_tokens {tokens} is not a multiple of the sequence length {T}: "
                              f"use {max(1, round(tokens / T)) * T}")
         self.global_batch = tokens // T  # sequences per optimizer step
         self.sizes = [d for d in range(1, self.global_batch + 1) if self.global_batch % d == 0]

@@ -15,6 +15,8 @@ import typing
 from dataclasses import field
 from typing import Any
 
+from gptopt.utils.errors import UserError
+
 # Validation. Every field is checked when a config is made (from flags, TOML, JSON or code), so a
 # bad value stops a command before it reads or writes anything. A field's range lives in its
 # metadata (ge / gt / le / lt); the upper limits below are far beyond any GPT-2-class use: they
@@ -105,16 +107,16 @@ def check_fields(obj: Any, prefix: str = "--") -> None:
         if value is None and optional:
             continue
         if not type_ok(value, kind):
-            raise ValueError(f"{name} must be {kind.__name__}{' or none' if optional else ''}, got {value!r}")
+            raise UserError(f"{name} must be {kind.__name__}{' or none' if optional else ''}, got {value!r}")
         if kind is float and not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number, got {value}")
+            raise UserError(f"{name} must be a finite number, got {value}")
         meta = f.metadata
         if meta.get("choices") and value not in meta["choices"]:
-            raise ValueError(f"{name} must be one of {', '.join(meta['choices'])}; got {value!r}")
+            raise UserError(f"{name} must be one of {', '.join(meta['choices'])}; got {value!r}")
         if kind in (int, float) and not (
             ("ge" not in meta or value >= meta["ge"]) and ("gt" not in meta or value > meta["gt"])
             and ("le" not in meta or value <= meta["le"]) and ("lt" not in meta or value < meta["lt"])
         ):
             hint = f"; {meta['hint']}" if "hint" in meta else ""
-            raise ValueError(f"{name} must be {range_text(meta)}, got {value}{hint}")
+            raise UserError(f"{name} must be {range_text(meta)}, got {value}{hint}")
 

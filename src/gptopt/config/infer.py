@@ -20,6 +20,7 @@ from gptopt.config.fields import (
     opt,
 )
 from gptopt.config.sampling import TEMPERATURE, SamplingConfig
+from gptopt.utils.errors import UserError
 
 # --quantize of generate and serve: the names gptopt compress gives the same torchao methods
 INFER_QUANTIZE = ("none", "int8-weight", "int4-weight")
@@ -52,11 +53,11 @@ class GenerateConfig(SamplingConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.output and not self.input:
-            raise ValueError("--output needs --input (batch mode)")
+            raise UserError("--output needs --input (batch mode)")
         if self.chat and self.input:
-            raise ValueError("--chat is interactive (turns from stdin) and --input is batch mode; drop one of them")
+            raise UserError("--chat is interactive (turns from stdin) and --input is batch mode; drop one of them")
         if self.chat_template is not None and not self.chat:
-            raise ValueError("--chat_template needs --chat")
+            raise UserError("--chat_template needs --chat")
 
 
 @dataclass(kw_only=True)
@@ -131,7 +132,7 @@ class ExportConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.opset < MIN_OPSET:
-            raise ValueError(f"--opset must be >= {MIN_OPSET}: torch's exporter converts to older ones wrongly "
+            raise UserError(f"--opset must be >= {MIN_OPSET}: torch's exporter converts to older ones wrongly "
                              f"(opset 17 gives a Split that onnxruntime refuses), got {self.opset}")
 
 
@@ -173,7 +174,7 @@ def parse_prune(spec: str | None) -> float | str | None:
     except ValueError:
         fraction = float("nan")
     if not 0.0 < fraction < 1.0:  # NaN fails this too
-        raise ValueError(f"--prune must be a fraction in (0, 1) such as 0.5, or 2:4; got {spec!r}")
+        raise UserError(f"--prune must be a fraction in (0, 1) such as 0.5, or 2:4; got {spec!r}")
     return fraction
 
 
@@ -204,10 +205,10 @@ class CompressConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if not self.output_dir:
-            raise ValueError("--output_dir is required: the new directory the compressed checkpoint goes to")
+            raise UserError("--output_dir is required: the new directory the compressed checkpoint goes to")
         parse_prune(self.prune)
         if self.quantize == "none" and self.prune is None:
-            raise ValueError("nothing to do: give --quantize METHOD and/or --prune FRACTION|2:4")
+            raise UserError("nothing to do: give --quantize METHOD and/or --prune FRACTION|2:4")
 
 
 EVAL_TASKS = ("hellaswag", "bpb")

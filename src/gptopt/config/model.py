@@ -20,6 +20,7 @@ from gptopt.config.fields import (
     field_types,
     opt,
 )
+from gptopt.utils.errors import UserError
 
 LOSSES = ("full", "chunked")  # GPTConfig.loss; TrainConfig.loss adds "auto"
 
@@ -64,11 +65,11 @@ class GPTConfig:
     def __post_init__(self) -> None:
         check_fields(self, prefix="")  # stored in gptopt.json, so named as there, not as flags
         if self.head_size is None and self.n_embd % self.n_head:
-            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+            raise UserError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.n_head % self.kv_heads:
-            raise ValueError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
+            raise UserError(f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head})")
         if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(f"rotary positions need an even head_dim, got {self.head_dim}")
+            raise UserError(f"rotary positions need an even head_dim, got {self.head_dim}")
 
     @property
     def kv_heads(self) -> int:
@@ -95,16 +96,16 @@ class GPTConfig:
     def from_dict(cls, d: dict[str, Any]) -> GPTConfig:
         """Build from a stored dict; keys this version does not know are an error, not silently dropped."""
         if not isinstance(d, dict):
-            raise ValueError(f"the model config must be a table of settings, got {type(d).__name__}")
+            raise UserError(f"the model config must be a table of settings, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
-            raise ValueError(f"unknown model config keys {unknown}; known: {sorted(known)}")
+            raise UserError(f"unknown model config keys {unknown}; known: {sorted(known)}")
         # A missing size would silently take GPT-2's default and fail later as a shape mismatch;
         # the other fields came later and default to what older files meant.
         missing = [k for k in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size") if k not in d]
         if missing:
-            raise ValueError(f"model config lacks {', '.join(missing)}")
+            raise UserError(f"model config lacks {', '.join(missing)}")
         return cls(**d)
 
 
@@ -137,7 +138,7 @@ DEFAULT_PRESET = "tiny"  # what a new training run is without --preset
 def preset(name: str, **overrides: Any) -> GPTConfig:
     """The named preset as a config; overrides replace single fields (e.g. vocab_size from the data)."""
     if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
+        raise UserError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}")
     return GPTConfig(**{**PRESETS[name], **overrides})
 
 
@@ -166,18 +167,18 @@ def arch_overrides(spec: str | None) -> dict[str, Any]:
         name, sep, text = item.partition("=")
         name, text = name.strip(), text.strip()
         if not sep or name not in ARCH_FIELDS:
-            raise ValueError(f"--arch: {item!r} is not FIELD=VALUE of a block field; fields: {', '.join(ARCH_FIELDS)}")
+            raise UserError(f"--arch: {item!r} is not FIELD=VALUE of a block field; fields: {', '.join(ARCH_FIELDS)}")
         kind, optional = kinds[name]
         if optional and text.lower() == "none":
             out[name] = None
         elif kind is bool:
             if text.lower() not in _TRUE + _FALSE:
-                raise ValueError(f"--arch: {name} takes true or false, got {text!r}")
+                raise UserError(f"--arch: {name} takes true or false, got {text!r}")
             out[name] = text.lower() in _TRUE
         else:
             try:
                 out[name] = kind(text)
             except ValueError:
-                raise ValueError(f"--arch: {name} must be {kind.__name__}, got {text!r}") from None
+                raise UserError(f"--arch: {name} must be {kind.__name__}, got {text!r}") from None
     return out
 

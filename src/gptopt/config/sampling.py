@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gptopt.config.fields import MAX_NEW_TOKENS, MAX_SEED, MAX_VOCAB, check_fields, opt, range_text
+from gptopt.utils.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Bound:
     def check(self, name: str, value: float) -> None:
         """ValueError naming the option, its range and the value, when the value is out of range (or NaN)."""
         if not self.holds(value):
-            raise ValueError(f"{name} must be {range_text(self.limits)}, got {value!r}")
+            raise UserError(f"{name} must be {range_text(self.limits)}, got {value!r}")
 
 
 # OpenAI's ranges where OpenAI has the option (temperature, top_p, the presence and frequency penalties,

@@ -23,6 +23,7 @@ from gptopt.config.fields import (
     opt,
 )
 from gptopt.config.model import ARCH_FIELDS, DEFAULT_PRESET, LOSSES, PRESETS, arch_overrides, preset
+from gptopt.utils.errors import UserError
 
 
 @dataclass(kw_only=True)
@@ -35,7 +36,7 @@ class DoctorConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+            raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
 
 
 @dataclass(kw_only=True)
@@ -64,7 +65,7 @@ class PrepareConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.input and self.dataset:
-            raise ValueError("give either --input or --dataset, not both")
+            raise UserError("give either --input or --dataset, not both")
 
 
 def parse_duration(text: str) -> float:
@@ -76,7 +77,7 @@ def parse_duration(text: str) -> float:
     except ValueError:
         seconds = math.nan
     if not 0 < seconds < math.inf:  # NaN fails this too
-        raise ValueError(f"--time_budget {text!r} is not a duration: give a positive number of seconds or a suffix, "
+        raise UserError(f"--time_budget {text!r} is not a duration: give a positive number of seconds or a suffix, "
                          "e.g. 90s, 10m, 1.5h")
     return seconds
 
@@ -85,10 +86,10 @@ def check_loader(num_workers: int | None, prefetch_factor: int | None, persisten
     """DataLoader's own rule, checked before any work: prefetching and persistence need worker processes.
     num_workers None (the device's default) is settled later; data.make_loader drops both without workers."""
     if num_workers == 0 and prefetch_factor is not None:
-        raise ValueError("--prefetch_factor needs worker processes: give --num_workers 1 or more, or drop "
+        raise UserError("--prefetch_factor needs worker processes: give --num_workers 1 or more, or drop "
                          "--prefetch_factor")
     if num_workers == 0 and persistent_workers:
-        raise ValueError("--persistent_workers needs worker processes: give --num_workers 1 or more, "
+        raise UserError("--persistent_workers needs worker processes: give --num_workers 1 or more, "
                          "or --no-persistent_workers")
 
 
@@ -212,44 +213,44 @@ class TrainConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+            raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
         if self.min_lr is not None and self.min_lr > self.learning_rate:
-            raise ValueError(f"--min_lr ({self.min_lr}) must not exceed --learning_rate ({self.learning_rate}): "
+            raise UserError(f"--min_lr ({self.min_lr}) must not exceed --learning_rate ({self.learning_rate}): "
                              "it is where the cosine decay ends")
         check_loader(self.num_workers, self.prefetch_factor, self.persistent_workers)
         if self.cpu_offload and not self.fsdp:
-            raise ValueError("--cpu_offload needs --fsdp (it is FSDP2's offload policy)")
+            raise UserError("--cpu_offload needs --fsdp (it is FSDP2's offload policy)")
         if self.sdpa_backend != "auto" and self.attention == "eager":
-            raise ValueError(f"--sdpa_backend {self.sdpa_backend} picks an SDPA kernel, and --attention eager does "
+            raise UserError(f"--sdpa_backend {self.sdpa_backend} picks an SDPA kernel, and --attention eager does "
                              "not use SDPA: use --attention sdpa, or drop --sdpa_backend")
         if self.optimizer == "muon" and self.fsdp:
             # Newton-Schulz works on whole matrices. torch.optim.Muon does step FSDP2's shards (DTensor), but
             # only by an all-reduce inside every iteration (11 per matrix per step, torch 2.13), and the
             # sharded checkpoint path (distributed.full_state_dicts) covers one torch optimizer.
-            raise ValueError("--optimizer muon is not supported with --fsdp (Muon orthogonalises whole weight "
+            raise UserError("--optimizer muon is not supported with --fsdp (Muon orthogonalises whole weight "
                              "matrices; FSDP2 shards them): drop --fsdp (DDP), or use --optimizer adamw")
         if self.optimizer == "muon":
             import torch  # here, not at the top: building options and help needs no torch
 
             if not hasattr(torch.optim, "Muon"):
-                raise ValueError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9), this is torch "
+                raise UserError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9), this is torch "
                                  f"{torch.__version__}: upgrade torch, or use --optimizer adamw")
         if self.arch:  # a bad field or value is named before any data or model is read
             try:
                 preset(self.preset or DEFAULT_PRESET, **arch_overrides(self.arch))
             except ValueError as e:
-                raise ValueError(str(e) if str(e).startswith("--arch") else f"--arch: {e}") from None
+                raise UserError(str(e) if str(e).startswith("--arch") else f"--arch: {e}") from None
         if self.muon_lr is not None and self.optimizer != "muon":
-            raise ValueError("--muon_lr is Muon's learning rate: add --optimizer muon, or drop --muon_lr")
+            raise UserError("--muon_lr is Muon's learning rate: add --optimizer muon, or drop --muon_lr")
         if self.time_budget is not None:
             parse_duration(self.time_budget)
         if self.min_lr is None:
             self.min_lr = self.learning_rate / 10
         if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup_steps:
-            raise ValueError(f"--lr_decay_steps ({self.lr_decay_steps}) must come after the warmup "
+            raise UserError(f"--lr_decay_steps ({self.lr_decay_steps}) must come after the warmup "
                              f"(--warmup_steps {self.warmup_steps}): the cosine decay starts where the warmup ends")
         if self.target_loss is not None and self.eval_interval == 0:
-            raise ValueError("--target_loss needs evaluations to notice the target: drop --eval_interval 0 "
+            raise UserError("--target_loss needs evaluations to notice the target: drop --eval_interval 0 "
                              "(the default evaluates about 100 times over max_steps)")
         if self.optimizer == "muon" and self.muon_lr is None:
             self.muon_lr = self.learning_rate * MUON_LR_SCALE
@@ -314,20 +315,20 @@ class BenchConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+            raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
         if self.batch_sizes is not None:
             if self.mode != "infer":
-                raise ValueError("--batch_sizes is the decode sweep of --mode infer; the training ladder takes "
+                raise UserError("--batch_sizes is the decode sweep of --mode infer; the training ladder takes "
                                  "--batch_size")
             if self.batch_size is not None:
-                raise ValueError("give --batch_sizes (the sweep's sizes) or --batch_size (its largest), not both")
+                raise UserError("give --batch_sizes (the sweep's sizes) or --batch_size (its largest), not both")
             self.sweep()  # refused here, before any work, if malformed
         if self.mode != "quality" and (self.target_loss is not None or self.max_steps is not None
                                        or self.recipes != "default" or self.seeds != 3):
-            raise ValueError("--target_loss, --max_steps, --recipes and --seeds belong to the recipe ladder: "
+            raise UserError("--target_loss, --max_steps, --recipes and --seeds belong to the recipe ladder: "
                              "add --mode quality")
         if self.mode == "quality" and self.rungs != "default":
-            raise ValueError("--rungs chooses the rungs of the train and infer ladders; --mode quality takes "
+            raise UserError("--rungs chooses the rungs of the train and infer ladders; --mode quality takes "
                              "--recipes (adamw, muon, modern, ...: see --help)")
 
     def sweep(self) -> list[int] | None:
@@ -336,7 +337,7 @@ class BenchConfig:
             return None
         parts = [p.strip() for p in self.batch_sizes.split(",") if p.strip()]
         if not parts or not all(p.isascii() and p.isdigit() and 1 <= int(p) <= MAX_BATCH for p in parts):
-            raise ValueError(f"--batch_sizes {self.batch_sizes!r}: give comma-separated integers in 1..{MAX_BATCH}, "
+            raise UserError(f"--batch_sizes {self.batch_sizes!r}: give comma-separated integers in 1..{MAX_BATCH}, "
                              "e.g. 1,16,64")
         return sorted({1, *(int(p) for p in parts)})
 
@@ -371,11 +372,11 @@ class TuneConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.preset is not None and self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+            raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
         parse_duration(self.time_budget)
         unknown = set(self.axis_set) - set(TUNE_AXES)
         if unknown:
-            raise ValueError(f"unknown tune axes {sorted(unknown)}; choose from: {', '.join(TUNE_AXES)}, all")
+            raise UserError(f"unknown tune axes {sorted(unknown)}; choose from: {', '.join(TUNE_AXES)}, all")
 
     @property
     def axis_set(self) -> set[str]:
@@ -419,4 +420,4 @@ class ProfileConfig:
     def __post_init__(self) -> None:
         check_fields(self)
         if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+            raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")

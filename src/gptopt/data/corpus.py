@@ -40,6 +40,7 @@ from gptopt.config import PrepareConfig
 from gptopt.data.tokenizer import EOT, TOKENIZER, eot_id, load_tokenizer
 from gptopt.outputs import check_output, lock_output, mark, marked_kind, staged_files
 from gptopt.runtime.process import interruptible
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 log = logging.getLogger("gptopt")
@@ -108,7 +109,7 @@ class Corpus:
             yield path.read_text(encoding="utf-8")
         except UnicodeDecodeError:
             if len(self.files) == 1:
-                raise ValueError(f"--input {path}: not UTF-8 text; convert it (e.g. iconv -t utf-8)") from None
+                raise UserError(f"--input {path}: not UTF-8 text; convert it (e.g. iconv -t utf-8)") from None
             self.unreadable.add(path)
 
 
@@ -120,11 +121,11 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e}); "
+                raise UserError(f"{path}:{lineno}: not valid JSON ({e}); "
                                  "a .jsonl holds one JSON object a line") from None
             if not isinstance(row, dict) or text_field not in row:
                 keys = sorted(row) if isinstance(row, dict) else []
-                raise ValueError(f"{path}:{lineno}: no {text_field!r} field; pass --text_field, one of {keys}")
+                raise UserError(f"{path}:{lineno}: no {text_field!r} field; pass --text_field, one of {keys}")
             if isinstance(row[text_field], str):
                 yield row[text_field]
 
@@ -144,7 +145,7 @@ def stdlib_corpus(max_documents: int | None = None) -> Corpus:
     root = Path(sysconfig.get_paths()["stdlib"])
     files = _walk(root, (".py",), STDLIB_SKIP_DIRS)
     if not files:
-        raise ValueError(f"no standard-library sources found under {root} (a zipped stdlib?); pass --input DIR")
+        raise UserError(f"no standard-library sources found under {root} (a zipped stdlib?); pass --input DIR")
     version = ".".join(map(str, sys.version_info[:3]))
     return Corpus(f"stdlib (Python {version}, {root})", files, max_documents=max_documents)
 
@@ -153,13 +154,13 @@ def files_corpus(path: str, text_field: str = "text", max_documents: int | None 
     p = Path(path).expanduser()
     kinds = ", ".join(TEXT_SUFFIXES + (JSONL,))
     if not p.exists():
-        raise ValueError(f"--input {p}: no such file or folder; give a text file or a folder of text files ({kinds})")
+        raise UserError(f"--input {p}: no such file or folder; give a text file or a folder of text files ({kinds})")
     if p.is_file():
         files = [p]
     else:
         files = _walk(p, TEXT_SUFFIXES + (JSONL,), SKIP_DIRS)
         if not files:
-            raise ValueError(f"--input {p}: no text files in this folder (looked for {kinds}); add some or name a file")
+            raise UserError(f"--input {p}: no text files in this folder (looked for {kinds}); add some or name a file")
     return Corpus(f"files ({p.resolve()})", files, text_field=text_field, max_documents=max_documents)
 
 
@@ -173,7 +174,7 @@ def _load_dataset(config: PrepareConfig) -> Iterable[dict[str, Any]]:
     # streaming=True reads rows as they arrive: no full download or Arrow cache before the first token.
     if local.is_file():
         if local.suffix not in builders:
-            raise ValueError(f"--dataset {local}: unknown data file type; use one of {', '.join(builders)}")
+            raise UserError(f"--dataset {local}: unknown data file type; use one of {', '.join(builders)}")
         return datasets.load_dataset(builders[local.suffix], data_files=str(local), split=config.dataset_split,
                                      streaming=True)
     if local.is_dir():
@@ -192,7 +193,7 @@ def dataset_corpus(config: PrepareConfig, spool_dir: Path) -> Corpus:
         with open(spool, "w", encoding="utf-8") as fh, tqdm(desc="download", unit=" doc", file=sys.stderr) as bar:
             for row in rows:
                 if config.text_field not in row:
-                    raise ValueError(f"{what} has no {config.text_field!r} column; "
+                    raise UserError(f"{what} has no {config.text_field!r} column; "
                                      f"pass --text_field, one of {sorted(row)}")
                 text = row[config.text_field]
                 if isinstance(text, str) and text.strip():
@@ -204,12 +205,12 @@ def dataset_corpus(config: PrepareConfig, spool_dir: Path) -> Corpus:
     except (ValueError, ImportError):  # ours (with the fix), and MissingExtra
         raise
     except Exception as e:  # datasets and the hub raise many types: not found, offline, bad config, bad split
-        raise ValueError(
+        raise UserError(
             f"could not read {what}: {type(e).__name__}: {e}. Check the name, --dataset_config and --dataset_split, "
             "that this machine is online, or give local files with --input"
         ) from e
     if count == 0:
-        raise ValueError(f"{what} has no documents with text in {config.text_field!r}; "
+        raise UserError(f"{what} has no documents with text in {config.text_field!r}; "
                          "check --text_field and --dataset_split")
     return Corpus(f"dataset {config.dataset}:{config.dataset_split}", [spool])
 
@@ -402,10 +403,10 @@ def _check_input(config: PrepareConfig, out: Path) -> None:
     src, dst = Path(config.input).expanduser().resolve(), out.resolve()
     if src.is_dir() and (src == dst or src in dst.parents):
         # The shards, meta.json and tokenizer.json would be read as text by the next prepare of that folder.
-        raise ValueError(f"--output_dir {out} lies inside --input {config.input}; choose an --output_dir outside "
+        raise UserError(f"--output_dir {out} lies inside --input {config.input}; choose an --output_dir outside "
                          "the folder of texts")
     if src.is_file() and src.parent == dst and src.name in OURS:
-        raise ValueError(f"--input {config.input} is a file prepare writes into --output_dir {out}; rename it or "
+        raise UserError(f"--input {config.input} is a file prepare writes into --output_dir {out}; rename it or "
                          "choose another --output_dir")
 
 
@@ -455,7 +456,7 @@ def _prepare(config: PrepareConfig, out: Path) -> Path:
                 log.info("skipped %d files that are not UTF-8 text, e.g. %s", len(corpus.unreadable),
                          min(corpus.unreadable))
             if counts.documents == 0:
-                raise ValueError(f"no text in {corpus.source}: every file is empty or not UTF-8; "
+                raise UserError(f"no text in {corpus.source}: every file is empty or not UTF-8; "
                                  "give --input with text")
             eot = _shard_eot(tok)
             vocab_size = tok.get_vocab_size(with_added_tokens=True)
@@ -470,7 +471,7 @@ def _prepare(config: PrepareConfig, out: Path) -> Path:
             val_docs = set(order[:n_val].tolist())
             tokens = _write_shards(corpus, tok, eot, dtype, val_docs, counts.chars, tmp, config.val_fraction)
         if not tokens["train"] or not tokens["val"]:
-            raise ValueError(f"{corpus.source} is too small to split into train and val; give more text")
+            raise UserError(f"{corpus.source} is too small to split into train and val; give more text")
         (tmp / "documents.jsonl").unlink(missing_ok=True)  # the dataset spool
         tok.save(str(tmp / TOKENIZER))
         meta = {

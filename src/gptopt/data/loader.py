@@ -25,6 +25,7 @@ from gptopt.config import PrepareConfig
 from gptopt.data.corpus import FORMAT, META, SPLITS, VERSION, tokenize_corpus
 from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
 from gptopt.outputs import lock_output
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -41,7 +42,7 @@ class TokenData:
         self.directory = Path(directory).expanduser()
         hint = f"run `gptopt prepare --output_dir {self.directory}` first (or point at nanoGPT's train.bin/val.bin)"
         if not self.directory.is_dir():
-            raise ValueError(f"no token data at {self.directory}: {hint}")
+            raise UserError(f"no token data at {self.directory}: {hint}")
         self.meta: dict[str, Any] | None = None
         meta_path = self.directory / META
         if meta_path.is_file():
@@ -50,7 +51,7 @@ class TokenData:
         elif (self.directory / "train.bin").is_file():
             self._dtype = np.dtype("<u2")  # nanoGPT writes np.uint16
         else:
-            raise ValueError(f"no token data at {self.directory} (neither {META} nor train.bin): {hint}")
+            raise UserError(f"no token data at {self.directory} (neither {META} nor train.bin): {hint}")
         self._arrays: dict[str, np.ndarray] = {}
         self._max_id: int | None = None
         self._tokenizer: Tokenizer | None = None
@@ -65,7 +66,7 @@ class TokenData:
             return
         size = tok.get_vocab_size(with_added_tokens=True)
         if size != self.meta["vocab_size"]:
-            raise ValueError(
+            raise UserError(
                 f"{self._tokenizer_path()} has {size} tokens, {META} says {self.meta['vocab_size']}: it is not the "
                 f"tokenizer that wrote the shards; re-run `gptopt prepare --overwrite --output_dir {self.directory}`"
             )
@@ -98,7 +99,7 @@ class TokenData:
     def tokens(self, split: str) -> np.ndarray:
         """The split's token ids as a read-only memmap (an empty array for an empty file)."""
         if split not in SPLITS:
-            raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+            raise UserError(f"split must be one of {SPLITS}, got {split!r}")
         if split not in self._arrays:
             path, n = self.directory / f"{split}.bin", self._shard_tokens(split)
             # np.memmap cannot map an empty file
@@ -109,12 +110,12 @@ class TokenData:
         """The token count of a split's shard, checked against meta.json: one line with the fix if it is not."""
         path = self.directory / f"{split}.bin"
         if not path.is_file():
-            raise ValueError(f"{path} is missing; re-run `gptopt prepare --overwrite --output_dir {self.directory}`")
+            raise UserError(f"{path} is missing; re-run `gptopt prepare --overwrite --output_dir {self.directory}`")
         size = path.stat().st_size
         n, rest = divmod(size, self._dtype.itemsize)
         expected = self.meta[f"{split}_tokens"] if self.meta else n
         if rest or n != expected:
-            raise ValueError(
+            raise UserError(
                 f"{path} holds {size} bytes, not {expected} {self._dtype.name} tokens: it is truncated or "
                 f"changed; re-run `gptopt prepare --overwrite --output_dir {self.directory}`"
             )
@@ -143,7 +144,7 @@ class TokenData:
                     self._tokenizer = load_tokenizer(path)
                 except ValueError as e:
                     fix = f"re-run `gptopt prepare --overwrite --output_dir {self.directory}`"
-                    raise ValueError(f"{e}; {fix}") from None
+                    raise UserError(f"{e}; {fix}") from None
         return self._tokenizer
 
     def tokenized_by(self, tok: Tokenizer) -> bool | None:
@@ -163,7 +164,7 @@ class TokenData:
             need = self.max_token_id() + 1
             what = f"the largest token id is {need - 1}"
         if need > model_vocab_size:
-            raise ValueError(
+            raise UserError(
                 f"shard token ids exceed the model's vocabulary: {what}, the model has {model_vocab_size}; "
                 "a model trains only on data of its own tokenizer: tokenize the text with it (gptopt prepare "
                 "--tokenizer with the tokenizer.json beside the model), or train a new model on this data"
@@ -181,10 +182,10 @@ def read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads(path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: corrupt JSON ({e}); {fix}") from None
+        raise UserError(f"{path}: corrupt JSON ({e}); {fix}") from None
 
-    def bad(what: str) -> ValueError:
-        return ValueError(f"{path}: {what}; {fix}")
+    def bad(what: str) -> UserError:
+        return UserError(f"{path}: {what}; {fix}")
 
     if not isinstance(meta, dict):
         raise bad(f"expected a JSON object, got {type(meta).__name__}")
@@ -260,11 +261,11 @@ class BatchDataset(torch.utils.data.Dataset):
     def __init__(self, data: TokenData, split: str, batch_size: int, seq_len: int, seed: int,
                  rank: int = 0, world_size: int = 1, *, align: bool = False) -> None:
         if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
+            raise UserError(f"batch_size and seq_len must be >= 1, got {batch_size} and {seq_len}")
         if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
+            raise UserError(f"seed must be >= 0, got {seed}")
         if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+            raise UserError(f"rank must be in [0, world_size={world_size}), got {rank}")
         self.data, self.split = data, split
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.rank, self.world_size = rank, world_size
@@ -277,7 +278,7 @@ class BatchDataset(torch.utils.data.Dataset):
         token that leaves room for a whole window after it."""
         eot = self.data.eot_id
         if eot is None:
-            raise ValueError(f"--align_documents needs documents that end in an end-of-text token; the data in "
+            raise UserError(f"--align_documents needs documents that end in an end-of-text token; the data in "
                              f"{self.data.directory} records none (nanoGPT shards): prepare it with `gptopt prepare`")
         tokens = self.data.tokens(self.split)
         last = len(tokens) - self.seq_len - 1  # the last start that still has T + 1 tokens
@@ -286,7 +287,7 @@ class BatchDataset(torch.utils.data.Dataset):
                 for i in range(0, last + 1, chunk)]
         starts = np.unique(np.concatenate([[0], *ends])).astype(np.int64)
         if len(starts) < 2:
-            raise ValueError(f"--align_documents: the {self.split} split of {self.data.directory} has no end-of-text "
+            raise UserError(f"--align_documents: the {self.split} split of {self.data.directory} has no end-of-text "
                              f"token {self.seq_len + 1} or more tokens before its end, so every window would start at "
                              "0: drop --align_documents or use a shorter --seq_len")
         return starts
@@ -294,7 +295,7 @@ class BatchDataset(torch.utils.data.Dataset):
     def _check(self, split: str) -> int:
         n = self.data.num_tokens(split)
         if n < self.seq_len + 1:
-            raise ValueError(
+            raise UserError(
                 f"the {split} split of {self.data.directory} has {n} tokens, "
                 f"fewer than seq_len + 1 = {self.seq_len + 1}; "
                 "use a shorter --seq_len or more text (a larger --val_fraction for val)"
@@ -333,7 +334,7 @@ class BatchDataset(torch.utils.data.Dataset):
         if isinstance(split, int):
             split, n = self.split, split
         if n is None or n < 1:
-            raise ValueError(f"eval_batches needs n >= 1 batches, got {n}")
+            raise UserError(f"eval_batches needs n >= 1 batches, got {n}")
         tokens = self.data.tokens(split)
         last = self._check(split) - self.seq_len - 1  # the last start that still has T + 1 tokens
         count = n * self.batch_size * self.world_size

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
+from gptopt.utils.errors import UserError
 from gptopt.utils.paths import looks_local
 
 TOKENIZER = "tokenizer.json"  # the file name beside shards, checkpoints and exports
@@ -56,14 +57,14 @@ def load_tokenizer(path_or_name: str | os.PathLike[str]) -> Tokenizer:
             if tok.token_to_id(EOT) is not None:
                 tok.add_special_tokens([EOT])  # in the vocab already; this makes it special (never split, skippable)
             return tok
-        raise ValueError(f"tokenizer folder {p} has neither {TOKENIZER} nor vocab.json + merges.txt")
+        raise UserError(f"tokenizer folder {p} has neither {TOKENIZER} nor vocab.json + merges.txt")
     if looks_local(str(path_or_name)):  # a typo'd path: said at once, not after the Hub's retries offline
-        raise ValueError(f"tokenizer {path_or_name}: no such file or folder; give a tokenizer.json or a folder "
+        raise UserError(f"tokenizer {path_or_name}: no such file or folder; give a tokenizer.json or a folder "
                          "holding one")
     try:
         return _from_hub(str(path_or_name))
     except Exception as e:  # offline, unknown name: hub errors are many types
-        raise ValueError(
+        raise UserError(
             f"tokenizer {str(path_or_name)!r} is no local file or folder, and the hub did not provide it "
             f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}). Offline, give a tokenizer.json "
             "or a folder with vocab.json + merges.txt, or use --tokenizer bpe"
@@ -75,4 +76,4 @@ def _tokenizer_file(path: Path) -> Tokenizer:
         return Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception for bad JSON or an unknown model type
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ValueError(f"{path}: not a Hugging Face tokenizer.json ({first})") from None
+        raise UserError(f"{path}: not a Hugging Face tokenizer.json ({first})") from None

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 
 from gptopt.data.tokenizer import EOT, eot_id
 from gptopt.models import checkpoint
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 PLAIN = "plain"  # --chat_template plain
@@ -73,9 +74,9 @@ class ChatTemplate:
             return self._compiled.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
                                          eos_token=self.eos_token)
         except jinja2.TemplateError as e:
-            raise ValueError(f"{self.kind} failed on these messages: {e}") from None
+            raise UserError(f"{self.kind} failed on these messages: {e}") from None
         except Exception as e:  # a template is code: a TypeError or ZeroDivisionError in it is its own fault
-            raise ValueError(f"{self.kind} failed on these messages: {type(e).__name__}: {e}") from None
+            raise UserError(f"{self.kind} failed on these messages: {type(e).__name__}: {e}") from None
 
     def encode(self, tokenizer: Tokenizer, prompt: str) -> list[int]:
         """The token ids of a prompt render made (add_special_tokens says which)."""
@@ -119,7 +120,7 @@ def _compile(text: str, source: str) -> Any:
     try:
         return env.from_string(text)
     except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"the chat template ({source}) is not valid Jinja: {e.message} (line {e.lineno}); "
+        raise UserError(f"the chat template ({source}) is not valid Jinja: {e.message} (line {e.lineno}); "
                          "fix it, or give another with --chat_template FILE") from None
 
 
@@ -168,9 +169,9 @@ def _read_json(path: Path, fix: str = "fix or remove the file") -> dict[str, Any
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: cannot read it as JSON ({e}); {fix}") from None
+        raise UserError(f"{path}: cannot read it as JSON ({e}); {fix}") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path}: expected a JSON object; {fix}")
+        raise UserError(f"{path}: expected a JSON object; {fix}")
     return data
 
 
@@ -188,9 +189,9 @@ def _config_template(path: Path, data: dict[str, Any]) -> str | None:
         named = {t["name"]: t["template"] for t in value}
         if "default" in named:
             return named["default"]
-        raise ValueError(f"{path}: its chat templates ({', '.join(sorted(named))}) include no 'default'; "
+        raise UserError(f"{path}: its chat templates ({', '.join(sorted(named))}) include no 'default'; "
                          "choose one with --chat_template FILE")
-    raise ValueError(f"{path}: chat_template must be a string or a list of {{name, template}}; fix the file, "
+    raise UserError(f"{path}: chat_template must be a string or a list of {{name, template}}; fix the file, "
                      "or give --chat_template")
 
 
@@ -216,12 +217,12 @@ def load_template(option: str | None, folders: Sequence[Path],
     if option is not None:
         path = Path(option).expanduser()
         if not path.is_file():
-            raise ValueError(f"--chat_template {option}: no such file; give a Jinja template file, or 'plain' for "
+            raise UserError(f"--chat_template {option}: no such file; give a Jinja template file, or 'plain' for "
                              "the built-in plain template")
         try:
             text = path.read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"--chat_template {option}: cannot read it ({e}); give a readable UTF-8 file") from None
+            raise UserError(f"--chat_template {option}: cannot read it ({e}); give a readable UTF-8 file") from None
         return ChatTemplate(f"--chat_template {option}", text, kind="the chat template of --chat_template",
                             **tokens)
     for d in folders:  # transformers: the separate file takes priority over the config's entry
@@ -255,16 +256,16 @@ def check_messages(messages: Any) -> list[dict[str, str]]:
     string or a list of {"type": "text", "text": ...} parts (joined with newlines, as vLLM does). Other
     fields (name) are ignored; tool calls and images are refused, as this server has neither."""
     if not isinstance(messages, list) or not messages:
-        raise ValueError("messages must be a non-empty list of {role, content} objects")
+        raise UserError("messages must be a non-empty list of {role, content} objects")
     out = []
     for i, m in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(m, dict):
-            raise ValueError(f"{where} must be an object with role and content")
+            raise UserError(f"{where} must be an object with role and content")
         role = m.get("role")
         role = ROLE_ALIASES.get(role, role) if isinstance(role, str) else role
         if role not in ROLES:
-            raise ValueError(f"{where}.role must be one of system, user, assistant, developer; got {m.get('role')!r}"
+            raise UserError(f"{where}.role must be one of system, user, assistant, developer; got {m.get('role')!r}"
                              + (" (tools are not supported)" if role == "tool" else ""))
         out.append({"role": role, "content": _content(m.get("content"), f"{where}.content")})
     return out
@@ -274,17 +275,17 @@ def _content(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if content is None:
-        raise ValueError(f"{where} is missing: send the message's text (tool calls are not supported)")
+        raise UserError(f"{where} is missing: send the message's text (tool calls are not supported)")
     if not isinstance(content, list):
-        raise ValueError(f"{where} must be a string or a list of {{type: text, text}} parts")
+        raise UserError(f"{where} must be a string or a list of {{type: text, text}} parts")
     texts = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text":
             what = f"a part of type {kind!r}" if isinstance(kind, str) else "not a {type, text} object"
-            raise ValueError(f"{where}[{j}] is {what}; only text parts are supported")
+            raise UserError(f"{where}[{j}] is {what}; only text parts are supported")
         if not isinstance(part.get("text"), str):
-            raise ValueError(f"{where}[{j}].text must be a string")
+            raise UserError(f"{where}[{j}].text must be a string")
         texts.append(part["text"])
     return "\n".join(texts)
 
@@ -299,7 +300,7 @@ def fit_conversation(messages: list[dict[str, str]], tokens: Callable[[list[dict
     while tokens(kept) > limit:
         others = [i for i, m in enumerate(kept) if m["role"] != "system"]
         if len(others) <= 1:
-            raise ValueError(f"the message does not fit the model's context ({limit} tokens with room for the "
+            raise UserError(f"the message does not fit the model's context ({limit} tokens with room for the "
                              "reply); send a shorter one, or lower --max_new_tokens")
         drop = {others[0]}
         for i in others[1:-1]:  # the replies to it, up to the next user message

@@ -20,6 +20,7 @@ from gptopt.runtime.compile import compile_model
 from gptopt.runtime.memory import is_oom
 from gptopt.runtime.process import DECODE_GRAPHS
 from gptopt.runtime.torch_private import mark_static_address, recompile_limit
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -85,7 +86,7 @@ class GraphedDecode:
     def __init__(self, step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor], rows: int,
                  device: torch.device) -> None:
         if device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, not {device}")
+            raise UserError(f"CUDA graphs need a CUDA device, not {device}")
         self.step = step
         self.tok = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.pos = torch.zeros_like(self.tok)

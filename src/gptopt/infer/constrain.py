@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 __all__ = ["Grammars", "Matcher", "grammar_for"]
@@ -57,7 +58,7 @@ def grammar_for(response_format: Any) -> str | None:
     for anything malformed, unsupported or unsatisfiable.
     """
     if not isinstance(response_format, dict):
-        raise ValueError('response_format must be an object such as {"type": "json_object"}')
+        raise UserError('response_format must be an object such as {"type": "json_object"}')
     kind = response_format.get("type")
     if kind == "text":
         return None
@@ -66,17 +67,17 @@ def grammar_for(response_format: Any) -> str | None:
     elif kind == "json_schema":
         spec = response_format.get("json_schema")
         if not isinstance(spec, dict):
-            raise ValueError("response_format.json_schema must be an object with a name and a schema")
+            raise UserError("response_format.json_schema must be an object with a name and a schema")
         name = spec.get("name")
         if not (isinstance(name, str) and 1 <= len(name) <= 64 and set(name) <= _NAME_CHARS):
-            raise ValueError("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
+            raise UserError("response_format.json_schema.name must be 1 to 64 letters, digits, '_' or '-'")
         schema = spec.get("schema", {})  # optional, as in OpenAI's API: absent, any JSON value
         if not isinstance(schema, dict):
-            raise ValueError("response_format.json_schema.schema must be a JSON Schema object")
+            raise UserError("response_format.json_schema.schema must be a JSON Schema object")
         if not isinstance(spec.get("strict", False), bool | None):
-            raise ValueError("response_format.json_schema.strict must be true or false")
+            raise UserError("response_format.json_schema.strict must be true or false")
     else:
-        raise ValueError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
+        raise UserError(f"response_format.type must be 'text', 'json_object' or 'json_schema', not {kind!r}")
     llg = _llguidance()
     try:
         # The options as overrides: a schema's own "x-guidance" must not loosen what the server decided.
@@ -84,7 +85,7 @@ def grammar_for(response_format: Any) -> str | None:
         # output that ignores it would break the schema the client asked for.
         grammar = llg.LLMatcher.grammar_from_json_schema(schema, overrides={**COMPACT, "lenient": False})
     except ValueError as e:  # not serialisable as JSON, or not an object
-        raise ValueError(f"invalid JSON schema in response_format: {_first_line(e)}") from None
+        raise UserError(f"invalid JSON schema in response_format: {_first_line(e)}") from None
     # Compiles the schema, with no tokenizer: type errors, a bad $ref, a bad pattern, unsatisfiable bounds,
     # and unimplemented keywords.
     is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar)
@@ -92,9 +93,9 @@ def grammar_for(response_format: Any) -> str | None:
         unenforced = _UNIMPLEMENTED.search(_first_line(messages[0]))
         if unenforced:
             keywords = unenforced.group(1).replace('"', "")
-            raise ValueError(f"response_format's schema uses {keywords}, which constrained decoding cannot enforce "
+            raise UserError(f"response_format's schema uses {keywords}, which constrained decoding cannot enforce "
                              "(the reply could break it): drop it from the schema, and check the reply for it yourself")
-        raise ValueError(f"invalid JSON schema in response_format: {_first_line(messages[0])}")
+        raise UserError(f"invalid JSON schema in response_format: {_first_line(messages[0])}")
     return grammar
 
 
@@ -140,7 +141,7 @@ class Grammars:
     def __init__(self, tokenizer: Tokenizer, eot_id: int, vocab_size: int, *, cache_size: int = 64) -> None:
         size = tokenizer.get_vocab_size(with_added_tokens=True)
         if not 0 <= eot_id < size <= vocab_size:
-            raise ValueError(f"end-of-text id {eot_id} and a vocabulary of {vocab_size} do not fit a tokenizer of "
+            raise UserError(f"end-of-text id {eot_id} and a vocabulary of {vocab_size} do not fit a tokenizer of "
                              f"{size} tokens")
         # From the tokenizer's own JSON (llguidance reads it with the same Rust tokenizers library): never
         # taken for a hub name, so this works offline.
@@ -159,7 +160,7 @@ class Grammars:
         if fresh is None:
             fresh = _llguidance().LLMatcher(self.tokenizer, grammar, log_level=0)
             if fresh.is_error():
-                raise ValueError(f"the grammar does not build: {_first_line(fresh.get_error())}")
+                raise UserError(f"the grammar does not build: {_first_line(fresh.get_error())}")
             self._fresh[grammar] = fresh
             if len(self._fresh) > self._cache_size:
                 self._fresh.popitem(last=False)
@@ -171,7 +172,7 @@ class Grammars:
         """(B, vocab_size) bool on `device`: the tokens each row may take next (every one, for a row
         without a matcher)."""
         if vocab_size != self.vocab_size:
-            raise ValueError(f"logits of {vocab_size} columns, grammars built for {self.vocab_size}")
+            raise UserError(f"logits of {vocab_size} columns, grammars built for {self.vocab_size}")
         B = len(matchers)
         if self._bitmask.shape[0] < B:
             self._bitmask = torch.empty(B, self.words, dtype=torch.int32)

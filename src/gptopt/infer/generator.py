@@ -28,6 +28,7 @@ from gptopt.infer.sampling import SamplingParams, TokenLogprob
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.runtime.torch_private import maybe_mark_dynamic
+from gptopt.utils.errors import UserError
 
 __all__ = ["Generator", "complete", "generate", "stream"]
 
@@ -53,9 +54,9 @@ class Generator:
         cfg = model.config
         self.max_len = cfg.block_size if max_len is None else max_len
         if not 2 <= self.max_len <= cfg.block_size:
-            raise ValueError(f"max_len must be in 2..{cfg.block_size} (the model's context), got {self.max_len}")
+            raise UserError(f"max_len must be in 2..{cfg.block_size} (the model's context), got {self.max_len}")
         if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+            raise UserError(f"max_batch_size must be >= 1, got {max_batch_size}")
         self.model = model.eval().to(plan.device)
         self.plan, self.device = plan, plan.device
         self.max_batch_size, self.vocab_size = max_batch_size, cfg.vocab_size
@@ -115,7 +116,7 @@ class Generator:
 
     def _grammars(self) -> Any:
         if self.grammars is None:
-            raise ValueError("this Generator has no grammars (Generator(grammars=constrain.Grammars(...))), so it "
+            raise UserError("this Generator has no grammars (Generator(grammars=constrain.Grammars(...))), so it "
                              "cannot constrain a sequence")
         return self.grammars
 
@@ -129,7 +130,7 @@ class Generator:
         """Prefill prompts together (prefill_step, `chunk` tokens a forward; default: all at once), each
         in its own slot: their Decodings, and logits (B, V) of each one's last token."""
         if not prompts:
-            raise ValueError("begin_many needs at least one prompt")
+            raise UserError("begin_many needs at least one prompt")
         seqs: list[Decoding] = []
         try:
             for p in prompts:
@@ -152,12 +153,12 @@ class Generator:
 
         The sequences whose prompt is now complete, and logits (k, V) of their last prompt token."""
         if budget < 1:
-            raise ValueError(f"the prefill budget must be >= 1 token, got {budget}")
+            raise UserError(f"the prefill budget must be >= 1 token, got {budget}")
         rows: list[Decoding] = []
         width = 0
         for s in seqs:
             if s.prefilled:
-                raise ValueError(f"slot {s.slot}'s prompt is already prefilled")
+                raise UserError(f"slot {s.slot}'s prompt is already prefilled")
             w = min(budget, max(width, s.prompt_len - s.cached))
             if rows and w * (len(rows) + 1) > budget:
                 break
@@ -234,19 +235,19 @@ class Generator:
 
     def check_prompt(self, tokens: Sequence[int]) -> None:
         if not tokens:
-            raise ValueError("the prompt is empty: give at least one token")
+            raise UserError("the prompt is empty: give at least one token")
         if len(tokens) > self.max_len - 1:
-            raise ValueError(f"the prompt has {len(tokens)} tokens; at most {self.max_len - 1} fit "
+            raise UserError(f"the prompt has {len(tokens)} tokens; at most {self.max_len - 1} fit "
                              f"(max_len {self.max_len} leaves room for one new token)")
         self._check_ids(tokens)
 
     def _check_ids(self, tokens: Sequence[int]) -> None:
         if min(tokens) < 0 or max(tokens) >= self.vocab_size:
-            raise ValueError(f"token ids must be in 0..{self.vocab_size - 1} (does the tokenizer belong to the model?)")
+            raise UserError(f"token ids must be in 0..{self.vocab_size - 1} (does the tokenizer belong to the model?)")
 
     def _check_slot(self, slot: int) -> None:
         if not 0 <= slot < self.max_batch_size:
-            raise ValueError(f"slot {slot} is outside 0..{self.max_batch_size - 1}")
+            raise UserError(f"slot {slot} is outside 0..{self.max_batch_size - 1}")
 
     def _tensor(self, values: Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
         # From pinned memory the copy is asynchronous: the host does not wait for the GPU to catch up.
@@ -282,14 +283,14 @@ class Generator:
         for one new token) and which a sequence only reaches by writing its own token there first."""
         B = len(slots)
         if not B == len(chunks) == len(starts) > 0 or len(set(slots)) != B or not all(chunks):
-            raise ValueError(f"extend needs distinct slots, each with tokens and a start: {slots}, {starts}")
+            raise UserError(f"extend needs distinct slots, each with tokens and a start: {slots}, {starts}")
         if B == 1 and starts[0] == 0:
             return self.prefill(slots[0], chunks[0], every=every)[None]  # SDPA's causal path: no mask to build
         for s, c, p in zip(slots, chunks, starts, strict=True):
             self._check_slot(s)
             self._check_ids(c)
             if p < 0 or p + len(c) > self.max_len - 1:
-                raise ValueError(f"slot {s}: positions {p}..{p + len(c) - 1} leave no room for a new token "
+                raise UserError(f"slot {s}: positions {p}..{p + len(c) - 1} leave no room for a new token "
                                  f"in the cache's {self.max_len}")
         T, pad = max(len(c) for c in chunks), self.max_len - 1
         tokens = [[0] * (T - len(c)) + c for c in chunks]
@@ -307,12 +308,12 @@ class Generator:
         """One token for each slot, at that slot's own position (its tokens cached so far); logits (B, V)."""
         B = len(slots)
         if not B == len(tokens) == len(positions) > 0 or len(set(slots)) != B:
-            raise ValueError(f"decode needs distinct slots, each with one token and one position: "
+            raise UserError(f"decode needs distinct slots, each with one token and one position: "
                              f"{slots}, {tokens}, {positions}")
         for s in slots:
             self._check_slot(s)
         if min(positions) < 0 or max(positions) >= self.max_len:
-            raise ValueError(f"positions must be in 0..{self.max_len - 1} (the cache's max_len), got {positions}")
+            raise UserError(f"positions must be in 0..{self.max_len - 1} (the cache's max_len), got {positions}")
         self._check_ids(tokens)
         if self._step is not None:
             logits = self._decode_static(slots, tokens, positions)
@@ -384,7 +385,7 @@ def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
     token None where its grammar allowed no token). Rows the
     caller adds to `finished` end after their current token. Slots are freed however this ends."""
     if len(prompts) > gen.max_batch_size:
-        raise ValueError(f"{len(prompts)} prompts exceed the {gen.max_batch_size} cache slots")
+        raise UserError(f"{len(prompts)} prompts exceed the {gen.max_batch_size} cache slots")
     for p in prompts:
         gen.check_prompt(p)
     seqs, logits = gen.begin_many(prompts, params)  # one forward for all the prompts

@@ -42,6 +42,7 @@ from gptopt.models import checkpoint, hf
 from gptopt.models.compressed import describe, int4_group_size
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 from gptopt.utils.paths import looks_local
 
@@ -70,13 +71,13 @@ def model_source(model: str) -> Path | str:
         if latest is not None:
             return latest
         if not checkpoint.is_gptopt_dir(p) and not (p / hf.HF_CONFIG).is_file():
-            raise ValueError(f"--model {p}: no checkpoint or model files in this directory; " + _NO_MODEL.format(p))
+            raise UserError(f"--model {p}: no checkpoint or model files in this directory; " + _NO_MODEL.format(p))
         return p
     if p.exists():
-        raise ValueError(f"--model {p} is a file; give the model's directory")
+        raise UserError(f"--model {p} is a file; give the model's directory")
     if _HUB_NAME.fullmatch(model) and not looks_local(model):
         return model
-    raise ValueError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
+    raise UserError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
 
 
 def has_tokenizer(d: Path) -> bool:
@@ -110,7 +111,7 @@ def find_tokenizer(source: Path | str) -> Tokenizer:
             with contextlib.suppress(ValueError):
                 return load_tokenizer(name)
     where = f"{recorded} (recorded in the checkpoint), " if recorded else ""
-    raise ValueError(f"no tokenizer found for {source} (looked for {where}tokenizer.json beside the model"
+    raise UserError(f"no tokenizer found for {source} (looked for {where}tokenizer.json beside the model"
                      f"{'' if ours else ', GPT-2s from the Hugging Face Hub'}); pass --tokenizer with the "
                      "tokenizer.json the model was trained with (or a folder holding it)")
 
@@ -127,12 +128,12 @@ def check_vocab(tok: Tokenizer, vocab_size: int, *, own: Tokenizer | None = None
     if own is not None and own.get_vocab_size() <= vocab_size:
         if n == own.get_vocab_size():
             return
-        raise ValueError(f"the tokenizer has {n} tokens, the model {vocab_size} and the {TOKENIZER} in its folder "
+        raise UserError(f"the tokenizer has {n} tokens, the model {vocab_size} and the {TOKENIZER} in its folder "
                          f"{own.get_vocab_size()}: they do not belong together; drop --tokenizer to use the model's "
                          "own, or pass the --tokenizer the model was trained with")
     if vocab_size in (n, -(-n // VOCAB_PAD) * VOCAB_PAD):
         return
-    raise ValueError(f"the tokenizer has {n} tokens, the model {vocab_size} (more apart than padding to a multiple of "
+    raise UserError(f"the tokenizer has {n} tokens, the model {vocab_size} (more apart than padding to a multiple of "
                      f"{VOCAB_PAD}): they do not belong together; pass the --tokenizer the model was trained with "
                      f"(its {TOKENIZER}, or a folder holding it)")
 
@@ -142,19 +143,19 @@ def weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
     if name == "auto":
         return torch.float32 if plan.device.type == "cpu" else (plan.amp_dtype or torch.float32)
     if name not in _DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
+        raise UserError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
 
 
 def _check_quantize(quantize: str, plan: DevicePlan, dtype: torch.dtype) -> None:
     """Refuse what cannot run here before anything is loaded (a TOML config skips argparse's choices)."""
     if quantize not in INFER_QUANTIZE:
-        raise ValueError(f"unknown quantize {quantize!r}; "
+        raise UserError(f"unknown quantize {quantize!r}; "
                          f"choose {', '.join(INFER_QUANTIZE[:-1])} or {INFER_QUANTIZE[-1]}")
     if quantize == "int4-weight":
         problem = int4_unsupported(plan, dtype, "drop --quantize here, or use --quantize int8-weight")
         if problem:
-            raise ValueError(problem)
+            raise UserError(problem)
         require("torchao.quantization", "quant", "--quantize int4-weight")
 
 
@@ -194,7 +195,7 @@ def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, d
     record = checkpoint.read_meta(source).get("compression") if isinstance(source, Path) and \
         checkpoint.is_gptopt_dir(source) else None
     if record and quantize != "none":
-        raise ValueError(f"--model {source} is already compressed ({describe(record)}, by gptopt compress); "
+        raise UserError(f"--model {source} is already compressed ({describe(record)}, by gptopt compress); "
                          "drop --quantize")
     log.info("model %s: %.1fM parameters, %s weights on %s (generation runs in the weights' dtype, no autocast)",
              source, net.num_params() / 1e6, describe(record) if record else str(dt).removeprefix("torch."),

@@ -23,6 +23,7 @@ from gptopt.config import QUANTIZE_METHODS, parse_prune
 from gptopt.models.compressed import FORMAT, _version, block_linears, int4_group_size, int8_per_channel
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import has, require
 
 __all__ = ["METHODS", "check_supported", "compress_model", "int4_unsupported", "mask_2_4", "parse_prune",
@@ -64,14 +65,14 @@ def int4_unsupported(plan: DevicePlan, dtype: torch.dtype | None, instead: str) 
 def check_supported(quantize: str | None, prune: float | str | None, plan: DevicePlan) -> None:
     """Refuse, before any work, what this device cannot run: the reason and what to use instead."""
     if quantize is not None and quantize not in METHODS:
-        raise ValueError(f"unknown --quantize {quantize!r}; choose one of: none, {', '.join(METHODS)}")
+        raise UserError(f"unknown --quantize {quantize!r}; choose one of: none, {', '.join(METHODS)}")
     if quantize == "int4-weight" and (problem := int4_unsupported(plan, None, "use --quantize int8-dynamic on CPUs, "
                                                                                  "int8-weight on GPUs")):
-        raise ValueError(problem)
+        raise UserError(problem)
     if prune == SPARSE_2_4 and quantize is not None:
-        raise ValueError("--prune 2:4 together with --quantize is not supported; choose one of them")
+        raise UserError("--prune 2:4 together with --quantize is not supported; choose one of them")
     if prune == SPARSE_2_4 and not _sm80(plan):
-        raise ValueError(f"--prune 2:4 needs an NVIDIA GPU of compute capability 8.0 or newer: semi-structured sparse "
+        raise UserError(f"--prune 2:4 needs an NVIDIA GPU of compute capability 8.0 or newer: semi-structured sparse "
                          f"kernels exist only there, and {_where(plan)} would run the pruned weights dense, with no "
                          "speed gain; use --prune FRACTION here, or run compress on such a GPU")
     if quantize in ("int8-weight", "int4-weight") or (quantize == "int8-dynamic" and plan.device.type != "cpu"):
@@ -98,7 +99,7 @@ def mask_2_4(w: torch.Tensor) -> torch.Tensor:
     """True at the 2 largest-magnitude weights of every group of 4 consecutive inputs (the last dim): the
     2:4 pattern of NVIDIA's sparse tensor cores. Exactly 2 per group; ties go to the lower index."""
     if w.shape[-1] % 4:
-        raise ValueError(f"2:4 sparsity needs an input width divisible by 4, got shape {tuple(w.shape)}")
+        raise UserError(f"2:4 sparsity needs an input width divisible by 4, got shape {tuple(w.shape)}")
     groups = w.detach().abs().reshape(-1, 4)
     keep = groups.sort(dim=-1, descending=True, stable=True).indices[:, :2]
     return torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True).view(w.shape)
@@ -179,7 +180,7 @@ def _torchao_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, d
     """torchao's Int8Tensor holding exactly q and scale; dynamic: activations quantised per token too."""
     ao = require("torchao.quantization", "quant", "int8 quantisation")
     if not hasattr(ao, "Int8Tensor"):
-        raise ValueError(f"torchao {_version('torchao')} has no Int8Tensor (0.18 is tested): pip install -U torchao")
+        raise UserError(f"torchao {_version('torchao')} has no Int8Tensor (0.18 is tested): pip install -U torchao")
     from torchao.quantization.quantize_.workflows import QuantizeTensorToInt8Kwargs
 
     act = QuantizeTensorToInt8Kwargs(granularity=ao.PerRow()) if dynamic else None
@@ -194,7 +195,7 @@ def _restore_int8(model: GPT, quantize: str, plan: DevicePlan, dtype: torch.dtyp
     ints = {n: int8_per_channel(layers[n].weight) for n in names}  # before any cast: the integers on disk
     if quantize == "int8-dynamic" and plan.device.type == "cpu" and has("torch.ao.nn.quantized.dynamic"):
         if dtype != torch.float32:
-            raise ValueError("int8-dynamic on a CPU runs torch.ao's dynamic int8 Linear, which takes fp32 "
+            raise UserError("int8-dynamic on a CPU runs torch.ao's dynamic int8 Linear, which takes fp32 "
                              "activations; use --dtype auto (fp32 on CPUs)")
         for n in names:
             _set_module(model, n, _ao_dynamic_linear(layers[n], *ints[n]))
@@ -251,7 +252,7 @@ def quantize_int4(model: GPT, plan: DevicePlan, dtype: torch.dtype, group_size: 
     checkpoint, whose weights already lie on this grid. lm_head stays bf16: tied, it is the embedding."""
     problem = int4_unsupported(plan, dtype, "use --quantize int8-weight instead")
     if problem:
-        raise ValueError(problem)
+        raise UserError(problem)
     ao = require("torchao.quantization", "quant", "--quantize int4-weight")
     model = model.to(plan.device, dtype)
     names = set(block_linears(model))

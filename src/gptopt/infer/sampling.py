@@ -18,6 +18,7 @@ import torch
 from gptopt.config import sampling as bounds
 from gptopt.config.sampling import SamplingConfig
 from gptopt.infer.stop import unescape
+from gptopt.utils.errors import UserError
 
 
 @dataclass(kw_only=True)
@@ -58,7 +59,7 @@ class SamplingParams:
             (all(self.stop), "stop strings must not be empty", self.stop),
         ]:
             if not ok:
-                raise ValueError(f"{rule}, got {value!r}")
+                raise UserError(f"{rule}, got {value!r}")
         # the bounds the CLI and the HTTP schemas check too (config/sampling.py)
         for name in ("temperature", "top_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             getattr(bounds, name.upper()).check(name, getattr(self, name))

@@ -24,6 +24,7 @@ from gptopt.data.tokenizer import TOKENIZER
 from gptopt.models.compressed import unpack_state
 from gptopt.models.gpt import GPT
 from gptopt.outputs import remove, staged_dir, write_text_atomic
+from gptopt.utils.errors import UserError
 
 WEIGHTS = "model.safetensors"
 META = "gptopt.json"
@@ -61,19 +62,19 @@ def read_meta(directory: str | os.PathLike[str]) -> dict[str, Any]:
         with open(path) as fh:
             meta = json.load(fh)
     except FileNotFoundError:
-        raise ValueError(f"{directory}: not a gptopt model directory ({META} missing)") from None
+        raise UserError(f"{directory}: not a gptopt model directory ({META} missing)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: corrupt JSON ({e}); the checkpoint is damaged, use an earlier one") from None
+        raise UserError(f"{path}: corrupt JSON ({e}); the checkpoint is damaged, use an earlier one") from None
     if not isinstance(meta, dict) or meta.get("format") != "gptopt" or "model" not in meta:
-        raise ValueError(f"{path}: not a gptopt model config (needs format='gptopt' and a 'model' table)")
+        raise UserError(f"{path}: not a gptopt model config (needs format='gptopt' and a 'model' table)")
     # Checked here, so every reader (load, resume, tokenizer lookup, compress) meets one line, not a KeyError.
     try:
         GPTConfig.from_dict(meta["model"])
     except (ValueError, TypeError) as e:
-        raise ValueError(f"{path}: model: {e}; the checkpoint is damaged, use an earlier one") from None
+        raise UserError(f"{path}: model: {e}; the checkpoint is damaged, use an earlier one") from None
     for key, kind in (("tokenizer", str), ("train_config", dict), ("compression", dict)):
         if meta.get(key) is not None and not isinstance(meta[key], kind):
-            raise ValueError(f"{path}: {key} must be a {'path' if kind is str else 'table'}, got {meta[key]!r}; "
+            raise UserError(f"{path}: {key} must be a {'path' if kind is str else 'table'}, got {meta[key]!r}; "
                              "the checkpoint is damaged, use an earlier one")
     return meta
 
@@ -96,11 +97,11 @@ def load_model(directory: str | os.PathLike[str], *, map_location: str | torch.d
     config = GPTConfig.from_dict(meta["model"])
     weights = directory / WEIGHTS
     if not weights.is_file():
-        raise ValueError(f"{directory}: {WEIGHTS} is missing")
+        raise UserError(f"{directory}: {WEIGHTS} is missing")
     try:
         state = load_file(str(weights), device=str(map_location))
     except Exception as e:  # safetensors raises its own error types for truncated files
-        raise ValueError(f"{weights}: cannot read weights ({e}); the file is truncated or corrupt") from None
+        raise UserError(f"{weights}: cannot read weights ({e}); the file is truncated or corrupt") from None
     if meta.get("compression"):  # written by gptopt compress: integers + scales, dequantised here
         state = unpack_state(state, meta["compression"], str(weights))
     model = GPT(config)
@@ -114,14 +115,14 @@ def check_state(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor],
     """Raise ValueError naming the first missing, unexpected or mis-shaped key."""
     for key, ref in expected.items():
         if key not in got:
-            raise ValueError(f"{where}: missing weight {key!r} (expected shape {tuple(ref.shape)})")
+            raise UserError(f"{where}: missing weight {key!r} (expected shape {tuple(ref.shape)})")
         if tuple(got[key].shape) != tuple(ref.shape):
-            raise ValueError(
+            raise UserError(
                 f"{where}: weight {key!r} has shape {tuple(got[key].shape)}, the config needs {tuple(ref.shape)}"
             )
     extra = sorted(set(got) - set(expected))
     if extra:
-        raise ValueError(f"{where}: unexpected weight {extra[0]!r} ({len(extra)} unexpected in all)")
+        raise UserError(f"{where}: unexpected weight {extra[0]!r} ({len(extra)} unexpected in all)")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,14 +233,14 @@ def load_train_state(directory: str | os.PathLike[str]) -> dict[str, Any]:
     """The train state of a checkpoint, through the safe (weights_only) unpickler only."""
     path = Path(directory) / TRAIN_STATE
     if not path.is_file():
-        raise ValueError(f"{directory}: not a training checkpoint ({TRAIN_STATE} missing)")
+        raise UserError(f"{directory}: not a training checkpoint ({TRAIN_STATE} missing)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # truncated zip, bad pickle opcodes, disallowed globals
-        raise ValueError(f"{path}: cannot read the train state ({e}); "
+        raise UserError(f"{path}: cannot read the train state ({e}); "
                          "the checkpoint is corrupt, use an earlier one") from None
     missing = [k for k in TRAIN_STATE_KEYS if k not in state] if isinstance(state, dict) else list(TRAIN_STATE_KEYS)
     if missing or not all(isinstance(state[k], int) for k in ("step", "tokens_seen")):
         what = f"has no {', '.join(missing)}" if missing else "has a step count that is not a number"
-        raise ValueError(f"{path}: not a gptopt train state ({what}); the checkpoint is damaged, use an earlier one")
+        raise UserError(f"{path}: not a gptopt train state ({what}); the checkpoint is damaged, use an earlier one")
     return state

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from gptopt.config import QUANTIZE_METHODS
 from gptopt.models.gpt import GPT
+from gptopt.utils.errors import UserError
 
 FORMAT = 1  # version of the on-disk layout; a checkpoint of a newer one is refused with the fix
 INT4_GROUP_SIZES = (128, 64, 32)  # the largest that divides every layer's input width is used
@@ -66,7 +67,7 @@ def int4_group_size(model: GPT) -> int:
     for g in INT4_GROUP_SIZES:
         if all(w % g == 0 for w in widths):
             return g
-    raise ValueError(f"int4-weight needs input widths divisible by one of {INT4_GROUP_SIZES}; "
+    raise UserError(f"int4-weight needs input widths divisible by one of {INT4_GROUP_SIZES}; "
                      f"this model has {sorted(widths)}")
 
 
@@ -102,10 +103,10 @@ def pack_state(model: GPT, record: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 def check_record(record: dict[str, Any], where: str) -> None:
     if record.get("format", 0) > FORMAT:
-        raise ValueError(f"{where}: compressed by a newer gptopt (format {record['format']}, this one reads "
+        raise UserError(f"{where}: compressed by a newer gptopt (format {record['format']}, this one reads "
                          f"{FORMAT}); upgrade gptopt: pip install -U gptopt")
     if record.get("quantize") not in (None, *QUANTIZE_METHODS):
-        raise ValueError(f"{where}: unknown compression {record.get('quantize')!r}; upgrade gptopt")
+        raise UserError(f"{where}: unknown compression {record.get('quantize')!r}; upgrade gptopt")
 
 
 def unpack_state(state: dict[str, torch.Tensor], record: dict[str, Any], where: str) -> dict[str, torch.Tensor]:
@@ -115,7 +116,7 @@ def unpack_state(state: dict[str, torch.Tensor], record: dict[str, Any], where: 
     for key in [k for k in state if k.endswith(f".weight{_SCALE}")]:
         weight, scale = key.removesuffix(_SCALE), out.pop(key).float()
         if weight not in out:
-            raise ValueError(f"{where}: {key} has no {weight} beside it; the checkpoint is damaged")
+            raise UserError(f"{where}: {key} has no {weight} beside it; the checkpoint is damaged")
         try:
             if record.get("quantize") == "int4-weight":
                 lo, q = out.pop(weight + _MIN).float(), unpack_int4(out[weight]).float()
@@ -124,5 +125,5 @@ def unpack_state(state: dict[str, torch.Tensor], record: dict[str, Any], where: 
             else:
                 out[weight] = out[weight].float() * scale[:, None]
         except (KeyError, RuntimeError, IndexError) as e:
-            raise ValueError(f"{where}: cannot dequantise {weight} ({e}); the checkpoint is damaged") from None
+            raise UserError(f"{where}: cannot dequantise {weight} ({e}); the checkpoint is damaged") from None
     return out

@@ -20,6 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from gptopt.config import GPTConfig
 from gptopt.models.loss import IGNORE_INDEX, linear_cross_entropy
+from gptopt.utils.errors import UserError
 
 __all__ = ["GPT", "GPTConfig", "KVCacheLayer"]
 
@@ -277,7 +278,7 @@ class GPT(nn.Module):
         B, T = idx.shape
         if pos is None:
             if T > self.config.block_size:
-                raise ValueError(f"sequence length {T} exceeds the model's context {self.config.block_size}")
+                raise UserError(f"sequence length {T} exceeds the model's context {self.config.block_size}")
             pos = torch.arange(T, device=idx.device)
         x = self.transformer.wte(idx)  # (B, T, C)
         rope = None

@@ -25,6 +25,7 @@ from gptopt.config import GPTConfig
 from gptopt.models.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, staged_dir
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 from gptopt.utils.paths import looks_local
 
@@ -68,10 +69,10 @@ def config_from_hf(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfig:
     """
 
     def refuse(reason: str) -> None:
-        raise ValueError(f"{where}: {reason}; gptopt's GPT-2 cannot represent this model exactly")
+        raise UserError(f"{where}: {reason}; gptopt's GPT-2 cannot represent this model exactly")
 
     if not isinstance(hf, dict):
-        raise ValueError(f"{where}: expected a JSON object of settings, got {type(hf).__name__}; "
+        raise UserError(f"{where}: expected a JSON object of settings, got {type(hf).__name__}; "
                          "give the config.json of a Hugging Face GPT-2")
     if hf.get("model_type") != "gpt2":
         refuse(f"model_type is {hf.get('model_type')!r}, not 'gpt2'")
@@ -95,7 +96,7 @@ def config_from_hf(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfig:
             layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
         )
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {e}; the file is damaged or not a GPT-2 config.json") from None
+        raise UserError(f"{where}: {e}; the file is damaged or not a GPT-2 config.json") from None
     n_inner = hf.get("n_inner")
     if n_inner is not None and n_inner != 4 * config.n_embd:
         refuse(f"n_inner is {n_inner!r}, gptopt's MLP is 4 * n_embd = {4 * config.n_embd} wide")
@@ -116,13 +117,13 @@ def config_from_llama(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfi
     """A GPTConfig from a Hugging Face Llama or Qwen3 config.json; refuse what gptopt cannot represent exactly."""
 
     def refuse(reason: str) -> None:
-        raise ValueError(f"{where}: {reason}; gptopt cannot represent this model exactly")
+        raise UserError(f"{where}: {reason}; gptopt cannot represent this model exactly")
 
     kind = hf.get("model_type")
     # a missing size would take transformers' default (Llama 7B's) and build a model nobody asked for
     missing = [k for k in ("num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size") if k not in hf]
     if missing:
-        raise ValueError(f"{where}: lacks {', '.join(missing)}; the file is damaged or not a {kind} config.json")
+        raise UserError(f"{where}: lacks {', '.join(missing)}; the file is damaged or not a {kind} config.json")
     if hf.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act is {hf.get('hidden_act')!r}, not the SwiGLU's 'silu'")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -147,7 +148,7 @@ def config_from_llama(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfi
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
     except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {e}; the file is damaged or not a {kind} config.json") from None
+        raise UserError(f"{where}: {e}; the file is damaged or not a {kind} config.json") from None
 
 
 def llama_state_to_gptopt(state: dict[str, torch.Tensor], config: GPTConfig, *,
@@ -176,7 +177,7 @@ def llama_state_to_gptopt(state: dict[str, torch.Tensor], config: GPTConfig, *,
             out[key] = tensor  # unknown: check_state names it
     for i, parts in qkv.items():
         if set(parts) != {"q", "k", "v"}:
-            raise ValueError(f"{where}: layer {i} lacks some of q_proj, k_proj, v_proj")
+            raise UserError(f"{where}: layer {i} lacks some of q_proj, k_proj, v_proj")
         out[f"transformer.h.{i}.attn.c_attn.weight"] = torch.cat([parts["q"], parts["k"], parts["v"]])
     with torch.device("meta"):
         ref = GPT(dataclasses.replace(config, vocab_pad_multiple=1))
@@ -193,11 +194,11 @@ def apply_overrides(config: GPTConfig, overrides: dict[str, Any], where: str) ->
     known = {f.name for f in dataclasses.fields(GPTConfig)}
     unknown = sorted(set(overrides) - known)
     if unknown:
-        raise ValueError(f"unknown model setting(s) {unknown}; overridable: {', '.join(OVERRIDABLE)}")
+        raise UserError(f"unknown model setting(s) {unknown}; overridable: {', '.join(OVERRIDABLE)}")
     for name, value in overrides.items():
         # Repeating the checkpoint's own value is harmless (callers may pass a whole config).
         if name not in OVERRIDABLE and value != getattr(config, name):
-            raise ValueError(
+            raise UserError(
                 f"{where} fixes {name}={getattr(config, name)!r}, it cannot be changed to {value!r}; "
                 f"overridable: {', '.join(OVERRIDABLE)}"
             )
@@ -211,7 +212,7 @@ def family(config: GPTConfig) -> str:
         return "gpt2"
     if (config.positions, config.norm, config.mlp, config.bias) == ("rope", "rmsnorm", "swiglu", False):
         return "qwen3" if config.qk_norm else "llama"
-    raise ValueError("this model mixes GPT-2's block with Llama's (positions, norm, mlp, biases): no Hugging Face "
+    raise UserError("this model mixes GPT-2's block with Llama's (positions, norm, mlp, biases): no Hugging Face "
                      "model has its shape, so it cannot be exported")
 
 
@@ -226,7 +227,7 @@ def hf_config(config: GPTConfig, dtype: torch.dtype = torch.float32, *, eot: int
     for what, i in [("beginning-of-text", bos), *(("end-of-sequence", e) for e in (eos if isinstance(eos, list)
                                                                                       else [eos]))]:
         if i is not None and not 0 <= i < config.vocab_size:
-            raise ValueError(f"{what} id {i} is outside the model's vocabulary of {config.vocab_size}: "
+            raise UserError(f"{what} id {i} is outside the model's vocabulary of {config.vocab_size}: "
                              "the tokenizer does not belong to the model")
     kind = family(config)
     if kind != "gpt2":
@@ -301,7 +302,7 @@ def hf_state_to_gptopt(
     check_state(_expected_hf_shapes(config), hf, where)
     wte = hf["transformer.wte.weight"]
     if lm_head is not None and not torch.equal(lm_head, wte):
-        raise ValueError(
+        raise UserError(
             f"{where}: lm_head.weight differs from wte; gptopt ties them, so it cannot load this model"
         )
     out = {k: (v.t() if k.endswith(CONV1D) else v) for k, v in hf.items()}
@@ -316,7 +317,7 @@ def gptopt_state_to_hf(model: GPT) -> dict[str, torch.Tensor]:
     if family(config) != "gpt2":
         return _llama_state(model)
     if not config.bias:
-        raise ValueError(
+        raise UserError(
             "the model has bias=False; Hugging Face GPT-2 always has biases, so it cannot be exported"
         )
     out = {}
@@ -367,7 +368,7 @@ def to_hf_model(model: GPT, attn_implementation: str = "eager") -> Any:
     # a tied head loads through the embedding; GPT-2's causal-mask buffers are not weights
     leftover = [k for k in missing if k != "lm_head.weight" and not k.endswith((".attn.bias", ".attn.masked_bias"))]
     if leftover or unexpected:
-        raise ValueError(f"weights do not map onto {make.__name__}: missing {leftover[:3]}, "
+        raise UserError(f"weights do not map onto {make.__name__}: missing {leftover[:3]}, "
                          f"unexpected {unexpected[:3]}")
     hf.tie_weights()
     return hf.to(model.transformer.wte.weight.device)
@@ -381,7 +382,7 @@ def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path), device="cpu")
     except Exception as e:  # safetensors raises its own error types for truncated files
-        raise ValueError(f"{path}: cannot read weights ({e}); the file is truncated or corrupt") from None
+        raise UserError(f"{path}: cannot read weights ({e}); the file is truncated or corrupt") from None
 
 
 def _read_bin(path: Path) -> dict[str, torch.Tensor]:
@@ -390,16 +391,16 @@ def _read_bin(path: Path) -> dict[str, torch.Tensor]:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(
+        raise UserError(
             f"{path}: refused to unpickle, the file holds more than tensors ({first}); "
             f"convert it to {SAFETENSORS} with a tool you trust"
         ) from None
     except Exception as e:
-        raise ValueError(
+        raise UserError(
             f"{path}: cannot read weights ({type(e).__name__}: {e}); the file is truncated or corrupt"
         ) from None
     if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-        raise ValueError(f"{path}: not a state dict of tensors")
+        raise UserError(f"{path}: not a state dict of tensors")
     return state
 
 
@@ -412,13 +413,13 @@ def _weight_files(directory: Path) -> list[Path]:
             try:
                 weight_map = json.loads((directory / index).read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError, TypeError) as e:
-                raise ValueError(f"{directory / index}: not a weight index ({e})") from None
+                raise UserError(f"{directory / index}: not a weight index ({e})") from None
             files = [directory / name for name in sorted(set(weight_map.values()))]
             missing = [f.name for f in files if not f.is_file()]
             if missing:
-                raise ValueError(f"{directory}: shard {missing[0]} listed in {index} is missing")
+                raise UserError(f"{directory}: shard {missing[0]} listed in {index} is missing")
             return files
-    raise ValueError(
+    raise UserError(
         f"{directory}: {HF_CONFIG} is there but no weights: expected {SAFETENSORS} (or {SAFETENSORS_INDEX} "
         f"with its shards) or {PT_BIN}"
     )
@@ -445,14 +446,14 @@ def load_hf_dir(directory: str | os.PathLike[str], **overrides: Any) -> GPT:
     directory = Path(directory)
     config_path = directory / HF_CONFIG
     if not config_path.is_file():
-        raise ValueError(
+        raise UserError(
             f"{directory}: not a model directory, {HF_CONFIG} is missing (a Hugging Face GPT-2 directory "
             f"has {HF_CONFIG} and {SAFETENSORS} or {PT_BIN}; a gptopt one has {META} and {SAFETENSORS})"
         )
     try:
         hf = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{config_path}: corrupt JSON ({e}); the download is damaged, fetch the model again") from None
+        raise UserError(f"{config_path}: corrupt JSON ({e}); the download is damaged, fetch the model again") from None
     if isinstance(hf, dict) and hf.get("model_type") in LLAMA_FAMILIES:
         config = apply_overrides(config_from_llama(hf, where=str(config_path)), overrides, str(directory))
         return _build(config, llama_state_to_gptopt(read_hf_weights(directory), config, where=str(directory)))
@@ -504,7 +505,7 @@ def _download(name: str) -> Path:
             if offline
             else "check the name and the network"
         )
-        raise ValueError(
+        raise UserError(
             f"{name!r} is not a local directory, and fetching it from the Hugging Face Hub failed ({cause}); "
             f"{how}, or give a local model directory"
         ) from None
@@ -520,7 +521,7 @@ def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> G
     path = Path(name_or_path).expanduser()
     if path.exists():
         if not path.is_dir():
-            raise ValueError(
+            raise UserError(
                 f"{path} is a file, not a model directory; give the directory that holds {HF_CONFIG} "
                 f"(Hugging Face) or {META} (gptopt)"
             )
@@ -529,7 +530,7 @@ def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> G
         return load_hf_dir(path, **overrides)
     name = str(name_or_path)
     if not _HUB_ID.fullmatch(name) or looks_local(name):
-        raise ValueError(f"{name}: no such model directory (and not a Hugging Face Hub name like 'gpt2')")
+        raise UserError(f"{name}: no such model directory (and not a Hugging Face Hub name like 'gpt2')")
     return load_hf_dir(_download(name), **overrides)
 
 

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from gptopt.outputs.aside import Aside, recover
 from gptopt.outputs.staging import OWNER_FILE, _ours, _path, clean_stale, mark, marked_kind
+from gptopt.utils.errors import UserError
 
 
 def some(names: Iterable[str], most: int = 4) -> str:
@@ -38,14 +39,14 @@ def check_writable(path: Path, flag: str, shown: Path | str | None = None) -> No
             break
         probe = probe.parent
     if probe.is_file():
-        raise ValueError(f"{flag} {shown}: {probe} is a file, not a folder; choose another {flag}")
+        raise UserError(f"{flag} {shown}: {probe} is a file, not a folder; choose another {flag}")
     if not os.access(probe, os.W_OK | os.X_OK):
-        raise ValueError(f"{flag} {shown}: cannot write in {probe} (permission denied); choose a folder you can "
+        raise UserError(f"{flag} {shown}: cannot write in {probe} (permission denied); choose a folder you can "
                          f"write with {flag}")
     try:
         os.rmdir(tempfile.mkdtemp(prefix=".gptopt-probe-", dir=probe))
     except OSError as e:
-        raise ValueError(f"{flag} {shown}: cannot create a folder there ({e.strerror or e}); nothing was written: "
+        raise UserError(f"{flag} {shown}: cannot create a folder there ({e.strerror or e}); nothing was written: "
                          f"choose a folder you can write with {flag}") from None
 
 
@@ -67,7 +68,7 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
     """
     target = _path(target)
     if target.is_file() or (target.is_symlink() and not target.exists()):
-        raise ValueError(f"{flag} {target} is a file; give the path of a folder")
+        raise UserError(f"{flag} {target} is a file; give the path of a folder")
     _not_root_or_home(target, flag)
     check_writable(target, flag)
     if whole and target.exists():  # staged beside target and renamed in its parent: that must take writes too
@@ -78,7 +79,7 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
     clean_stale(target)
     found = marked_kind(target)
     if found is not None and found != kind:
-        raise ValueError(f"{flag} {target} holds gptopt {found} output; nothing was written: give this output a "
+        raise UserError(f"{flag} {target} holds gptopt {found} output; nothing was written: give this output a "
                          f"folder of its own with {flag}")
     mine, theirs = _ours(target, ours)
     if not mine and not (whole and theirs):
@@ -88,21 +89,21 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
         what = (f"not marked as gptopt's ({OWNER_FILE} is damaged)" if (target / OWNER_FILE).exists()
                 else f"not marked as gptopt's ({OWNER_FILE} missing)")
         held = "exists and is not empty" if whole else f"already holds {some(p.name for p in mine)}"
-        raise ValueError(f"{flag} {target} {held} and is {what}; nothing was written, and --overwrite will not "
+        raise UserError(f"{flag} {target} {held} and is {what}; nothing was written, and --overwrite will not "
                          f"replace it either: gptopt only replaces what it wrote itself; move them out, or choose "
                          f"another {flag}")
     foreign = theirs if whole else _foreign_inside(mine, contents or {})
     if foreign:
         names = some(str(p.relative_to(target)) for p in foreign)
-        raise ValueError(f"{flag} {target} holds files gptopt did not write ({names}); nothing was written, and "
+        raise UserError(f"{flag} {target} holds files gptopt did not write ({names}); nothing was written, and "
                          f"--overwrite will not replace it: move them out, or choose another {flag}")
     if not overwrite:
         if whole:
-            raise ValueError(f"{flag} {target} holds an earlier output of this command; nothing was written: pass "
+            raise UserError(f"{flag} {target} holds an earlier output of this command; nothing was written: pass "
                              f"--overwrite to replace it (kept until the new output is complete), or choose another "
                              f"{flag}")
         names = some(p.name for p in mine)
-        raise ValueError(f"{flag} {target} already holds output ({names}); nothing was written: pass --overwrite "
+        raise UserError(f"{flag} {target} already holds output ({names}); nothing was written: pass --overwrite "
                          f"to replace it (kept until the new output is complete), or choose another {flag}")
     return mine
 
@@ -110,7 +111,7 @@ def check_output(target: Path, *, kind: str, overwrite: bool, ours: Sequence[str
 def _not_root_or_home(target: Path, flag: str) -> None:
     if target == Path(target.anchor) or target == _path(Path.home()):
         what = "the filesystem root" if target == Path(target.anchor) else "your home folder"
-        raise ValueError(f"{flag} {target} is {what}; give the output a folder of its own, e.g. "
+        raise UserError(f"{flag} {target} is {what}; give the output a folder of its own, e.g. "
                          f"{flag} {target / 'gptopt_out'}")
 
 

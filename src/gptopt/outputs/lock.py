@@ -24,6 +24,7 @@ except ImportError:  # Windows: no flock (lock_output)
 
 from gptopt.outputs.check import _not_root_or_home, check_writable
 from gptopt.outputs.staging import _HOST, LOCK_FILE, _path
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -172,7 +173,7 @@ def lock_output(target: str | os.PathLike[str], *, flag: str = "--output_dir", w
         except OSError:  # it let go meanwhile
             who = "pid unknown"
         _remove_empty(made)
-        raise ValueError(f"{flag} {dest} is being written by another gptopt process ({who}); nothing was written: "
+        raise UserError(f"{flag} {dest} is being written by another gptopt process ({who}); nothing was written: "
                          f"wait for it to finish, or choose another {flag}")
     try:
         with contextlib.suppress(OSError):  # read-only: another account's file (the lock holds all the same)

@@ -10,6 +10,7 @@ import torch
 import torch.nn as nn
 
 from gptopt.runtime.torch_private import is_unspecialized_module_guard
+from gptopt.utils.errors import UserError
 
 
 def compile_model(model: nn.Module, *, mode: str = "default", fullgraph: bool = False,
@@ -20,7 +21,7 @@ def compile_model(model: nn.Module, *, mode: str = "default", fullgraph: bool = 
     modules' attributes (_inference_guards). dynamic: torch.compile's (False: one graph per shape)."""
     if inference:
         if mode != "default":
-            raise ValueError(f"an inference compile uses the default compile mode only, not {mode!r}")
+            raise UserError(f"an inference compile uses the default compile mode only, not {mode!r}")
         return torch.compile(model, fullgraph=fullgraph, dynamic=dynamic,
                              options={"freezing": True, "guard_filter_fn": _inference_guards})
     # "default" is passed as None: torch.compile's own default, without the mode lookup

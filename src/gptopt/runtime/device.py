@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from gptopt.utils.errors import UserError
+
 log = logging.getLogger("gptopt")
 
 AMP_DTYPES = ("auto", "bf16", "fp16", "fp32")
@@ -76,7 +78,7 @@ def parse_cpu_bf16(value: str | None) -> bool | None:
     if not value:
         return None
     if value not in ("0", "1"):
-        raise ValueError(f"{CPU_BF16_ENV}={value!r}: use 1 (treat the CPU as having native bf16), "
+        raise UserError(f"{CPU_BF16_ENV}={value!r}: use 1 (treat the CPU as having native bf16), "
                          "0 (as lacking it), or unset it to detect")
     return value == "1"
 
@@ -121,21 +123,21 @@ def _pick_device(device: str) -> torch.device:
     try:
         dev = torch.device(device)
     except RuntimeError as e:
-        raise ValueError(f"unknown device {device!r}: use auto, cpu, cuda, cuda:N or mps") from e
+        raise UserError(f"unknown device {device!r}: use auto, cpu, cuda, cuda:N or mps") from e
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(
+            raise UserError(
                 f"--device {device}: CUDA is not available to this torch ({torch.__version__}); "
                 "run `gptopt doctor` for the reason, or use --device cpu"
             )
         if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
+            raise UserError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) visible")
         if dev.index is None:
             dev = torch.device("cuda", torch.cuda.current_device())
     elif dev.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
-        raise ValueError(f"--device {device}: MPS is not available; use --device cpu")
+        raise UserError(f"--device {device}: MPS is not available; use --device cpu")
     elif dev.type not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"unsupported device type {dev.type!r}: use cpu, cuda or mps")
+        raise UserError(f"unsupported device type {dev.type!r}: use cpu, cuda or mps")
     return dev
 
 
@@ -145,7 +147,7 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
 
     quiet: do not log the reason (inference logs its own line: it runs in the weights' dtype)."""
     if amp_dtype not in AMP_DTYPES:
-        raise ValueError(f"unknown amp dtype {amp_dtype!r}; choose one of: {', '.join(AMP_DTYPES)}")
+        raise UserError(f"unknown amp dtype {amp_dtype!r}; choose one of: {', '.join(AMP_DTYPES)}")
     dev = _pick_device(device)
     why: list[str] = []
     if dev.type == "cuda":
@@ -160,7 +162,7 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
             why.append(f"{where}: {how}")
         else:
             if amp_dtype == "bf16" and not bf16_ok:
-                raise ValueError(f"bf16 needs compute capability >= 8.0; {where} has none: use --amp_dtype fp16")
+                raise UserError(f"bf16 needs compute capability >= 8.0; {where} has none: use --amp_dtype fp16")
             amp = amp_dtype
             why.append(f"{where}: {amp} as asked")
         use_tf32 = tf32 and major >= 8
@@ -172,7 +174,7 @@ def resolve(device: str = "auto", amp_dtype: str = "auto", *, tf32: bool = True,
         why.append(f"Apple MPS: {amp}{' (auto)' if amp_dtype == 'auto' else ' as asked'}")
     else:
         if amp_dtype == "fp16":
-            raise ValueError("fp16 autocast on a CPU is slow and needs loss scaling: use --amp_dtype bf16 or fp32")
+            raise UserError("fp16 autocast on a CPU is slow and needs loss scaling: use --amp_dtype bf16 or fp32")
         forced, fast = cpu_bf16_override(), cpu_has_fast_bf16()
         if amp_dtype == "auto":
             amp = "bf16" if fast else "fp32"

@@ -25,6 +25,8 @@ from pathlib import Path
 import psutil
 import torch
 
+from gptopt.utils.errors import UserError
+
 # Refuse when the estimate is above this share of the free memory. Against the peak measured on a
 # CPU (ru_maxrss growth over two steps; debug and tiny presets, fp32 and bf16, eager and SDPA, with
 # and without checkpointing; steps large enough that the allocator's fixed overhead does not
@@ -155,7 +157,7 @@ def require(estimate: Estimate, device: torch.device, what: str, fix: str) -> No
     anything is allocated, when the estimate does not fit."""
     short = shortfall(estimate, device)
     if short is not None:
-        raise ValueError(f"{what} will not fit in memory: it {short}; {fix}")
+        raise UserError(f"{what} will not fit in memory: it {short}; {fix}")
 
 
 def largest_batch(estimate_at: Callable[[int], Estimate], device: torch.device, upto: int, *,

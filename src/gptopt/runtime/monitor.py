@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 if TYPE_CHECKING:
@@ -160,7 +161,7 @@ class Monitor:
     def __init__(self, device_index: int | None = None, interval_s: float = 0.5, *,
                  max_samples: int = 10_000) -> None:
         if interval_s <= 0:
-            raise ValueError(f"interval_s must be > 0, got {interval_s}")
+            raise UserError(f"interval_s must be > 0, got {interval_s}")
         self.device_index, self.interval_s = device_index, interval_s
         self._samples: deque[dict[str, Any]] = deque(maxlen=max_samples)
         self._stats = _Stats()
@@ -231,7 +232,7 @@ class Monitor:
             visible = _visible_handles(nv)
             wanted = range(len(visible)) if self.device_index is None else [self.device_index]
             if not visible or not 0 <= wanted[-1] < len(visible):
-                raise ValueError(f"GPU {self.device_index} is not among the {len(visible)} visible"
+                raise UserError(f"GPU {self.device_index} is not among the {len(visible)} visible"
                                  if visible else "NVML sees no GPU")
             return nv, [r for i in wanted for r in _gpu_readers(nv, i, visible[i])]
         except Exception as e:

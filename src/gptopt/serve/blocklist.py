@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 regex = require("regex", "serve", "gptopt serve")
@@ -66,14 +67,14 @@ def extent(source: str) -> tuple[int, int]:
     try:
         parsed = _parser.parse(source, re.IGNORECASE)
     except (re.error, RecursionError, OverflowError):
-        raise ValueError(f"{source!r} uses syntax that Python's re does not read, so how long its matches "
+        raise UserError(f"{source!r} uses syntax that Python's re does not read, so how long its matches "
                          "may be cannot be told; write it in Python's syntax") from None
     width, reach = parsed.getwidth()[1], _reach(parsed)
     if width + reach > MAX_HOLDBACK:
         unbounded = width + reach >= _sre.MAXREPEAT
         why = ("has no longest match (a repeat without an upper bound: +, *, {n,})" if unbounded
                else f"may match {width + reach} characters")
-        raise ValueError(f"{source!r} {why}, and generated text is held back at most {MAX_HOLDBACK} "
+        raise UserError(f"{source!r} {why}, and generated text is held back at most {MAX_HOLDBACK} "
                          "characters until no match can start in it; bound the repeats, e.g. {1,20} for +")
     return width, reach
 
@@ -160,7 +161,7 @@ def load_blocklist(path: str | None) -> Blocklist:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--blocklist {path}: cannot read it as UTF-8 text ({e})") from None
+        raise UserError(f"--blocklist {path}: cannot read it as UTF-8 text ({e})") from None
     terms, patterns = [], []
     for i, raw in enumerate(lines, 1):
         line = raw.strip()
@@ -168,7 +169,7 @@ def load_blocklist(path: str | None) -> Blocklist:
             continue
         if not line.startswith(REGEX_PREFIX):
             if len(line) > MAX_HOLDBACK:
-                raise ValueError(f"--blocklist {path}:{i}: the term is {len(line)} characters, and generated "
+                raise UserError(f"--blocklist {path}:{i}: the term is {len(line)} characters, and generated "
                                  f"text is held back at most {MAX_HOLDBACK} until no match can start in it; "
                                  "shorten it")
             terms.append(line)
@@ -177,18 +178,18 @@ def load_blocklist(path: str | None) -> Blocklist:
         try:
             compiled = regex.compile(source, regex.IGNORECASE)
         except regex.error as e:
-            raise ValueError(f"--blocklist {path}:{i}: not a valid regular expression ({e})") from None
+            raise UserError(f"--blocklist {path}:{i}: not a valid regular expression ({e})") from None
         try:
             empty = compiled.search("", timeout=PROMPT_CHECK_SECONDS) is not None
         except TimeoutError:
             empty = True
         if empty:
-            raise ValueError(f"--blocklist {path}:{i}: {source!r} matches the empty string, so it would block "
+            raise UserError(f"--blocklist {path}:{i}: {source!r} matches the empty string, so it would block "
                              "every prompt; make it match at least one character")
         try:
             extent(source)
         except ValueError as e:
-            raise ValueError(f"--blocklist {path}:{i}: {e}") from None
+            raise UserError(f"--blocklist {path}:{i}: {e}") from None
         patterns.append(source)
     for term in terms:
         if _REGEX_LOOKING & set(term):

@@ -52,6 +52,7 @@ from gptopt.models.flops import flops_per_token
 from gptopt.serve.blocklist import Blocklist, TextFilter
 from gptopt.serve.client import Draining, QueueFull, RetryAfter
 from gptopt.serve.events import COMPLETED, Event, FinishReason, Sink, deliver
+from gptopt.utils.errors import UserError
 
 if TYPE_CHECKING:  # a type only: the engine itself never needs prometheus_client
     pass
@@ -144,9 +145,9 @@ class Engine:
                  blocklist: Blocklist | None = None, metrics: Any = None,
                  solo_threads: int | None = None) -> None:
         if prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
+            raise UserError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if solo_threads is not None and solo_threads < 1:
-            raise ValueError(f"solo_threads must be >= 1, got {solo_threads}")
+            raise UserError(f"solo_threads must be >= 1, got {solo_threads}")
         self.generator = generator
         # torch's threads on a CPU: every core (the process's count), and a one-request decode step's;
         # None leaves torch's count alone (GPUs, or not asked)

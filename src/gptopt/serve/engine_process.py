@@ -58,6 +58,7 @@ from gptopt.serve.client import Draining, QueueFull, RetryAfter
 from gptopt.serve.engine import Engine, default_solo_threads, settled_heap
 from gptopt.serve.events import COMPLETED, Channel, ChannelSink, Event, FinishReason, Sink, deliver
 from gptopt.serve.metrics import ServeMetrics
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import has
 from gptopt.utils.logs import setup_logging
 
@@ -78,7 +79,7 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
         model, tokenizer = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
                                               quantize=cfg.quantize)
     if tokenizer is None:
-        raise ValueError("create_app: a model was given without its tokenizer")
+        raise UserError("create_app: a model was given without its tokenizer")
     metrics = metrics or ServeMetrics()
     dtype, context = model.transformer.wte.weight.dtype, model.config.block_size
     slots = cfg.max_batch_size or infer_memory.auto_slots(model.config, context, plan.device, dtype=dtype)
@@ -94,7 +95,7 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
     try:
         engine.warmup()
     except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel
-        raise ValueError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
+        raise UserError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
                          "lower --max_batch_size, or use --dtype bf16 or --quantize int8-weight") from None
     metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
     metrics.bind_device_memory(plan.device)  # CUDA only
@@ -347,10 +348,10 @@ class EngineProcess:
         except (EOFError, OSError):
             msg = "exited"
         if msg == "timeout":
-            raise ValueError(f"the engine process was not ready within {timeout:.0f} s")
+            raise UserError(f"the engine process was not ready within {timeout:.0f} s")
         if msg == "exited":
             self._process.join(5)
-            raise ValueError(f"the engine process {_how_it_ended(self._process.exitcode)} before it was ready (out "
+            raise UserError(f"the engine process {_how_it_ended(self._process.exitcode)} before it was ready (out "
                              "of memory, if the kernel killed it; its own lines above say more)")
         if msg[0] == "failed":
             self._process.join(10)

@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from gptopt.config import ServeConfig
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 require("fastapi", "serve", "gptopt serve")
@@ -44,11 +45,11 @@ def api_key(cfg: ServeConfig) -> str | None:
     without a key because of it would open the server silently."""
     if cfg.api_key is not None:
         if not cfg.api_key.strip():
-            raise ValueError("--api_key is empty; give a key or leave the option out")
+            raise UserError("--api_key is empty; give a key or leave the option out")
         return cfg.api_key
     key = os.environ.get("GPTOPT_API_KEY")
     if key is not None and not key.strip():
-        raise ValueError("GPTOPT_API_KEY is set but empty; set it to a key, or unset it to serve without one")
+        raise UserError("GPTOPT_API_KEY is set but empty; set it to a key, or unset it to serve without one")
     return key
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from gptopt.config import ServeConfig
 from gptopt.infer import chat
+from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 for _module in ("fastapi", "uvicorn"):
@@ -82,15 +83,15 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise ValueError(f"port {port} on {host} is already in use (another server?); stop it, or choose "
+            raise UserError(f"port {port} on {host} is already in use (another server?); stop it, or choose "
                              "another with --port N (--port 0 picks a free one)") from None
         if e.errno == errno.EACCES:
-            raise ValueError(f"port {port} on {host} needs privileges to listen on; choose one from 1024 up with "
+            raise UserError(f"port {port} on {host} needs privileges to listen on; choose one from 1024 up with "
                              "--port N") from None
         if isinstance(e, socket.gaierror) or e.errno == errno.EADDRNOTAVAIL:
-            raise ValueError(f"--host {host} is not an address of this machine; use 127.0.0.1 (this machine only) "
+            raise UserError(f"--host {host} is not an address of this machine; use 127.0.0.1 (this machine only) "
                              "or 0.0.0.0 (every interface)") from None
-        raise ValueError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --host or "
+        raise UserError(f"cannot listen on {host}:{port} ({e.strerror or e}); choose another --host or "
                          "--port") from None
     return sock
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from gptopt.train.optim import AnyOptimizer, check_state
+from gptopt.utils.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -180,7 +181,7 @@ def optim_state_by_name(model: nn.Module, optimizer: torch.optim.Optimizer, opti
     names = {id(p): name for name, p in model.named_parameters()}
     ours = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
     if len(saved) != len(ours):
-        raise ValueError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model {len(ours)}")
+        raise UserError(f"the checkpoint's optimizer holds {len(saved)} parameters, this model {len(ours)}")
     rename = dict(zip(saved, ours, strict=True))
     state = {rename[key]: value for key, value in optim_state["state"].items()}
     groups = [{**g, "params": [rename[key] for key in g["params"]]} for g in optim_state["param_groups"]]

@@ -52,6 +52,7 @@ from gptopt.train.resume import RUN_ENTRIES, RUN_KIND
 from gptopt.train.step import StepResult, TrainStep, loader_options, read_all
 from gptopt.train.tracing import scheduled_profiler
 from gptopt.train.wrap import Prepared, wrap_for_training
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
@@ -107,9 +108,9 @@ class Trainer:
         self.cfg, self.info, self.plan = cfg, info, plan
         self.out = Path(cfg.output_dir)
         if cfg.fp8 and (why := fp8_unavailable(self.plan.device)):
-            raise ValueError(f"--fp8: {why}; drop --fp8")
+            raise UserError(f"--fp8: {why}; drop --fp8")
         if why := sdpa_backend_unavailable(cfg.sdpa_backend, self.plan.device, self.plan.amp_dtype):
-            raise ValueError(f"--sdpa_backend {cfg.sdpa_backend}: {why}")
+            raise UserError(f"--sdpa_backend {cfg.sdpa_backend}: {why}")
         auto = default_attention(self.plan.device.type, self.plan.amp_dtype)  # the kernel by device and dtype
         self.attention = cfg.attention if cfg.attention != "auto" else auto
         torch.manual_seed(cfg.seed)
@@ -127,7 +128,7 @@ class Trainer:
         self.seq_len = cfg.seq_len or self.model_config.block_size
         if self.seq_len > self.model_config.block_size:
             context = self.model_config.block_size
-            raise ValueError(f"--seq_len {self.seq_len} exceeds the model's context {context}: use --seq_len {context} "
+            raise UserError(f"--seq_len {self.seq_len} exceeds the model's context {context}: use --seq_len {context} "
                              "or less")
         self.data.check_vocab(self.model_config.vocab_size)
         self.state: dict[str, Any] = checkpoint.load_train_state(self.resume_dir) if self.resume_dir else {}

@@ -22,6 +22,7 @@ from gptopt.models.loss import chunk_rows
 from gptopt.runtime import memory
 from gptopt.runtime.device import DevicePlan
 from gptopt.runtime.memory import F32, Estimate, is_oom, itemsize
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -132,7 +133,7 @@ def require_training(estimate_at: Callable[[int], Estimate], device: torch.devic
     short = memory.shortfall(estimate_at(train.batch_size), device)
     if short is not None:
         fix = train_fix(train, seq_len, memory.largest_batch(estimate_at, device, train.batch_size - 1))
-        raise ValueError(f"a training step of micro-batch {train.batch_size} x {seq_len} tokens will not fit in "
+        raise UserError(f"a training step of micro-batch {train.batch_size} x {seq_len} tokens will not fit in "
                          f"memory: it {short}; {fix}")
 
 
@@ -172,4 +173,4 @@ def find_batch_size(try_batch: Callable[[int], None], global_batch: int, largest
             log.info(f"auto batch size: micro-batch {b} does not fit")
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    raise ValueError("not even a micro-batch of 1 fits: use --gradient_checkpointing, --use_amp, or a smaller model")
+    raise UserError("not even a micro-batch of 1 fits: use --gradient_checkpointing, --use_amp, or a smaller model")

@@ -18,6 +18,7 @@ from gptopt.infer.generator import Generator, generate
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -64,7 +65,7 @@ class Metrics:
         except ValueError:
             step = None
         if not isinstance(step, int):
-            raise ValueError(f"{self.path}: a line is not one of gptopt's metrics records ({line[:60]!r}); move the "
+            raise UserError(f"{self.path}: a line is not one of gptopt's metrics records ({line[:60]!r}); move the "
                              "file away (the run's checkpoints do not need it) and resume again")
         return step
 

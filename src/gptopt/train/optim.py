@@ -14,6 +14,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from gptopt.utils.errors import UserError
+
 # Moonshot's scaling ("Muon is Scalable for LLM Training"): Muon's update is scaled to the RMS of an
 # AdamW update, so Muon's learning rate and weight decay live on AdamW's scale (torch.optim.Muon's
 # default, "original", would want rates some 50x larger: a second set of numbers to tune).
@@ -114,7 +116,7 @@ def make_optimizer(
     if kind == "adamw":
         return make_adamw(model, lr=lr, weight_decay=weight_decay, betas=betas, device_type=device_type, fused=fused)
     if kind != "muon":
-        raise ValueError(f"--optimizer must be adamw or muon, got {kind!r}")
+        raise UserError(f"--optimizer must be adamw or muon, got {kind!r}")
     hidden = muon_params(model)
     muon = torch.optim.Muon(hidden, lr=lr if muon_lr is None else muon_lr, weight_decay=weight_decay,
                             momentum=muon_momentum, nesterov=True, adjust_lr_fn=MUON_ADJUST_LR)
@@ -132,7 +134,7 @@ def check_state(optimizer: AnyOptimizer, state: dict[str, Any]) -> None:
     saved = "muon" if isinstance(state, dict) and set(state) == {"muon", "adamw"} else "adamw"
     ours = kind_of(optimizer)
     if saved != ours:
-        raise ValueError(
+        raise UserError(
             f"the checkpoint's optimizer state is --optimizer {saved}'s, this run's is --optimizer {ours}: resume with "
             f"--optimizer {saved}, or start a new run from the checkpoint's weights with --init_from CHECKPOINT"
         )

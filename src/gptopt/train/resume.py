@@ -37,6 +37,7 @@ from gptopt.models import checkpoint, hf
 from gptopt.models.gpt import GPT
 from gptopt.train import distributed
 from gptopt.train.distributed import DistInfo
+from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -64,13 +65,13 @@ def check_run_output(cfg: TrainConfig, info: DistInfo) -> list[Path]:
     # A run of gptopt's is marked, or (from before marks) has its checkpoints. Files of a run's names that
     # are not one are the user's: neither --resume nor --overwrite writes over them, so that is said now.
     if found and outputs.marked_kind(out) != RUN_KIND and not checkpoint.checkpoint_dirs(out):
-        raise ValueError(f"--output_dir {out} holds {outputs.some(found)}, which gptopt did not write (no run of "
+        raise UserError(f"--output_dir {out} holds {outputs.some(found)}, which gptopt did not write (no run of "
                          "its own is there); nothing was written, and neither --resume nor --overwrite would write "
                          "over them: move them out, or choose another --output_dir")
     if cfg.resume:
         return []
     if found and not cfg.overwrite:
-        raise ValueError(f"--output_dir {out} holds a training run ({outputs.some(found)}); nothing was written: "
+        raise UserError(f"--output_dir {out} holds a training run ({outputs.some(found)}); nothing was written: "
                          "pass --resume auto to continue it, --overwrite to replace it (kept until the new run "
                          "saves its first checkpoint), or choose another --output_dir")
     if not found or not main:
@@ -90,7 +91,7 @@ def resume_dir(cfg: TrainConfig) -> Path | None:
         if not (path / checkpoint.TRAIN_STATE).is_file():
             what = ("no such directory" if not path.exists()
                     else f"not a training checkpoint (no {checkpoint.TRAIN_STATE})")
-            raise ValueError(f"--resume {cfg.resume}: {what}; pass --resume auto or a ckpt-* directory of a run")
+            raise UserError(f"--resume {cfg.resume}: {what}; pass --resume auto or a ckpt-* directory of a run")
         return path
     return None
 
@@ -118,7 +119,7 @@ def check_ranks_resume_alike(state: dict[str, Any], resumed: Path | None, info: 
     if low != high:
         def at(s: int) -> str:
             return "start afresh" if s < 0 else f"resume at step {s}"
-        raise ValueError(
+        raise UserError(
             f"the ranks disagree on where to start: some would {at(low)}, others {at(high)} (rank "
             f"{info.rank}: {at(step)}, from {resumed or 'no checkpoint'}). Each rank reads "
             "--output_dir (for --resume auto) or --resume on its own machine: put the output folder on storage "
@@ -140,14 +141,14 @@ def build_model(cfg: TrainConfig, attention: str, data_vocab: int, resumed: Path
         return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, data_vocab, vocab_pad_multiple=cfg.vocab_pad_multiple,
                                    **arch_overrides(cfg.arch), **runtime))
     if cfg.arch:
-        raise ValueError(f"--arch designs a new model; {cfg.init_from} comes with its own: drop --arch, or "
+        raise UserError(f"--arch designs a new model; {cfg.init_from} comes with its own: drop --arch, or "
                          "train from scratch")
     if cfg.init_from in ("debug", "tiny"):
-        raise ValueError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
+        raise UserError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
     try:  # what `gptopt generate --model` takes: a training output dir means its latest checkpoint
         source = model_source(cfg.init_from)
     except ValueError as e:
-        raise ValueError(str(e).replace("--model", "--init_from")) from None
+        raise UserError(str(e).replace("--model", "--init_from")) from None
     return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
 
 
@@ -175,7 +176,7 @@ def check_tokenizer(cfg: TrainConfig, data: TokenData, resumed: Path | None) -> 
     if digest is None or digest == tokenizer_digest(ours):
         return
     where = source / TOKENIZER if isinstance(source, Path) and (source / TOKENIZER).is_file() else source
-    raise ValueError(f"--data_dir {cfg.data_dir} was tokenized with another tokenizer than {what}'s (tokenizer "
+    raise UserError(f"--data_dir {cfg.data_dir} was tokenized with another tokenizer than {what}'s (tokenizer "
                      f"{tokenizer_digest(ours)} against the model's {digest}): the model would train on ids that "
                      f"mean other text; nothing was written. Tokenize your text with the model's tokenizer: gptopt "
                      f"prepare --input YOUR_TEXT --tokenizer {where} --output_dir NEW_DATA, then train with "
@@ -190,7 +191,7 @@ def check_resumed_shape(cfg: TrainConfig, stored: GPTConfig, run: dict[str, Any]
     """--preset and --arch shape a new run only: those given for a resumed run must be its checkpoint's."""
     changed = {k: v for k, v in arch_overrides(cfg.arch).items() if getattr(stored, k) != v}
     if changed:
-        raise ValueError(f"--arch {cfg.arch} does not apply to a resumed run: {resumed} holds "
+        raise UserError(f"--arch {cfg.arch} does not apply to a resumed run: {resumed} holds "
                          + ", ".join(f"{k}={getattr(stored, k)}" for k in changed)
                          + "; drop --arch to go on with it, or give the new design another --output_dir")
     stored_preset = run.get("preset", DEFAULT_PRESET) or DEFAULT_PRESET  # None: the default, as train read it
@@ -205,7 +206,7 @@ def check_resumed_shape(cfg: TrainConfig, stored: GPTConfig, run: dict[str, Any]
         return
     name = "" if pretrained or stored_preset not in PRESETS else f"{stored_preset} "
     held = f"{resumed} holds the run's {name}model ({', '.join(f'{k} {getattr(stored, k)}' for k in differ)})"
-    raise ValueError(f"--preset {cfg.preset} does not apply to a resumed run: {held}, where {cfg.preset} has "
+    raise UserError(f"--preset {cfg.preset} does not apply to a resumed run: {held}, where {cfg.preset} has "
                      f"{', '.join(f'{k} {getattr(asked, k)}' for k in differ)}; drop --preset to go on with it, or "
                      f"give a new {cfg.preset} run another --output_dir")
 

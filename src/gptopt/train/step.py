@@ -30,6 +30,7 @@ from gptopt.runtime.torch_private import graph_break_reason, skip_step_if
 from gptopt.train import distributed
 from gptopt.train.distributed import DistInfo
 from gptopt.train.optim import group_lrs, lr_at, make_optimizer
+from gptopt.utils.errors import UserError
 
 # Names the step's one host sync in traces: `gptopt profile` does not count it as an avoidable sync.
 READOUT_RANGE = "gptopt::readout"
@@ -64,7 +65,7 @@ def forward_backward(
     except Exception as e:
         reason = graph_break_reason(e)
         if reason:
-            raise ValueError(
+            raise UserError(
                 f"graph break under --compile_fullgraph: {reason}; drop --compile_fullgraph to let torch.compile "
                 "split the graph"
             ) from e

@@ -15,6 +15,7 @@ from gptopt.runtime.compile import compile_model
 from gptopt.runtime.device import DevicePlan
 from gptopt.train import distributed
 from gptopt.train.distributed import DistInfo
+from gptopt.utils.errors import UserError
 
 
 @dataclass
@@ -43,7 +44,7 @@ def wrap_for_training(
         to_float8(model)
     if fsdp:
         if not info.enabled:
-            raise ValueError("--fsdp needs torchrun: torchrun --nproc_per_node N -m gptopt train --fsdp ...")
+            raise UserError("--fsdp needs torchrun: torchrun --nproc_per_node N -m gptopt train --fsdp ...")
         if not cpu_offload:
             model.to(plan.device)
         model = distributed.wrap_fsdp(model, param_dtype=plan.amp_dtype, cpu_offload=cpu_offload)
