@@ -13,6 +13,7 @@ import importlib.util
 import json
 import subprocess
 import sys
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -21,6 +22,8 @@ from typing import Any
 import pytest
 import torch
 from tokenizers import Tokenizer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from gptopt.config import GPTConfig, preset
 from gptopt.models.gpt import GPT
@@ -228,3 +231,39 @@ def another_writer(out: Path, *, whole: bool = False) -> Iterator[subprocess.Pop
     finally:
         proc.kill()
         proc.wait()
+
+
+class LiveBytes(TorchDispatchMode):
+    """The bytes of the storages torch ops allocate while active, and their peak: each storage counted once, until
+    no tensor holds it (an op's output that shares an input's storage, in place or a view, allocates nothing).
+    What the memory estimates are held to: the tensors' own bytes, not an allocator's or the process's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.holders: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.holders[key] -= 1
+        if not self.holders[key]:
+            del self.holders[key]
+            self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        given = tree_flatten((args, kwargs))[0]
+        inputs = {t.untyped_storage().data_ptr() for t in given if isinstance(t, torch.Tensor)}
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+            if key not in self.holders:
+                if key in inputs:
+                    continue
+                self.holders[key] = 0
+                self.live += nbytes
+                self.peak = max(self.peak, self.live)
+            self.holders[key] += 1
+            weakref.finalize(t, self._release, key, nbytes)
+        return out

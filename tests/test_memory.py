@@ -8,6 +8,7 @@ Nothing here allocates more than a few hundred MiB: absurd runs are refused befo
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import resource
@@ -21,10 +22,12 @@ import torch
 from gptopt import cli
 from gptopt.config import TrainConfig, preset
 from gptopt.infer import memory as infer_memory
+from gptopt.infer.generator import Generator
 from gptopt.infer.memory import inference_bytes
 from gptopt.models import flops
 from gptopt.models.gpt import GPT
 from gptopt.runtime import memory
+from gptopt.runtime.device import resolve
 from gptopt.runtime.memory import Estimate
 from gptopt.train import memory as train_memory
 from gptopt.train.memory import train_step_bytes
@@ -88,6 +91,79 @@ def test_the_estimate_is_within_a_small_factor_of_the_measured_peak(
     est = train_step_bytes(cfg, B, T, amp_dtype=dtype).without("weights")  # the model was built before rss0
     # an upper-ish bound: not far below what the step took (the refusal keeps a tenth in hand), nor far above
     assert 0.8 * grown <= est.total <= 3 * grown, (est.describe(), grown)
+
+
+# The families at sizes a test runs quickly: GPT-2's block (tiny), Llama's (llama-tiny: grouped-query attention,
+# SwiGLU, RMSNorm, rotary) and Qwen3-0.6B's own block (heads sized apart from the width, QK-norm), two layers of it
+FAMILIES = {"gpt2": preset("tiny", vocab_size=512, block_size=512),
+            "llama": preset("llama-tiny", vocab_size=512, block_size=512),
+            "qwen3": dataclasses.replace(preset("qwen3-0.6b"), n_layer=2, vocab_size=512, block_size=512)}
+
+
+def _saved_activations(model: GPT, x: torch.Tensor, amp: torch.dtype | None) -> int:
+    """The bytes a training forward saves for backward, but the weights, their autocast copies and the loss's
+    (log-softmax) rows: what train_step_bytes counts as activations and attention scores."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    sizes = {p.numel() for p in model.parameters() if p.dim() == 2}
+    kept: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        copy = amp is not None and t.dtype == amp and t.dim() == 2 and t.numel() in sizes
+        rows = t.dim() >= 2 and t.shape[-1] in (model.config.vocab_size, model.config.padded_vocab_size)
+        if storage.data_ptr() not in weights and not copy and not rows:
+            kept[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+        model(x, x)
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("amp", [None, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_training_estimate_of_each_family_is_within_15_percent_of_what_its_step_saves(
+        family: str, attention: str, amp: torch.dtype | None) -> None:
+    """What a step keeps for backward follows the model's real shapes: the MLP's width (SwiGLU's four tensors of
+    it), the heads' width apart from the model's, grouped-query attention's repeated keys and values, QK-norm,
+    RMSNorm. A GPT-2-shaped count put Qwen3-0.6B's at about half."""
+    config = dataclasses.replace(FAMILIES[family], attention=attention)
+    torch.manual_seed(0)
+    model = GPT(config)
+    B, T = 2, 48
+    est = train_step_bytes(config, B, T, amp_dtype=amp)
+    backward_scores = 3 * 4 * B * config.n_head * T * T if attention == "eager" else 0  # not saved: backward's own
+    counted = est.parts["activations"] + est.parts["attention scores"] - backward_scores
+    real = _saved_activations(model, torch.randint(0, config.vocab_size, (B, T)), amp)
+    assert 0.85 * real <= counted <= 1.15 * real, (counted, real)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_inference_estimate_of_each_family_is_within_15_percent_of_the_tensors_a_generator_takes(
+        family: str, attention: str, dtype: torch.dtype) -> None:
+    """The weights and the KV cache exactly; the forward (a prefill of the whole context, then a decode step of
+    every slot over its cache, the slots apart: a gather) within 15% of the tensors it allocates at its peak."""
+    from conftest import LiveBytes
+
+    config = dataclasses.replace(FAMILIES[family], attention=attention)
+    torch.manual_seed(0)
+    model = GPT(config).eval().to(dtype)
+    slots, T = 4, 128
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2 * slots, max_len=T)
+    rows = list(range(0, 2 * slots, 2))  # not consecutive: the decode gathers their keys and values
+    with torch.no_grad(), LiveBytes() as live:
+        gen.prefill(rows[0], list(range(1, T)))
+        for row in rows[1:]:
+            gen.prefill(row, [1, 2])
+        gen.decode(rows, [1] * slots, [T - 1] + [2] * (slots - 1))
+    est = inference_bytes(config, slots, T, dtype=dtype)
+    assert est.parts["weights"] == sum(p.numel() * p.element_size() for p in model.parameters())
+    assert est.parts["KV cache"] * 2 == sum(t.numel() * t.element_size() for t in gen.cache.k + gen.cache.v)
+    assert 0.85 * live.peak <= est.parts["forward"] <= 1.15 * live.peak, (est.parts["forward"], live.peak)
 
 
 def test_each_suggested_fix_makes_the_step_smaller() -> None:

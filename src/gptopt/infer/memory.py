@@ -10,25 +10,44 @@ import torch
 
 from gptopt.config import GPTConfig
 from gptopt.models.flops import param_count
+from gptopt.models.gpt import CAUSAL_SPLIT_MIN
 from gptopt.runtime.memory import F32, Estimate, itemsize, largest_batch
+
+
+def live_widths(config: GPTConfig) -> tuple[int, int, int]:
+    """What a forward holds per token at its widest points (no gradients: one layer's tensors at a time), in
+    elements: (the residual, its norm and the new residual; attention's: c_attn's output, the rotated or normed
+    queries and keys, the keys and values repeated to every query head under grouped-query attention, the output
+    and its transpose; the MLP's: GELU's input and output, SwiGLU's activation, up projection and product)."""
+    C, A, K, H = config.n_embd, config.n_head * config.head_dim, config.kv_heads * config.head_dim, config.mlp_hidden
+    moved = config.positions == "rope" or config.qk_norm
+    attention = (A + 2 * K) + (A + K if moved else 0) + (2 * A if config.kv_heads != config.n_head else 0) + 2 * A
+    return 3 * C, attention, (3 if config.mlp == "swiglu" else 2) * H
 
 
 def inference_bytes(config: GPTConfig, slots: int, max_len: int, *, dtype: torch.dtype | None = None) -> Estimate:
     """Peak bytes of a Generator with `slots` sequences of up to max_len tokens, weights in `dtype`
-    (None: fp32): the weights, the KV cache, and the largest forward (a max_len prefill, a full decode)."""
-    P, C, L, H, V = param_count(config), config.n_embd, config.n_layer, config.n_head, config.vocab_size
+    (None: fp32): the weights, the KV cache, and the larger forward (a max_len prefill, a decode step of every
+    slot over the whole cache), each from the model's shapes (live_widths)."""
+    P, L, H, V = param_count(config), config.n_layer, config.n_head, config.vocab_size
+    K = config.kv_heads * config.head_dim
     w = itemsize(dtype)
-    # a prefill of max_len tokens: the residual, q/k/v, the MLP's hidden layer (12 C per token, one
-    # layer live at a time) and eager attention's scores (several fp32 copies of one layer's)
-    prefill = max_len * 12 * C * w + 3 * F32 * H * max_len * max_len
-    # a decode step of every slot: the same per token, the scores over the cache, a gather of one
-    # layer's keys and values for non-consecutive slots, and fp32 logits
-    kv = config.kv_heads * config.head_dim  # a position's keys in one layer: grouped-query attention keeps fewer
-    decode = slots * (12 * C * w + 3 * F32 * H * max_len + (w + F32) * V) + 2 * slots * max_len * kv * w
+    base, attention, mlp = live_widths(config)
+    eager = config.attention == "eager"
+    # a prefill of max_len tokens: eager attention also holds one layer's scores and the softmax beside them (three
+    # quarters of them from CAUSAL_SPLIT_MIN tokens: the two query blocks)
+    scores = 2 * w * H * max_len * max_len * (3 / 4 if max_len >= CAUSAL_SPLIT_MIN else 1) if eager else 0
+    prefill = max_len * w * base + max(max_len * w * attention + int(scores), max_len * w * mlp)
+    # a decode step of every slot: the same per row; over the whole cache, a gather of one layer's keys and values
+    # for non-consecutive slots, their repetition to every query head under grouped-query attention, the scores;
+    # and fp32 logits
+    cache = max_len * w * (2 * K + (2 * config.n_head * config.head_dim if config.kv_heads != config.n_head else 0))
+    row_attention = w * attention + cache + (2 * w * H * max_len if eager else 0)
+    decode = slots * (w * base + max(row_attention, w * mlp) + F32 * V)
     return Estimate({
         "weights": P * w,
-        "KV cache": 2 * L * slots * max_len * kv * w,  # keys and values, every layer
-        "forward": prefill + decode,
+        "KV cache": 2 * L * slots * max_len * K * w,  # keys and values of the key/value heads, every layer
+        "forward": max(prefill, decode),
     })
 
 

@@ -18,6 +18,7 @@ import torch
 
 from gptopt.config import GPTConfig, TrainConfig
 from gptopt.models.flops import param_count
+from gptopt.models.gpt import CAUSAL_SPLIT_MIN
 from gptopt.models.loss import chunk_rows
 from gptopt.runtime import memory
 from gptopt.runtime.device import DevicePlan
@@ -25,6 +26,41 @@ from gptopt.runtime.memory import F32, Estimate, is_oom, itemsize
 from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
+
+
+def norm_saved(config: GPTConfig, a: int) -> int:
+    """Bytes a norm of the model's width keeps for backward per token, with the product after it: LayerNorm (one
+    fused kernel) its fp32 input; RMSNorm (torch's composite of products) its fp32 input and the normalised
+    values; and the next product its input, in the matmul dtype (a)."""
+    return (F32 * (2 if config.norm == "rmsnorm" else 1) + a) * config.n_embd
+
+
+def saved_per_token(config: GPTConfig, a: int) -> int:
+    """Bytes one block saves for backward per token, from its shapes (a: the matmul dtype's size, the autocast
+    dtype's, 4 without): what GPT-2's, Llama's and Qwen3's blocks keep, read off the model's forward.
+
+    Two norms (norm_saved). Attention: its output and c_proj's input (the heads' width A = n_head x head_dim,
+    Qwen3's apart from the model's); the queries, keys and values SDPA keeps: views of c_attn's output, except the
+    rotated queries and keys, and under grouped-query attention keys and values repeated to every query head; its
+    log-sum-exp. QK-norm keeps its inputs and the normalised queries and keys, in fp32. The MLP: GELU's and
+    ReLU^2's input and output (2 of the hidden width H); SwiGLU's gate, its activation, the up projection and
+    their product (4)."""
+    C, A, K, H = config.n_embd, config.n_head * config.head_dim, config.kv_heads * config.head_dim, config.mlp_hidden
+    grouped = config.kv_heads != config.n_head
+    moved = config.positions == "rope" or config.qk_norm  # queries and keys made anew from c_attn's output
+    attention = 2 * a * A + F32 * config.n_head  # SDPA's output, c_proj's input; the log-sum-exp
+    if config.attention == "eager":  # softmax(q k^T) v keeps the scores (counted apart) and v, no output or lse
+        attention -= a * A + F32 * config.n_head
+    attention += a * A if moved else 0  # the queries
+    attention += a * A if grouped else (a * K if moved else 0)  # the keys
+    attention += a * A if grouped else 0  # the values, repeated
+    views_kept = not grouped or config.qk_norm and a == F32  # c_attn's output itself, through views of it
+    attention += a * (A + 2 * K) if views_kept else 0
+    if config.qk_norm:  # the normalised queries and keys; under autocast also the fp32 copies of their inputs
+        attention += F32 * (A + K) * (2 if a != F32 else 1)
+    mlp = (4 if config.mlp == "swiglu" else 2) * a * H
+    dropout = (C + A + H + C) if config.dropout else 0  # byte masks: attention, both residual branches, MLP
+    return 2 * norm_saved(config, a) + attention + mlp + dropout
 
 
 def train_step_bytes(config: GPTConfig, batch_size: int, seq_len: int, *, amp_dtype: torch.dtype | None = None,
@@ -39,23 +75,21 @@ def train_step_bytes(config: GPTConfig, batch_size: int, seq_len: int, *, amp_dt
     V, Vp = config.vocab_size, config.padded_vocab_size
     a = itemsize(amp_dtype)  # a matmul's inputs and outputs: the autocast dtype's size, fp32's without
     tokens = batch_size * seq_len
-    # Saved for backward, per token and layer: ln_1's and ln_2's fp32 inputs (2 x 4C); c_attn's input
-    # (C), q, k, v (3C), attention's output (C) and c_proj's input (C), c_fc's input (C), its output and
-    # GELU's output (2 x 4C), in the matmul dtype: 15 a C in all. Dropout adds its byte masks.
-    per_layer = 2 * F32 * C + 15 * a * C + (7 * C if config.dropout else 0)
+    per_layer = saved_per_token(config, a)
     # Eager attention keeps the (T x T) softmax per head: fp32, plus its cast to the matmul dtype under
-    # autocast (and a byte mask with dropout); backward briefly holds about three more of one layer's.
+    # autocast (and a byte mask with dropout); from CAUSAL_SPLIT_MIN tokens only three quarters of it (the two
+    # query blocks), and backward briefly holds about three more of one layer's.
     score = (F32 + (a if amp_dtype is not None else 0) + (1 if config.dropout else 0)
              if config.attention == "eager" else 0)
-    scores_per_layer = batch_size * H * seq_len * seq_len * score
+    scores_per_layer = batch_size * H * seq_len * seq_len * score * (3 / 4 if seq_len >= CAUSAL_SPLIT_MIN else 1)
     backward_scores = 3 * F32 * batch_size * H * seq_len * seq_len if score else 0
     if config.gradient_checkpointing:  # each block keeps its input; backward recomputes one block at a time
         activations = tokens * (L * F32 * C + per_layer)
-        scores = scores_per_layer + backward_scores
+        scores = int(scores_per_layer) + backward_scores
     else:
         activations = tokens * L * per_layer
-        scores = L * scores_per_layer + backward_scores
-    activations += tokens * (F32 + a) * C  # ln_f's input and lm_head's
+        scores = int(L * scores_per_layer) + backward_scores
+    activations += tokens * norm_saved(config, a)  # ln_f's, and lm_head's input
     if config.loss == "chunked":
         # loss.py: one chunk's logits at a time (the same four copies as below), and the gradients it keeps for
         # backward: the hidden states' and the head weight's, both fp32
