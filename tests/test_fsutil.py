@@ -238,6 +238,29 @@ def test_a_killed_replacement_is_undone_and_killed_staging_is_removed(tmp_path: 
         f".ckpt-0000020.tmp-{host}-{os.getpid()}-0123abcd", f".ckpt-0000030.tmp-otherhost-{dead}-0123abcd"]
 
 
+def test_a_staging_folder_is_judged_dead_only_by_a_writer_that_can_see_its_process(tmp_path: Path) -> None:
+    """Staging folders name their writer's host, its boot and pid namespace, pid and start time: two containers
+    sharing a hostname and a volume never take each other's live folders (another namespace's pids are not ours
+    to judge), and a pid reused by another process since is known dead."""
+    from gptopt.outputs.staging import _space, _start_time
+
+    here, me = _space(), os.getpid()
+    start = _start_time(me)
+    if start is None:
+        pytest.skip("no /proc here: start times are not read")
+    dead = _dead_pid()
+    names = {
+        "gone": f".a.tmp-{_HOST}-{here}-{dead}-{start}-0123abcd",  # this machine and namespace, no such process
+        "reused": f".b.tmp-{_HOST}-{here}-{me}-{start + 1}-0123abcd",  # its pid now runs another process
+        "live": f".c.tmp-{_HOST}-{here}-{me}-{start}-0123abcd",  # this very process
+        "elsewhere": f".d.tmp-{_HOST}-{'f' * 8 if here != 'f' * 8 else '0' * 8}-{dead}-1-0123abcd",  # another container
+    }
+    for name in names.values():
+        (tmp_path / name).mkdir()
+    outputs.clean_stale(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([names["live"], names["elsewhere"]])
+
+
 def test_a_swap_killed_between_its_renames_gets_the_old_directory_back(tmp_path: Path) -> None:
     dead = _dead_pid()
     old = tmp_path / f".model.old-{_HOST}-{dead}-0123abcd"  # renamed away; the new never arrived
@@ -294,11 +317,13 @@ def test_a_second_writer_is_refused_at_once_naming_the_first(tmp_path: Path, who
 def test_a_writer_killed_outright_leaves_no_lock_behind(tmp_path: Path) -> None:
     out = tmp_path / "out"
     with another_writer(out):
-        pass  # SIGKILL: no clean-up ran, its lock file is still there
-    assert (out / outputs.LOCK_FILE).exists()
+        pass  # SIGKILL: no clean-up ran, its lock file (beside the output) is still there
+    assert (tmp_path / f".out{outputs.LOCK_FILE}").exists()
     with outputs.lock_output(out):
+        out.mkdir()
         (out / "written.txt").write_text("mine")
-    assert [p.name for p in out.iterdir()] == ["written.txt"]  # the lock file goes with the lock
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # the lock file goes with the lock
+    assert [p.name for p in out.iterdir()] == ["written.txt"]
 
 
 _FORKS = """
@@ -334,7 +359,7 @@ def test_a_worker_forked_by_a_killed_writer_does_not_keep_its_lock(tmp_path: Pat
 def test_the_lock_is_taken_again_inside_one_process_and_leaves_no_folder_it_made(tmp_path: Path) -> None:
     out = tmp_path / "new" / "out"
     with outputs.lock_output(out), outputs.lock_output(out):  # a verb calling another verb's writer
-        assert out.is_dir()
+        assert out.parent.is_dir()  # made to hold the lock, beside the output
     assert list(tmp_path.iterdir()) == []  # refused or failed before writing: nothing made stays
 
 

@@ -263,7 +263,7 @@ def test_an_output_folder_that_cannot_be_written(verb: str, train_data: Path, mo
 # ----------------------------------------------------------------------------------------------
 # (c) An output another gptopt process is writing: refused at once, naming that process
 
-# The verbs that publish their output whole (a directory, or generate's file) hold their lock beside it.
+# The verbs that publish their output whole (a directory, or generate's file); the others write in place.
 WHOLE = {"compress", "export onnx", "export hf", "generate --output", "eval"}
 
 
@@ -276,6 +276,23 @@ def test_an_output_another_process_is_writing(verb: str, train_data: Path, model
     target = folder / "out.jsonl" if verb == "generate --output" else folder
     no_model_work(monkeypatch)
     with another_writer(target, whole=verb in WHOLE) as first:
+        before = snapshot(tmp_path)
+        refused(argv, capsys, f"{target} is being written by another gptopt process (pid {first.pid})",
+                "nothing was written")
+        assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("verb", list(UNWRITABLE))
+def test_an_output_a_writer_of_the_other_kind_holds_is_refused_too(
+        verb: str, train_data: Path, model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """One lock for every kind of writer: a folder a compress (published whole) is writing refuses a train
+    (written in place), and the other way round, for every verb."""
+    folder = with_notes(tmp_path / "busy")
+    argv = UNWRITABLE[verb](train_data, model_dir, folder)
+    target = folder / "out.jsonl" if verb == "generate --output" else folder
+    no_model_work(monkeypatch)
+    with another_writer(target, whole=verb not in WHOLE) as first:
         before = snapshot(tmp_path)
         refused(argv, capsys, f"{target} is being written by another gptopt process (pid {first.pid})",
                 "nothing was written")

@@ -19,14 +19,14 @@ from types import TracebackType
 
 from gptopt.outputs.staging import (
     _ASIDE,
-    _HOST,
+    _WRITER,
     OWNER_FILE,
-    _alive,
     _finish_tree,
     _ours,
     _path,
     _staging_dir,
     _tag,
+    _writer_gone,
     fsync_dir,
     mark,
     marked_kind,
@@ -110,8 +110,8 @@ def recover(target: Path, ours: Sequence[str] = ()) -> None:
     except OSError:
         return
     for folder in asides:
-        m = re.match(r"^old-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$", folder.name[len(_ASIDE):])
-        if m and m["host"] == _HOST and not _alive(int(m["pid"])):
+        m = re.match(rf"^old-{_WRITER}-[0-9a-f]{{8}}$", folder.name[len(_ASIDE):])
+        if m and _writer_gone(m):
             _restore(target, folder, ours)
 
 

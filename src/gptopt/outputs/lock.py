@@ -47,10 +47,15 @@ if hasattr(os, "register_at_fork"):
 
 
 def _lock_path(target: Path, whole: bool) -> Path:
-    # Written in place (train, bench, prepare, ...): inside the folder, whose parent need not be writable
-    # (--output_dir . in a home folder). Published whole (staged_dir, staged_file): beside it, as the
-    # staging is; the folder itself is swapped by a rename, and a lock inside would leave with the old one.
-    return target.parent / f".{target.name}{LOCK_FILE}" if whole else target / LOCK_FILE
+    # One place for every kind of writer, so that a train and a compress into one folder keep each other out:
+    # beside the output (.NAME.gptopt-lock), as a whole publish needs (the folder itself is swapped by a rename,
+    # and a lock inside would leave with the old one). An output written in place whose parent takes no new
+    # file (--output_dir . in a read-only folder) locks inside instead; a whole publish could not be made there.
+    parent = target.parent
+    beside = parent / f".{target.name}{LOCK_FILE}"
+    if whole or beside.exists() or not parent.is_dir() or os.access(parent, os.W_OK | os.X_OK):
+        return beside
+    return target / LOCK_FILE
 
 
 def _missing(folder: Path) -> list[Path]:

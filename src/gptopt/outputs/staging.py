@@ -5,14 +5,15 @@ killed writers' staging leftovers.
 
     python -c "from gptopt.outputs.staging import staged_dir; help(staged_dir)"
 
-Staging folders are tagged host-pid-token; those of a dead process on this host are removed (or, for an
-interrupted replacement, restored) by the next write there.
+Staging folders are tagged with their writer (host, boot and pid namespace, pid, start time) and a token; those of
+a writer certainly dead are removed (or, for an interrupted replacement, restored) by the next write there.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fnmatch
+import hashlib
 import json
 import logging
 import os
@@ -27,7 +28,7 @@ from typing import Any
 log = logging.getLogger("gptopt")
 
 OWNER_FILE = ".gptopt-output.json"
-LOCK_FILE = ".gptopt-lock"  # inside an output written in place; beside one published whole: .NAME.gptopt-lock
+LOCK_FILE = ".gptopt-lock"  # beside the output: .NAME.gptopt-lock (inside, where its parent takes no file)
 
 
 def fsync_dir(path: Path) -> None:
@@ -70,8 +71,12 @@ def _finish_tree(root: Path) -> None:
 
 
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname()) or "host"
-# .NAME.KIND-HOST-PID-TOKEN: tmp (being written), old (replaced, not yet deleted), trash (being deleted)
-_STAGED = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|old|trash)-(?P<host>[A-Za-z0-9_.]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+# Who wrote a staging or aside folder: HOST-SPACE-PID-START. SPACE names this boot of the machine and this process's
+# pid namespace (containers sharing a hostname and a volume have their own), START the process's start time, so
+# a reused pid is told apart. Older versions wrote HOST-PID only.
+_WRITER = r"(?P<host>[A-Za-z0-9_.]+)-(?:(?P<space>[0-9a-f]{8})-(?P<pid>\d+)-(?P<start>\d+)|(?P<old_pid>\d+))"
+# .NAME.KIND-WRITER-TOKEN: tmp (being written), old (replaced, not yet deleted), trash (being deleted)
+_STAGED = re.compile(rf"^\.(?P<name>.+)\.(?P<kind>tmp|old|trash)-{_WRITER}-[0-9a-f]{{8}}$")
 
 _ASIDE = ".gptopt-old-"  # the folder an --overwrite moves the old entries into (aside.Aside)
 
@@ -81,8 +86,50 @@ def _path(target: str | os.PathLike[str]) -> Path:
     return Path(os.path.abspath(os.path.expanduser(target)))
 
 
+def _start_time(pid: int) -> int | None:
+    """When process pid started, in clock ticks since boot (/proc/PID/stat's 22nd field); None where unknown."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()  # after the command name, which may hold spaces
+    return int(fields[19]) if len(fields) > 19 and fields[19].isdigit() else None
+
+
+def _space() -> str:
+    """This boot of the machine and this process's pid namespace, as 8 hex digits ("00000000" where neither can be
+    read): two writers of one space see each other's processes."""
+    parts = []
+    for path in ("/proc/sys/kernel/random/boot_id", "/proc/self/ns/pid"):
+        with contextlib.suppress(OSError):
+            parts.append(os.readlink(path) if path.endswith("/pid") else Path(path).read_text().strip())
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:8] if parts else "0" * 8
+
+
+def _writer() -> str:
+    pid = os.getpid()
+    return f"{_HOST}-{_space()}-{pid}-{_start_time(pid) or 0}"
+
+
 def _tag(kind: str) -> str:
-    return f"{kind}-{_HOST}-{os.getpid()}-{secrets.token_hex(4)}"
+    return f"{kind}-{_writer()}-{secrets.token_hex(4)}"
+
+
+def _writer_gone(m: re.Match[str]) -> bool:
+    """Whether the writer a _WRITER match names is certainly dead: of this host and this space (else its processes
+    are not ours to see: never judged), with no live process of its pid and start time. Older names (host-pid):
+    this host, no such pid."""
+    if m["host"] != _HOST:
+        return False
+    if m["old_pid"] is not None:
+        return not _alive(int(m["old_pid"]))
+    if m["space"] != _space():
+        return False
+    pid, start = int(m["pid"]), int(m["start"])
+    if not _alive(pid):
+        return True
+    now = _start_time(pid)
+    return start != 0 and now is not None and now != start  # the pid was reused by another process
 
 
 def _sibling(target: Path, kind: str) -> Path:
@@ -141,7 +188,7 @@ def clean_stale(directory: Path) -> list[Path]:
         return done
     for path in entries:
         m = _STAGED.match(path.name)
-        if not m or m["host"] != _HOST or _alive(int(m["pid"])):
+        if not m or not _writer_gone(m):
             continue
         target = directory / m["name"]
         if m["kind"] == "old" and not target.exists():
