@@ -1519,14 +1519,15 @@ def test_an_engine_process_that_dies_ends_its_requests_with_an_error_and_logs_th
         wait_for(lambda: app.state.engine.stats()["running"] == 1)
         os.kill(app.state.engine.pid, signal.SIGKILL)  # as the kernel's out-of-memory killer would
         t.join(timeout=30)
-        assert "engine process exited" in assert_openai_error(result["r"], 500)["message"]
+        # a stable code: the engine failed (a 503, as a restart is what helps)
+        assert "killed by signal 9" in assert_openai_error(result["r"], 503, "engine_failed")["message"]
         wait_for(lambda: "restart the server" in caplog.text, timeout=10)
         assert "the engine process was killed by signal 9 (SIGKILL); ended its 1 open requests" in caplog.text
         for probe in ("health", "ready"):  # an orchestrator's liveness probe restarts it
             r = httpx.get(f"{url}/{probe}")
             assert (r.status_code, r.json()["status"]) == (503, "failed")
         # a new request is told what the log says: how the engine ended
-        message = assert_openai_error(completion(url, max_tokens=2), 503)["message"]
+        message = assert_openai_error(completion(url, max_tokens=2), 503, "engine_failed")["message"]
         assert "the engine process was killed by signal 9 (SIGKILL)" in message
 
 
@@ -1664,3 +1665,29 @@ def test_every_end_of_sequence_id_of_the_model_ends_a_completion_and_ignore_eos_
         generated = httpx.post(f"{url}/generate", json={"prompt": PROMPT, "max_length": len(ids) + 8,
                                                         "temperature": 0}).json()["generated_text"]
         assert generated == PROMPT + debug_tokenizer.decode(greedy[:k])
+
+
+def test_a_stalled_engine_is_reported_and_its_waiting_requests_end_with_a_503(
+        debug_tokenizer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine stuck in a step (a hung kernel, a deadlock) with work waiting: after --stall_timeout, /health and
+    /ready answer 503 "stalled", the waiting request ends with 503 engine_stalled, and the log says so."""
+    release = threading.Event()
+    with running(debug_tokenizer, max_batch_size=2, stall_timeout=0.5) as (url, app), \
+            caplog.at_level("ERROR", logger="gptopt"):
+        gen, decode = app.state.engine.generator, app.state.engine.generator.decode
+
+        def stuck(*args: Any) -> torch.Tensor:
+            release.wait()
+            return decode(*args)
+
+        gen.decode = stuck
+        try:
+            r = completion(url, max_tokens=5, temperature=0)
+            assert "no progress for 0.5 s" in assert_openai_error(r, 503, "engine_stalled")["message"]
+            for probe in ("health", "ready"):
+                response = httpx.get(f"{url}/{probe}")
+                assert (response.status_code, response.json()["status"]) == (503, "stalled")
+            assert "stalled" in caplog.text or "no progress" in caplog.text
+        finally:
+            release.set()
+        wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, timeout=10)  # going again: healthy

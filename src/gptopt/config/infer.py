@@ -80,6 +80,9 @@ class ServeConfig:
     max_logprobs: int = opt(20, "the most alternatives per token a request's logprobs may ask for", ge=0,
                             le=MAX_VOCAB)
     request_timeout: float = opt(120.0, "seconds a request may take before it is ended", gt=0.0, le=MAX_SECONDS)
+    stall_timeout: float = opt(60.0, "seconds without any progress, with requests waiting, after which the engine "
+                               "counts as stalled: /health answers 503 and its waiting requests 503 engine_stalled",
+                               gt=0.0, le=MAX_SECONDS)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))

@@ -180,6 +180,7 @@ class Engine:
         self._started = False
         self._done = threading.Event()  # the loop has ended
         self._retry = RetryAfter()
+        self._progress_at = self._submitted_at = time.monotonic()  # an iteration's start; work's arrival at idle
         self.steps = 0  # decode steps run, for tests and logs
 
     # -- client side (any thread) -----------------------------------------------------------
@@ -193,9 +194,22 @@ class Engine:
                 raise Draining("the server is shutting down")
             if self._n_running + len(self._waiting) >= self.capacity:
                 raise QueueFull(self.retry_after())
+            if not self._busy():  # work arrives at an idle engine: its silence counts from now
+                self._submitted_at = time.monotonic()
             self._waiting.append(req)
             self._cv.notify()
         return req
+
+    def _busy(self) -> bool:
+        """Requests waiting or running (under the lock: _n_running mirrors the engine thread's lists)."""
+        return bool(self._waiting or self._n_running)
+
+    def stalled(self, seconds: float) -> bool:
+        """Requests are waiting and no iteration has begun for `seconds`, nor since the first of them came: the
+        engine thread is stuck in a step, or deadlocked."""
+        with self._cv:
+            busy = self._busy()
+        return busy and time.monotonic() - max(self._progress_at, self._submitted_at) > seconds
 
     @property
     def capacity(self) -> int:
@@ -376,6 +390,7 @@ class Engine:
                 # Timed: a signal's Python handler (the engine process's SIGTERM drain) runs on the main
                 # thread, and one the kernel hands to another thread does not interrupt this wait.
                 self._cv.wait(0.5)
+            self._progress_at = time.monotonic()  # an iteration begins: the engine is not stuck
             if self._stop:
                 return False
             now = time.perf_counter()

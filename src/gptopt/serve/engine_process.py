@@ -326,6 +326,7 @@ class EngineProcess:
         self._stats = {"running": 0, "waiting": 0}
         self._metrics_replies: dict[int, tuple[threading.Event, list[bytes]]] = {}
         self._draining = self._closed = False
+        self._heard_at = self._submitted_at = time.monotonic()  # the child's last word; work's arrival at idle
         self._stop_requested = False  # by this process (a drain of the child's own SIGTERM is not)
         self._retry = RetryAfter()
         try:
@@ -396,6 +397,13 @@ class EngineProcess:
         """The engine process ended without this process asking it to: the server needs a restart."""
         return self._closed and not self._stop_requested
 
+    def stalled(self, seconds: float) -> bool:
+        """Requests are open and the child has said nothing (no events, no stats) for `seconds`, nor since the last
+        request came: stuck in a step, or deadlocked, though its process lives."""
+        with self._lock:
+            busy = bool(self._sinks)
+        return busy and time.monotonic() - max(self._heard_at, self._submitted_at) > seconds
+
     def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> RemoteRequest:
         with self._lock:
             if self._draining:
@@ -406,6 +414,8 @@ class EngineProcess:
             if len(self._sinks) >= self.capacity:
                 raise QueueFull(self.retry_after())
             key = next(self._keys)
+            if not self._sinks:  # work arrives at an idle engine: its silence counts from now
+                self._submitted_at = time.monotonic()
             self._sinks[key] = (sink, time.perf_counter(), index)
         try:
             self._send(("submit", key, list(prompt), params, index))
@@ -494,6 +504,7 @@ class EngineProcess:
                     msg = self._events.recv()
                 except (EOFError, OSError):
                     break
+                self._heard_at = time.monotonic()  # the child is making progress
                 if msg[0] == "events":
                     try:
                         self._dispatch(msg[1], msg[2])
@@ -535,9 +546,11 @@ class EngineProcess:
             left, self._sinks = self._sinks, {}
         for done, _ in list(self._metrics_replies.values()):  # a scrape waiting now gets this process's part
             done.set()
-        reason, error = ("cancelled", None) if self._draining else ("error", "the engine process exited")
-        deliver([(sink, Event(index, "", reason, error=error)) for sink, _, index in left.values()])
         if not self._stop_requested:
             self._process.join(5)  # its exitcode is None until it is reaped: the pipe closes first
+        reason, error = ("cancelled", None) if self._draining else (
+            "failed", f"the engine process {_how_it_ended(self._process.exitcode)}")
+        deliver([(sink, Event(index, "", reason, error=error)) for sink, _, index in left.values()])
+        if not self._stop_requested:
             log.error("the engine process %s; ended its %d open requests; restart the server",
                       _how_it_ended(self._process.exitcode), len(left))

@@ -20,8 +20,9 @@ if TYPE_CHECKING:  # a type only: the engine itself never needs prometheus_clien
     pass
 
 # Why a sequence ended. stop/length/content_filter are OpenAI's, and incomplete gptopt's (a constrained reply cut
-# before its document was complete: decoding.Finish); they come with a result (COMPLETED), the others without.
-FinishReason = Literal["stop", "length", "content_filter", "incomplete", "cancelled", "timeout", "error"]
+# before its document was complete: decoding.Finish); they come with a result (COMPLETED), the others without:
+# failed is the engine's end (its process died), error a failure of the request's own steps.
+FinishReason = Literal["stop", "length", "content_filter", "incomplete", "cancelled", "timeout", "error", "failed"]
 COMPLETED: tuple[FinishReason, ...] = ("stop", "length", "content_filter", "incomplete")
 
 

@@ -44,7 +44,7 @@ from gptopt.serve.protocol import (  # noqa: E402
     prompt_list,
     stop_strings,
 )
-from gptopt.serve.sse import finish_error, sse, stream_response, text_choice, watch_disconnect  # noqa: E402
+from gptopt.serve.sse import finish_error, next_event, sse, stall_error, stream_response, text_choice, watch_disconnect  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -144,6 +144,7 @@ class Routes:
         self.chat_stop_ids = tuple(dict.fromkeys(
             (*self.stop_ids, *(self.chat.stop_token_ids(self.tokenizer) if self.chat is not None else ()))))
         self.vocab = Vocab(self.tokenizer)  # token texts and bytes for logprobs
+        self._stall_said = False
 
     def add_routes(self, app: FastAPI) -> None:
         generation = _responses(400, 413, 429, 503, 504)
@@ -293,7 +294,8 @@ class Routes:
             for r in reqs:
                 r.cancel()
             if isinstance(e, Draining):
-                raise APIError(503, str(e), type="server_error", code="draining") from None
+                code = "engine_failed" if self.engine.failed else "draining"
+                raise APIError(503, str(e), type="server_error", code=code) from None
             raise APIError(429, str(e), type="rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(e.retry_after)}) from None
         return queue, reqs
@@ -308,7 +310,7 @@ class Routes:
         try:
             for _ in range(len(reqs)):  # one last event per sequence
                 while True:
-                    ev = await queue.get()
+                    ev = await next_event(queue, self.engine, reqs, self.cfg.stall_timeout)
                     if ev.logprobs is not None:
                         logprobs[ev.index] = (logprobs[ev.index] or []) + ev.logprobs
                     if ev.prompt_logprobs is not None:
@@ -358,7 +360,7 @@ class Routes:
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return stream_response(sse(request, queue, reqs, head, choices, prompt_tokens, usage,
-                                       self.cfg.request_timeout))
+                                       self.cfg.request_timeout, self.engine, self.cfg.stall_timeout))
         results = await self.collect(request, queue, reqs)
         returned = _best(results, copies, body.n) if ranked else results
 
@@ -417,7 +419,8 @@ class Routes:
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return stream_response(sse(request, queue, reqs, {**head, "object": "chat.completion.chunk"}, choices,
-                                len(ids), usage, self.cfg.request_timeout, shape=DeltaChoices()))
+                                len(ids), usage, self.cfg.request_timeout, self.engine, self.cfg.stall_timeout,
+                                shape=DeltaChoices()))
         results = await self.collect(request, queue, reqs)
 
         def shaped() -> list[dict[str, Any]]:
@@ -457,16 +460,27 @@ class Routes:
         return self.model_card(model_id)
 
     async def health(self) -> JSONResponse:
-        # liveness: the process answers, and its engine has not died (an orchestrator restarts it then)
+        # liveness: the process answers, and its engine has neither died nor stalled (an orchestrator restarts it)
         if self.engine.failed:
             return JSONResponse({"status": "failed"}, 503)
+        if self.stalled():
+            return JSONResponse({"status": "stalled"}, 503)
         return JSONResponse({"status": "ok"})
 
     async def ready(self) -> JSONResponse:
-        if self.engine.draining or not self.engine.alive:
-            status = "failed" if self.engine.failed else "draining" if self.engine.draining else "starting"
+        if self.engine.draining or not self.engine.alive or self.stalled():
+            status = ("failed" if self.engine.failed else "draining" if self.engine.draining
+                      else "stalled" if self.engine.alive else "starting")
             return JSONResponse({"status": status}, 503)
         return JSONResponse({"status": "ready", **self.engine.stats()})
+
+    def stalled(self) -> bool:
+        """The engine has made no progress for --stall_timeout with requests waiting; said in the log once a stall."""
+        stalled = self.engine.stalled(self.cfg.stall_timeout)
+        if stalled and not self._stall_said:
+            log.error("the engine is stalled: %s", stall_error(self.cfg.stall_timeout))
+        self._stall_said = stalled
+        return stalled
 
     async def prometheus_metrics(self) -> Response:
         # off the event loop: an engine in its own process is asked for its figures

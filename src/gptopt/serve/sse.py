@@ -18,7 +18,7 @@ require("fastapi", "serve", "gptopt serve")
 from fastapi import Request  # noqa: E402
 from fastapi.responses import StreamingResponse  # noqa: E402
 
-from gptopt.serve.client import Submitted  # noqa: E402
+from gptopt.serve.client import EngineClient, Submitted  # noqa: E402
 from gptopt.serve.events import COMPLETED, Event  # noqa: E402
 from gptopt.serve.logprobs import ChatChoice, CompletionChoice  # noqa: E402
 from gptopt.serve.protocol import (  # noqa: E402
@@ -43,7 +43,31 @@ def finish_error(ev: Event, timeout: float) -> APIError:
                         type="timeout_error", code="timeout")
     if ev.finish_reason == "cancelled":
         return APIError(503, "the server stopped before the request finished", type="server_error")
+    if ev.finish_reason == "failed":
+        return APIError(503, f"{ev.error}: restart the server", type="server_error", code="engine_failed")
     return APIError(500, f"generation failed: {ev.error}", type="server_error")
+
+
+def stall_error(seconds: float) -> APIError:
+    """What a request waiting on a stalled engine is told (and the log says)."""
+    return APIError(503, f"the engine made no progress for {seconds:g} s with requests waiting (stuck in a step, "
+                    "or deadlocked): restart the server", type="server_error", code="engine_stalled")
+
+
+async def next_event(queue: asyncio.Queue[Event], engine: EngineClient, reqs: list[Submitted],
+                     stall: float) -> Event:
+    """The next event for these requests. An engine that makes no progress for `stall` seconds with work waiting
+    is reported, so that no client waits without end: the requests cancelled, a log line, APIError 503
+    engine_stalled."""
+    while True:
+        try:
+            return await asyncio.wait_for(queue.get(), stall)
+        except asyncio.TimeoutError:
+            if engine.stalled(stall):
+                for r in reqs:
+                    r.cancel()
+                log.error("ended a request: %s", stall_error(stall))
+                raise stall_error(stall) from None
 
 
 
@@ -59,6 +83,7 @@ def text_choice(index: int, text: str, reason: str | None, logprobs: dict[str, A
 
 async def sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Submitted], head: dict[str, Any],
                choices: Sequence[CompletionChoice | ChatChoice], prompt_tokens: int, usage: bool, timeout: float,
+               engine: EngineClient, stall: float,
                shape: Callable[[int, str, str | None, Any], dict[str, Any]] = text_choice) -> AsyncIterator[bytes]:
     """OpenAI's completion stream: one chunk per text delta, per-choice finish, usage, then [DONE].
     choices[i].chunk(event) gives an event's text and logprobs object; shape(index, text, finish_reason,
@@ -81,7 +106,12 @@ async def sse(request: Request, queue: asyncio.Queue[Event], reqs: list[Submitte
         failed = False
         while open_ and not failed:
             # What has arrived goes out in one write: the engine delivers an iteration's events together.
-            events, out = [await queue.get()], []
+            try:
+                events, out = [await next_event(queue, engine, reqs, stall)], []
+            except APIError as e:  # a stalled engine: the stream ends with its error
+                yield frame(e.body())
+                failed = True
+                break
             while not queue.empty():
                 events.append(queue.get_nowait())
             for ev in events:
