@@ -5,6 +5,7 @@ pytest -q tests/test_cli.py
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -180,6 +181,7 @@ EXPECTED_OPTIONS = {
         "prefill_chunk",
         "quantize",
         "request_timeout",
+        "stall_timeout",
         "solo_threads",
         "tokenizer",
     },
@@ -470,3 +472,27 @@ def test_an_internal_error_keeps_its_traceback_and_a_users_is_one_line(
     monkeypatch.setenv(cli.DEBUG_ENV, "1")
     with pytest.raises(UserError):
         cli.main(["doctor"])
+
+
+def test_help_says_each_default_once_never_none_and_the_range_of_bounded_options(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for verb in cli.COMMANDS:
+        with pytest.raises(SystemExit):
+            cli.main([verb, "--help"])
+        text = " ".join(capsys.readouterr().out.split())  # argparse's wrapping undone
+        assert "(default: None)" not in text, verb
+        assert not re.search(r"default: [^()]*\) \(default:", text), verb  # the help's own default, and another
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    assert "(default: 10; in [10, 100000])" in " ".join(capsys.readouterr().out.split())  # --steps' minimum
+
+
+@pytest.mark.parametrize(("mode", "listed", "left_out"), [("quality", "--recipes", "--batch_sizes"),
+                                                          ("infer", "--batch_sizes", "--recipes")])
+def test_bench_help_of_a_mode_lists_that_modes_options(mode: str, listed: str, left_out: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--mode", mode, "--help"])
+    out = capsys.readouterr().out
+    options = re.findall(r"^  (--\w+)", out, re.M)
+    assert listed in options and left_out not in options and "--steps" in options

@@ -18,13 +18,14 @@ import dataclasses
 import errno
 import importlib
 import os
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from gptopt import __version__
-from gptopt.config import field_types, type_ok
+from gptopt.config import field_types, range_text, type_ok
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import MissingExtra
 from gptopt.utils.logs import setup_logging
@@ -98,25 +99,41 @@ def cli_fields(cls: type) -> list[tuple[dataclasses.Field[Any], type, bool]]:
     return [(f, *types[f.name]) for f in dataclasses.fields(cls) if f.metadata.get("cli", True)]
 
 
-def add_options(parser: argparse.ArgumentParser, cls: type) -> None:
+def option_help(f: dataclasses.Field) -> str:
+    """An option's --help: its text, then its default where the text does not give it (an unset default that
+    means "decided later" says nothing more), and its range where it has one."""
+    text = f.metadata.get("help", "")
+    default = f.default if f.default is not dataclasses.MISSING else None
+    notes = [] if default is None or re.search(r"\bdefault:", text) else [f"default: {default}"]
+    limits = {k: f.metadata[k] for k in ("ge", "gt", "le", "lt") if k in f.metadata}
+    if limits:
+        notes.append(range_text(limits))
+    return f"{text} ({'; '.join(notes)})" if notes else text
+
+
+def other_mode(f: dataclasses.Field, mode: str | None) -> bool:
+    """An option of another mode than the one given (its help begins "--mode NAME:"): bench --mode quality --help
+    lists quality's options, not infer's."""
+    m = re.match(r"--mode (\w+):", f.metadata.get("help", ""))
+    return mode is not None and m is not None and m.group(1) != mode
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type, mode: str | None = None) -> None:
     for f, kind, optional in cli_fields(cls):
-        help_text = f.metadata.get("help", "")
-        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = argparse.SUPPRESS if other_mode(f, mode) else option_help(f)
         if f.metadata.get("positional"):
-            parser.add_argument(f.name, nargs="?", help=f"{help_text} (default: {default})")
+            parser.add_argument(f.name, nargs="?", help=help_text)
             continue
         flags = [f"--{name}" for name in (f.name, *f.metadata.get("aliases", ()))]  # the field's own name first
         if kind is bool:
-            parser.add_argument(
-                *flags, action=argparse.BooleanOptionalAction, help=f"{help_text} (default: {default})"
-            )
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction, help=help_text)
         else:
             parser.add_argument(
                 *flags,
                 type=_parse_value(kind, optional and not f.metadata.get("verbatim"), f.name),
                 choices=f.metadata.get("choices"),
                 metavar=kind.__name__.upper() if not f.metadata.get("choices") else None,
-                help=f"{help_text} (default: {default})",
+                help=help_text,
             )
 
 
@@ -199,14 +216,25 @@ def parse_config(verb: str, cls: type, argv: Sequence[str], parser: argparse.Arg
         fail(str(e))
 
 
-def build_parser(verb: str, cls: type) -> argparse.ArgumentParser:
+def build_parser(verb: str, cls: type, mode: str | None = None) -> argparse.ArgumentParser:
+    """The verb's parser; mode: the --mode given, whose options alone --help lists (a mode's own start "--mode")."""
     cmd = COMMANDS[verb]
     parser = _Parser(
         prog=f"gptopt {verb}", description=cmd.help, argument_default=argparse.SUPPRESS, allow_abbrev=False
     )
     parser.add_argument("--config", metavar="FILE.toml", help="read options from a TOML file; flags override it")
-    add_options(parser, cls)
+    add_options(parser, cls, mode)
     return parser
+
+
+def given_mode(args: Sequence[str]) -> str | None:
+    """The value of --mode on the command line, if any (--mode X or --mode=X)."""
+    for i, a in enumerate(args):
+        if a == "--mode" and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith("--mode="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def top_parser() -> argparse.ArgumentParser:
@@ -236,7 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"gptopt: unknown command {verb!r}; choose one of: {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     cls = _load(COMMANDS[verb].config)
-    parser = build_parser(verb, cls)
+    parser = build_parser(verb, cls, given_mode(rest))
     config = parse_config(verb, cls, rest, parser)
     try:
         run = _load(COMMANDS[verb].run)
