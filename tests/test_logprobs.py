@@ -426,9 +426,11 @@ def test_end_of_text_keeps_its_logprob_so_lm_evals_slice_stays_aligned(debug_tok
     with running(debug_tokenizer, max_batch_size=2, chat_template="plain") as (url, app):
         end_of_text_after(app.state.engine.generator, monkeypatch, len(ids), 1, eot)
         body = {"prompt": [ids], "max_tokens": 1, "echo": True, "logprobs": 1, "temperature": 0}
-        choice = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        choice = r["choices"][0]
         lp = choice["logprobs"]
         assert choice["finish_reason"] == "stop" and len(lp["token_logprobs"]) == len(ids) + 1
+        assert r["usage"]["completion_tokens"] == 1  # the end-of-text the model generated, as its logprobs list
         assert lp["text_offset"][-1] == len(choice["text"])  # after the text: end-of-text shows none
         monkeypatch.undo()
         chat_ids = debug_tokenizer.encode("User: hi\nAssistant:").ids

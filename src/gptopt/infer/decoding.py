@@ -43,6 +43,7 @@ class Decoding:
     prompt_logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)
     pending: TokenLogprob | None = None  # sample_next's entry for the token `add` takes next
     matcher: Any = None  # with params.grammar: the grammar's state after the tokens so far (constrain.Matcher)
+    stop_token: int | None = None  # the stop token id that ended it
 
     @property
     def prefilled(self) -> bool:
@@ -57,6 +58,12 @@ class Decoding:
     def n_new(self) -> int:
         return len(self.ids) - self.prompt_len
 
+    @property
+    def generated(self) -> int:
+        """Tokens the model generated: the new ones and the stop token that ended it, which is not kept (usage's
+        completion_tokens, as OpenAI and vLLM count it, and as its logprobs list it)."""
+        return self.n_new + (1 if self.stop_token is not None else 0)
+
     def add(self, token: int) -> Finish | None:
         """Take the next sampled token; why the sequence ends with it, or None while it goes on.
         A stop token id ends it ("stop") and is not kept; the budget's last token ends it ("length"); NO_TOKEN
@@ -69,7 +76,7 @@ class Decoding:
         if entry is not None:  # a stop token's too, as OpenAI and vLLM list it: lm-eval counts on it being there
             self.logprobs.append(entry)
         if token in self.params.stop_token_ids:
-            self.finish = "stop"
+            self.finish, self.stop_token = "stop", token
         else:
             self.ids.append(token)
             if self.n_new >= self.budget:

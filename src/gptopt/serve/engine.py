@@ -134,7 +134,7 @@ class Request:
 
     @property
     def completion_tokens(self) -> int:
-        return 0 if self.seq is None else self.seq.n_new
+        return 0 if self.seq is None else self.seq.generated
 
 
 class Engine:
