@@ -16,6 +16,7 @@ pytest.importorskip("aiohttp")
 
 from conftest import last_json_line
 
+from gptopt import cli  # noqa: E402
 from gptopt.commands.loadtest import MEMORY_METRICS, MemoryTrace, distribution, main, metric_values  # noqa: E402
 from gptopt.config import LoadtestConfig, ServeConfig, preset  # noqa: E402
 from gptopt.models.gpt import GPT  # noqa: E402
@@ -86,14 +87,33 @@ def test_server_errors_are_counted_by_status(capsys: pytest.CaptureFixture[str])
     assert summary["ttft_s"] == {k: None for k in STATS}
 
 
-def test_unreachable_server_is_a_connect_error(capsys: pytest.CaptureFixture[str]) -> None:
+def test_an_unreachable_server_is_refused_before_the_load_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     import socket
 
     with socket.socket() as s:  # a port that was free a moment ago: nothing listens there
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    assert main(LoadtestConfig(url=f"http://127.0.0.1:{port}", requests=3, concurrency=3, json=True)) == 1
-    assert last_json_line(capsys.readouterr().out)["errors"] == {"connect": 3}
+    url = f"http://127.0.0.1:{port}"
+    assert cli.main(["loadtest", "--url", url, "--requests", "3", "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err  # no table of dashes
+    assert f"gptopt loadtest: error: --url {url}: cannot connect" in err and "gptopt serve" in err
+
+
+def test_a_server_that_wants_a_key_is_refused_naming_api_key(debug_tokenizer: Any,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size())).eval()
+    app = create_app(ServeConfig(model="debug", device="cpu", api_key="sk-right"), model=model,
+                     tokenizer=debug_tokenizer)
+    with serve_in_thread(app) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        args = ["loadtest", "--url", url, "--requests", "2", "--prompt_tokens", "4", "--max_tokens", "2"]
+        assert cli.main(args) == 2
+        err = capsys.readouterr().err
+        assert "answered 401" in err and "pass --api_key KEY" in err
+        assert cli.main([*args, "--api_key", "sk-wrong"]) == 2
+        assert "it refused --api_key" in capsys.readouterr().err
+        assert cli.main([*args, "--api_key", "sk-right"]) == 0
 
 
 def test_distribution_percentiles() -> None:
@@ -311,7 +331,8 @@ def test_the_api_key_is_sent_and_a_trailing_slash_is_harmless(capsys: pytest.Cap
         assert main(LoadtestConfig(url=url, requests=2, concurrency=1, api_key="sk-test", json=True)) == 0
         assert last_json_line(capsys.readouterr().out)["errors"] == {}
         assert main(LoadtestConfig(url=url, requests=2, concurrency=1, json=True)) == 1
-        assert last_json_line(capsys.readouterr().out)["errors"] == {"401": 2}
+        out = capsys.readouterr().out
+        assert last_json_line(out)["errors"] == {"401": 2} and "pass --api_key KEY" in out
 
 
 def test_a_request_that_outlasts_the_timeout_is_a_timeout(capsys: pytest.CaptureFixture[str]) -> None:

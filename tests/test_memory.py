@@ -301,6 +301,10 @@ def test_train_refuses_a_batch_that_cannot_fit_with_the_fixes(
     # the largest micro-batch that fits, at the same global batch
     b, accum = map(int, re.search(r"--batch_size (\d+) --gradient_accumulation_steps (\d+)", err).groups())
     assert b * accum == BIG and 1 <= b < BIG
+    # nothing trained, nothing left: the folder the run made for itself goes; one the user made stays, empty
+    assert not (tmp_path / "o").exists()
+    (tmp_path / "o").mkdir()
+    assert cli.main(args) == 2 and list((tmp_path / "o").iterdir()) == []
 
 
 def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest.MonkeyPatch) -> None:

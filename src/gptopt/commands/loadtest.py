@@ -8,7 +8,8 @@ Closed loop (--concurrency) keeps that many requests in flight, which measures c
 (--rate) sends on a Poisson schedule whatever the server's speed, which shows queueing. Reported:
 request and output-token throughput, time to first token (TTFT), time per output token after the
 first (TPOT), the gaps between streamed chunks (ITL), and errors by HTTP status (or 'timeout',
-'connect', 'stream'). Only cfg.url is contacted; every request ends within cfg.timeout seconds.
+'connect', 'stream'). Only cfg.url is contacted; every request ends within cfg.timeout seconds. A server
+that cannot be reached, or that refuses the key sent (or its absence), is refused before the load starts.
 A stream succeeds at `data: [DONE]`, or where the server closes it once every choice has its finish_reason
 (transformers serve sends no [DONE]); one that ends before that, or sends an error, is a 'stream' error.
 
@@ -99,6 +100,29 @@ async def server_memory(client: Any, base: str) -> dict[str, float]:
             return metric_values(await r.text()) if r.status == 200 else {}
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
         return {}
+
+
+async def preflight(client: Any, cfg: LoadtestConfig, base: str) -> None:
+    """Refuse a run that could only fail, before its first request: a server that cannot be reached, or one
+    that wants an API key this run does not send (or another one). One GET of /v1/models, which OpenAI-
+    compatible servers answer behind their key; a server without that route is load tested as it is."""
+    import aiohttp
+
+    try:
+        async with client.get(f"{base}/v1/models", allow_redirects=False,
+                              timeout=aiohttp.ClientTimeout(total=min(cfg.timeout, 30.0))) as r:
+            status = r.status
+            await r.read()
+    except asyncio.TimeoutError:
+        raise UserError(f"--url {cfg.url}: no answer to GET /v1/models within {min(cfg.timeout, 30.0):g} s; "
+                        "check that a server is listening there and is not stuck") from None
+    except (aiohttp.ClientError, OSError) as e:
+        raise UserError(f"--url {cfg.url}: cannot connect ({e}); start a server (gptopt serve --model_dir DIR) "
+                        "or give --url of a running one") from None
+    if status in (401, 403):
+        raise UserError(f"--url {cfg.url} answered {status} (not authorised): " + (
+            "it wants an API key; pass --api_key KEY, the key the server was started with" if not cfg.api_key
+            else "it refused --api_key; pass the key the server was started with"))
 
 
 @dataclass
@@ -344,6 +368,7 @@ async def run(cfg: LoadtestConfig) -> dict[str, Any]:
             samples.append(await one_request(client, cfg, prompt, f"{base}/v1/completions"))
             bar.update()
 
+        await preflight(client, cfg, base)
         memory = {name: MemoryTrace() for name in MEMORY_METRICS}
 
         async def sample_memory(done: int) -> bool:
@@ -420,6 +445,8 @@ def main(cfg: LoadtestConfig) -> int:
                   + ("" if key == "server_memory" else _device_extra(mem, mib)))
     if summary["errors"]:
         print("  errors       " + ", ".join(f"{k}: {v}" for k, v in sorted(summary["errors"].items())))
+        if {"401", "403"} & summary["errors"].keys():  # /v1/models was open, the completions route is not
+            print("  (401/403: the server wants an API key; pass --api_key KEY, the key it was started with)")
     if cfg.json:
         print(json.dumps(summary))
     return 0 if not summary["errors"] else 1

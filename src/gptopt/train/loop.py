@@ -111,6 +111,8 @@ class Trainer:
             raise UserError(f"--fp8: {why}; drop --fp8")
         if why := sdpa_backend_unavailable(cfg.sdpa_backend, self.plan.device, self.plan.amp_dtype):
             raise UserError(f"--sdpa_backend {cfg.sdpa_backend}: {why}")
+        if cfg.fsdp and not info.enabled:
+            raise UserError("--fsdp needs torchrun: torchrun --nproc_per_node N -m gptopt train --fsdp ...")
         auto = default_attention(self.plan.device.type, self.plan.amp_dtype)  # the kernel by device and dtype
         self.attention = cfg.attention if cfg.attention != "auto" else auto
         torch.manual_seed(cfg.seed)
@@ -250,13 +252,25 @@ class Trainer:
         and comes back if the new one fails before that (rank 0 does all of it: it alone writes)."""
         if not self.info.is_main:
             return self._run()
+        created, marked = not self.out.exists(), outputs.marked_kind(self.out) is not None
         self.out.mkdir(parents=True, exist_ok=True)
-        with outputs.Aside(self.out, self.replaced, RUN_ENTRIES) as self.aside:
-            outputs.mark(self.out, RUN_KIND)
-            rc = self._run()
-            if rc != 0:  # failed before its first checkpoint (after it, the old run is gone already)
-                self.aside.rollback()
-            return rc
+        try:
+            with outputs.Aside(self.out, self.replaced, RUN_ENTRIES) as self.aside:
+                outputs.mark(self.out, RUN_KIND)
+                rc = self._run()
+                if rc != 0:  # failed before its first checkpoint (after it, the old run is gone already)
+                    self.aside.rollback()
+                return rc
+        except UserError:
+            # A refusal found once the run had begun (the step will not fit, --auto_batch_size found no
+            # micro-batch that does) comes before anything but the mark is written: the folder the run made
+            # for itself goes, and a folder the user made is left as it was.
+            if not checkpoint.checkpoint_dirs(self.out):
+                if created:
+                    outputs.remove(self.out)
+                elif not marked:
+                    outputs.remove(self.out / outputs.OWNER_FILE)
+            raise
 
     def _run(self) -> int:
         stop_signal: list[int] = []

@@ -43,7 +43,7 @@ def wrap_for_training(
     if fp8:  # before the wrappers: FSDP2 and DDP then see the float8 layers (torchao's order)
         to_float8(model)
     if fsdp:
-        if not info.enabled:
+        if not info.enabled:  # train refuses this before writing anything; bench and tune never ask for FSDP
             raise UserError("--fsdp needs torchrun: torchrun --nproc_per_node N -m gptopt train --fsdp ...")
         if not cpu_offload:
             model.to(plan.device)
