@@ -261,6 +261,18 @@ def test_single_file_is_split_inside(tmp_path: Path) -> None:
     assert 0.05 < len(val) / len(text) < 0.15
 
 
+def test_files_of_other_kinds_in_the_folder_are_skipped_and_counted(tmp_path: Path,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    folder = write_corpus(tmp_path / "texts")  # it holds image.png
+    (folder / "sub" / "LICENSE").write_text("not read: no suffix")
+    (folder / ".hidden.bin").write_bytes(b"\x00")  # hidden: passed over without a word, as hidden folders are
+    with caplog.at_level("INFO", logger="gptopt"):
+        d = TokenData(tokenize_corpus(config(folder, tmp_path / "out")))
+    assert d.meta["documents"] == len(DOCS)
+    said = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(said) == 1 and "skipped 2 files of other kinds ((no suffix), .png)" in said[0]
+
+
 def test_jsonl_documents_and_max_documents(tmp_path: Path) -> None:
     rows = [{"content": f"document number {i}\n" * 20} for i in range(10)]
     (tmp_path / "docs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -217,6 +217,7 @@ def test_streamed_text_grows_and_equals_the_greedy_completion(driver: Any, serve
     # A model without a chat template: completion mode only, and the page says why.
     assert driver.find_element(By.ID, "chat-note").is_displayed()
     assert not driver.find_element(By.ID, "mode").is_displayed()
+    assert driver.find_element(By.ID, "prompt").get_attribute("placeholder") == "Once upon a time"
     fill(driver, prompt=PROMPT, temperature=0, top_p=1, max_tokens=24)
     driver.find_element(By.ID, "prompt").send_keys(Keys.CONTROL, Keys.ENTER)
     answer = driver.find_element(By.CSS_SELECTOR, ".answer")
@@ -298,6 +299,7 @@ def test_chat_mode_holds_the_conversation_and_each_reply_is_the_routes_greedy_re
     assert driver.find_element(By.ID, "mode").is_displayed()
     assert not driver.find_element(By.ID, "chat-note").is_displayed()
     assert driver.find_element(By.ID, "prompt-label").text == "Message"
+    assert driver.find_element(By.ID, "prompt").get_attribute("placeholder").startswith("Ask something")
     messages: list[dict[str, str]] = []
     for turn in ("Hi", "Again"):  # short: the debug model reads 64 tokens, the plain template about a byte each
         answer = send(driver, turn, temperature=0, max_tokens=6)

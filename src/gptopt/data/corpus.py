@@ -130,12 +130,18 @@ def _jsonl_texts(path: Path, text_field: str) -> Iterator[str]:
                 yield row[text_field]
 
 
-def _walk(root: Path, suffixes: tuple[str, ...], skip: frozenset[str]) -> list[Path]:
+def _walk(root: Path, suffixes: tuple[str, ...], skip: frozenset[str],
+          passed_over: list[Path] | None = None) -> list[Path]:
+    """The files under root with one of the suffixes, in a fixed order; passed_over, where given, receives the
+    other (not hidden) files, so that the caller can say what it left out."""
     found = []
     for dirpath, dirnames, filenames in os.walk(root):
         # Sorted, so the same folder always gives the same documents in the same order (the split is seeded).
         dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
-        found += [Path(dirpath, f) for f in sorted(filenames) if f.endswith(suffixes) and not f.startswith(".")]
+        for f in sorted(filenames):
+            if not f.startswith("."):
+                (found if f.endswith(suffixes) else passed_over if passed_over is not None else []).append(
+                    Path(dirpath, f))
     return found
 
 
@@ -158,9 +164,14 @@ def files_corpus(path: str, text_field: str = "text", max_documents: int | None 
     if p.is_file():
         files = [p]
     else:
-        files = _walk(p, TEXT_SUFFIXES + (JSONL,), SKIP_DIRS)
+        other: list[Path] = []
+        files = _walk(p, TEXT_SUFFIXES + (JSONL,), SKIP_DIRS, other)
         if not files:
             raise UserError(f"--input {p}: no text files in this folder (looked for {kinds}); add some or name a file")
+        if other:
+            suffixes = sorted({f.suffix or "(no suffix)" for f in other})
+            log.info("skipped %d files of other kinds (%s), e.g. %s; a file named by --input is read whatever its "
+                     "suffix", len(other), ", ".join(suffixes[:8]) + (", ..." if len(suffixes) > 8 else ""), other[0])
     return Corpus(f"files ({p.resolve()})", files, text_field=text_field, max_documents=max_documents)
 
 

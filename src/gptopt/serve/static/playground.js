@@ -64,7 +64,10 @@ function chatMode() {
 }
 
 function setMode() {
-  $("prompt-label").textContent = chatMode() ? "Message" : "Prompt";
+  const chat = chatMode();
+  $("prompt-label").textContent = chat ? "Message" : "Prompt";
+  // an example of what each mode takes: a message to reply to, or the start of a text to continue
+  $("prompt").placeholder = chat ? "Ask something, e.g. What is a transformer?" : "Once upon a time";
 }
 
 function number(id) {
