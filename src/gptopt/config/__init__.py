@@ -58,7 +58,7 @@ from gptopt.config.model import (
 from gptopt.config.sampling import Bound, SamplingConfig
 from gptopt.config.train import (
     COMPILE_MODES,
-    MUON_LR_SCALE,
+    MUON_LR,
     TUNE_AXES,
     BenchConfig,
     DoctorConfig,

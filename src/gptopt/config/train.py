@@ -100,11 +100,13 @@ def check_loader(num_workers: int | None, prefetch_factor: int | None, persisten
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-# --optimizer muon's default peak learning rate, as a multiple of --learning_rate (Muon's update is
-# scaled to AdamW's RMS, optim.MUON_ADJUST_LR, so the two share a scale): the multiple that trained tiny
-# furthest among those tried (benchmarks/2026-12-04-muon.md, "Muon: `gptopt train --optimizer muon` against
-# AdamW"); the GPT-2 sizes take the same multiple, untried.
-MUON_LR_SCALE = 3.0
+# --optimizer muon's default peak learning rate, Muon's own and not a multiple of --learning_rate: on tiny the
+# best Muon rate stayed where it was while AdamW's rate for the rest moved (2e-3 to 8e-3), and the tuned AdamW
+# rate times any multiple that suited train's default would overshoot it (benchmarks/2026-12-04-muon.md, "Muon's
+# rates racing to a loss"; the quality ladder's muon recipe, benchmarks/2026-12-06-time-to-quality.md). Muon's
+# update is scaled to AdamW's RMS (optim.MUON_ADJUST_LR), so the figure reads on AdamW's scale. The GPT-2 sizes
+# take the same rate, untried.
+MUON_LR = 3e-3
 
 
 @dataclass(kw_only=True)
@@ -154,7 +156,7 @@ class TrainConfig:
     optimizer: str = opt("adamw", "adamw; or muon: Muon for the blocks' weight matrices, AdamW for embeddings, the "
                          "tied head, biases and LayerNorm (one process or DDP; not --fsdp)", choices=("adamw", "muon"))
     muon_lr: float | None = opt(None, "--optimizer muon: Muon's peak learning rate (same warmup + cosine, on AdamW's "
-                                f"scale); default: learning_rate x {MUON_LR_SCALE:g} (chosen on tiny)", gt=0.0, le=1.0)
+                                f"scale); default: {MUON_LR:g} whatever --learning_rate (chosen on tiny)", gt=0.0, le=1.0)
     muon_momentum: float = opt(0.95, "--optimizer muon: Muon's (Nesterov) momentum", ge=0.0, lt=1.0)
     # speed
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
@@ -253,7 +255,7 @@ class TrainConfig:
             raise UserError("--target_loss needs evaluations to notice the target: drop --eval_interval 0 "
                              "(the default evaluates about 100 times over max_steps)")
         if self.optimizer == "muon" and self.muon_lr is None:
-            self.muon_lr = self.learning_rate * MUON_LR_SCALE
+            self.muon_lr = MUON_LR
 
     @property
     def time_budget_s(self) -> float | None:
