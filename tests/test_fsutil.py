@@ -333,9 +333,9 @@ held = outputs.lock_output(sys.argv[1])
 held.__enter__()
 child = os.fork()
 if child == 0:  # a DataLoader worker's life: longer than the writer's
+    print(os.getpid(), flush=True)  # said by the worker: its fork handlers have run
     time.sleep(120)
     os._exit(0)
-print(child, flush=True)
 sys.stdin.read()
 """
 

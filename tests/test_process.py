@@ -33,10 +33,13 @@ def test_interruptible_returns_the_value_and_raises_the_error_of_the_call() -> N
         process.interruptible(lambda: (_ for _ in ()).throw(ValueError("boom")))
 
 
-def test_allow_recompiles_raises_dynamos_limit_and_never_lowers_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
-                        else "cache_size_limit", 8)
-    process.allow_recompiles(64)
-    assert recompile_limit() == 64
-    process.allow_recompiles(16)  # a command that needs fewer leaves a larger limit as it is
-    assert recompile_limit() == 64
+def test_allow_recompiles_raises_dynamos_limit_and_never_lowers_it() -> None:
+    # dynamo's own patch, not monkeypatch: undoing a monkeypatch deletes the setting from torch's config module,
+    # which then hides it from every later compile
+    name = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    with torch._dynamo.config.patch(**{name: 8}):
+        process.allow_recompiles(64)
+        assert recompile_limit() == 64
+        process.allow_recompiles(16)  # a command that needs fewer leaves a larger limit as it is
+        assert recompile_limit() == 64
+    assert hasattr(torch._dynamo.config, name)

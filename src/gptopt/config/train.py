@@ -156,7 +156,8 @@ class TrainConfig:
     optimizer: str = opt("adamw", "adamw; or muon: Muon for the blocks' weight matrices, AdamW for embeddings, the "
                          "tied head, biases and LayerNorm (one process or DDP; not --fsdp)", choices=("adamw", "muon"))
     muon_lr: float | None = opt(None, "--optimizer muon: Muon's peak learning rate (same warmup + cosine, on AdamW's "
-                                f"scale); default: {MUON_LR:g} whatever --learning_rate (chosen on tiny)", gt=0.0, le=1.0)
+                                f"scale); default: {MUON_LR:g} whatever --learning_rate (chosen on tiny)",
+                                gt=0.0, le=1.0)
     muon_momentum: float = opt(0.95, "--optimizer muon: Muon's (Nesterov) momentum", ge=0.0, lt=1.0)
     # speed
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
