@@ -14,14 +14,19 @@ from gptopt.models.gpt import CAUSAL_SPLIT_MIN
 from gptopt.runtime.memory import F32, Estimate, itemsize, largest_batch
 
 
-def live_widths(config: GPTConfig) -> tuple[int, int, int]:
+def live_widths(config: GPTConfig, *, decode: bool = False) -> tuple[int, int, int]:
     """What a forward holds per token at its widest points (no gradients: one layer's tensors at a time), in
     elements: (the residual, its norm and the new residual; attention's: c_attn's output, the rotated or normed
-    queries and keys, the keys and values repeated to every query head under grouped-query attention, the output
-    and its transpose; the MLP's: GELU's input and output, SwiGLU's activation, up projection and product)."""
+    queries and keys, under grouped-query attention the keys and values repeated to every query head where SDPA
+    takes a prompt (a decode step and the eager path read them as stored, the queries regrouped instead), the
+    output and its transpose; the MLP's: GELU's input and output, SwiGLU's activation, up projection and product).
+    decode: a decode step's widths (one token a row)."""
     C, A, K, H = config.n_embd, config.n_head * config.head_dim, config.kv_heads * config.head_dim, config.mlp_hidden
     moved = config.positions == "rope" or config.qk_norm
-    attention = (A + 2 * K) + (A + K if moved else 0) + (2 * A if config.kv_heads != config.n_head else 0) + 2 * A
+    grouped = config.kv_heads != config.n_head
+    repeated = grouped and config.attention != "eager" and not decode
+    regrouped = grouped and not repeated and not moved  # a copy of the queries (a view of c_attn's output before)
+    attention = (A + 2 * K) + (A + K if moved else 0) + (2 * A if repeated else 0) + (A if regrouped else 0) + 2 * A
     return 3 * C, attention, (3 if config.mlp == "swiglu" else 2) * H
 
 
@@ -33,16 +38,20 @@ def inference_bytes(config: GPTConfig, slots: int, max_len: int, *, dtype: torch
     K = config.kv_heads * config.head_dim
     w = itemsize(dtype)
     base, attention, mlp = live_widths(config)
+    _, row_widths, _ = live_widths(config, decode=True)
     eager = config.attention == "eager"
     # a prefill of max_len tokens: eager attention also holds one layer's scores and the softmax beside them (three
     # quarters of them from CAUSAL_SPLIT_MIN tokens: the two query blocks)
     scores = 2 * w * H * max_len * max_len * (3 / 4 if max_len >= CAUSAL_SPLIT_MIN else 1) if eager else 0
-    prefill = max_len * w * base + max(max_len * w * attention + int(scores), max_len * w * mlp)
+    # rotary in a model cast to a 16-bit dtype: its products with the fp32 cos and sin are fp32 before the cast back,
+    # the queries' width of them, and the keys' too where QK-norm's fp32 output is what is rotated
+    A = config.n_head * config.head_dim
+    rotary = F32 * (A + (K if config.qk_norm else 0)) if config.positions == "rope" and w < F32 else 0
+    prefill = max_len * w * base + max(max_len * (w * attention + rotary) + int(scores), max_len * w * mlp)
     # a decode step of every slot: the same per row; over the whole cache, a gather of one layer's keys and values
-    # for non-consecutive slots, their repetition to every query head under grouped-query attention, the scores;
-    # and fp32 logits
-    cache = max_len * w * (2 * K + (2 * config.n_head * config.head_dim if config.kv_heads != config.n_head else 0))
-    row_attention = w * attention + cache + (2 * w * H * max_len if eager else 0)
+    # for non-consecutive slots (never repeated per query head), the scores; and fp32 logits
+    cache = max_len * w * 2 * K
+    row_attention = w * row_widths + rotary + cache + (2 * w * H * max_len if eager else 0)
     decode = slots * (w * base + max(row_attention, w * mlp) + F32 * V)
     return Estimate({
         "weights": P * w,

@@ -106,8 +106,6 @@ class CausalSelfAttention(nn.Module):
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)  # (B, nkv, S, hs), S >= T
-        if nkv != nh:  # each key/value head serves nh / nkv query heads
-            k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
         S = k.size(2)
         # Without a mask the T queries are the last T of S positions. SDPA's is_causal aligns the
         # triangle top-left, which is only right when S == T; otherwise build the bottom-right mask.
@@ -117,7 +115,7 @@ class CausalSelfAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
 
         if self.attention == "sdpa":
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+            y = self._sdpa(q, k, v, attn_mask, dropout_p, is_causal)
         elif is_causal and T >= CAUSAL_SPLIT_MIN:
             # The first half of the queries sees only the first half of the keys: computing that
             # quarter of the score matrix, all masked, is skipped (flash attention's block skipping,
@@ -132,13 +130,32 @@ class CausalSelfAttention(nn.Module):
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
 
+    def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
+              dropout_p: float, is_causal: bool) -> torch.Tensor:
+        B, nh, T, hs = q.shape
+        nkv = k.size(1)
+        if nkv != nh and T == 1:
+            # A decode step: a group's query heads are rows of their key/value head's one query, all seeing the
+            # same keys (the (B, 1, 1, S) mask broadcasts over them), so the cache is attended as it is stored.
+            y = F.scaled_dot_product_attention(q.reshape(B, nkv, nh // nkv, hs), k, v, attn_mask=attn_mask,
+                                               dropout_p=dropout_p)
+            return y.view(B, nh, 1, hs)
+        if nkv != nh:  # a prompt or a training step: each key/value head repeated for the nh / nkv heads it serves
+            k, v = k.repeat_interleave(nh // nkv, dim=1), v.repeat_interleave(nh // nkv, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal)
+
     def _eager(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None) -> torch.Tensor:
-        """softmax(q k^T / sqrt(hs)) v, with the positions attn_mask is False at left out."""
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.size(-1)))  # (B, nh, T, S)
-        if attn_mask is not None:
-            att = att.masked_fill(~attn_mask, float("-inf"))
+        """softmax(q k^T / sqrt(hs)) v, with the positions attn_mask is False at left out. Under grouped-query
+        attention each key/value head's query heads are stacked as rows of one product with it (B, nkv, G x T,
+        hs): the keys and values are read as stored, never repeated per query head."""
+        B, nh, T, hs = q.shape
+        nkv, S = k.shape[1], k.shape[2]
+        g = nh // nkv
+        att = (q.reshape(B, nkv, g * T, hs) @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nkv, G x T, S)
+        if attn_mask is not None:  # (T, S) or (B, 1, T, S): over each group's G heads alike
+            att = att.view(B, nkv, g, T, S).masked_fill(~attn_mask.unsqueeze(-3), float("-inf")).view(B, nkv, g * T, S)
         att = self.attn_dropout(F.softmax(att, dim=-1))
-        return att @ v  # (B, nh, T, hs)
+        return (att @ v).view(B, nh, T, hs)
 
 
 class TanhGELU(nn.Module):

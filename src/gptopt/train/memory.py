@@ -41,7 +41,8 @@ def saved_per_token(config: GPTConfig, a: int) -> int:
 
     Two norms (norm_saved). Attention: its output and c_proj's input (the heads' width A = n_head x head_dim,
     Qwen3's apart from the model's); the queries, keys and values SDPA keeps: views of c_attn's output, except the
-    rotated queries and keys, and under grouped-query attention keys and values repeated to every query head; its
+    rotated queries and keys, and under grouped-query attention with SDPA keys and values repeated to every query
+    head (the eager path: the queries regrouped); its
     log-sum-exp. QK-norm keeps its inputs and the normalised queries and keys, in fp32. The MLP: GELU's and
     ReLU^2's input and output (2 of the hidden width H); SwiGLU's gate, its activation, the up projection and
     their product (4)."""
@@ -51,10 +52,13 @@ def saved_per_token(config: GPTConfig, a: int) -> int:
     attention = 2 * a * A + F32 * config.n_head  # SDPA's output, c_proj's input; the log-sum-exp
     if config.attention == "eager":  # softmax(q k^T) v keeps the scores (counted apart) and v, no output or lse
         attention -= a * A + F32 * config.n_head
-    attention += a * A if moved else 0  # the queries
-    attention += a * A if grouped else (a * K if moved else 0)  # the keys
-    attention += a * A if grouped else 0  # the values, repeated
-    views_kept = not grouped or config.qk_norm and a == F32  # c_attn's output itself, through views of it
+    # SDPA takes the keys and values repeated per query head; the eager path reads them as stored, the queries
+    # regrouped by key/value head instead (a copy where they are a view of c_attn's output)
+    repeated = grouped and config.attention != "eager"
+    attention += a * A if moved or grouped and not repeated else 0  # the queries
+    attention += a * A if repeated else (a * K if moved else 0)  # the keys
+    attention += a * A if repeated else 0  # the values, repeated
+    views_kept = not repeated or config.qk_norm and a == F32  # c_attn's output itself, through views of it
     attention += a * (A + 2 * K) if views_kept else 0
     if config.qk_norm:  # the normalised queries and keys; under autocast also the fp32 copies of their inputs
         attention += F32 * (A + K) * (2 if a != F32 else 1)
