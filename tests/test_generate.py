@@ -194,6 +194,47 @@ def test_top_k_1_and_a_tiny_top_p_equal_greedy(varied_model: GPT) -> None:
     assert generate(gen, PROMPTS, dataclasses.replace(sampled, top_k=None, top_p=1e-6)) == greedy
 
 
+def _exact(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
+    """The distribution a row's settings define, computed directly: softmax(logits / T) over the top k, then the
+    smallest set of the most likely tokens whose mass reaches top_p, renormalised."""
+    x = logits / temperature
+    if top_k is not None:
+        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
+    p = x.softmax(-1)
+    sorted_p, order = p.sort(descending=True)
+    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
+    q = torch.zeros_like(p)
+    q[order[keep]] = sorted_p[keep]
+    return q / q.sum()
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, 1.0), (0.6, None, 1.0), (1.0, 3, 1.0),
+                                                             (1.0, None, 0.7), (1.3, 4, 0.8)])
+def test_sampled_tokens_follow_the_distribution_their_settings_define(temperature: float, top_k: int | None,
+                                                                      top_p: float) -> None:
+    """20,000 draws of one row's settings, in batches mixed with rows of other settings: their frequencies pass a
+    chi-square test (p = 0.001) against the distribution computed directly, and no token outside it is drawn."""
+    from gptopt.infer.sampling import pick
+
+    torch.manual_seed(7)
+    logits = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0])
+    want = _exact(logits, temperature, top_k, top_p)
+    mine = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
+    other = SamplingParams(temperature=0.9, top_k=2, top_p=0.5, max_new_tokens=1)
+    params = [mine, other] * 500
+    counts = torch.zeros(len(logits))
+    for _ in range(40):
+        tokens = pick(logits.repeat(len(params), 1), params, [[]] * len(params), [None] * len(params))
+        counts += torch.bincount(tokens[0::2], minlength=len(logits)).float()
+    n = counts.sum()
+    assert n == 20_000 and counts[want == 0].sum() == 0
+    expected = want[want > 0] * n
+    chi2 = float(((counts[want > 0] - expected) ** 2 / expected).sum())
+    # chi-square's 0.999 quantile for the tokens' degrees of freedom (1 to 7)
+    limit = {0: 0.0, 1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}[int((want > 0).sum()) - 1]
+    assert chi2 < limit, (counts.tolist(), expected.tolist())
+
+
 def test_sample_applies_each_rows_own_settings(debug_model: GPT) -> None:
     gen = Generator(debug_model, CPU, max_batch_size=4)
     logits = torch.tensor([[0.0, 3.0, 2.5, -1.0, -2.0]]).repeat(4, 1)

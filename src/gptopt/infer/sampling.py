@@ -198,13 +198,18 @@ def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: lis
         probs[rows] = probs[rows].masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), 0.0)
     # argmax(probs / Exp(1) noise) is how torch.multinomial draws one sample, minus its input check, which
     # syncs with the host. Unnormalised probs are fine for it. A seeded row's noise comes from its own generator,
-    # over the whole vocabulary: the same draw in any batch.
+    # over the whole vocabulary: the same draw in any batch. The Exp(1) noise is -log(U), U uniform: torch's
+    # CPU exponential_ is not vectorised, and over a large vocabulary it cost a batched decode step a sizeable
+    # share of its time (benchmarks/2026-12-06-serving-smollm2.md, "Where a decode step goes"). U = 0 (one draw
+    # in 2^24) is raised to the smallest normal float, so every noise is finite and positive: a token of
+    # probability 0 scores 0, never NaN.
     noise = torch.empty_like(probs)
     if any(g is None for g in generators):
-        noise.exponential_()
+        noise.uniform_()
     for i, g in enumerate(generators):
         if g is not None:
-            noise[i].exponential_(generator=g)
+            noise[i].uniform_(generator=g)
+    noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
     sampled = (probs / noise).argmax(dim=-1)
     is_greedy = on_device([p.temperature == 0 for p in params], torch.bool)
     return torch.where(is_greedy, greedy, sampled)
