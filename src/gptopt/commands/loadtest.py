@@ -102,27 +102,31 @@ async def server_memory(client: Any, base: str) -> dict[str, float]:
         return {}
 
 
+# The fix for a server that answers 401 or 403: said before the load (preflight) and under its errors line
+KEY_FIX = "pass --api_key KEY, the key the server was started with"
+
+
 async def preflight(client: Any, cfg: LoadtestConfig, base: str) -> None:
     """Refuse a run that could only fail, before its first request: a server that cannot be reached, or one
     that wants an API key this run does not send (or another one). One GET of /v1/models, which OpenAI-
     compatible servers answer behind their key; a server without that route is load tested as it is."""
     import aiohttp
 
+    wait = min(cfg.timeout, 30.0)
     try:
         async with client.get(f"{base}/v1/models", allow_redirects=False,
-                              timeout=aiohttp.ClientTimeout(total=min(cfg.timeout, 30.0))) as r:
+                              timeout=aiohttp.ClientTimeout(total=wait)) as r:
             status = r.status
             await r.read()
     except asyncio.TimeoutError:
-        raise UserError(f"--url {cfg.url}: no answer to GET /v1/models within {min(cfg.timeout, 30.0):g} s; "
-                        "check that a server is listening there and is not stuck") from None
+        raise UserError(f"--url {cfg.url}: no answer to GET /v1/models within {wait:g} s; check that a server "
+                        "is listening there and is not stuck") from None
     except (aiohttp.ClientError, OSError) as e:
-        raise UserError(f"--url {cfg.url}: cannot connect ({e}); start a server (gptopt serve --model_dir DIR) "
+        raise UserError(f"--url {cfg.url}: cannot connect ({e}); start a server (gptopt serve --model DIR) "
                         "or give --url of a running one") from None
     if status in (401, 403):
-        raise UserError(f"--url {cfg.url} answered {status} (not authorised): " + (
-            "it wants an API key; pass --api_key KEY, the key the server was started with" if not cfg.api_key
-            else "it refused --api_key; pass the key the server was started with"))
+        why = "it refused --api_key" if cfg.api_key else "it wants an API key"
+        raise UserError(f"--url {cfg.url} answered {status} (not authorised): {why}; {KEY_FIX}")
 
 
 @dataclass
@@ -446,7 +450,7 @@ def main(cfg: LoadtestConfig) -> int:
     if summary["errors"]:
         print("  errors       " + ", ".join(f"{k}: {v}" for k, v in sorted(summary["errors"].items())))
         if {"401", "403"} & summary["errors"].keys():  # /v1/models was open, the completions route is not
-            print("  (401/403: the server wants an API key; pass --api_key KEY, the key it was started with)")
+            print(f"  (401/403: the server wants an API key; {KEY_FIX})")
     if cfg.json:
         print(json.dumps(summary))
     return 0 if not summary["errors"] else 1

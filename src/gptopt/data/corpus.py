@@ -139,9 +139,12 @@ def _walk(root: Path, suffixes: tuple[str, ...], skip: frozenset[str],
         # Sorted, so the same folder always gives the same documents in the same order (the split is seeded).
         dirnames[:] = sorted(d for d in dirnames if d not in skip and not d.startswith("."))
         for f in sorted(filenames):
-            if not f.startswith("."):
-                (found if f.endswith(suffixes) else passed_over if passed_over is not None else []).append(
-                    Path(dirpath, f))
+            if f.startswith("."):
+                continue
+            if f.endswith(suffixes):
+                found.append(Path(dirpath, f))
+            elif passed_over is not None:
+                passed_over.append(Path(dirpath, f))
     return found
 
 
