@@ -56,7 +56,7 @@ def test_default_is_every_rung_and_unknown_names_list_the_valid_ones(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert [r.name for r in select_rungs("default")] == ["hf", "kv", "graphs", "compiled", "bf16", "int8", "int4",
-                                                         "onnxruntime"]
+                                                         "onnxruntime", "speculative"]
     assert select_rungs("all") == select_rungs("default")
     assert [r.name for r in select_rungs("kv,hf,kv")] == ["kv", "hf"]
     with pytest.raises(ValueError) as e:
@@ -209,6 +209,23 @@ def test_onnxruntime_decodes_the_same_tokens_as_gptopt(bench: InferBench) -> Non
     assert [p["batch_size"] for p in ort.batch_sweep] == [1, 2] and ort.decode_tokens_per_s > 0
 
 
+def test_a_trained_model_is_benched_with_its_draft(model_dir: Path, train_data: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """--model benches that model's weights (not the preset's); the speculative rung drafts with --draft_model
+    (here the model itself, so every draft is kept) and decodes the kv rung's tokens."""
+    args = ["bench", "--mode", "infer", "--model", str(model_dir), "--draft_model", str(model_dir), "--seq_len", "32",
+            "--batch_size", "2", "--warmup", "1", "--device", "cpu", "--data_dir", str(train_data), "--output_dir",
+            str(tmp_path / "b"), "--rungs", "kv,speculative", "--json"]
+    assert cli.main(args) == 0
+    rungs = {r["name"]: r for r in last_json_line(capsys.readouterr().out)["rungs"]}
+    assert rungs["speculative"]["status"] == "ok" and rungs["speculative"]["tokens"] == rungs["kv"]["tokens"]
+    assert rungs["speculative"]["note"].startswith("100% of ")
+    assert rungs["kv"]["max_logit_diff"] < 1e-4  # the model's own weights: its fp32 logits are the reference's
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--model", str(model_dir)])  # the training ladder has no --model
+    assert "add --mode infer" in capsys.readouterr().err
+
+
 def test_the_sweep_stops_at_the_first_batch_that_does_not_fit(
     bench: InferBench, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -233,7 +250,8 @@ def test_the_default_ladder_runs_end_to_end_with_its_compiled_rungs(
     assert cli.main(infer_args(train_data, tmp_path / "b", "default", "--json")) == 0
     results = last_json_line(capsys.readouterr().out)
     rungs = {r["name"]: r for r in results["rungs"]}
-    assert list(rungs) == ["hf", "kv", "graphs", "compiled", "bf16", "int8", "int4", "onnxruntime"]
+    assert list(rungs) == ["hf", "kv", "graphs", "compiled", "bf16", "int8", "int4", "onnxruntime", "speculative"]
+    assert rungs["speculative"]["tokens_match"] == 1.0 and "draft tokens kept" in rungs["speculative"]["note"]
     assert rungs["graphs"]["status"] == "skipped" and "NVIDIA GPU" in rungs["graphs"]["note"]
     assert rungs["compiled"]["status"] == "ok", rungs["compiled"]["note"]
     # compiling the decode step over a static cache changes the speed, not the tokens

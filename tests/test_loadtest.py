@@ -398,7 +398,22 @@ def test_with_a_tokenizer_every_prompt_is_exactly_prompt_tokens_of_it_and_no_spe
         for prompt in prompts:
             ids = debug_tokenizer.encode(prompt).ids  # as gptopt serve encodes a prompt
             assert len(ids) == n and not special & set(ids), (seed, prompt)
-        assert summary["prompt"] == {"kind": "tokens", "length": n, "tokenizer": path}
+        assert summary["prompt"] == {"kind": "tokens", "length": n, "shared_prefix": 0, "tokenizer": path}
+
+
+@pytest.mark.parametrize("shared", [1, 40, 200])
+def test_a_shared_prefix_is_the_same_tokens_at_the_start_of_every_prompt(
+        shared: int, train_data: Any, debug_tokenizer: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """--shared_prefix: every prompt's tokens begin with the same ones (what a prefix cache matches), then its own
+    --prompt_tokens; in words without a tokenizer."""
+    path = str(train_data / "tokenizer.json")
+    prompts, summary = _sent_prompts(capsys, requests=5, prompt_tokens=12, shared_prefix=shared, tokenizer=path)
+    ids = [debug_tokenizer.encode(p).ids for p in prompts]
+    assert all(len(i) == shared + 12 for i in ids) and len({tuple(i[:shared]) for i in ids}) == 1
+    assert len({tuple(i[shared:]) for i in ids}) == 5
+    assert summary["prompt"]["shared_prefix"] == shared
+    words, _ = _sent_prompts(capsys, requests=3, prompt_tokens=4, shared_prefix=shared)
+    assert len({" ".join(w.split()[:shared]) for w in words}) == 1 and all(len(w.split()) == shared + 4 for w in words)
 
 
 def test_token_prompts_are_served_without_errors(url: str, train_data: Any, capsys: pytest.CaptureFixture[str]) -> None:
@@ -433,7 +448,7 @@ def test_a_model_directory_gives_its_tokenizer_as_the_tokenizer_json_does(
 def test_without_a_tokenizer_prompts_are_words_of_the_fixed_text_as_before(capsys: pytest.CaptureFixture[str]) -> None:
     prompts, summary = _sent_prompts(capsys, requests=3, prompt_tokens=5, seed=0)
     assert prompts == ["into one file tests prove", "prove behaviour numbers are measured", "over the lazy dog while"]
-    assert summary["prompt"] == {"kind": "words", "length": 5, "tokenizer": None}
+    assert summary["prompt"] == {"kind": "words", "length": 5, "shared_prefix": 0, "tokenizer": None}
 
 
 @pytest.mark.parametrize("where, problem", [("missing.json", "no such file or folder"),

@@ -39,9 +39,12 @@ from gptopt.bench import report
 from gptopt.bench.setup import Setup
 from gptopt.commands.export import ONNX_FILE, OrtDecoder, export_onnx
 from gptopt.config import BenchConfig
-from gptopt.infer.load import optimize_for_inference, weights_dtype
+from gptopt.infer import speculative
+from gptopt.infer.generator import Generator
+from gptopt.infer.load import load_for_inference, optimize_for_inference, weights_dtype
 from gptopt.infer.measure import STOPPED, GptoptRunner, free_memory, interleaved, timed, weight_bytes
 from gptopt.infer.quantize import int4_unsupported
+from gptopt.infer.speculative import Speculator
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, environment, memory_bandwidth
 from gptopt.runtime.memory import is_oom
@@ -66,6 +69,7 @@ class InferRung:
     int8: bool = False
     int4: bool = False  # torchao int4 weight-only (tinygemm), bf16: sm_80+ CUDA only
     onnx: bool = False  # the model exported by `gptopt export`, run by onnxruntime
+    speculate: bool = False  # speculative decoding: n-gram drafts, or --draft_model's
 
 
 RUNGS: list[InferRung] = [
@@ -81,6 +85,9 @@ RUNGS: list[InferRung] = [
     InferRung("int4", "compiled, torchao int4 weight-only (tinygemm), bf16", compile=True, int4=True),
     InferRung("onnxruntime", "onnxruntime (CPU) on the ONNX export: KV cache as graph inputs and outputs",
               onnx=True),
+    InferRung("speculative", "kv + speculative decoding: n-gram prompt lookup (or --draft_model) drafts, the model "
+              "checks k + 1 tokens a forward; random weights keep few drafts (bench a trained --model)",
+              speculate=True),
 ]
 
 
@@ -192,26 +199,40 @@ class InferBench:
         self.plan, self.preset, self.data = setup.plan, setup.preset, setup.data
         self.model_config, seq_len = setup.model_config, setup.seq_len
         gpu = self.plan.device.type == "cuda"
+        loaded = None
+        self.tokenizer: Any = None  # --model's: a --draft_model must share it
+        if cfg.model is not None:  # a trained model: its own weights, read in fp32 as the preset's are made
+            loaded, self.tokenizer = load_for_inference(cfg.model, tokenizer=None, plan=self.plan, dtype="fp32",
+                                                        layout=False)
+            self.data.check_vocab(loaded.config.vocab_size)
+            self.model_config, self.preset, context = loaded.config, cfg.model, loaded.config.block_size
+            if cfg.seq_len is not None and cfg.seq_len > context:
+                raise UserError(f"--seq_len {cfg.seq_len} exceeds the context of --model {cfg.model} ({context})")
+            seq_len = cfg.seq_len or min(1024 if gpu else 256, context)
         if seq_len < 4:
             raise UserError(f"--seq_len must be >= 4 in --mode infer (prompt + 2 new tokens), got {seq_len}")
         self.prompt_len = min(seq_len // 2, 128)
         self.new_tokens = min(256 if gpu else 64, seq_len - self.prompt_len)
         self.max_len = self.prompt_len + self.new_tokens
+        self.speculators: list[Speculator] = []  # the speculative rung's, one per Generator: their drafts add up
         top = cfg.batch_size or (64 if gpu else 16)
         self.batch_sizes = cfg.sweep() or [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b < top] + [top]
         self.repeats = max(3, cfg.steps // 3)
         self.base_dtype = weights_dtype("auto", self.plan)  # the device's inference dtype, as generate and serve load
         self.prompts = self._prompts(self.batch_sizes[-1])
         torch.manual_seed(cfg.seed)
-        # initialised where it runs: a GPU initialises gpt2-xl far sooner than the host's CPU would
-        with torch.device(self.plan.device):
-            init = GPT(self.model_config)
-        # GPT-2's 0.02 init makes a random model repeat its last prompt token, so any two
-        # implementations would agree trivially; wide weights make greedy text change every token.
-        with torch.no_grad():
-            for p in init.parameters():
-                if p.dim() == 2:
-                    p.normal_(0.0, 0.5)
+        if loaded is not None:
+            init = loaded
+        else:
+            # initialised where it runs: a GPU initialises gpt2-xl far sooner than the host's CPU would
+            with torch.device(self.plan.device):
+                init = GPT(self.model_config)
+            # GPT-2's 0.02 init makes a random model repeat its last prompt token, so any two
+            # implementations would agree trivially; wide weights make greedy text change every token.
+            with torch.no_grad():
+                for p in init.parameters():
+                    if p.dim() == 2:
+                        p.normal_(0.0, 0.5)
         self.params = init.num_params()
         # kept on the host: the device's memory is for the rungs (their batch sweeps stop where it runs out)
         self.init_state = {k: v.detach().to("cpu", copy=True) for k, v in init.state_dict().items()}
@@ -299,8 +320,30 @@ class InferBench:
         # The transforms generate and serve apply, in their order (dtype, int8 or int4, layout).
         quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
         model = optimize_for_inference(self._model(dtype), self.plan, dtype=dtype, quantize=quantize)
-        runner = GptoptRunner(model, self.plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs)
+        runner = GptoptRunner(model, self.plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs,
+                              speculate=self._speculator(dtype) if rung.speculate else None)
         return runner, model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
+
+    def _speculator(self, dtype: torch.dtype) -> Callable[[Generator], Speculator]:
+        """The speculative rung's Speculator for each Generator the runner builds; each one's drafts and kept
+        tokens add up in self.spec_counts."""
+        k = self.cfg.num_speculative_tokens
+        draft = None
+        if self.cfg.draft_model is not None:
+            name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
+            draft, tok = load_for_inference(self.cfg.draft_model, tokenizer=None, plan=self.plan, dtype=name)
+            if self.tokenizer is not None:
+                speculative.same_tokenizer(self.tokenizer, tok, f"--draft_model {self.cfg.draft_model}")
+        made: list[Speculator] = self.speculators
+
+        def build(gen: Generator) -> Speculator:
+            drafter = speculative.NgramDrafter() if draft is None else speculative.ModelDrafter(
+                Generator(draft, self.plan, max_batch_size=gen.max_batch_size,
+                          max_len=min(draft.config.block_size, gen.max_len)))
+            made.append(Speculator(drafter, k))
+            return made[-1]
+
+        return build
 
     def _fail(self, res: InferResult, e: Exception) -> None:
         res.status = "oom" if is_oom(e) else "failed"
@@ -379,6 +422,12 @@ class InferBench:
         res, rung = lv.res, lv.rung
         if res.status != "ok" or not res.batch_sweep:
             return
+        proposed = sum(sp.proposed for sp in self.speculators)
+        if rung.speculate and proposed:
+            kept = sum(sp.accepted for sp in self.speculators)
+            source = f"--draft_model {self.cfg.draft_model}" if self.cfg.draft_model else "n-gram lookup"
+            res.note = f"{kept / proposed:.0%} of {proposed} draft tokens kept ({source}, k = " \
+                       f"{self.cfg.num_speculative_tokens})"
         res.decode_tokens_per_s = res.batch_sweep[0]["tokens_per_s"]
         res.bytes_per_token = self._bytes_per_token(lv.runner.model, lv.kv_dtype,
                                                     static=rung.compile or rung.cuda_graphs)

@@ -51,7 +51,7 @@ def bench_preset(cfg: BenchConfig, plan: DevicePlan) -> str:
     the context, the ladder would measure (and write into best.toml) a length nobody asked for."""
     name = cfg.preset or ("gpt2" if plan.device.type == "cuda" else "tiny")
     context = PRESETS[name]["block_size"]
-    if cfg.seq_len is not None and cfg.seq_len > context:
+    if cfg.seq_len is not None and cfg.seq_len > context and cfg.model is None:  # a --model: its own context
         raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's context {context} (preset {name}): "
                          f"use --seq_len {context} or less")
     return name

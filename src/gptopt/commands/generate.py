@@ -26,8 +26,8 @@ from tqdm import tqdm
 
 from gptopt.config import GenerateConfig
 from gptopt.data.tokenizer import eot_id
-from gptopt.infer import chat
-from gptopt.infer.generator import Generator, complete, stream
+from gptopt.infer import chat, speculative
+from gptopt.infer.generator import Generator, Stepper, complete, stream
 from gptopt.infer.load import load_for_inference, model_source
 from gptopt.infer.sampling import SamplingParams
 from gptopt.infer.stop import StopChecker
@@ -117,11 +117,11 @@ WARM_TOKENS = 3  # prefill, then the decode steps that compile and (on CUDA) war
 
 
 def _stream_text(gen: Generator, tok: Tokenizer, ids: list[int], params: SamplingParams,
-                 times: list[float] | None = None) -> tuple[int, str]:
+                 times: list[float] | None = None, stepper: Stepper | None = None) -> tuple[int, str]:
     """Print the completion as it comes; the number of tokens generated and the text. `times` gets each
     token's time."""
     checker, n = StopChecker(tok, params.stop), 0
-    for token in stream(gen, ids, params):
+    for token in stream(gen, ids, params, stepper):
         n += 1
         if times is not None:
             times.append(time.perf_counter())
@@ -158,7 +158,7 @@ def _read_turn() -> str | None:
 
 
 def _chat(gen: Generator, tok: Tokenizer, template: chat.ChatTemplate, params: SamplingParams,
-          system: str | None) -> int:
+          system: str | None, stepper: Stepper | None = None) -> int:
     """generate --chat: each line of stdin is a user turn; the reply streams to stdout. /reset clears the
     conversation, /exit or the end of input ends it. The number of tokens generated in all."""
     ends = tuple(dict.fromkeys((*params.stop_token_ids, *template.stop_token_ids(tok))))
@@ -199,25 +199,25 @@ def _chat(gen: Generator, tok: Tokenizer, template: chat.ChatTemplate, params: S
         if dropped:
             print(f"gptopt generate: dropped the {dropped} oldest messages to fit the model's context of "
                   f"{gen.max_len} tokens", file=sys.stderr)
-        n, reply = _stream_text(gen, tok, ids, params)
+        n, reply = _stream_text(gen, tok, ids, params, stepper=stepper)
         total += n
         history.append({"role": "assistant", "content": reply.strip()})
     return total
 
 
 def _batch_jsonl(gen: Generator, tok: Tokenizer, prompts: list[str], encoded: list[list[int]],
-                 params: SamplingParams, output: str | None) -> int:
+                 params: SamplingParams, output: str | None, stepper: Stepper | None = None) -> int:
     """Write {"prompt", "completion", "tokens", "finish_reason"} per prompt; the number of tokens generated."""
     with contextlib.ExitStack() as stack:
         fh = sys.stdout
         if output:  # written beside, then renamed over: a failed run leaves an earlier file as it was
             fh = stack.enter_context(open(stack.enter_context(staged_file(Path(output).expanduser())), "w",
                                           encoding="utf-8"))
-        return _write_jsonl(gen, tok, prompts, encoded, params, fh)
+        return _write_jsonl(gen, tok, prompts, encoded, params, fh, stepper)
 
 
 def _write_jsonl(gen: Generator, tok: Tokenizer, prompts: list[str], encoded: list[list[int]],
-                 params: SamplingParams, fh: TextIO) -> int:
+                 params: SamplingParams, fh: TextIO, stepper: Stepper | None = None) -> int:
     n, size = 0, gen.max_batch_size
     with tqdm(total=len(prompts), desc="generate", unit=" prompt", file=sys.stderr) as bar:
         for start in range(0, len(prompts), size):
@@ -227,7 +227,7 @@ def _write_jsonl(gen: Generator, tok: Tokenizer, prompts: list[str], encoded: li
                 checkers[row].add(token)
                 return checkers[row].stopped  # its stop string ends this row; the rest of the batch goes on
 
-            results = complete(gen, encoded[start : start + size], params, stopped)
+            results = complete(gen, encoded[start : start + size], params, stopped, stepper)
             for prompt, checker, (ids, reason) in zip(prompts[start : start + size], checkers, results, strict=True):
                 checker.finish()
                 fh.write(json.dumps({"prompt": prompt, "completion": checker.text, "tokens": len(ids),
@@ -327,10 +327,11 @@ def _generate(cfg: GenerateConfig) -> int:
     ends = chat.end_token_ids(chat.template_folders(cfg.model, cfg.tokenizer), tok)
     params = dataclasses.replace(SamplingParams.from_config(cfg), stop_token_ids=ends)
     gen = Generator(model, plan, max_batch_size=cfg.batch_size if batch else 1, compile=cfg.compile,
-                    cuda_graphs=cfg.cuda_graphs)
+                    cuda_graphs=cfg.cuda_graphs, prefix_cache=cfg.prefix_cache)
+    spec = speculative.build(cfg, gen, tok, plan)
     if cfg.chat:  # no tokens/s: the time is mostly the person typing
-        n = _chat(gen, tok, _chat_template(cfg, tok), params, cfg.prompt)
-        print(f"gptopt generate: {n} tokens generated in the conversation", file=sys.stderr)
+        n = _chat(gen, tok, _chat_template(cfg, tok), params, cfg.prompt, spec)
+        print(f"gptopt generate: {n} tokens generated in the conversation{_acceptance(spec)}", file=sys.stderr)
         return 0
     if batch:
         encoded = [_encode(tok, text, eot, f"--input {cfg.input}: prompt {i}") for i, text in enumerate(batch, 1)]
@@ -339,8 +340,8 @@ def _generate(cfg: GenerateConfig) -> int:
     for ids in encoded:
         gen.check_prompt(ids)  # a bad line fails before the batch runs, not after
     t0, times = time.perf_counter(), []
-    n = _stream_text(gen, tok, encoded[0], params, times)[0] if batch is None else _batch_jsonl(
-        gen, tok, batch, encoded, params, cfg.output)
+    n = _stream_text(gen, tok, encoded[0], params, times, spec)[0] if batch is None else _batch_jsonl(
+        gen, tok, batch, encoded, params, cfg.output, spec)
     dt = time.perf_counter() - t0
     line = (f"gptopt generate: {n} tokens in {dt:.2f} s: {n / max(dt, 1e-9):.1f} tokens/s "
             f"(prefill + decode, batch {gen.max_batch_size}, {plan.device})")
@@ -351,5 +352,14 @@ def _generate(cfg: GenerateConfig) -> int:
         rate = (len(times) - WARM_TOKENS) / max(times[-1] - times[WARM_TOKENS - 1], 1e-9)
         what = "compiled decode" if gen.compiled else "decode on CUDA graphs"
         line += f"; {what} after the first {WARM_TOKENS} tokens ({warm:.2f} s): {rate:.1f} tokens/s"
-    print(line, file=sys.stderr)
+    print(line + _acceptance(spec), file=sys.stderr)
     return 0
+
+
+def _acceptance(spec: speculative.Speculator | None) -> str:
+    """The log's words on speculative decoding: the share of draft tokens the model kept."""
+    if spec is None:
+        return ""
+    if spec.acceptance is None:
+        return "; speculative: no draft proposed"
+    return f"; speculative: {spec.accepted} of {spec.proposed} draft tokens kept ({spec.acceptance:.0%})"

@@ -196,34 +196,42 @@ class TokenPrompts:
     def _draw(self, n: int) -> str:
         return self.tok.decode(self.rng.choice(self.ids, n).tolist(), skip_special_tokens=False)
 
-    def __call__(self, n: int) -> str:
-        text = self._draw(n)
+    def __call__(self, n: int, prefix: str = "") -> str:
+        """A text of n tokens after `prefix` (one of these prompts), whose tokens begin with the prefix's own."""
+        head = self.tok.encode(prefix, add_special_tokens=False).ids if prefix else []
+        total = len(head) + n
+        text = prefix + self._draw(n)
         for _ in range(PROMPT_TRIES):
             enc = self.tok.encode(text, add_special_tokens=False)
             ids, offsets = enc.ids, enc.offsets
             special = next((k for k, i in enumerate(ids) if i in self.special), None)
-            if special is not None:  # the pieces spelled a special token: keep the text before it
+            if ids[: len(head)] != head:  # what follows merged with the prefix's last token: draw it again
+                text = prefix + self._draw(n)
+            elif special is not None:  # the pieces spelled a special token: keep the text before it
                 text = text[:offsets[special][0]]
-            elif len(ids) == n:
+            elif len(ids) == total:
                 return text
-            elif len(ids) > n:
+            elif len(ids) > total:
                 # Cut before token n+1, and without trailing whitespace: a pre-tokenizer splits a run of
                 # spaces one way at the end of a text and another before what is appended next.
-                text = text[:offsets[n][0]].rstrip()
+                text = text[:offsets[total][0]].rstrip()
             else:
-                text += self._draw(n - len(ids))
+                text += self._draw(total - len(ids))
         raise UserError(f"no text of exactly {n} of its tokens in {PROMPT_TRIES} tries of random tokens; try "
                          "another --prompt_tokens or --seed")
 
 
 def make_prompts(cfg: LoadtestConfig, rng: random.Random) -> list[str]:
-    """cfg.requests prompts: exactly cfg.prompt_tokens tokens of cfg.tokenizer, or as many words of TEXT."""
+    """cfg.requests prompts: exactly cfg.prompt_tokens tokens of cfg.tokenizer, or as many words of TEXT, each
+    after the cfg.shared_prefix tokens (words) all of them begin with."""
     if cfg.tokenizer is None:
-        return [make_prompt(rng, cfg.prompt_tokens) for _ in range(cfg.requests)]
+        head = make_prompt(rng, cfg.shared_prefix) + " " if cfg.shared_prefix else ""
+        return [head + make_prompt(rng, cfg.prompt_tokens) for _ in range(cfg.requests)]
     tok = prompt_tokenizer(cfg.tokenizer)
     try:
         prompt = TokenPrompts(tok, np.random.default_rng(cfg.seed))
-        return [prompt(cfg.prompt_tokens) for _ in range(cfg.requests)]
+        head = prompt(cfg.shared_prefix) if cfg.shared_prefix else ""
+        return [prompt(cfg.prompt_tokens, head) for _ in range(cfg.requests)]
     except ValueError as e:
         raise UserError(f"--tokenizer {cfg.tokenizer}: {e}") from None
 
@@ -231,6 +239,7 @@ def make_prompts(cfg: LoadtestConfig, rng: random.Random) -> list[str]:
 def prompt_kind(cfg: LoadtestConfig) -> dict[str, Any]:
     """What --prompt_tokens counted: tokens of --tokenizer (exact), or words (approximate tokens)."""
     return {"kind": "words" if cfg.tokenizer is None else "tokens", "length": cfg.prompt_tokens,
+            "shared_prefix": cfg.shared_prefix,
             "tokenizer": cfg.tokenizer}
 
 
@@ -434,8 +443,10 @@ def main(cfg: LoadtestConfig) -> int:
     print(f"{cfg.url}: {summary['completed']}/{summary['requests']} requests in {summary['duration_s']:.2f} s "
           f"({summary['mode']})")
     prompt = summary["prompt"]
-    print(f"  prompts      {prompt['length']} " + (f"tokens of {prompt['tokenizer']}" if prompt["tokenizer"] else
-                                                    "words (approximate tokens; --tokenizer makes them exact)"))
+    shared = f"{prompt['shared_prefix']} shared + " if prompt["shared_prefix"] else ""
+    print(f"  prompts      {shared}{prompt['length']} " + (f"tokens of {prompt['tokenizer']}" if prompt["tokenizer"]
+                                                            else "words (approximate tokens; --tokenizer makes them "
+                                                            "exact)"))
     print(f"  throughput   {summary['requests_per_s']:.2f} req/s, {summary['output_tokens_per_s']:.1f} output tokens/s")
     for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "latency")):
         print(f"  {name:<12} ms: {_fmt(summary[key])}")

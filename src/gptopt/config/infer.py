@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from gptopt.config.fields import (
     MAX_BATCH,
@@ -24,6 +25,37 @@ from gptopt.utils.errors import UserError
 
 # --quantize of generate and serve: the names gptopt compress gives the same torchao methods
 INFER_QUANTIZE = ("none", "int8-weight", "int4-weight")
+
+
+# Speculative decoding's options, the same for generate and serve (each config declares them with these)
+SPECULATE = ("none", "ngram", "draft")
+MAX_SPECULATIVE_TOKENS = 64  # a step's drafts: beyond a few the chance that all are kept is nil
+
+
+def _speculate() -> Any:
+    return opt("none", "speculative decoding: ngram (prompt lookup: drafts copied from what followed the text's "
+               "last few tokens earlier in it; for output that repeats its input), draft (--draft_model proposes); "
+               "greedy output is unchanged, sampled output keeps its distribution", choices=SPECULATE)
+
+
+def _draft_model() -> Any:
+    return opt(None, "a smaller model of the same tokenizer that drafts for speculative decoding (a training output "
+               "dir, a checkpoint or a HF dir, as --model); implies --speculate draft")
+
+
+def _num_speculative_tokens() -> Any:
+    return opt(4, "tokens drafted a speculative step: the model checks them all in one forward",
+               ge=1, le=MAX_SPECULATIVE_TOKENS)
+
+
+def check_speculation(cfg: Any) -> None:
+    """--speculate and --draft_model agree (a config that declares _speculate's fields)."""
+    if cfg.draft_model is not None and cfg.speculate == "none":
+        cfg.speculate = "draft"
+    if cfg.speculate == "draft" and cfg.draft_model is None:
+        raise UserError("--speculate draft needs --draft_model DIR: the smaller model that drafts")
+    if cfg.speculate == "ngram" and cfg.draft_model is not None:
+        raise UserError("--speculate ngram drafts from the text itself; drop --draft_model, or use --speculate draft")
 
 
 @dataclass(kw_only=True)
@@ -45,6 +77,11 @@ class GenerateConfig(SamplingConfig):
     quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
                         "int4-weight, torchao int4 weight-only (NVIDIA GPUs, compute capability 8.0+, bf16)",
                         choices=INFER_QUANTIZE)
+    prefix_cache: bool = opt(True, "a prompt prefills only what follows the longest beginning of it the KV cache "
+                             "still holds from an earlier prompt or chat turn")
+    speculate: str = _speculate()
+    draft_model: str | None = _draft_model()
+    num_speculative_tokens: int = _num_speculative_tokens()
     chat: bool = opt(False, "an interactive chat: turns are read from stdin (/reset clears, /exit or end of "
                      "input ends), the prompt, if given, is the system message")
     chat_template: str | None = opt(None, "with --chat: a Jinja chat template file, or plain (System/User/"
@@ -52,6 +89,7 @@ class GenerateConfig(SamplingConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        check_speculation(self)
         if self.output and not self.input:
             raise UserError("--output needs --input (batch mode)")
         if self.chat and self.input:
@@ -93,6 +131,15 @@ class ServeConfig:
     quantize: str = opt("none", "weights quantised on load (quant extra): int8-weight, torchao int8 weight-only; "
                         "int4-weight, torchao int4 weight-only (NVIDIA GPUs, compute capability 8.0+, bf16)",
                         choices=INFER_QUANTIZE)
+    prefix_cache: bool = opt(True, "a prompt prefills only what follows the longest beginning of it the KV cache "
+                             "still holds (a shared system prompt, earlier chat turns, other samples of one prompt); "
+                             "finished requests' tokens stay in their slots until the least recently used is needed")
+    speculate: str = _speculate()
+    draft_model: str | None = _draft_model()
+    num_speculative_tokens: int = _num_speculative_tokens()
+    speculate_max_batch: int = opt(4, "speculative decoding runs while at most this many requests decode; a larger "
+                                   "batch keeps the arithmetic busy without it, and decodes plainly", ge=1,
+                                   le=MAX_SLOTS)
     solo_threads: int | None = opt(None, "CPUs: torch threads of a decode step that runs one request alone (and "
                                    "of every forward of a model too small to gain from more); default: every "
                                    "core but one, left to the HTTP server and tokenizer (prefill and batches of "
@@ -110,6 +157,7 @@ class ServeConfig:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        check_speculation(self)
 
 
 MIN_OPSET = 18  # torch.onnx's dynamo exporter writes opset 18 and converts to others; 17 came out invalid
@@ -150,6 +198,9 @@ class LoadtestConfig:
                              "of a fixed text, which is only approximately as many tokens", ge=1, le=MAX_SEQ_LEN)
     tokenizer: str | None = opt(None, "the served model's tokenizer.json, or its model directory: each prompt is "
                                 "then random tokens of it (as vLLM's random data set), exactly --prompt_tokens long")
+    shared_prefix: int = opt(0, "a beginning every prompt shares, this many tokens (words without --tokenizer) "
+                             "long, before its own --prompt_tokens: a system prompt all requests send (vLLM's bench "
+                             "serve --random-prefix-len), what a server's prefix cache saves", ge=0, le=MAX_SEQ_LEN)
     max_tokens: int = opt(64, "max_tokens of each request", ge=1, le=MAX_NEW_TOKENS)
     temperature: float = opt(0.0, "temperature of each request", **TEMPERATURE.limits)
     model: str | None = opt(None, "the model field of each request")

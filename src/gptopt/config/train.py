@@ -22,6 +22,7 @@ from gptopt.config.fields import (
     check_fields,
     opt,
 )
+from gptopt.config.infer import MAX_SPECULATIVE_TOKENS
 from gptopt.config.model import ARCH_FIELDS, DEFAULT_PRESET, LOSSES, PRESETS, arch_overrides, preset
 from gptopt.utils.errors import UserError
 
@@ -306,6 +307,13 @@ class BenchConfig:
                                 "reaching it, and a recipe other than AdamW stops sooner, at 1.5x AdamW's steps on "
                                 "its seed (default: 1000)",
                                 ge=1, le=MAX_STEPS)
+    model: str | None = opt(None, "--mode infer: a trained model to bench (a training output dir, a checkpoint, a HF "
+                            "dir) instead of the preset's random weights, over --data_dir prepared with its "
+                            "tokenizer: its greedy text then means something, which the speculative rung needs")
+    draft_model: str | None = opt(None, "--mode infer: the speculative rung's draft, a smaller model of the same "
+                                  "tokenizer; default: n-gram prompt lookup, no draft")
+    num_speculative_tokens: int = opt(4, "--mode infer: tokens the speculative rung drafts a step", ge=1,
+                                      le=MAX_SPECULATIVE_TOKENS)
     loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails",
                                 gt=0.0, lt=1.0)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
@@ -330,6 +338,10 @@ class BenchConfig:
                                        or self.recipes != "default" or self.seeds != 3):
             raise UserError("--target_loss, --max_steps, --recipes and --seeds belong to the recipe ladder: "
                              "add --mode quality")
+        if self.mode != "infer" and (self.model is not None or self.draft_model is not None):
+            raise UserError("--model and --draft_model belong to the generation ladder: add --mode infer")
+        if self.model is not None and self.preset is not None:
+            raise UserError("--model benches that model, --preset a preset's random weights: give one of them")
         if self.mode == "quality" and self.rungs != "default":
             raise UserError("--rungs chooses the rungs of the train and infer ladders; --mode quality takes "
                              "--recipes (adamw, muon, modern, ...: see --help)")

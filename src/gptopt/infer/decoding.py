@@ -36,6 +36,7 @@ class Decoding:
     ids: list[int]  # the prompt, then the new tokens (the repetition penalty's history)
     finish: Finish | None = None
     cached: int = 0  # prompt tokens in the cache so far: prefill_step runs the rest, a chunk at a time
+    reused: int = 0  # prompt tokens a cached prefix gave it (prefix_cache.py), never computed for it
     # With params.logprobs: one entry per new token, the stop token that ends it included (OpenAI's
     # legacy completions list it, and lm-eval reads it). With params.prompt_logprobs: one per prompt
     # token after the first (the first has no context to be predicted from), filled as prefill_step runs.

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -24,15 +24,24 @@ from gptopt.infer import sampling
 from gptopt.infer.compiled import GraphedDecode, compile_decode
 from gptopt.infer.decoding import Decoding, Finish
 from gptopt.infer.kv_cache import KVCache
+from gptopt.infer.prefix_cache import MIN_COPY, SlotPrefixes, common_prefix
 from gptopt.infer.sampling import SamplingParams, TokenLogprob
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.runtime.torch_private import maybe_mark_dynamic
 from gptopt.utils.errors import UserError
 
-__all__ = ["Generator", "complete", "generate", "stream"]
+__all__ = ["Generator", "Stepper", "complete", "generate", "stream"]
 
 log = logging.getLogger("gptopt")
+
+
+class Stepper(Protocol):
+    """A decode step that may make several tokens a sequence (speculative.Speculator)."""
+
+    def step(self, gen: Generator, seqs: Sequence[Decoding]) -> list[list[int]]: ...
+
+    def release(self, seq: Decoding) -> None: ...
 
 
 
@@ -45,11 +54,14 @@ class Generator:
     """
 
     def __init__(self, model: GPT, plan: DevicePlan, *, max_batch_size: int = 8, max_len: int | None = None,
-                 compile: bool = False, cuda_graphs: bool = False, grammars: Any = None) -> None:
+                 compile: bool = False, cuda_graphs: bool = False, grammars: Any = None,
+                 prefix_cache: bool = False) -> None:
         """compile: the decode step compiled (inference.compile_decode). cuda_graphs: on CUDA without
         compile, the eager decode step recorded as a CUDA graph per bucket (inference.GraphedDecode);
         ignored elsewhere, and with compile (whose reduce-overhead mode records its own). grammars: the
-        constrain.Grammars of the model's tokenizer, for sequences whose params name a grammar."""
+        constrain.Grammars of the model's tokenizer, for sequences whose params name a grammar.
+        prefix_cache: a prompt starts from the longest prefix of it some slot holds (prefix_cache.py); off
+        where a prefill is what is measured (bench, profile)."""
         self.grammars = grammars
         cfg = model.config
         self.max_len = cfg.block_size if max_len is None else max_len
@@ -64,6 +76,7 @@ class Generator:
         self.cache = KVCache(cfg, max_batch_size, self.max_len, device=plan.device, dtype=dtype)
         self.lengths = [0] * max_batch_size  # tokens cached per slot: where an idle row of a static decode writes
         self._used: set[int] = set()
+        self.prefixes = SlotPrefixes(max_batch_size, self.max_len) if prefix_cache else None
         # The row counts a compiled decode runs: powers of two below max_batch_size, and max_batch_size.
         self.buckets = [2**i for i in range(max_batch_size.bit_length()) if 2**i < max_batch_size] + [max_batch_size]
         self._step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -95,7 +108,22 @@ class Generator:
     def free(self, slot: int) -> None:
         self._check_slot(slot)
         self._used.discard(slot)
-        self.lengths[slot] = 0  # nothing to clear on the device: positions past a sequence are masked
+        if self.prefixes is None:
+            self.lengths[slot] = 0  # nothing to clear on the device: positions past a sequence are masked
+        else:  # what it holds stays for later prompts (the rows of a bucketed step write past it)
+            self.prefixes.touch(slot)
+
+    def rewind(self, slot: int, n: int) -> None:
+        """Only the slot's first n positions hold its sequence: what a forward wrote after them (draft tokens the
+        model did not keep) is left to be overwritten."""
+        self.lengths[slot] = min(self.lengths[slot], n)
+        if self.prefixes is not None:
+            self.prefixes.keep(slot, n)
+
+    def forget_prefixes(self) -> None:
+        """Every slot's cached prefix dropped (a warm-up's prompts are no one's)."""
+        if self.prefixes is not None:
+            self.prefixes.clear()
 
     @property
     def free_slots(self) -> int:
@@ -105,6 +133,11 @@ class Generator:
         """A Decoding of `prompt` in the lowest free slot, nothing cached yet: prefill_step runs its prompt."""
         self.check_prompt(prompt)
         slot = self.alloc()
+        if self.prefixes is not None:  # what the slot holds moves to the least recently used free slot
+            moved = self.prefixes.relocate(slot, sorted(set(range(self.max_batch_size)) - self._used), prompt)
+            if moved is not None:
+                self.cache.copy(slot, *moved)
+                self.lengths[moved[0]] = moved[1]
         budget = min(params.max_new_tokens, self.max_len - len(prompt))
         try:
             matcher = None if params.grammar is None else self._grammars().matcher(params.grammar)
@@ -159,6 +192,9 @@ class Generator:
         for s in seqs:
             if s.prefilled:
                 raise UserError(f"slot {s.slot}'s prompt is already prefilled")
+            if s.cached == 0 and self.prefixes is not None and s.params.prompt_logprobs is None:
+                if self._reuse(s, rows):
+                    continue
             w = min(budget, max(width, s.prompt_len - s.cached))
             if rows and w * (len(rows) + 1) > budget:
                 break
@@ -176,6 +212,29 @@ class Generator:
             s.cached += len(c)
         done = [i for i, s in enumerate(rows) if s.prefilled]
         return [rows[i] for i in done], logits[done]
+
+    def _reuse(self, seq: Decoding, writing: Sequence[Decoding]) -> bool:
+        """Start `seq`'s prefill after the longest prefix of its prompt a slot holds (copied into its own slot,
+        unless it is its own); True to wait a forward instead, where a row of this one (`writing`) writes a
+        longer prefix of it from scratch (n samples of one prompt, lm-eval's choices of one context)."""
+        assert self.prefixes is not None
+        prompt = seq.ids[: seq.prompt_len]
+        src, n = self.prefixes.best(prompt)
+        if any(common_prefix(prompt, w.ids[: w.prompt_len]) >= n + MIN_COPY for w in writing):
+            return True
+        own = min(common_prefix(prompt, self.prefixes.tokens[seq.slot]), self.prefixes.limit, seq.prompt_len - 1)
+        if n < own + MIN_COPY:  # what its own slot holds, where it lies: no copy
+            src, n = seq.slot, own
+        if src != seq.slot:
+            self.cache.copy(src, seq.slot, n)
+            self.prefixes.set(seq.slot, prompt[:n])
+        else:
+            self.prefixes.keep(seq.slot, n)
+        if n:
+            self.prefixes.touch(src)
+        self.lengths[seq.slot] = n
+        seq.cached = seq.reused = n
+        return False
 
     def _score_prompts(self, seqs: list[Decoding], chunks: list[list[int]], logits: torch.Tensor) -> None:
         """Each prompt token's TokenLogprob from the logits of the position before it, for the chunk being
@@ -269,6 +328,8 @@ class Generator:
         logits = self.model(idx, pos=pos, kv_cache=kv, last_only=not every)
         self._used.add(slot)
         self.lengths[slot] = L
+        if self.prefixes is not None:
+            self.prefixes.wrote(slot, 0, tokens)
         return logits[0] if every else logits[0, -1].float()
 
     @torch.no_grad()
@@ -301,6 +362,8 @@ class Generator:
         for s, c, p in zip(slots, chunks, starts, strict=True):
             self._used.add(s)
             self.lengths[s] = p + len(c)
+            if self.prefixes is not None:
+                self.prefixes.wrote(s, p, c)
         return logits
 
     @torch.no_grad()
@@ -321,8 +384,10 @@ class Generator:
             # Attend over the longest row's positions only, not the whole cache.
             logits = self._forward(self._tensor(tokens).view(B, 1), self._tensor(positions).view(B, 1),
                                    self._rows(slots), max(positions) + 1)
-        for s, p in zip(slots, positions, strict=True):
+        for s, t, p in zip(slots, tokens, positions, strict=True):
             self.lengths[s] = p + 1
+            if self.prefixes is not None:
+                self.prefixes.wrote(s, p, (t,))
         return logits
 
     def _rows(self, slots: list[int]) -> torch.Tensor | slice:
@@ -378,12 +443,13 @@ class Generator:
 # Token generators on top of Generator
 
 
-def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
-         finished: set[int]) -> Iterator[tuple[int, int | None, Finish | None]]:
+def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams, finished: set[int],
+         stepper: Stepper | None = None) -> Iterator[tuple[int, int | None, Finish | None]]:
     """Decode prompts together: yields (row, token, finish) as tokens come. finish is None while the
     row goes on, "length" on its last token, "stop" with token None for a stop token id ("incomplete" with
-    token None where its grammar allowed no token). Rows the
-    caller adds to `finished` end after their current token. Slots are freed however this ends."""
+    token None where its grammar allowed no token). Rows the caller adds to `finished` end after their
+    current token. A stepper (speculative decoding) may make several tokens a row a step. Slots are freed
+    however this ends."""
     if len(prompts) > gen.max_batch_size:
         raise UserError(f"{len(prompts)} prompts exceed the {gen.max_batch_size} cache slots")
     for p in prompts:
@@ -394,29 +460,37 @@ def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams,
         for i in sorted(set(range(len(seqs))) - set(active)):  # max_new_tokens 0: the prompt only
             seqs[i].finish = "length"
             yield i, None, "length"
-        logits = logits[active]
+        news = [[t] for t in gen.sample_next(logits[active], [seqs[i] for i in active])] if active else []
         while active:
-            tokens = gen.sample_next(logits, [seqs[i] for i in active])
             going = []
-            for i, t in zip(active, tokens, strict=True):
-                finish = seqs[i].add(t)
-                yield i, None if finish in ("stop", "incomplete") else t, finish
-                if finish is None and i not in finished:
+            for i, tokens in zip(active, news, strict=True):
+                for t in tokens:
+                    finish = seqs[i].add(t)
+                    yield i, None if finish in ("stop", "incomplete") else t, finish
+                    if finish is not None or i in finished:
+                        break
+                else:
                     going.append(i)
             active = going
             if active:
-                logits = gen.decode_next([seqs[i] for i in active])
+                run = [seqs[i] for i in active]
+                news = stepper.step(gen, run) if stepper is not None else [
+                    [t] for t in gen.sample_next(gen.decode_next(run), run)]
     finally:
         for seq in seqs:
+            if stepper is not None:
+                stepper.release(seq)
             gen.end(seq)
 
 
 def complete(gen: Generator, prompts: list[list[int]], params: SamplingParams,
-             on_token: Callable[[int, int], bool] | None = None) -> list[tuple[list[int], Finish]]:
+             on_token: Callable[[int, int], bool] | None = None,
+             stepper: Stepper | None = None) -> list[tuple[list[int], Finish]]:
     """(new token ids, finish reason "stop" | "length") per prompt, decoded in groups of gen.max_batch_size.
 
     on_token(row, token) is called for every new token; returning True ends that row ("stop"), e.g.
-    when its StopChecker found a stop string. Stop token ids end a row and are not returned.
+    when its StopChecker found a stop string. Stop token ids end a row and are not returned. stepper: a
+    speculative.Speculator, which may make several tokens a row a step.
     """
     for p in prompts:
         gen.check_prompt(p)  # every prompt, before any work
@@ -424,7 +498,8 @@ def complete(gen: Generator, prompts: list[list[int]], params: SamplingParams,
     reasons: list[Finish] = ["length"] * len(prompts)
     for start in range(0, len(prompts), gen.max_batch_size):
         finished: set[int] = set()
-        for row, token, finish in _run(gen, prompts[start : start + gen.max_batch_size], params, finished):
+        for row, token, finish in _run(gen, prompts[start : start + gen.max_batch_size], params, finished,
+                                         stepper):
             r = start + row
             if token is not None:
                 out[r].append(token)
@@ -437,17 +512,19 @@ def complete(gen: Generator, prompts: list[list[int]], params: SamplingParams,
     return list(zip(out, reasons, strict=True))
 
 
-def generate(gen: Generator, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+def generate(gen: Generator, prompts: list[list[int]], params: SamplingParams,
+             stepper: Stepper | None = None) -> list[list[int]]:
     """New token ids for each prompt (prompts of any lengths, batched); stop_token_ids end a sequence."""
-    return [ids for ids, _ in complete(gen, prompts, params)]
+    return [ids for ids, _ in complete(gen, prompts, params, stepper=stepper)]
 
 
-def stream(gen: Generator, prompt: list[int], params: SamplingParams) -> Iterator[int]:
+def stream(gen: Generator, prompt: list[int], params: SamplingParams,
+           stepper: Stepper | None = None) -> Iterator[int]:
     """The new token ids of one prompt, one at a time; leaving the loop early frees the slot."""
     gen.check_prompt(prompt)  # now, not at the first next()
 
     def tokens() -> Iterator[int]:
-        with contextlib.closing(_run(gen, [prompt], params, set())) as steps:
+        with contextlib.closing(_run(gen, [prompt], params, set(), stepper)) as steps:
             for _, token, _ in steps:
                 if token is not None:
                     yield token

@@ -61,6 +61,12 @@ class KVCache:
         length = self.max_len if length is None else length
         return [_LayerView(k, v, rows, flat, length) for k, v in zip(self.k, self.v, strict=True)]
 
+    def copy(self, src: int, dst: int, n: int) -> None:
+        """Slot `dst`'s first n positions become `src`'s, every layer (a cached prefix taken over)."""
+        for k, v in zip(self.k, self.v, strict=True):
+            k[dst, :, :n].copy_(k[src, :, :n])
+            v[dst, :, :n].copy_(v[src, :, :n])
+
     def mask(self, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
         """(B, 1, T, length) bool, True where the key's position <= the query's: each row sees its own past only."""
         keys = torch.arange(self.max_len if length is None else length, device=positions.device)

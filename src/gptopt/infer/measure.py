@@ -13,7 +13,7 @@ from collections.abc import Callable, Collection
 import torch
 import torch.nn as nn
 
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator, Stepper, generate
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
@@ -99,24 +99,29 @@ def interleaved(fns: dict[str, Callable[[], object]], plan: DevicePlan, warmup: 
 class GptoptRunner:
     """A rung on gptopt's Generator: one Generator per batch size, since a static cache has one shape."""
 
-    def __init__(self, model: GPT, plan: DevicePlan, max_len: int, *, compile: bool, cuda_graphs: bool = False) -> None:
+    def __init__(self, model: GPT, plan: DevicePlan, max_len: int, *, compile: bool, cuda_graphs: bool = False,
+                 speculate: Callable[[Generator], Stepper] | None = None) -> None:
+        """speculate: the speculative decoding of a Generator (speculative.Speculator), built with each one."""
         self.model, self.plan, self.max_len, self.compile, self.cuda_graphs = model, plan, max_len, compile, cuda_graphs
+        self.speculate = speculate
         self.gen: Generator | None = None
+        self.stepper: Stepper | None = None
 
     def _for(self, batch: int) -> Generator:
         if self.gen is None or self.gen.max_batch_size != batch:
             self.release()  # the last cache goes before the next is allocated
             self.gen = Generator(self.model, self.plan, max_batch_size=batch, max_len=self.max_len,
                                  compile=self.compile, cuda_graphs=self.cuda_graphs)
+            self.stepper = None if self.speculate is None else self.speculate(self.gen)
         return self.gen
 
     def release(self) -> None:
         """Drop this batch size's Generator (its caches, its compiled or recorded step), before another is built."""
-        self.gen = None
+        self.gen = self.stepper = None
         free_memory(self.plan)
 
     def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        return generate(self._for(len(prompts)), prompts, SamplingParams(max_new_tokens=n, **GREEDY))
+        return generate(self._for(len(prompts)), prompts, SamplingParams(max_new_tokens=n, **GREEDY), self.stepper)
 
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
         gen = self.gen or self._for(1)

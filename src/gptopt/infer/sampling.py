@@ -178,6 +178,31 @@ def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: lis
     noise, and the same token, alone and in any batch; and only rows with a top-p sort anything (vLLM's
     sampler works this way). Greedy rows (temperature 0) take `greedy`."""
     on_device = functools.partial(_tensor, logits.device)
+    probs = probabilities(logits, params)
+    # argmax(probs / Exp(1) noise) is how torch.multinomial draws one sample, minus its input check, which
+    # syncs with the host. Unnormalised probs are fine for it. A seeded row's noise comes from its own generator,
+    # over the whole vocabulary: the same draw in any batch. The Exp(1) noise is -log(U), U uniform: torch's
+    # CPU exponential_ is not vectorised, and over a large vocabulary it cost a batched decode step a sizeable
+    # share of its time (benchmarks/2026-12-06-serving-smollm2.md, "Where a decode step goes"). U = 0 (one draw
+    # in 2^24) is raised to the smallest normal float, so every noise is finite and positive: a token of
+    # probability 0 scores 0, never NaN.
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.uniform_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].uniform_(generator=g)
+    noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
+    sampled = (probs / noise).argmax(dim=-1)
+    is_greedy = on_device([p.temperature == 0 for p in params], torch.bool)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """(B, V) float32: each row's distribution after its temperature, top-k and top-p, not normalised (a kept
+    token's weight is its softmax probability, a dropped one's 0). A greedy row (temperature 0) is taken at
+    temperature 1. What `pick` draws from, and what speculative decoding's rejection rule compares."""
+    on_device = functools.partial(_tensor, logits.device)
     B, V = logits.shape
     x = logits / on_device([p.temperature or 1.0 for p in params], torch.float32).view(B, 1)
     ks = [p.top_k if p.top_k is not None and p.top_k < V else None for p in params]
@@ -196,23 +221,7 @@ def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: lis
         top_p = on_device([params[i].top_p for i in rows], torch.float32).view(-1, 1)
         drop = sub.cumsum(dim=-1) - sub >= top_p
         probs[rows] = probs[rows].masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), 0.0)
-    # argmax(probs / Exp(1) noise) is how torch.multinomial draws one sample, minus its input check, which
-    # syncs with the host. Unnormalised probs are fine for it. A seeded row's noise comes from its own generator,
-    # over the whole vocabulary: the same draw in any batch. The Exp(1) noise is -log(U), U uniform: torch's
-    # CPU exponential_ is not vectorised, and over a large vocabulary it cost a batched decode step a sizeable
-    # share of its time (benchmarks/2026-12-06-serving-smollm2.md, "Where a decode step goes"). U = 0 (one draw
-    # in 2^24) is raised to the smallest normal float, so every noise is finite and positive: a token of
-    # probability 0 scores 0, never NaN.
-    noise = torch.empty_like(probs)
-    if any(g is None for g in generators):
-        noise.uniform_()
-    for i, g in enumerate(generators):
-        if g is not None:
-            noise[i].uniform_(generator=g)
-    noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
-    sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = on_device([p.temperature == 0 for p in params], torch.bool)
-    return torch.where(is_greedy, greedy, sampled)
+    return probs
 
 
 def _unless_none_allowed(tokens: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from gptopt.infer.decoding import Decoding
-from gptopt.infer.generator import Generator
+from gptopt.infer.generator import Generator, Stepper
 from gptopt.infer.sampling import SamplingParams
 from gptopt.infer.stop import StopChecker
 from gptopt.models.flops import flops_per_token
@@ -143,7 +143,10 @@ class Engine:
     def __init__(self, generator: Generator, tokenizer: Any, *, max_queue: int = 64,
                  request_timeout: float = 120.0, prefill_chunk: int = PREFILL_CHUNK,
                  blocklist: Blocklist | None = None, metrics: Any = None,
-                 solo_threads: int | None = None) -> None:
+                 solo_threads: int | None = None, speculator: Stepper | None = None,
+                 speculate_max_batch: int = 4) -> None:
+        """speculator: speculative decoding (infer.speculative.Speculator), for decode steps of at most
+        `speculate_max_batch` requests: a larger batch already keeps the arithmetic busy, and decodes plainly."""
         if prefill_chunk < 1:
             raise UserError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if solo_threads is not None and solo_threads < 1:
@@ -161,6 +164,7 @@ class Engine:
                         "a one-request step on more threads than cores only contends with itself",
                         self._solo_threads, self._all_threads)
         self.prefill_chunk = prefill_chunk
+        self.speculator, self.speculate_max_batch = speculator, speculate_max_batch
         self.tokenizer = tokenizer
         self.max_queue = max_queue
         self.request_timeout = request_timeout
@@ -287,6 +291,7 @@ class Engine:
             finally:  # this thread (the caller's) gets every core back; the engine thread sets its own
                 if self._solo_threads is not None:
                     torch.set_num_threads(self._all_threads)
+                g.forget_prefixes()  # the warm-up's prompts are no request's
         seconds = time.perf_counter() - t0
         if g.bucketed:
             log.info("%s the decode for batches of %s in %.1f s",
@@ -451,6 +456,10 @@ class Engine:
             for r in list(self._prefilling):
                 self._finish(r, "error", error=f"{type(e).__name__}: {e}")
             return
+        if self.metrics is not None and self.generator.prefixes is not None:
+            for seq in scored + done:
+                self.metrics.prefix_queries.inc(seq.prompt_len)
+                self.metrics.prefix_hits.inc(seq.reused)
         for seq in scored:
             self._finish(by_seq[id(seq)], "length")
         for seq, token in zip(done, tokens, strict=True):
@@ -464,18 +473,29 @@ class Engine:
         seqs = [r.seq for r in reqs if r.seq is not None]
         # by the rows the step computes: a compiled step runs a whole bucket, whose graph's thread count must
         # not change (dynamo guards on it: another count would recompile the graph mid-serving)
-        self._use_threads(rows=self.generator.step_rows([s.slot for s in seqs]) if seqs else 0)
+        spec = self.speculator if len(seqs) <= self.speculate_max_batch else None
+        # a speculative step is a forward of several positions a row, as a prefill: every core
+        self._use_threads(rows=0 if spec is not None or not seqs else self.generator.step_rows([s.slot for s in seqs]))
         try:
-            logits = self.generator.decode_next(seqs)
-            tokens = self.generator.sample_next(logits, seqs)
+            if spec is not None:
+                before = (spec.proposed, spec.accepted)
+                tokens = spec.step(self.generator, seqs)
+                if self.metrics is not None:
+                    self.metrics.draft_tokens.inc(spec.proposed - before[0])
+                    self.metrics.accepted_tokens.inc(spec.accepted - before[1])
+            else:
+                tokens = [[t] for t in self.generator.sample_next(self.generator.decode_next(seqs), seqs)]
         except Exception as e:
             log.exception("decode step failed")
             for r in reqs:
                 self._finish(r, "error", error=f"{type(e).__name__}: {e}")
             return
         self.steps += 1
-        for r, t in zip(reqs, tokens, strict=True):
-            self._accept(r, t)
+        for r, made in zip(reqs, tokens, strict=True):
+            for t in made:
+                self._accept(r, t)
+                if r not in self._running:  # it ended: the rest of its tokens are not its
+                    break
 
     def _accept(self, req: Request, token: int) -> None:
         """Record one sampled token: send its text, and finish the request if it is done."""
@@ -524,6 +544,8 @@ class Engine:
             if req in admitted:
                 admitted.remove(req)
                 if req.seq is not None:  # None: it was refused at admission, before it had a slot
+                    if self.speculator is not None:
+                        self.speculator.release(req.seq)
                     self.generator.end(req.seq)
                 with self._cv:
                     self._n_running -= 1

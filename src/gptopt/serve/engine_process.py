@@ -47,6 +47,7 @@ from typing import Any
 from gptopt.config import ServeConfig
 from gptopt.data.tokenizer import Tokenizer, eot_id
 from gptopt.infer import memory as infer_memory
+from gptopt.infer import speculative
 from gptopt.infer.constrain import Grammars
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
@@ -88,10 +89,12 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
                    plan.device, f"--max_batch_size {slots} KV-cache slots of {context} tokens",
                    "lower --max_batch_size, or use --dtype bf16")
     generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
-                          grammars=_grammars(tokenizer, model.config.vocab_size))
+                          grammars=_grammars(tokenizer, model.config.vocab_size), prefix_cache=cfg.prefix_cache)
     engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
                     prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics,
-                    solo_threads=cfg.solo_threads or default_solo_threads())
+                    solo_threads=cfg.solo_threads or default_solo_threads(),
+                    speculator=speculative.build(cfg, generator, tokenizer, plan),
+                    speculate_max_batch=cfg.speculate_max_batch)
     try:
         engine.warmup()
     except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel

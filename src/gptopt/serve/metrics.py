@@ -53,7 +53,19 @@ class ServeMetrics:
                                     buckets=WAIT_BUCKETS, registry=r)
         self.running = Gauge("gptopt_requests_running", "requests holding a KV-cache slot", registry=r)
         self.waiting = Gauge("gptopt_requests_waiting", "requests queued for a slot", registry=r)
-        self.prompt_tokens = Counter("gptopt_prompt_tokens", "prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("gptopt_prompt_tokens", "prompt tokens of the requests admitted (prefilled, or "
+                                     "taken from the prefix cache)", registry=r)
+        # in tokens, as vLLM's vllm:prefix_cache_queries and vllm:prefix_cache_hits: hits / queries is the share of
+        # prompt tokens whose prefill a cached prefix saved
+        self.prefix_queries = Counter("gptopt_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("gptopt_prefix_cache_hits", "prompt tokens taken from the prefix cache, not "
+                                   "prefilled", registry=r)
+        # speculative decoding, as vLLM's vllm:spec_decode_num_draft_tokens and _num_accepted_tokens
+        self.draft_tokens = Counter("gptopt_spec_decode_draft_tokens", "draft tokens the model verified "
+                                    "(speculative decoding)", registry=r)
+        self.accepted_tokens = Counter("gptopt_spec_decode_accepted_tokens", "draft tokens the model kept "
+                                       "(speculative decoding)", registry=r)
         self.generated_tokens = Counter("gptopt_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("gptopt_finished_sequences", "generated sequences by finish reason",
                                 ["reason"], registry=r)

@@ -1,0 +1,205 @@
+"""Prefix caching: a prompt that shares its beginning with one the cache holds prefills only the rest, with the
+output it has without the cache; the least recently used prefix is evicted; /metrics counts the hits.
+
+    pytest -q tests/test_prefix_cache.py
+
+Every model is the debug preset's size with wide random weights (conftest.make_varied_model), fp32 on the CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import threading
+from typing import Any
+
+import pytest
+import torch
+from conftest import make_varied_model
+
+from gptopt.infer.generator import Generator, complete
+from gptopt.infer.prefix_cache import MIN_COPY
+from gptopt.infer.sampling import SamplingParams
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8)
+VOCAB = 320
+
+
+@pytest.fixture(scope="module", params=["gpt2", "llama"])
+def model(request: pytest.FixtureRequest) -> GPT:
+    return make_varied_model(VOCAB, request.param)
+
+
+def prompts_sharing(rng: random.Random, prefix: list[int], n: int, suffix: int = 5) -> list[list[int]]:
+    return [prefix + [rng.randrange(VOCAB) for _ in range(suffix)] for _ in range(n)]
+
+
+def reused_by(gen: Generator, prompts: list[list[int]], params: SamplingParams = GREEDY
+              ) -> tuple[list[list[int]], list[int], list[int]]:
+    """complete()'s tokens of each prompt, the prompt tokens each took from the cache, and the slot each took."""
+    seqs: list[Any] = []
+    open_ = gen.open
+
+    def spy(prompt: list[int], p: SamplingParams) -> Any:
+        seqs.append(open_(prompt, p))
+        return seqs[-1]
+
+    gen.open = spy  # type: ignore[method-assign]
+    try:
+        out = complete(gen, prompts, params)
+    finally:
+        del gen.open
+    return [ids for ids, _ in out], [s.reused for s in seqs], [s.slot for s in seqs]
+
+
+def bucketed(gen: Generator) -> Generator:
+    """The Generator decoding whole buckets, as compiled or CUDA-graphed decodes do (the rows not asked for write
+    at their slot's next position), with the eager step standing in for the graph."""
+    gen._step = gen._decode_rows
+    return gen
+
+
+@pytest.mark.parametrize("bucket", [False, True], ids=["eager", "bucketed"])
+def test_a_cached_prefix_gives_the_tokens_a_whole_prefill_gives(model: GPT, bucket: bool) -> None:
+    """Batches of prompts sharing prefixes of several lengths, with finished and running sequences' prefixes
+    reused: greedy tokens equal to the same batches without the cache, and most prompt tokens came from it."""
+    rng = random.Random(0)
+    base = [rng.randrange(VOCAB) for _ in range(40)]
+    batches = [prompts_sharing(rng, base[:n], 3) for n in (40, 40, 25, 33, 40)]
+    batches.insert(2, [[rng.randrange(VOCAB) for _ in range(30)]])  # nothing shared
+    plan = resolve("cpu", quiet=True)
+    cold = Generator(model, plan, max_batch_size=4, max_len=64)
+    warm = Generator(model, plan, max_batch_size=4, max_len=64, prefix_cache=True)
+    if bucket:
+        cold, warm = bucketed(cold), bucketed(warm)
+    reused = []
+    for prompts in batches:
+        want = reused_by(cold, prompts)[0]
+        got, used, _ = reused_by(warm, prompts)
+        assert got == want
+        reused += used
+    assert sum(reused) > 0.6 * sum(len(p) for b in batches[1:] for p in b), reused
+
+
+def test_a_bucketed_step_leaves_the_prefix_of_a_slot_it_runs_idle_intact(model: GPT) -> None:
+    """Of three sequences the middle one ends first, as the engine frees a slot, while the two beside it decode
+    on, their bucket running its slot idle: what it holds stays intact, and a prompt that reuses it gets a whole
+    prefill's tokens."""
+    rng = random.Random(4)
+    batch = [[rng.randrange(VOCAB) for _ in range(n)] for n in (10, 40, 10)]
+    plan = resolve("cpu", quiet=True)
+    warm = bucketed(Generator(model, plan, max_batch_size=4, max_len=64, prefix_cache=True))
+    seqs, logits = warm.begin_many(batch, GREEDY)
+    for s, t in zip(seqs, warm.sample_next(logits, seqs), strict=True):
+        s.add(t)
+    warm.end(seqs[1])
+    going = [seqs[0], seqs[2]]
+    for _ in range(4):
+        for s, t in zip(going, warm.sample_next(warm.decode_next(going), going), strict=True):
+            s.add(t)
+    for s in going:
+        warm.end(s)
+    probe = [batch[1][:30] + [1, 2]]
+    got, used, _ = reused_by(warm, probe)
+    assert used == [30]
+    assert got == reused_by(Generator(model, plan, max_batch_size=4, max_len=64), probe)[0]
+
+
+def test_seeded_sampling_is_the_same_with_a_cached_prefix(model: GPT) -> None:
+    rng = random.Random(1)
+    prompts = prompts_sharing(rng, [rng.randrange(VOCAB) for _ in range(30)], 2)
+    params = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_new_tokens=10)
+    plan = resolve("cpu", quiet=True)
+    warm = Generator(model, plan, max_batch_size=2, max_len=64, prefix_cache=True)
+    first = reused_by(warm, prompts[:1], params)[0]
+    again, used, _ = reused_by(warm, prompts[:1], params)
+    assert used == [len(prompts[0]) - 1] and again == first
+    cold = Generator(model, plan, max_batch_size=2, max_len=64)
+    assert reused_by(warm, prompts[1:], params)[0] == reused_by(cold, prompts[1:], params)[0]
+
+
+def test_samples_of_one_prompt_prefill_it_once(model: GPT) -> None:
+    """n prompts alike in one batch (n samples, lm-eval's choices of one context): the first prefills it, the others
+    wait one forward and copy it."""
+    prompt = list(range(3, 43))
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=4, max_len=64, prefix_cache=True)
+    widths = []
+    extend = gen.extend
+
+    def spy(slots: list[int], chunks: list[list[int]], starts: list[int], **kw: Any) -> torch.Tensor:
+        widths.append(sum(len(c) for c in chunks))
+        return extend(slots, chunks, starts, **kw)
+
+    gen.extend = spy  # type: ignore[method-assign]
+    tokens, used, _ = reused_by(gen, [prompt] * 4)
+    assert used == [0, 39, 39, 39] and sum(widths) == 40 + 3
+    assert tokens == [tokens[0]] * 4
+
+
+def test_the_least_recently_used_prefix_is_evicted(model: GPT) -> None:
+    """Two slots, three prefixes used in turn, one sequence at a time: the oldest is gone and the two newest are
+    reused, though every sequence took the lowest free slot (what it held moved to the slot of the oldest)."""
+    rng = random.Random(2)
+    a, b, c = ([rng.randrange(VOCAB) for _ in range(2 * MIN_COPY)] for _ in range(3))
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2, max_len=64, prefix_cache=True)
+    for p in (a, b, c):
+        assert reused_by(gen, [p + [1]])[1] == [0]
+    _, used, slots = zip(*(reused_by(gen, [p + [2]]) for p in (c, b, a)), strict=True)
+    assert used == ([len(c)], [len(b)], [0])
+    assert slots == ([0], [0], [0])
+
+
+def test_no_cache_reuses_nothing(model: GPT) -> None:
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2, max_len=64)
+    prompt = list(range(3, 40))
+    reused_by(gen, [prompt])
+    assert reused_by(gen, [prompt])[1] == [0]
+
+
+def test_prompt_logprobs_prefill_the_whole_prompt(model: GPT) -> None:
+    """A request for its prompt's log-probabilities needs every position's logits: it reuses no prefix."""
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2, max_len=64, prefix_cache=True)
+    prompt = list(range(3, 40))
+    reused_by(gen, [prompt])
+    params = dataclasses.replace(GREEDY, prompt_logprobs=1)
+    seqs, _ = gen.begin_many([prompt], params)
+    assert seqs[0].reused == 0 and len(seqs[0].prompt_logprobs) == len(prompt) - 1
+    gen.end(seqs[0])
+
+
+def test_a_cancelled_request_frees_its_slot_and_leaves_its_prefix(model: GPT, debug_tokenizer: Any) -> None:
+    """A request cancelled while decoding gives its slot back within an iteration; what it had written is a
+    prefix the next request reuses; the engine's /metrics counters count the tokens looked up and reused."""
+    pytest.importorskip("prometheus_client")
+    from gptopt.serve.engine import Engine
+    from gptopt.serve.metrics import ServeMetrics
+
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2, max_len=64, prefix_cache=True)
+    metrics = ServeMetrics(http=False)
+    engine = Engine(gen, debug_tokenizer, metrics=metrics, solo_threads=1)
+    prompt = list(range(3, 43))
+    started, finished = threading.Event(), threading.Event()
+
+    def first(ev: Any) -> None:
+        started.set()
+        if ev.finish_reason is not None:
+            finished.set()
+
+    engine.start()
+    try:
+        slow = engine.submit(prompt, dataclasses.replace(GREEDY, max_new_tokens=20), first)
+        assert started.wait(30)
+        slow.cancel()
+        assert finished.wait(30)
+        assert gen.free_slots == 2
+        done = threading.Event()
+        nxt = engine.submit(prompt[:30] + [7, 8], GREEDY, lambda ev: done.set() if ev.finish_reason else None)
+        assert done.wait(30)
+    finally:
+        engine.shutdown(timeout=5)
+    assert nxt.seq is not None and nxt.seq.reused == 30
+    text = metrics.render().decode()
+    assert "gptopt_prefix_cache_hits_total 30.0" in text
+    assert f"gptopt_prefix_cache_queries_total {len(prompt) + 32}.0" in text
