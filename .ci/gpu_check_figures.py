@@ -278,6 +278,7 @@ FIGURES: dict[str, Callable[[Path, str], dict[str, Any]]] = {
     "train_smollm2": _train("train_smollm2"), "train_qwen3": _train("train_qwen3"), "generate_llama": fig_generate,
     **{larger_step(m): _train(larger_step(m)) for size in SIZES.values() for m in size.larger},
     "bench_infer": _infer("bench_infer"), "decode_large": _infer("decode_large"), "generate": fig_generate,
+    "speculative": _infer("speculative"),
     "profile": fig_profile,
     **{n: _train(n) for n in ("train", "train_fp16", "train_ckpt", "train_auto_batch", "train_ddp", "train_fsdp")},
     **{n: _compress(n) for n in ("compress_int8", "compress_int4", "compress_2_4")},

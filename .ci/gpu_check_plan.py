@@ -253,6 +253,14 @@ def plan(ctx: Ctx) -> list[Step]:
              "rotary model on CUDA graphs, tokens/s after the compile",
              g("generate", "--model", p("train_smollm2"), "--compile", "--max_new_tokens", s.new_tokens,
                "--temperature", 0, "def fib(n):"), default=False),
+        # Issue 47: speculative decoding on the GPU, run by name (--only train,speculative), after `train`, whose
+        # checkpoint drafts for the large model's random weights: the cost of a step whose drafts miss
+        Step("speculative", 60, f"bench --mode infer on {s.large}: kv against speculative with train's {s.model} "
+             "checkpoint as the draft, batch 1: what a speculative step costs over a decode step (random weights "
+             "keep next to no draft; trained ones keep their acceptance rate times k more tokens a step)",
+             g("bench", "--preset", s.large, *infer, "--rungs", "kv,speculative", "--draft_model", "MODEL",
+               "--batch_sizes", 1, "--output_dir", p("speculative")), model=True, stdout="speculative.json",
+             default=False),
         # last: the call's optional step, what a short budget cuts
         Step("train_qwen3", 100, f"train {s.qwen} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: "
              "tokens/s, MFU against the table peak",

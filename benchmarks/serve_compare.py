@@ -8,7 +8,7 @@
 
 For each concurrency, for each run, for each server in the order given (A B A B ...): start the server
 (a process group of its own, its output in OUTPUT_DIR), wait until GET /v1/models answers 200, send a
-warm-up loadtest (not recorded), then the measured `gptopt loadtest ... --json`, then stop it (SIGINT;
+warm-up loadtest of other prompts (not recorded), then the measured `gptopt loadtest ... --json`, then stop it (SIGINT;
 SIGTERM and SIGKILL to the group if it lingers) and wait until its port is free. Alternating the
 servers run by run spreads the drift of a shared machine (other jobs, heat, frequency) over all of
 them alike; one server's runs back to back would charge the drift to that server.
@@ -299,8 +299,15 @@ def _group_alive(pgid: int) -> bool:
 # --- loadtest --------------------------------------------------------------------------------------
 
 
-def loadtest_argv(args: argparse.Namespace, port: int | str, concurrency: int | str, requests: int | str) -> list[str]:
+# The warm-up's prompts are drawn with another seed than the measured run's: a server that caches prompt prefixes
+# meets the measured prompts as new ones, not as the warm-up's again
+WARMUP_SEED = 1
+
+
+def loadtest_argv(args: argparse.Namespace, port: int | str, concurrency: int | str, requests: int | str,
+                  seed: int = 0) -> list[str]:
     return [*shlex.split(args.loadtest), "--url", f"http://127.0.0.1:{port}", "--requests", str(requests),
+            *(["--seed", str(seed)] if seed else []),
             "--concurrency", str(concurrency), "--max_tokens", str(args.max_tokens),
             "--prompt_tokens", str(args.prompt_tokens), *(["--tokenizer", args.tokenizer] if args.tokenizer else []),
             "--model", args.model, "--json"]
@@ -413,7 +420,7 @@ def render_report(meta: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     lines += [f"- measured with: `{meta['loadtest']}`",
               f"- prompts: {meta['prompt_tokens']} " + (f"tokens each, of `{tokens}`" if tokens else
                                                          "words each (approximately as many tokens; no --tokenizer)"),
-              f"- each run: start, GET /v1/models until 200 (ready s), warm-up of {meta['warmup_requests']} "
+              f"- each run: start, GET /v1/models until 200 (ready s), warm-up of {meta['warmup_requests']} other "
               "requests (not recorded), the measured loadtest, stop"
               + (f", {meta['settle_s']:g} s idle" if meta.get("settle_s") else "") + "; servers alternate run by run"]
     if meta.get("stopped"):
@@ -482,7 +489,8 @@ def compare(args: argparse.Namespace, out: Path, meta: dict[str, Any], runs: lis
                     ready = server.wait_ready(args.startup_timeout)
                     progress(f"  ready in {ready:.1f} s")
                     if args.warmup_requests:
-                        status, summary = run_loadtest(loadtest_argv(args, port, c, args.warmup_requests),
+                        status, summary = run_loadtest(loadtest_argv(args, port, c, args.warmup_requests,
+                                                                     WARMUP_SEED),
                                                        out / f"{stem}.warmup.log", args.loadtest_timeout)
                         if status != 0:
                             progress(f"  warning: the warm-up exited {status}; see {out / f'{stem}.warmup.log'}")

@@ -206,10 +206,13 @@ def test_chat_logprobs_are_the_completions_logprobs_of_the_rendered_prompt(
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     assert [c["token"] for c in content] == plain["tokens"]
-    assert [c["logprob"] for c in content] == plain["token_logprobs"]
+    # the same numbers up to rounding: the second request reuses the first's cached prompt (prefix caching), whose
+    # keys and values a forward of another shape computed
+    assert [c["logprob"] for c in content] == pytest.approx(plain["token_logprobs"], abs=1e-5)
     for c, top in zip(content, plain["top_logprobs"], strict=True):
         assert len(c["top_logprobs"]) == 3 and c["top_logprobs"][0]["logprob"] == c["logprob"]  # greedy: the top one
-        assert {t["token"]: t["logprob"] for t in c["top_logprobs"]}.items() <= top.items()
+        mine = {t["token"]: t["logprob"] for t in c["top_logprobs"]}
+        assert set(mine) <= set(top) and mine == pytest.approx({t: top[t] for t in mine}, abs=1e-5)
         assert bytes(c["bytes"]).decode("utf-8", "replace") == c["token"] or c["token"].startswith("bytes:")
     frames = [json.loads(f[6:]) for f in chat_post(url, messages=messages, max_tokens=6, temperature=0, logprobs=True,
                                                    top_logprobs=3, stream=True).content.decode().split("\n\n")
@@ -317,9 +320,9 @@ def run_chat(argv: list[str], stdin: str, monkeypatch: pytest.MonkeyPatch,
 
     prompts, real_stream = [], generate.stream
 
-    def spy(gen: Any, ids: list[int], params: Any) -> Iterator[int]:
+    def spy(gen: Any, ids: list[int], params: Any, stepper: Any = None) -> Iterator[int]:
         prompts.append(list(ids))
-        return real_stream(gen, ids, params)
+        return real_stream(gen, ids, params, stepper)
 
     monkeypatch.setattr(generate, "stream", spy)
     monkeypatch.setattr("sys.stdin", io.StringIO(stdin))

@@ -27,6 +27,7 @@ from gptopt.models.gpt import CAUSAL_SPLIT_MIN, GPT, TanhGELU
 EXPECTED_PARAMS = {
     "debug": 136_960,
     "tiny": 5_322_240,
+    "tiny-draft": 1_478_144,
     "gpt2": 124_439_808,
     "gpt2-medium": 354_823_168,
     "gpt2-large": 774_030_080,

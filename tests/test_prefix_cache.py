@@ -158,15 +158,34 @@ def test_no_cache_reuses_nothing(model: GPT) -> None:
     assert reused_by(gen, [prompt])[1] == [0]
 
 
-def test_prompt_logprobs_prefill_the_whole_prompt(model: GPT) -> None:
-    """A request for its prompt's log-probabilities needs every position's logits: it reuses no prefix."""
-    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2, max_len=64, prefix_cache=True)
-    prompt = list(range(3, 40))
-    reused_by(gen, [prompt])
-    params = dataclasses.replace(GREEDY, prompt_logprobs=1)
-    seqs, _ = gen.begin_many([prompt], params)
-    assert seqs[0].reused == 0 and len(seqs[0].prompt_logprobs) == len(prompt) - 1
+def _scored(gen: Generator, prompt: list[int], k: int) -> Any:
+    """The prompt scored alone (max_new_tokens 0, as lm-evaluation-harness asks): its Decoding."""
+    seqs, _ = gen.begin_many([prompt], dataclasses.replace(GREEDY, prompt_logprobs=k, max_new_tokens=0))
     gen.end(seqs[0])
+    return seqs[0]
+
+
+def test_a_scored_prompt_reuses_only_a_scored_prefix_and_gets_its_log_probabilities(model: GPT) -> None:
+    """lm-evaluation-harness scores each choice of a question as context + choice: a choice after the first reuses
+    the context with its prompt log-probabilities, the same as a whole prefill's; a prefix nobody scored, or
+    scored with fewer alternatives, is prefilled again."""
+    rng = random.Random(5)
+    context = [rng.randrange(VOCAB) for _ in range(30)]
+    choices = [context + [rng.randrange(VOCAB) for _ in range(n)] for n in (2, 3, 4)]
+    plan = resolve("cpu", quiet=True)
+    warm = Generator(model, plan, max_batch_size=2, max_len=64, prefix_cache=True)
+    cold = Generator(model, plan, max_batch_size=2, max_len=64)
+    reused_by(warm, [choices[0]])  # generated, not scored
+    first = _scored(warm, choices[0], 2)
+    assert first.reused == 0
+    for prompt in choices[1:]:
+        got, want = _scored(warm, prompt, 2), _scored(cold, prompt, 2)
+        assert got.reused == len(context) - 1
+        assert len(got.prompt_logprobs) == len(want.prompt_logprobs) == len(prompt) - 1
+        for a, b in zip(got.prompt_logprobs, want.prompt_logprobs, strict=True):
+            assert a.token == b.token and [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+    assert _scored(warm, choices[2] + [1], 3).reused == 0  # 3 alternatives: the cached entries have 2
 
 
 def test_a_cancelled_request_frees_its_slot_and_leaves_its_prefix(model: GPT, debug_tokenizer: Any) -> None:

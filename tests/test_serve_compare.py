@@ -244,6 +244,7 @@ def test_the_tokenizer_reaches_every_loadtest_and_the_report_names_the_prompts(t
     results = json.loads((out / "results.json").read_text())
     assert results["tokenizer"] == tok and f"--prompt_tokens 8 --tokenizer {tok} " in results["loadtest"]
     (run,) = results["runs"]
-    assert run["errors"] == {} and run["summary"]["prompt"] == {"kind": "tokens", "length": 8, "tokenizer": tok}
+    assert run["errors"] == {} and run["summary"]["prompt"] == {"kind": "tokens", "length": 8, "shared_prefix": 0,
+                                                                    "tokenizer": tok}
     assert f"--tokenizer {tok}" in (out / "c1-run1-a.warmup.log").read_text().splitlines()[0]  # the warm-up's too
     assert f"- prompts: 8 tokens each, of `{tok}`" in (out / "report.md").read_text()

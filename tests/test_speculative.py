@@ -125,6 +125,7 @@ def test_ngram_drafts_what_followed_the_tail_earlier() -> None:
     assert d.lookup([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the latest earlier occurrence
     assert d.lookup([4, 5, 6], 3) == []  # nothing repeats
     assert d.lookup([1, 2, 1], 5) == [2, 1]  # up to what there is
+    assert d.lookup([9, 5, 5, 5, 5, 5, 5], 3) == [5, 5, 5]  # a run of one token: k more of it, not one
 
 
 def test_the_engine_speculates_small_batches_only(debug_tokenizer: Any) -> None:

@@ -115,6 +115,8 @@ class GPTConfig:
 PRESETS: dict[str, dict[str, Any]] = {
     "debug": dict(n_layer=2, n_head=2, n_embd=64, block_size=64, vocab_size=512),  # 0.14M, tests
     "tiny": dict(n_layer=4, n_head=4, n_embd=256, block_size=256, vocab_size=8192),  # 5.3M, the CPU default
+    # a draft for tiny's speculative decoding: its context and tokenizer, a quarter of its per-token arithmetic
+    "tiny-draft": dict(n_layer=2, n_head=2, n_embd=128, block_size=256, vocab_size=8192),  # 1.5M
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50257),  # 124M
     "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024, vocab_size=50257),  # 355M
     "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024, vocab_size=50257),  # 774M
@@ -131,7 +133,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                        layer_norm_epsilon=1e-6, mlp="swiglu", intermediate_size=3072, qk_norm=True),
 }
 # Presets whose embedding is sized for the corpus' tokenizer; the others keep their own vocabulary
-DATA_VOCAB_PRESETS = ("debug", "tiny", "llama-tiny")
+DATA_VOCAB_PRESETS = ("debug", "tiny", "tiny-draft", "llama-tiny")
 DEFAULT_PRESET = "tiny"  # what a new training run is without --preset
 
 

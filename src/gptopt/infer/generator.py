@@ -192,9 +192,8 @@ class Generator:
         for s in seqs:
             if s.prefilled:
                 raise UserError(f"slot {s.slot}'s prompt is already prefilled")
-            if s.cached == 0 and self.prefixes is not None and s.params.prompt_logprobs is None:
-                if self._reuse(s, rows):
-                    continue
+            if s.cached == 0 and self.prefixes is not None and self._reuse(s, rows):
+                continue
             w = min(budget, max(width, s.prompt_len - s.cached))
             if rows and w * (len(rows) + 1) > budget:
                 break
@@ -210,28 +209,38 @@ class Generator:
             logits = every[:, -1].float()
         for s, c in zip(rows, chunks, strict=True):
             s.cached += len(c)
+            if self.prefixes is not None and s.prefilled and s.params.prompt_logprobs is not None:
+                self.prefixes.score(s.slot, s.prompt_logprobs, s.params.prompt_logprobs)
         done = [i for i, s in enumerate(rows) if s.prefilled]
         return [rows[i] for i in done], logits[done]
 
     def _reuse(self, seq: Decoding, writing: Sequence[Decoding]) -> bool:
         """Start `seq`'s prefill after the longest prefix of its prompt a slot holds (copied into its own slot,
-        unless it is its own); True to wait a forward instead, where a row of this one (`writing`) writes a
-        longer prefix of it from scratch (n samples of one prompt, lm-eval's choices of one context)."""
-        assert self.prefixes is not None
-        prompt = seq.ids[: seq.prompt_len]
-        src, n = self.prefixes.best(prompt)
-        if any(common_prefix(prompt, w.ids[: w.prompt_len]) >= n + MIN_COPY for w in writing):
+        unless it is its own), with its prompt's log-probabilities where it asks for them; True to wait a forward
+        instead, where a row of this one (`writing`) writes a longer prefix of it from scratch (n samples of one
+        prompt, lm-eval's choices of one context)."""
+        p = self.prefixes
+        assert p is not None
+        prompt, k = seq.ids[: seq.prompt_len], seq.params.prompt_logprobs
+        src, n = p.best(prompt, k)
+        if any(common_prefix(prompt, w.ids[: w.prompt_len]) >= n + MIN_COPY
+               and (k is None or (w.params.prompt_logprobs is not None and w.params.prompt_logprobs >= k))
+               for w in writing):
             return True
-        own = min(common_prefix(prompt, self.prefixes.tokens[seq.slot]), self.prefixes.limit, seq.prompt_len - 1)
+        own = p.reusable(seq.slot, prompt, k)
         if n < own + MIN_COPY:  # what its own slot holds, where it lies: no copy
             src, n = seq.slot, own
+        # tokens 1..n's entries: token n's too, which is the prompt's own (reusable's rule)
+        entries = p.scores[src][:n] if k is not None else []
         if src != seq.slot:
             self.cache.copy(src, seq.slot, n)
-            self.prefixes.set(seq.slot, prompt[:n])
+            p.set(seq.slot, prompt[:n], entries, p.score_k[src])
         else:
-            self.prefixes.keep(seq.slot, n)
+            p.keep(seq.slot, n)
         if n:
-            self.prefixes.touch(src)
+            p.touch(src)
+            if k is not None:
+                seq.prompt_logprobs = [sampling.top_of(e, k) for e in entries]
         self.lengths[seq.slot] = n
         seq.cached = seq.reused = n
         return False

@@ -20,6 +20,7 @@ differs is the rounding of a forward of another shape, as between prefill chunks
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 __all__ = ["MIN_COPY", "SlotPrefixes", "common_prefix"]
 
@@ -54,6 +55,11 @@ class SlotPrefixes:
         # A prompt leaves room for one new token, so a prefix never covers the cache's last position (where
         # the rows of a padded or bucketed forward that are not a sequence's write).
         self.limit = max_len - 2
+        # Where a prompt was scored (prompt_logprobs, k alternatives): entry j is token j + 1's TokenLogprob at
+        # position j, so a slot of n tokens holds at most n - 1. A request that scores its prompt (each of
+        # lm-evaluation-harness's choices does) reuses a prefix only with its entries.
+        self.scores: list[list[Any]] = [[] for _ in range(slots)]
+        self.score_k = [-1] * slots  # -1: not scored
         self._used_at = [0] * slots
         self._clock = 0
 
@@ -64,35 +70,52 @@ class SlotPrefixes:
         if start <= len(held):
             del held[start:]
             held.extend(tokens)
+            del self.scores[slot][max(start - 1, 0) :]  # token `start`'s entry is at position start - 1
 
     def keep(self, slot: int, n: int) -> None:
         """Only the first n tokens of `slot` stay valid (a new sequence writes after them)."""
         del self.tokens[slot][n:]
+        del self.scores[slot][max(n - 1, 0) :]
 
-    def set(self, slot: int, tokens: Sequence[int]) -> None:
-        """`slot` now holds `tokens` (a copy from another slot)."""
+    def set(self, slot: int, tokens: Sequence[int], scores: Sequence[Any] = (), k: int = -1) -> None:
+        """`slot` now holds `tokens` (a copy from another slot), and their prompt's entries with k alternatives."""
         self.tokens[slot] = list(tokens)
+        self.scores[slot], self.score_k[slot] = list(scores[: max(len(tokens) - 1, 0)]), k
+
+    def score(self, slot: int, entries: Sequence[Any], k: int) -> None:
+        """`slot`'s tokens were prefilled as a scored prompt: entries[j] is token j + 1's, with k alternatives."""
+        self.scores[slot] = list(entries[: max(len(self.tokens[slot]) - 1, 0)])
+        self.score_k[slot] = k
 
     def clear(self) -> None:
-        for held in self.tokens:
+        for held, scores in zip(self.tokens, self.scores, strict=True):
             held.clear()
+            scores.clear()
 
     def touch(self, slot: int) -> None:
         """`slot`'s prefix was used now (its sequence ended, or a prompt reused it)."""
         self._clock += 1
         self._used_at[slot] = self._clock
 
-    def best(self, prompt: Sequence[int]) -> tuple[int, int]:
+    def best(self, prompt: Sequence[int], k: int | None = None) -> tuple[int, int]:
         """(slot, n): the slot holding the longest prefix of `prompt`, n tokens of it, at most all but the prompt's
-        last token (whose logits the prefill must make); n is 0 where no slot shares a token."""
-        cap = min(len(prompt) - 1, self.limit)
+        last token (whose logits the prefill must make); n is 0 where no slot shares a token. k: the prompt is
+        scored with k alternatives, so only a prefix scored with as many counts, as far as its entries reach."""
         slot, n = 0, 0
         for s, held in enumerate(self.tokens):
             if held and held[0] == prompt[0]:
-                m = min(common_prefix(prompt, held), cap)
+                m = self.reusable(s, prompt, k)
                 if m > n:
                     slot, n = s, m
         return slot, n
+
+    def reusable(self, slot: int, prompt: Sequence[int], k: int | None = None) -> int:
+        """Tokens of `prompt` that `slot` can give it (best's rule for one slot)."""
+        shared = common_prefix(prompt, self.tokens[slot])
+        m = min(shared, len(prompt) - 1, self.limit)
+        if k is not None:  # token m's entry too: it must be the prompt's token m, and the slot must have scored it
+            m = min(m, shared - 1, len(self.scores[slot])) if self.score_k[slot] >= k else 0
+        return max(m, 0)
 
     def relocate(self, slot: int, free: Sequence[int], prompt: Sequence[int]) -> tuple[int, int] | None:
         """Before a sequence of `prompt` takes `slot`: where what the slot holds moves to, and how many tokens of it
@@ -110,6 +133,7 @@ class SlotPrefixes:
         if dst is None or self.tokens[dst] and self._used_at[dst] > self._used_at[slot]:
             return None
         self.tokens[dst], self._used_at[dst] = held, self._used_at[slot]
+        self.scores[dst], self.score_k[dst] = self.scores[slot][: max(len(held) - 1, 0)], self.score_k[slot]
         return dst, len(held)
 
     def victim(self, free: Sequence[int], exclude: int) -> int | None:

@@ -78,14 +78,16 @@ class NgramDrafter:
         return [self.lookup(s.ids, k) for s, k in zip(seqs, ks, strict=True)], None
 
     def lookup(self, ids: list[int], k: int) -> list[int]:
-        """What followed the latest earlier occurrence of ids' longest matching tail, up to k tokens."""
+        """What followed the latest earlier occurrence of ids' longest matching tail that k tokens follow (else
+        the one with the most after it), up to k tokens. An occurrence that overlaps the tail (a repeated
+        token, a loop) would leave fewer: a run of one token draws k more of it, not one."""
         if k < 1:
             return []
         for n in range(min(self.max_n, len(ids) - 1), self.min_n - 1, -1):
             tail = ids[-n:]
-            # the latest occurrence that is not the tail itself, scanning back from its start
-            for start in range(len(ids) - n - 1, -1, -1):
-                if ids[start] == tail[0] and ids[start : start + n] == tail:
+            # the latest occurrence with k tokens after it, then the ones nearer the tail (fewer after them)
+            for start in [*range(len(ids) - n - k, -1, -1), *range(len(ids) - n - k + 1, len(ids) - n)]:
+                if start >= 0 and ids[start] == tail[0] and ids[start : start + n] == tail:
                     return ids[start + n : start + n + k]
         return []
 
@@ -263,9 +265,10 @@ def same_tokenizer(model: Tokenizer, draft: Tokenizer, where: str) -> None:
 
 
 def build(cfg: Any, gen: Generator, tokenizer: Tokenizer, plan: DevicePlan) -> Speculator | None:
-    """The Speculator a generate or serve config asks for (its speculate, draft_model, num_speculative_tokens and
-    dtype), over the model's Generator `gen`; None without speculation. A draft model is loaded now, on the
-    model's device and in its dtype, with a Generator of as many slots."""
+    """The Speculator a generate or serve config asks for (its speculate, draft_model, num_speculative_tokens,
+    dtype and compile), over the model's Generator `gen`; None without speculation. A draft model is loaded now,
+    on the model's device and in its dtype, with a Generator of as many slots (its decode compiled with
+    --compile)."""
     if cfg.speculate == "none":
         return None
     if cfg.speculate == "ngram":
@@ -280,5 +283,7 @@ def build(cfg: Any, gen: Generator, tokenizer: Tokenizer, plan: DevicePlan) -> S
                    "use a smaller --draft_model, or fewer --max_batch_size slots")
     log.info("drafting with %s (%.1f M parameters, context %d)", cfg.draft_model,
              sum(p.numel() for p in draft.parameters()) / 1e6, max_len)
-    return Speculator(ModelDrafter(Generator(draft, plan, max_batch_size=gen.max_batch_size, max_len=max_len)),
-                      cfg.num_speculative_tokens)
+    # --compile compiles the draft's decode too: a small model's step is mostly the overhead compiling removes
+    drafter = ModelDrafter(Generator(draft, plan, max_batch_size=gen.max_batch_size, max_len=max_len,
+                                     compile=cfg.compile))
+    return Speculator(drafter, cfg.num_speculative_tokens)
