@@ -72,6 +72,18 @@ def test_greedy_text_is_plain_decodings(family: str, kind: str) -> None:
         assert spec.accepted > 0
 
 
+def test_a_draft_with_fewer_embedding_rows_drafts_only_for_ids_it_has() -> None:
+    """The model's embedding may have more rows than the tokenizer they share (padding, or a preset's own size):
+    a sequence holding an id the draft lacks is decoded plainly, the others are drafted for."""
+    model, draft = make_varied_model(VOCAB), make_varied_model(256)
+    prompts = [[5, 300, 7, 5, 300], [5, 6, 7, 5, 6]]
+    params = SamplingParams(temperature=0, max_new_tokens=10)
+    want = generate(Generator(model, CPU, max_batch_size=2, max_len=64), prompts, params)
+    spec = Speculator(ModelDrafter(Generator(draft, CPU, max_batch_size=2, max_len=64)), 3)
+    assert generate(Generator(model, CPU, max_batch_size=2, max_len=64), prompts, params, spec) == want
+    assert spec.proposed > 0
+
+
 def _joint(model: GPT, prompt: list[int], params: SamplingParams, n: int, vocab: int) -> torch.Tensor:
     """The exact probability of every n-token continuation (vocab**n of them, in itertools.product's order)."""
     seqs = [list(c) for c in itertools.product(range(vocab), repeat=n)]

@@ -439,8 +439,9 @@ class Generator:
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
             keys = self._keys  # a CUDA graph per length would be recorded every step: the whole cache
-        else:  # the positions written so far only, as the eager decode: faster at many rows than the whole cache
-            keys = self._keys[: max(pos_all) + 1]
+        else:  # the asked rows' positions only, as the eager decode: faster at many rows than the whole cache (an
+            # idle row still writes in the full cache; its output, over fewer keys, is discarded)
+            keys = self._keys[: max(positions) + 1]
             maybe_mark_dynamic(keys, 0)
         assert self._step is not None
         logits = self._step(self._tensor(tok_all).view(-1, 1), self._tensor(pos_all).view(-1, 1), keys)

@@ -109,7 +109,10 @@ class ModelDrafter:
 
     def propose(self, seqs: Sequence[Decoding], ks: Sequence[int]) -> tuple[list[list[int]], torch.Tensor | None]:
         gen = self.gen
-        ks = [min(k, gen.max_len - 1 - len(s.ids)) for s, k in zip(seqs, ks, strict=True)]
+        # none past the draft's context, nor for a sequence holding an id the draft's embedding lacks (the model's
+        # may have more rows than their shared tokenizer, and an untrained row can still be sampled)
+        ks = [0 if max(s.ids) >= gen.vocab_size else min(k, gen.max_len - 1 - len(s.ids))
+              for s, k in zip(seqs, ks, strict=True)]
         rows = [i for i, k in enumerate(ks) if k > 0]
         drafts: list[list[int]] = [[] for _ in seqs]
         if not rows:
@@ -191,6 +194,8 @@ class Speculator:
         if q is not None and q.shape[-1] != V:  # a draft's padded vocabulary: the tokenizer's ids are below both
             q = q[..., :V] if q.shape[-1] > V else torch.nn.functional.pad(q, (0, V - q.shape[-1]))
         drafts = [d[: next((j for j, t in enumerate(d) if t >= V), len(d))] for d in drafts]
+        if not any(drafts):  # nothing to verify: a plain decode step (compiled or on CUDA graphs where it is)
+            return [[t] for t in gen.sample_next(gen.decode_next(seqs), seqs)]
         chunks = [[s.ids[-1], *d] for s, d in zip(seqs, drafts, strict=True)]
         starts = [len(s.ids) - 1 for s in seqs]
         every = gen.extend([s.slot for s in seqs], chunks, starts, every=True).float()  # (B, T, V)

@@ -471,11 +471,11 @@ class Engine:
     def _decode(self) -> None:
         reqs = list(self._running)
         seqs = [r.seq for r in reqs if r.seq is not None]
-        # by the rows the step computes: a compiled step runs a whole bucket, whose graph's thread count must
-        # not change (dynamo guards on it: another count would recompile the graph mid-serving)
         spec = self.speculator if len(seqs) <= self.speculate_max_batch else None
-        # a speculative step is a forward of several positions a row, as a prefill: every core
-        self._use_threads(rows=0 if spec is not None or not seqs else self.generator.step_rows([s.slot for s in seqs]))
+        # by the rows the step computes: a compiled step runs a whole bucket, whose graph's thread count must
+        # not change (dynamo guards on it: another count would recompile the graph mid-serving). A speculative
+        # step keeps the rule: with no draft to verify it is that very decode step.
+        self._use_threads(rows=self.generator.step_rows([s.slot for s in seqs]) if seqs else 0)
         try:
             if spec is not None:
                 before = (spec.proposed, spec.accepted)
