@@ -186,6 +186,14 @@ def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: lis
     # share of its time (benchmarks/2026-12-06-serving-smollm2.md, "Where a decode step goes"). U = 0 (one draw
     # in 2^24) is raised to the smallest normal float, so every noise is finite and positive: a token of
     # probability 0 scores 0, never NaN.
+    sampled = race(probs, generators)
+    is_greedy = on_device([p.temperature == 0 for p in params], torch.bool)
+    return torch.where(is_greedy, greedy, sampled)
+
+
+def race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """(B,) one token drawn from each row of `probs` (B, V; any non-negative weights): the exponential race, its
+    noise from each row's own generator (None: the global RNG), on the device."""
     noise = torch.empty_like(probs)
     if any(g is None for g in generators):
         noise.uniform_()
@@ -193,15 +201,14 @@ def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: lis
         if g is not None:
             noise[i].uniform_(generator=g)
     noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
-    sampled = (probs / noise).argmax(dim=-1)
-    is_greedy = on_device([p.temperature == 0 for p in params], torch.bool)
-    return torch.where(is_greedy, greedy, sampled)
+    return (probs / noise).argmax(dim=-1)
 
 
-def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, params: list[SamplingParams], *, normalized: bool = False) -> torch.Tensor:
     """(B, V) float32: each row's distribution after its temperature, top-k and top-p, not normalised (a kept
     token's weight is its softmax probability, a dropped one's 0). A greedy row (temperature 0) is taken at
-    temperature 1. What `pick` draws from, and what speculative decoding's rejection rule compares."""
+    temperature 1. What `pick` draws from, and what speculative decoding's rejection rule compares (normalized:
+    each row summing to 1)."""
     on_device = functools.partial(_tensor, logits.device)
     B, V = logits.shape
     x = logits / on_device([p.temperature or 1.0 for p in params], torch.float32).view(B, 1)
@@ -221,7 +228,7 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams]) -> torch.T
         top_p = on_device([params[i].top_p for i in rows], torch.float32).view(-1, 1)
         drop = sub.cumsum(dim=-1) - sub >= top_p
         probs[rows] = probs[rows].masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), 0.0)
-    return probs
+    return probs / probs.sum(dim=-1, keepdim=True) if normalized else probs
 
 
 def _unless_none_allowed(tokens: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

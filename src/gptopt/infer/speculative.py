@@ -128,10 +128,8 @@ class ModelDrafter:
         tokens: list[list[int]] = [[] for _ in go]
         for step in range(k_max):
             live = [r for r, i in enumerate(rows) if ks[i] > step]
-            probs = sampling.probabilities(logits, [params[r] for r in live]) if sampled else None
-            if probs is not None:
-                probs = probs / probs.sum(dim=-1, keepdim=True)
-                q[live, step] = probs
+            if q is not None:
+                q[live, step] = sampling.probabilities(logits, [params[r] for r in live], normalized=True)
             picked = sampling.pick(logits, [params[r] for r in live], [go[r].ids for r in live],
                                    [go[r].rng for r in live]).tolist()
             for r, t in zip(live, picked, strict=True):
@@ -233,8 +231,7 @@ class Speculator:
             while kept < n and draft[kept] == best[kept]:
                 kept += 1
             return draft[:kept] + [best[kept]]
-        probs = sampling.probabilities(logits, [p] * (n + 1))
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = sampling.probabilities(logits, [p] * (n + 1), normalized=True)
         idx = torch.tensor(draft, device=logits.device)
         p_d = probs[torch.arange(n, device=logits.device), idx]
         q_d = torch.ones_like(p_d) if q is None else q[torch.arange(n, device=logits.device), idx]
@@ -252,9 +249,7 @@ class Speculator:
                 row = probs[kept]
         else:
             row = probs[n]
-        noise = torch.empty_like(row)
-        noise.uniform_(generator=seq.rng) if seq.rng is not None else noise.uniform_()
-        token = int((row / noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()).argmax())
+        token = int(sampling.race(row[None], [seq.rng])[0])
         return draft[:kept] + [token]
 
 
