@@ -41,6 +41,7 @@ from gptopt.serve.client import Draining, EngineClient  # noqa: E402
 from gptopt.serve.guard import MAX_BODY_BYTES  # noqa: E402
 from gptopt.serve.protocol import EXAMPLE_BODY, MAX_PROMPTS, MAX_STOP, MAX_STOP_CHARS  # noqa: E402
 from gptopt.serve.server import serve_in_thread  # noqa: E402
+from gptopt.utils.errors import UserError  # noqa: E402
 
 PROMPT = "def parse_args(self, args=None):"
 COMMANDS_DOC = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
@@ -189,6 +190,24 @@ def test_batched_greedy_completions_equal_the_generators(server: tuple[str, Any]
     assert [(c["text"], c["finish_reason"]) for c in r["choices"]] == [
         (debug_tokenizer.decode(ids), reason) for ids, reason in expected]
     assert r["usage"]["completion_tokens"] == sum(len(ids) for ids, _ in expected)
+
+
+def test_max_len_bounds_every_request_and_sizes_the_kv_cache(debug_tokenizer: Any) -> None:
+    # --max_len: a long-context model served with shorter KV-cache slots; a request is held to it.
+    with running(debug_tokenizer, max_batch_size=2, max_len=24) as (url, app):
+        gen = app.state.engine.generator
+        assert gen.max_len == 24 and gen.cache.k[0].shape[2] == 24 < gen.model.config.block_size
+        assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 24
+        n = len(debug_tokenizer.encode(PROMPT).ids)
+        r = completion(url, max_tokens=None, temperature=0, stop=None).json()
+        assert r["usage"]["completion_tokens"] <= 24 - n
+        if r["choices"][0]["finish_reason"] == "length":  # no end-of-text met: the slot's length ended it
+            assert r["usage"]["completion_tokens"] == 24 - n
+        err = assert_openai_error(completion(url, max_tokens=25 - n), 400, "context_length_exceeded")
+        assert "context of 24 tokens" in err["message"]
+    with pytest.raises(UserError, match="--max_len 65 exceeds the model's context of 64 tokens"):
+        create_app(ServeConfig(model="debug", device="cpu", max_len=65), model=GPT(preset("debug")),
+                   tokenizer=debug_tokenizer)
 
 
 def test_a_tokenizer_without_end_of_text_is_served_as_it_is() -> None:

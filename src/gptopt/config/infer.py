@@ -108,6 +108,9 @@ class ServeConfig:
     max_batch_size: int | None = opt(None, "KV-cache slots: requests decoded together (1 = one request at a time); "
                                      "default: as many as fit in half the free memory, up to 64 on CPUs, 256 on GPUs",
                                      ge=1, le=MAX_SLOTS)
+    max_len: int | None = opt(None, "the longest sequence a request may have, prompt and completion together "
+                              "(each KV-cache slot's length): a long-context model's full context makes every "
+                              "slot large, so fewer fit; default: the model's context", ge=2, le=MAX_SEQ_LEN)
     prefill_chunk: int = opt(512, "prompt tokens one prefill forward takes: prompts that arrive together share "
                              "it, a longer prompt is prefilled in chunks between decode steps", ge=1, le=MAX_SEQ_LEN)
     # a queue of a million waiting requests is a client bug, not a workload

@@ -83,12 +83,17 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
         raise UserError("create_app: a model was given without its tokenizer")
     metrics = metrics or ServeMetrics()
     dtype, context = model.transformer.wte.weight.dtype, model.config.block_size
+    if cfg.max_len is not None and cfg.max_len > context:
+        raise UserError(f"--max_len {cfg.max_len} exceeds the model's context of {context} tokens: its position "
+                        f"embeddings (or rotary training) end there; use --max_len {context} or less")
+    context = cfg.max_len or context
     slots = cfg.max_batch_size or infer_memory.auto_slots(model.config, context, plan.device, dtype=dtype)
     # the KV cache and the warm-up's forwards, checked before the cache is allocated (the weights are loaded)
     memory.require(infer_memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"),
                    plan.device, f"--max_batch_size {slots} KV-cache slots of {context} tokens",
-                   "lower --max_batch_size, or use --dtype bf16")
-    generator = Generator(model, plan, max_batch_size=slots, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
+                   "lower --max_batch_size or --max_len, or use --dtype bf16")
+    generator = Generator(model, plan, max_batch_size=slots, max_len=context, compile=cfg.compile,
+                          cuda_graphs=cfg.cuda_graphs,
                           grammars=_grammars(tokenizer, model.config.vocab_size), prefix_cache=cfg.prefix_cache)
     engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
                     prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics,

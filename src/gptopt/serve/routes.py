@@ -188,12 +188,12 @@ class Routes:
         """max_tokens for this prompt, or 400 context_length_exceeded."""
         room = self.context - len(ids)
         if room < 1:
-            raise APIError(400, f"the prompt is {len(ids)} tokens; this model's context is {self.context} tokens",
+            raise APIError(400, f"the prompt is {len(ids)} tokens; this server's context is {self.context} tokens",
                            param="prompt", code="context_length_exceeded")
         if max_tokens is None:
             return min(room, self.cfg.max_tokens_limit)
         if max_tokens > room:
-            raise APIError(400, f"the prompt ({len(ids)} tokens) plus {param}={max_tokens} exceeds this model's "
+            raise APIError(400, f"the prompt ({len(ids)} tokens) plus {param}={max_tokens} exceeds this server's "
                            f"context of {self.context} tokens", param=param, code="context_length_exceeded")
         return max_tokens
 
