@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from gpu_check_plan import RANDOM_WEIGHTS, SIZES, larger_step
+from gpu_check_plan import INFER_FAMILY_STEPS, RANDOM_WEIGHTS, SIZES, larger_step
 
 
 def _json(path: Path) -> Any:
@@ -279,6 +279,7 @@ FIGURES: dict[str, Callable[[Path, str], dict[str, Any]]] = {
     **{larger_step(m): _train(larger_step(m)) for size in SIZES.values() for m in size.larger},
     "bench_infer": _infer("bench_infer"), "decode_large": _infer("decode_large"), "generate": fig_generate,
     "speculative": _infer("speculative"),
+    **{n: _infer(n) for n in INFER_FAMILY_STEPS},
     "profile": fig_profile,
     **{n: _train(n) for n in ("train", "train_fp16", "train_ckpt", "train_auto_batch", "train_ddp", "train_fsdp")},
     **{n: _compress(n) for n in ("compress_int8", "compress_int4", "compress_2_4")},

@@ -102,6 +102,8 @@ class Ctx:
 
 
 MODEL_FROM = ("train", "train_fp16", "train_ckpt")  # training outputs, in the order the model is taken from
+# issue 46's steps: each family's decode, greedy and sampled (their names, for the figures and the docs)
+INFER_FAMILY_STEPS = tuple(f"infer_{family}_{how}" for family in ("llama", "qwen3") for how in ("greedy", "sampled"))
 
 
 # the modern block (issue 37's train_modern): rotary positions, QK-norm, relu^2, an untied head, zero-init projections
@@ -261,6 +263,15 @@ def plan(ctx: Ctx) -> list[Step]:
              g("bench", "--preset", s.large, *infer, "--rungs", "kv,speculative", "--draft_model", "MODEL",
                "--batch_sizes", 1, "--output_dir", p("speculative")), model=True, stdout="speculative.json",
              default=False),
+        # Issue 46: the grouped-query models' decode on the GPU, greedy and sampled over the whole vocabulary
+        # (OpenAI's default), eager, on CUDA graphs and compiled, against transformers; run by name
+        *[Step(f"infer_{family}_{how}", 75, f"bench --mode infer on {size}, {how}: hf, kv and graphs at batch "
+               f"{s.infer_batches.replace(',', ' and ')}: attention over the key/value heads as stored, the "
+               "family's block on CUDA graphs" + (", sampling the whole vocabulary" if how == "sampled" else ""),
+               g("bench", "--preset", size, *infer, "--rungs", "hf,kv,graphs", "--batch_sizes", s.infer_batches,
+                 *(("--temperature", 1) if how == "sampled" else ()), "--output_dir", p(f"infer_{family}_{how}")),
+               stdout=f"infer_{family}_{how}.json", default=False)
+          for family, size in (("llama", s.llama), ("qwen3", s.qwen)) for how in ("greedy", "sampled")],
         # last: the call's optional step, what a short budget cuts
         Step("train_qwen3", 100, f"train {s.qwen} at {s.seq} tokens, bf16 + compile, {s.train_steps} steps: "
              "tokens/s, MFU against the table peak",

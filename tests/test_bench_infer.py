@@ -25,6 +25,7 @@ from gptopt.bench.infer import RUNGS, InferBench, InferRung, select_rungs
 from gptopt.config import BenchConfig
 from gptopt.infer.measure import STOPPED, GptoptRunner, weight_bytes
 from gptopt.utils import extras
+from gptopt.utils.errors import UserError
 
 CONTRACT = ("name", "prefill_s", "ttft_s", "decode_tokens_per_s", "batch_sweep", "bandwidth_gbs", "bandwidth_util",
             "tokens_match", "status", "note", "speedup_vs_baseline")
@@ -99,6 +100,45 @@ def test_hf_and_kv_write_the_contract_and_agree_token_for_token(
     assert csv_text.startswith("name,") and "tokens_per_s_b2" in csv_text and len(csv_text.splitlines()) == 3
     assert "| tokens match |" in (out / "infer_report.md").read_text()
     assert (out / "infer_batch_sweep.png").is_file() == extras.has("matplotlib")
+
+
+def test_a_rotary_models_rungs_have_its_weights_and_agree_with_transformers(train_data: Path, tmp_path: Path) -> None:
+    # Each rung's model is rebuilt from the saved weights; the rotary frequencies are not among them, and a
+    # model without them decodes garbage that disagrees with every other rung from the first token.
+    pytest.importorskip("transformers")
+    args = infer_args(train_data, tmp_path / "b", "hf,kv")
+    args[args.index("debug")] = "llama-tiny"
+    assert cli.main(args) == 0
+    hf, kv = json.loads((tmp_path / "b" / "infer_results.json").read_text())["rungs"]
+    assert kv["tokens_match"] == 1.0 and kv["tokens"] == hf["tokens"] and len(set(kv["tokens"])) > 3
+    assert kv["max_logit_diff"] < 1e-3 and hf["max_logit_diff"] < 1e-3
+
+
+def test_temperature_samples_the_timed_generations_and_still_checks_greedy_tokens(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # --temperature: what OpenAI's clients send (no top_k) reaches every rung's timed generations, so the
+    # figures carry the sampler's cost; the check against the baseline stays greedy (sampled tokens differ).
+    pytest.importorskip("transformers")
+    asked: dict[str, list[float]] = {"hf": [], "kv": []}
+    for name, cls in (("hf", infer.HFRunner), ("kv", GptoptRunner)):
+        def spy(self: object, prompts: list[list[int]], n: int, temperature: float = 0.0, _name: str = name,
+                _real: object = cls.generate) -> list[list[int]]:
+            asked[_name].append(temperature)
+            return _real(self, prompts, n, temperature)  # type: ignore[operator]
+        monkeypatch.setattr(cls, "generate", spy)
+    out = tmp_path / "b"
+    assert cli.main(infer_args(train_data, out, "hf,kv,onnxruntime", "--temperature", "1")) == 0
+    results = json.loads((out / "infer_results.json").read_text())
+    hf, kv, ort = results["rungs"]
+    assert results["temperature"] == 1.0 and hf["status"] == kv["status"] == "ok"
+    assert kv["tokens_match"] == 1.0 and kv["tokens"] == hf["tokens"]  # the greedy check, as without --temperature
+    for name in ("hf", "kv"):
+        assert asked[name][0] == 0.0 and asked[name].count(1.0) >= len(asked[name]) - 1, (name, asked[name])
+    assert ort["status"] == "skipped" and "without --temperature" in ort["note"]
+    assert "sampled at temperature 1 (top_p 1, no top_k)" in (out / "infer_report.md").read_text()
+    with pytest.raises(UserError, match="--temperature belong to the generation ladder"):
+        BenchConfig(mode="train", temperature=1.0)
 
 
 def test_without_the_hf_extra_hf_is_skipped_and_kv_is_the_baseline(

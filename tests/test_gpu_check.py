@@ -480,6 +480,25 @@ def test_the_family_steps_run_only_when_named_within_one_lease_call(dry_run: tup
     assert "--compile" in cmds["generate_llama"]
 
 
+def test_the_grouped_query_decode_steps_run_only_when_named_greedy_and_sampled(
+    dry_run: tuple[str, dict], tmp_path: Path
+) -> None:
+    """Issue 46's steps: each family's decode against transformers on the GPU, greedy and as OpenAI's clients
+    sample; one lease call runs the four by name."""
+    names = gc_plan.INFER_FAMILY_STEPS
+    assert not set(names) & {r["name"] for r in dry_run[1]["steps"]}
+    assert gc.main(["dry-run", str(tmp_path), "--only", ",".join(names)]) == 0
+    doc = json.loads((tmp_path / "results.json").read_text())
+    cmds = _commands(doc)
+    assert list(cmds) == ["install", "prepare", *names] and doc["planned_s"] < LEASE_CALL_S
+    for family, size in (("llama", "smollm2-135m"), ("qwen3", "qwen3-0.6b")):
+        greedy, sampled = cmds[f"infer_{family}_greedy"], cmds[f"infer_{family}_sampled"]
+        assert f"--preset {size} " in greedy and "--mode infer" in greedy and "--rungs hf,kv,graphs " in greedy
+        assert "--temperature" not in greedy
+        assert sampled.replace(" --temperature 1", "").replace("_sampled", "_greedy") == greedy
+    assert all(gc_figures.FIGURES[n] for n in names)  # each step's bench JSON is read into figures
+
+
 def test_the_modern_steps_figures_set_its_speed_beside_trains(tmp_path: Path) -> None:
     for name, tps in (("train", 400_000.0), ("train_modern", 300_000.0)):
         (tmp_path / name).mkdir()

@@ -5,7 +5,9 @@ onnxruntime.
     gptopt bench --mode infer --rungs hf,kv,compiled --batch_size 8 --json
 
 Every rung decodes the same real prompts (windows of the val split) with the same weights, greedily,
-so its tokens can be compared with the baseline's. --seq_len bounds prompt + completion: the prompt
+so its tokens can be compared with the baseline's; --temperature T makes the timed generations sample
+(top_p 1, no top_k: what OpenAI's clients send), so the sampler's cost is in the figures, while the
+check stays greedy. --seq_len bounds prompt + completion: the prompt
 is min(seq_len // 2, 128) tokens, then up to 64 (CPU) / 256 (GPU) new ones. --batch_size is the
 largest batch of the sweep (default 16 on a CPU, 64 on a GPU); --warmup runs come first.
 
@@ -139,11 +141,14 @@ class HFRunner:
         self.forward_kw = {"logits_to_keep": 1} if keep else {}
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
         ids = torch.tensor(prompts, device=self.device)
         # No end-of-text id: min_new_tokens would mask it until token n and change argmaxes gptopt's
         # generator (run without stop ids) keeps; without one, max_new_tokens fixes every length.
-        cfg = self.config(do_sample=False, use_cache=True, max_new_tokens=n, min_new_tokens=n,
+        # Sampled: top_k 0 turns off generate's default of 50, so both sample the whole vocabulary.
+        sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else \
+            dict(do_sample=False)
+        cfg = self.config(**sample, use_cache=True, max_new_tokens=n, min_new_tokens=n,
                           eos_token_id=None, pad_token_id=0)
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
         return out[:, ids.shape[1]:].tolist()
@@ -165,14 +170,15 @@ class OnnxRunner:
         export_onnx(model, path)
         self.decoder = OrtDecoder(path / ONNX_FILE, block_size=model.config.block_size)
 
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
+        assert not temperature, "the onnxruntime rung decodes greedily (InferBench._skip)"
         return self.decoder.greedy(prompts, n)
 
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill([prompt])[0][0, -1]).float()
 
 
-Runner = GptoptRunner | HFRunner | OnnxRunner  # each: generate(prompts, n), last_logits(prompt), model
+Runner = GptoptRunner | HFRunner | OnnxRunner  # each: generate(prompts, n, temperature), last_logits(prompt), model
 
 
 @dataclass
@@ -257,6 +263,7 @@ class InferBench:
         with torch.device("meta"):  # shapes only: the weights come from init_state, so no init work
             model = GPT(self.model_config)
         model = model.to_empty(device=self.plan.device)
+        model.init_buffers()  # the rotary frequencies: not weights, so not in init_state
         if self.model_config.tie_embeddings:  # to_empty gives each its own tensor: tie them again
             model.lm_head.weight = model.transformer.wte.weight
         model.load_state_dict(self.init_state)
@@ -273,6 +280,8 @@ class InferBench:
             return "needs the 'quant' extra: pip install 'gptopt[quant]'"
         if rung.onnx and not all(has(m) for m in EXTRAS["onnx"]):
             return "needs the 'onnx' extra: pip install 'gptopt[onnx]'"
+        if rung.onnx and self.cfg.temperature:
+            return "the ONNX export's decoder here decodes greedily: bench this rung without --temperature"
         if rung.onnx and self.plan.device.type != "cpu":
             return "onnxruntime runs on the CPU here (the 'onnx' extra is its CPU build): bench it with --device cpu"
         if rung.cuda_graphs and self.plan.device.type != "cuda":
@@ -308,7 +317,7 @@ class InferBench:
         res.max_logit_diff = (runner.last_logits(p0).cpu() - self.ref_logits).abs().max().item()
         res.tokens = runner.generate([p0], self.new_tokens)[0][:AGREE_TOKENS]  # also a warm-up (compiles)
         res.prefill_s = timed(lambda: runner.last_logits(p0), plan, cfg.warmup, cfg.steps)
-        res.ttft_s = timed(lambda: runner.generate([p0], 1), plan, cfg.warmup, cfg.steps)
+        res.ttft_s = timed(lambda: runner.generate([p0], 1, cfg.temperature), plan, cfg.warmup, cfg.steps)
         return _Live(rung, res, runner, kv_dtype)
 
     def _runner(self, rung: InferRung, dtype: torch.dtype) -> tuple[Runner, torch.dtype]:
@@ -365,7 +374,7 @@ class InferBench:
                 owner: dict[str, _Live] = {}
                 for lv in going:
                     first, every = f"{lv.rung.name} 1", f"{lv.rung.name} {n}"
-                    fns[first] = lambda r=lv.runner, p=prompts: r.generate(p, 1)
+                    fns[first] = lambda r=lv.runner, p=prompts: r.generate(p, 1, self.cfg.temperature)
                     fns[every] = lambda lv=lv, p=prompts: self._generate(lv, p)
                     owner[first] = owner[every] = lv
                 ended: dict[str, Exception] = {}
@@ -398,8 +407,8 @@ class InferBench:
             raise
 
     def _generate(self, lv: _Live, prompts: list[list[int]]) -> None:
-        tokens = lv.runner.generate(prompts, self.new_tokens)
-        if len(prompts) == 1:
+        tokens = lv.runner.generate(prompts, self.new_tokens, self.cfg.temperature)
+        if len(prompts) == 1 and not self.cfg.temperature:
             # The tokens compared with the baseline's are those of the timed decode, with the other rungs'
             # models, caches and compiled graphs alive beside it: the speed and the check are of one run.
             lv.res.tokens = tokens[0][:AGREE_TOKENS]
@@ -515,7 +524,7 @@ class InferBench:
             "mode": "infer", "preset": self.preset, "model": self.model_config.to_dict(),
             "params": self.params, "prompt_len": self.prompt_len, "max_new_tokens": self.new_tokens,
             "batch_sizes": self.batch_sizes, "warmup": self.cfg.warmup, "repeats": self.repeats,
-            "steps": self.cfg.steps, "agree_tokens": AGREE_TOKENS,
+            "steps": self.cfg.steps, "agree_tokens": AGREE_TOKENS, "temperature": self.cfg.temperature,
             "dtype": str(self.base_dtype).removeprefix("torch."), "device_policy": self.plan.reason,
             "peak_bandwidth": self.peak_bandwidth, "bandwidth_source": self.bandwidth_source,
             "baseline": base.name if base else None, "environment": environment(self.plan),

@@ -210,9 +210,15 @@ def _bandwidth_bound(summary: dict[str, Any]) -> str:
     return f"achieved GB/s only: the bound is unknown ({summary['bandwidth_source']})"
 
 
+def _decoding(summary: dict[str, Any]) -> str:
+    """How the timed generations chose their tokens."""
+    t = summary.get("temperature") or 0.0  # reports written before --temperature were greedy
+    return f"sampled at temperature {t:g} (top_p 1, no top_k)" if t else "greedy"
+
+
 def infer_table(summary: dict[str, Any]) -> str:
     title = (f"{summary['preset']} ({summary['dtype']}): prompt {summary['prompt_len']} tokens, "
-             f"{summary['max_new_tokens']} new, greedy; {_bandwidth_bound(summary)}")
+             f"{summary['max_new_tokens']} new, {_decoding(summary)}; {_bandwidth_bound(summary)}")
     notes = [f"  {r['name']}: {r['note']}" for r in summary["rungs"] if r["note"]]
     sweep = text_table(*_sweep_rows(summary))
     return "\n".join([title, text_table([c[0] for c in INFER_COLUMNS], _infer_rows(summary)), *notes,
@@ -227,7 +233,7 @@ def infer_markdown(summary: dict[str, Any], plot_file: str | None) -> str:
           f"- torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}, gptopt {env['gptopt']}",
           f"- model: {s['params'] / 1e6:.2f}M parameters, random weights (std 0.5: greedy text varies), "
           f"{s['dtype']} unless the rung says otherwise",
-          f"- {s['prompt_len']}-token prompts from the val split, {s['max_new_tokens']} new tokens, greedy; "
+          f"- {s['prompt_len']}-token prompts from the val split, {s['max_new_tokens']} new tokens, {_decoding(s)}; "
           f"{s['warmup']} untimed warm-up run(s), then medians of {s['steps']} (prefill, TTFT) and "
           f"{s['repeats']} (generations), device-synchronised",
           f"- the batch sweep's rungs timed side by side: at each batch size, {s['repeats']} rounds of every "

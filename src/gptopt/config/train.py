@@ -24,6 +24,7 @@ from gptopt.config.fields import (
 )
 from gptopt.config.infer import MAX_SPECULATIVE_TOKENS
 from gptopt.config.model import ARCH_FIELDS, DEFAULT_PRESET, LOSSES, PRESETS, arch_overrides, preset
+from gptopt.config.sampling import TEMPERATURE
 from gptopt.utils.errors import UserError
 
 
@@ -314,6 +315,10 @@ class BenchConfig:
                                   "tokenizer; default: n-gram prompt lookup, no draft")
     num_speculative_tokens: int = opt(4, "--mode infer: tokens the speculative rung drafts a step", ge=1,
                                       le=MAX_SPECULATIVE_TOKENS)
+    temperature: float = opt(0.0, "--mode infer: the timed generations sample at this temperature, top_p 1 and "
+                             "no top_k (what OpenAI's clients send), so the sampler's cost is in every rung's "
+                             "figures; 0: greedy. Each rung's tokens are still checked greedily",
+                             **TEMPERATURE.limits)
     loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails",
                                 gt=0.0, lt=1.0)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
@@ -338,8 +343,9 @@ class BenchConfig:
                                        or self.recipes != "default" or self.seeds != 3):
             raise UserError("--target_loss, --max_steps, --recipes and --seeds belong to the recipe ladder: "
                              "add --mode quality")
-        if self.mode != "infer" and (self.model is not None or self.draft_model is not None):
-            raise UserError("--model and --draft_model belong to the generation ladder: add --mode infer")
+        if self.mode != "infer" and (self.model is not None or self.draft_model is not None or self.temperature):
+            raise UserError("--model, --draft_model and --temperature belong to the generation ladder: add "
+                             "--mode infer")
         if self.model is not None and self.preset is not None:
             raise UserError("--model benches that model, --preset a preset's random weights: give one of them")
         if self.mode == "quality" and self.rungs != "default":

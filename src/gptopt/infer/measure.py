@@ -120,8 +120,11 @@ class GptoptRunner:
         self.gen = self.stepper = None
         free_memory(self.plan)
 
-    def generate(self, prompts: list[list[int]], n: int) -> list[list[int]]:
-        return generate(self._for(len(prompts)), prompts, SamplingParams(max_new_tokens=n, **GREEDY), self.stepper)
+    def generate(self, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
+        """n new tokens a prompt: greedy, or sampled at `temperature` over the whole vocabulary (top_p 1)."""
+        params = SamplingParams(max_new_tokens=n, **GREEDY) if not temperature else \
+            SamplingParams(max_new_tokens=n, temperature=temperature, top_k=None, top_p=1.0)
+        return generate(self._for(len(prompts)), prompts, params, self.stepper)
 
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
         gen = self.gen or self._for(1)

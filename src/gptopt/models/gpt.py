@@ -250,6 +250,13 @@ class GPT(nn.Module):
             self.transformer.wte.weight[config.vocab_size :].zero_()
             self.lm_head.weight[config.vocab_size :].zero_()
 
+    def init_buffers(self) -> None:
+        """Recompute the buffers made from the config and kept out of the state dict (the rotary frequencies):
+        a model built on the meta device and given memory by to_empty() holds garbage there until this runs,
+        and load_state_dict does not replace it."""
+        if self.config.positions == "rope":
+            self.inv_freq = self._inv_freq(self.inv_freq.device)
+
     def _inv_freq(self, device: torch.device | None = None) -> torch.Tensor:
         hs = self.config.head_dim
         return 1.0 / self.config.rope_theta ** (torch.arange(0, hs, 2, dtype=torch.float32, device=device) / hs)
