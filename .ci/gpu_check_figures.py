@@ -148,7 +148,8 @@ def _infer(name: str) -> Callable[[Path, str], dict[str, Any]]:
             return {}
         peak = d.get("peak_bandwidth")
         return {"weights": RANDOM_WEIGHTS, "peak_bandwidth_gbs": _r(peak / 1e9) if peak else None,
-                "bandwidth_source": d.get("bandwidth_source"), "rungs": rungs}
+                "bandwidth_source": d.get("bandwidth_source"), "temperature": d.get("temperature", 0.0),
+                "rungs": rungs}
     return figures
 
 

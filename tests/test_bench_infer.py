@@ -271,10 +271,10 @@ def test_the_sweep_stops_at_the_first_batch_that_does_not_fit(
 ) -> None:
     real = GptoptRunner.generate
 
-    def generate(self: GptoptRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    def generate(self: GptoptRunner, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
         if len(prompts) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(self, prompts, n)
+        return real(self, prompts, n, temperature)
 
     monkeypatch.setattr(GptoptRunner, "generate", generate)
     res = bench.run_rung(RUNG["kv"])
@@ -311,10 +311,11 @@ def test_ctrl_c_keeps_the_rungs_measured_so_far(train_data: Path, tmp_path: Path
     pytest.importorskip("transformers")
     real = GptoptRunner.generate
 
-    def stop_at_batch_2(self: GptoptRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    def stop_at_batch_2(self: GptoptRunner, prompts: list[list[int]], n: int,
+                        temperature: float = 0.0) -> list[list[int]]:
         if len(prompts) == 2:
             raise KeyboardInterrupt
-        return real(self, prompts, n)
+        return real(self, prompts, n, temperature)
 
     monkeypatch.setattr(GptoptRunner, "generate", stop_at_batch_2)
     out = tmp_path / "b"
@@ -367,9 +368,9 @@ def test_the_rungs_are_timed_side_by_side_batch_size_by_batch_size(
     calls: list[tuple[int, int]] = []  # (rung, batch size) of every generation, in order
     real = GptoptRunner.generate
 
-    def generate(self: GptoptRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    def generate(self: GptoptRunner, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
         calls.append((built.index(self), len(prompts)))
-        return real(self, prompts, n)
+        return real(self, prompts, n, temperature)
 
     monkeypatch.setattr(GptoptRunner, "generate", generate)
     monkeypatch.setattr(bench, "results", [])
@@ -388,10 +389,10 @@ def test_an_oom_in_one_rung_leaves_the_others_batch_sizes(bench: InferBench, mon
     rungs, built = two_eager_rungs(monkeypatch)
     real = GptoptRunner.generate
 
-    def generate(self: GptoptRunner, prompts: list[list[int]], n: int) -> list[list[int]]:
+    def generate(self: GptoptRunner, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
         if len(prompts) == 2 and self is built[1]:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(self, prompts, n)
+        return real(self, prompts, n, temperature)
 
     monkeypatch.setattr(GptoptRunner, "generate", generate)
     monkeypatch.setattr(bench, "results", [])

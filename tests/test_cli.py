@@ -115,6 +115,7 @@ EXPECTED_OPTIONS = {
         "seq_len",
         "steps",
         "target_loss",
+        "temperature",
         "warmup",
     },
     "profile": {
@@ -180,6 +181,7 @@ EXPECTED_OPTIONS = {
         "engine_process",
         "host",
         "max_batch_size",
+        "max_len",
         "max_logprobs",
         "max_queue",
         "max_tokens_limit",

@@ -208,6 +208,31 @@ def _exact(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: f
     return q / q.sum()
 
 
+def test_top_p_keeps_the_smallest_most_likely_set_however_wide_its_nucleus_and_whatever_its_batch() -> None:
+    """Top-p looks for a row's threshold among its largest probabilities first (a partial sort) and sorts the whole
+    vocabulary only for a wider nucleus: nuclei of a few tokens, of hundreds and of thousands, with and without
+    top_k, each give the distribution computed directly, alone and in one batch."""
+    from gptopt.infer.sampling import TOP_P_CANDIDATES, probabilities
+
+    torch.manual_seed(3)
+    V = 8192
+    settings = [(1.0, None, 0.9, 6.0), (1.0, None, 0.9, 3.0), (1.0, None, 0.9, 0.3), (0.7, 50, 0.8, 3.0),
+                (1.0, 2000, 0.95, 0.3), (1.3, None, 0.5, 3.0)]
+    logits = torch.stack([torch.randn(V) * scale for *_, scale in settings])
+    params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p, _ in settings]
+    batch = probabilities(logits, params, normalized=True)
+    widths = []
+    for i, (t, k, p, _) in enumerate(settings):
+        want = _exact(logits[i], t, k, p)
+        alone = probabilities(logits[i : i + 1], [params[i]], normalized=True)[0]
+        assert torch.equal(batch[i] > 0, want > 0) and torch.equal(alone > 0, want > 0), i
+        assert torch.allclose(batch[i], want) and torch.allclose(alone, want), i
+        widths.append(int((want > 0).sum()))
+    # every stage was taken: the first candidates, the wider ones, and the whole sort
+    small, large = TOP_P_CANDIDATES
+    assert min(widths) <= small < max(w for w in widths if w <= large) and max(widths) > large, widths
+
+
 @pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, 1.0), (0.6, None, 1.0), (1.0, 3, 1.0),
                                                              (1.0, None, 0.7), (1.3, 4, 0.8)])
 def test_sampled_tokens_follow_the_distribution_their_settings_define(temperature: float, top_k: int | None,

@@ -528,3 +528,20 @@ def test_the_family_steps_run_on_the_cpu(tmp_path: Path) -> None:
     assert "compiled decode after the first" in (tmp_path / "generate_llama.log").read_text()
     assert by["generate_llama"]["figures"]["tokens_per_s"] > 0
     assert not list((tmp_path / "train_qwen3").glob("ckpt-*"))  # its weights and AdamW state are deleted once read
+
+
+@pytest.mark.slow
+def test_the_grouped_query_decode_steps_run_on_the_cpu(tmp_path: Path) -> None:
+    """Issue 46's rehearsal: llama-tiny stands in for both presets; the graphs rung is skipped with its reason."""
+    steps = ["prepare", "infer_llama_greedy", "infer_llama_sampled"]
+    done = subprocess.run([sys.executable, str(SCRIPT), "run", str(tmp_path), "--target", "cpu", "--only",
+                           ",".join(steps)], capture_output=True, text=True, timeout=3600)
+    by = {r["name"]: r for r in json.loads((tmp_path / "results.json").read_text())["steps"]}
+    assert {n: r["status"] for n, r in by.items() if r["status"] != "ok"} == {}, done.stdout[-3000:]
+    for name, temperature in (("infer_llama_greedy", 0.0), ("infer_llama_sampled", 1.0)):
+        fig = by[name]["figures"]
+        assert fig["temperature"] == temperature
+        hf, kv, graphs = fig["rungs"]["hf"], fig["rungs"]["kv"], fig["rungs"]["graphs"]
+        # the grouped-query rotary decode is transformers' token for token, and both have figures
+        assert kv["tokens_match"] == 1.0 and kv["decode_tokens_per_s"] > 0 and hf["decode_tokens_per_s"] > 0
+        assert graphs["status"] == "skipped" and "NVIDIA GPU" in graphs["note"]

@@ -89,6 +89,9 @@ class TokenLogprob:
 
 # What pick gives a row that may take no token (a grammar at a dead end): never a token id.
 NO_TOKEN = -1
+# top_p's candidates: a row's threshold is looked for among its 64 largest probabilities (a partial sort), then
+# among its 1,024; a row whose nucleus is wider still sorts its whole vocabulary, as every top-p row once did.
+TOP_P_CANDIDATES = (64, 1024)
 
 
 def _tensor(device: torch.device, values: Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -135,7 +138,7 @@ def sample_logprobs(logits: torch.Tensor, params: list[SamplingParams], historie
 def pick(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
           generators: list[torch.Generator | None], prompt_lens: Sequence[int] | None = None,
           allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """sample's tokens (B,), on the device: no host sync."""
+    """sample's tokens (B,), on the device: no host sync but top-p's (probabilities)."""
     on_device = functools.partial(_tensor, logits.device)
     B, V = logits.shape
     logits = logits.float()
@@ -216,19 +219,47 @@ def probabilities(logits: torch.Tensor, params: list[SamplingParams], *, normali
     if any(ks):
         rows = [i for i, k in enumerate(ks) if k]
         k_max = max(k for k in ks if k)
+        sub = x if len(rows) == B else x[rows]  # every row: no gathered copy of the logits
         # The k-th largest of each row, whatever the other rows ask: a threshold, not the top-k's indices (whose
         # order among equal logits could change with k_max)
-        kth = x[rows].topk(k_max, dim=-1).values.gather(-1, on_device([ks[i] - 1 for i in rows]).view(-1, 1))
-        x[rows] = x[rows].masked_fill(x[rows] < kth, float("-inf"))
+        kth = sub.topk(k_max, dim=-1).values.gather(-1, on_device([ks[i] - 1 for i in rows]).view(-1, 1))
+        if len(rows) == B:
+            x.masked_fill_(x < kth, float("-inf"))  # x is this function's own tensor
+        else:
+            x[rows] = sub.masked_fill(sub < kth, float("-inf"))
     probs = x.softmax(dim=-1)
     if any(p.top_p < 1.0 for p in params):
         rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        sub, order = probs[rows].sort(dim=-1, descending=True)
-        # The smallest prefix whose mass reaches p: a token stays while the mass before it is < p.
+        sub = probs if len(rows) == B else probs[rows]
         top_p = on_device([params[i].top_p for i in rows], torch.float32).view(-1, 1)
-        drop = sub.cumsum(dim=-1) - sub >= top_p
-        probs[rows] = probs[rows].masked_fill(torch.empty_like(drop).scatter_(-1, order, drop), 0.0)
+        # The smallest prefix of the row in descending order whose mass reaches p: a token stays while the mass
+        # before it is < p. Only the sorted values decide where that prefix ends, so the row's threshold (its
+        # smallest kept probability) comes from its m largest values (topk, a partial sort) when they hold p;
+        # a row whose nucleus is wider tries the next m, and the widest sort the whole vocabulary. So a peaked
+        # row, or one with a small top_k, never sorts it. Values alone, never indices: a row's threshold is the
+        # same whichever stage finds it, in any batch. Tokens tied with the threshold are all kept.
+        t, left = torch.empty_like(top_p), torch.arange(len(rows), device=logits.device)
+        for m in sorted({min(c, V) for c in (*TOP_P_CANDIDATES, V)}):
+            part = sub[left] if len(left) < len(rows) else sub
+            values = part.topk(m, dim=-1).values if m < V else part.sort(dim=-1, descending=True).values
+            t[left], wide = _smallest_kept(values, top_p[left])
+            left = left[wide]
+            if not len(left):  # the host learns whether a row is left: the one sync of a sampling step with top-p
+                break
+        if len(rows) == B:
+            probs.masked_fill_(probs < t, 0.0)
+        else:
+            probs[rows] = sub.masked_fill(sub < t, 0.0)
     return probs / probs.sum(dim=-1, keepdim=True) if normalized else probs
+
+
+def _smallest_kept(values: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """In each row of `values` (R, n; its largest probabilities, descending): the last value the mass before which
+    is < top_p (R, 1), and whether the row's n values hold less than top_p (R,), so that it may keep more."""
+    mass = values.cumsum(dim=-1)
+    # at least the first: nothing comes before it (unless the row is NaN, a row no token is allowed in)
+    kept = ((mass - values) < top_p).sum(dim=-1, keepdim=True).clamp_min_(1)
+    return values.gather(-1, kept - 1), mass[:, -1] < top_p.view(-1)
 
 
 def _unless_none_allowed(tokens: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
