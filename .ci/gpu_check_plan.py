@@ -264,7 +264,7 @@ def plan(ctx: Ctx) -> list[Step]:
                "--batch_sizes", 1, "--output_dir", p("speculative")), model=True, stdout="speculative.json",
              default=False),
         # Issue 46: the grouped-query models' decode on the GPU, greedy and sampled over the whole vocabulary
-        # (OpenAI's default), eager, on CUDA graphs and compiled, against transformers; run by name
+        # (OpenAI's default), eager and on CUDA graphs, against transformers; run by name
         *[Step(f"infer_{family}_{how}", 75, f"bench --mode infer on {size}, {how}: hf, kv and graphs at batch "
                f"{s.infer_batches.replace(',', ' and ')}: attention over the key/value heads as stored, the "
                "family's block on CUDA graphs" + (", sampling the whole vocabulary" if how == "sampled" else ""),
