@@ -278,10 +278,10 @@ class InferBench:
                 return problem
         if (rung.int8 or rung.int4) and not has("torchao"):
             return "needs the 'quant' extra: pip install 'gptopt[quant]'"
+        if rung.onnx and self.cfg.temperature:  # first: installing the extra would not make it sample
+            return "the ONNX export's decoder here decodes greedily: bench this rung without --temperature"
         if rung.onnx and not all(has(m) for m in EXTRAS["onnx"]):
             return "needs the 'onnx' extra: pip install 'gptopt[onnx]'"
-        if rung.onnx and self.cfg.temperature:
-            return "the ONNX export's decoder here decodes greedily: bench this rung without --temperature"
         if rung.onnx and self.plan.device.type != "cpu":
             return "onnxruntime runs on the CPU here (the 'onnx' extra is its CPU build): bench it with --device cpu"
         if rung.cuda_graphs and self.plan.device.type != "cuda":
