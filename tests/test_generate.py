@@ -195,30 +195,37 @@ def test_top_k_1_and_a_tiny_top_p_equal_greedy(varied_model: GPT) -> None:
 
 
 def _exact(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
-    """The distribution a row's settings define, computed directly: softmax(logits / T) over the top k, then the
-    smallest set of the most likely tokens whose mass reaches top_p, renormalised."""
+    """The distribution a row's settings define, computed directly: softmax(logits / T) over the top k (every
+    token tied with the k-th kept), then the smallest set of the most likely tokens whose mass reaches top_p (every
+    token tied with its last kept), renormalised."""
     x = logits / temperature
     if top_k is not None:
         x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
     p = x.softmax(-1)
-    sorted_p, order = p.sort(descending=True)
-    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p
-    q = torch.zeros_like(p)
-    q[order[keep]] = sorted_p[keep]
+    sorted_p = p.sort(descending=True).values
+    last = sorted_p[((sorted_p.cumsum(-1) - sorted_p) < top_p).sum().clamp_min(1) - 1]
+    q = p.masked_fill(p < last, 0.0)
     return q / q.sum()
 
 
-def test_top_p_keeps_the_smallest_most_likely_set_however_wide_its_nucleus_and_whatever_its_batch() -> None:
-    """Top-p looks for a row's threshold among its largest probabilities first (a partial sort) and sorts the whole
-    vocabulary only for a wider nucleus: nuclei of a few tokens, of hundreds and of thousands, with and without
-    top_k, each give the distribution computed directly, alone and in one batch."""
-    from gptopt.infer.sampling import TOP_P_CANDIDATES, probabilities
+def test_kept_sets_are_the_smallest_most_likely_however_wide_and_whatever_their_batch() -> None:
+    """A top-k or top-p row's kept set is looked for among its largest logits first (a partial sort) and its whole
+    vocabulary is sorted only for a wider set: nuclei of a few tokens, of hundreds and of thousands, top-k sets
+    whose k-th logit ties with tokens beyond the candidates, with and without each other, each give the
+    distribution computed directly, alone and in one batch."""
+    from gptopt.infer.sampling import CANDIDATES, probabilities
 
     torch.manual_seed(3)
     V = 8192
-    settings = [(1.0, None, 0.9, 6.0), (1.0, None, 0.9, 3.0), (1.0, None, 0.9, 0.3), (0.7, 50, 0.8, 3.0),
-                (1.0, 2000, 0.95, 0.3), (1.3, None, 0.5, 3.0)]
-    logits = torch.stack([torch.randn(V) * scale for *_, scale in settings])
+    randn = lambda scale: torch.randn(V) * scale  # noqa: E731
+    settings = [(1.0, None, 0.9, randn(6.0)), (1.0, None, 0.9, randn(3.0)), (1.0, None, 0.9, randn(0.3)),
+                (0.7, 50, 0.8, randn(3.0)), (1.0, 2000, 0.95, randn(0.3)), (1.3, None, 0.5, randn(3.0)),
+                (1.0, 100, 1.0, randn(3.0)),
+                # ties: the k-th largest logit shared by tens of tokens, by a thousand and more, by every token;
+                (1.0, 50, 1.0, randn(2.0).round()), (0.8, 60, 0.9, randn(0.5).round()), (1.0, 5, 1.0, randn(0.0)),
+                # and a nucleus whose last token ties with every token beyond the first ten
+                (1.0, None, 0.155, torch.cat([torch.full((10,), 5.0), torch.zeros(V - 10)]))]
+    logits = torch.stack([x for *_, x in settings])
     params = [SamplingParams(temperature=t, top_k=k, top_p=p) for t, k, p, _ in settings]
     batch = probabilities(logits, params, normalized=True)
     widths = []
@@ -228,21 +235,32 @@ def test_top_p_keeps_the_smallest_most_likely_set_however_wide_its_nucleus_and_w
         assert torch.equal(batch[i] > 0, want > 0) and torch.equal(alone > 0, want > 0), i
         assert torch.allclose(batch[i], want) and torch.allclose(alone, want), i
         widths.append(int((want > 0).sum()))
-    # every stage was taken: the first candidates, the wider ones, and the whole sort
-    small, large = TOP_P_CANDIDATES
+    # every stage was taken: the first candidates, the wider ones, and the whole sort; and ties beyond 64 and 1,024
+    small, large = CANDIDATES
     assert min(widths) <= small < max(w for w in widths if w <= large) and max(widths) > large, widths
+    assert small < widths[7] <= large < widths[8] and widths[9] == widths[10] == V, widths
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, 1.0), (0.6, None, 1.0), (1.0, 3, 1.0),
-                                                             (1.0, None, 0.7), (1.3, 4, 0.8)])
-def test_sampled_tokens_follow_the_distribution_their_settings_define(temperature: float, top_k: int | None,
-                                                                      top_p: float) -> None:
-    """20,000 draws of one row's settings, in batches mixed with rows of other settings: their frequencies pass a
-    chi-square test (p = 0.001) against the distribution computed directly, and no token outside it is drawn."""
+def _wide_logits() -> torch.Tensor:
+    """8 likely tokens holding about 40% of the mass, then 4,088 of graded small logits: a top-p of 0.7 keeps the
+    8 and about 2,000 of the rest, wider than every candidate stage."""
+    return torch.cat([torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]) + 5.5, torch.linspace(1.0, 0.0, 4088)])
+
+
+@pytest.mark.parametrize(("vocab", "temperature", "top_k", "top_p"), [
+    ("8", 1.0, None, 1.0), ("8", 0.6, None, 1.0), ("8", 1.0, 3, 1.0), ("8", 1.0, None, 0.7), ("8", 1.3, 4, 0.8),
+    ("wide", 1.0, None, 1.0), ("wide", 1.0, 3, 1.0), ("wide", 1.0, None, 0.3), ("wide", 1.0, None, 0.7),
+    ("wide", 1.3, 4, 0.8), ("wide", 1.0, 2000, 1.0)])
+def test_sampled_tokens_follow_the_distribution_their_settings_define(vocab: str, temperature: float,
+                                                                      top_k: int | None, top_p: float) -> None:
+    """20,000 draws of one row's settings, in batches mixed with rows of other settings: no token outside the
+    distribution computed directly is drawn, and the frequencies pass a chi-square test (p = 0.001) against it,
+    token by token over its 8 likely tokens and the rest as one. Over 8 tokens every setting sorts; over 4,096 the
+    top-k and peaked top-p rows draw among their candidates, the wide nucleus races first, top_k 2,000 sorts."""
     from gptopt.infer.sampling import pick
 
     torch.manual_seed(7)
-    logits = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0])
+    logits = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]) if vocab == "8" else _wide_logits()
     want = _exact(logits, temperature, top_k, top_p)
     mine = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
     other = SamplingParams(temperature=0.9, top_k=2, top_p=0.5, max_new_tokens=1)
@@ -253,11 +271,44 @@ def test_sampled_tokens_follow_the_distribution_their_settings_define(temperatur
         counts += torch.bincount(tokens[0::2], minlength=len(logits)).float()
     n = counts.sum()
     assert n == 20_000 and counts[want == 0].sum() == 0
-    expected = want[want > 0] * n
-    chi2 = float(((counts[want > 0] - expected) ** 2 / expected).sum())
-    # chi-square's 0.999 quantile for the tokens' degrees of freedom (1 to 7)
-    limit = {0: 0.0, 1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32}[int((want > 0).sum()) - 1]
-    assert chi2 < limit, (counts.tolist(), expected.tolist())
+    cells = [*range(8), slice(8, None)] if want[8:].sum() > 0 else list(range(8))
+    seen = torch.stack([counts[c].sum() for c in cells])
+    expected = torch.stack([want[c].sum() for c in cells]) * n
+    live = expected > 0
+    chi2 = float(((seen[live] - expected[live]) ** 2 / expected[live]).sum())
+    # chi-square's 0.999 quantile for the cells' degrees of freedom (1 to 8)
+    limit = {0: 0.0, 1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
+    assert chi2 < limit[int(live.sum()) - 1], (seen.tolist(), expected.tolist())
+
+
+def test_a_seeded_row_draws_the_same_token_alone_and_beside_rows_that_change_its_stages() -> None:
+    """Over a large vocabulary a top-k or top-p row is settled by whichever candidate stage first holds its kept
+    set, and the stages' widths follow the batch's largest top_k: a seeded row draws the same token alone and
+    beside plain rows, greedy rows and rows of other top_k, its set peaked, tied at the k-th logit or too wide for
+    any candidates."""
+    from gptopt.infer.sampling import pick
+
+    torch.manual_seed(5)
+    V = 4096
+    kinds = {"peaked": torch.randn(V) * 4, "ties": (torch.randn(V) * 3).round(), "wide": _wide_logits()}
+    mine = [SamplingParams(temperature=1.0, top_k=k, top_p=p) for k, p in ((20, 1.0), (None, 0.9), (None, 0.7),
+                                                                           (300, 0.95), (5, 0.5))]
+    others = [SamplingParams(temperature=1.0, top_k=None), SamplingParams(temperature=0),
+              SamplingParams(temperature=0.8, top_k=900), SamplingParams(temperature=1.0, top_k=3000, top_p=0.2)]
+
+    def draws(rows: list[tuple[torch.Tensor, SamplingParams, int | None]]) -> list[int]:
+        gens = [None if s is None else torch.Generator().manual_seed(s) for *_, s in rows]
+        return pick(torch.stack([x for x, *_ in rows]), [p for _, p, _ in rows], [[]] * len(rows), gens).tolist()
+
+    drawn = set()
+    for (name, logits), params in ((kv, p) for kv in kinds.items() for p in mine):
+        for seed in range(4):
+            alone = draws([(logits, params, seed)])[0]
+            drawn.add((name, alone))
+            for j in range(len(others)):
+                mix = [(torch.randn(V) * 2, o, None) for o in others[j:]] + [(logits, params, seed)]
+                assert draws(mix)[-1] == alone, (name, params, seed, others[j:])
+    assert len(drawn) > 10  # the seeds draw different tokens: the equality is not a constant's
 
 
 def test_sample_applies_each_rows_own_settings(debug_model: GPT) -> None:

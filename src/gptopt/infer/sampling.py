@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -89,9 +89,18 @@ class TokenLogprob:
 
 # What pick gives a row that may take no token (a grammar at a dead end): never a token id.
 NO_TOKEN = -1
-# top_p's candidates: a row's threshold is looked for among its 64 largest probabilities (a partial sort), then
-# among its 1,024; a row whose nucleus is wider still sorts its whole vocabulary, as every top-p row once did.
-TOP_P_CANDIDATES = (64, 1024)
+# A row with top_k or top_p is drawn among its most likely tokens only: its 64 largest (or its top_k's, when
+# larger), then its 1,024, found by a partial sort; a row whose kept set is wider sorts its whole vocabulary.
+CANDIDATES = (64, 1024)
+# When drawing, a top-p row whose nucleus the first candidates do not hold races over its whole vocabulary
+# instead, and tests the race's 32 leaders for membership in order (one pass over the vocabulary each, and
+# the first is inside the nucleus with about top_p's chance) before it sorts: the first leader inside is the
+# race's winner within the nucleus. That costs about what a plain row's race does, where the wider partial sort
+# costs more.
+RACE_LEADERS = 32
+# ... and races at once, without trying its candidates, when its largest probability times 16 is below top_p:
+# its nucleus is then most likely wider than the candidates.
+WIDE_REACH = 16
 
 
 def _tensor(device: torch.device, values: Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -106,7 +115,8 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], histories: list[l
            allowed: torch.Tensor | None = None) -> list[int]:
     """The next token of each row: the allowed tokens only, logit bias, repetition, presence and
     frequency penalties, then argmax (temperature 0) or temperature, top-k and top-p sampling. On the
-    device throughout; the one host sync is the final .tolist().
+    device throughout; the host syncs with it only for the final .tolist() and, with top_k or top_p, to learn
+    which rows each stage of _Truncated settles.
 
     histories: each row's prompt + generated ids (for the penalties); prompt_lens: where each row's
     generated ids begin in it (None: all of it is generated). generators: Generator.rng(seed) per
@@ -119,7 +129,7 @@ def sample_logprobs(logits: torch.Tensor, params: list[SamplingParams], historie
                     generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
                     allowed: torch.Tensor | None = None) -> tuple[list[int], list[TokenLogprob | None]]:
     """`sample`, and for each row whose params ask (logprobs not None) its token's TokenLogprob with
-    params.logprobs alternatives, from the raw `logits` (None for the other rows). Still one host sync:
+    params.logprobs alternatives, from the raw `logits` (None for the other rows). No host sync but sample's:
     the tokens travel in the same float32 tensor as the log-probabilities."""
     tokens = pick(logits, params, histories, generators, prompt_lens, allowed)
     on_device = functools.partial(_tensor, logits.device)
@@ -138,7 +148,7 @@ def sample_logprobs(logits: torch.Tensor, params: list[SamplingParams], historie
 def pick(logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
           generators: list[torch.Generator | None], prompt_lens: Sequence[int] | None = None,
           allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """sample's tokens (B,), on the device: no host sync but top-p's (probabilities)."""
+    """sample's tokens (B,), on the device: no host sync but a top-k or top-p row's (_Truncated)."""
     on_device = functools.partial(_tensor, logits.device)
     B, V = logits.shape
     logits = logits.float()
@@ -168,98 +178,224 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], histories: list[lis
         frequency = on_device([p.frequency_penalty for p in params], torch.float32).view(B, 1)
         presence = on_device([p.presence_penalty for p in params], torch.float32).view(B, 1)
         logits = logits - frequency * counts - presence * (counts > 0)
-    greedy = logits.argmax(dim=-1)
     if all(p.temperature == 0 for p in params):
-        return _unless_none_allowed(greedy, logits, allowed)
-    return _unless_none_allowed(_sampled(logits, params, generators, greedy), logits, allowed)
+        return _unless_none_allowed(logits.argmax(dim=-1), logits, allowed)
+    return _unless_none_allowed(_sampled(logits, params, generators), logits, allowed)
 
 
-def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None],
-             greedy: torch.Tensor) -> torch.Tensor:
-    """Each sampled row's token, drawn from its own row alone: temperature, its top-k (the k-th largest logit as a
-    threshold), its top-p, then one exponential race over the whole vocabulary. So a seeded row draws the same
-    noise, and the same token, alone and in any batch; and only rows with a top-p sort anything (vLLM's
-    sampler works this way). Greedy rows (temperature 0) take `greedy`."""
+def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+             ) -> torch.Tensor:
+    """Each sampled row's token, drawn from its own row alone by one exponential race (`race`): a plain row (no
+    top_k, top_p 1) over its whole vocabulary, a row with top_k or top_p over its kept candidates only
+    (_Truncated). Nothing is sorted unless a row's kept set is wider than its candidates (vLLM sorts every top-p
+    row). A seeded row's noise is its own generator's, drawn over the whole vocabulary and taken by token id, so
+    it draws the same token alone and in any batch, however its kept set is found. Greedy rows (temperature 0)
+    take their argmax."""
     on_device = functools.partial(_tensor, logits.device)
-    probs = probabilities(logits, params)
-    # argmax(probs / Exp(1) noise) is how torch.multinomial draws one sample, minus its input check, which
-    # syncs with the host. Unnormalised probs are fine for it. A seeded row's noise comes from its own generator,
-    # over the whole vocabulary: the same draw in any batch. The Exp(1) noise is -log(U), U uniform: torch's
-    # CPU exponential_ is not vectorised, and over a large vocabulary it cost a batched decode step a sizeable
-    # share of its time (benchmarks/2026-12-06-serving-smollm2.md, "Where a decode step goes"). U = 0 (one draw
-    # in 2^24) is raised to the smallest normal float, so every noise is finite and positive: a token of
-    # probability 0 scores 0, never NaN.
-    sampled = race(probs, generators)
-    is_greedy = on_device([p.temperature == 0 for p in params], torch.bool)
-    return torch.where(is_greedy, greedy, sampled)
+    B, V = logits.shape
+    x = _scaled(logits, params)
+    plain = [i for i, p in enumerate(params) if p.temperature > 0 and not _truncates(p, V)]
+    cut = [i for i, p in enumerate(params) if p.temperature > 0 and _truncates(p, V)]
+    if len(plain) == B:
+        return race(x.softmax(dim=-1), generators)
+    tokens = logits.argmax(dim=-1) if len(plain) + len(cut) < B else torch.empty(B, dtype=torch.long,
+                                                                                      device=logits.device)
+    if plain:
+        tokens[on_device(plain)] = race(x[plain].softmax(dim=-1), [generators[i] for i in plain])
+    if cut:
+        tokens[on_device(cut)] = _Truncated(x, params, cut).draw([generators[i] for i in cut])
+    return tokens
 
 
 def race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """(B,) one token drawn from each row of `probs` (B, V; any non-negative weights): the exponential race, its
-    noise from each row's own generator (None: the global RNG), on the device."""
+    noise from each row's own generator (None: the global RNG), on the device. argmax(probs / Exp(1) noise) is how
+    torch.multinomial draws one sample, minus its input check, which syncs with the host; unnormalised weights
+    are fine for it. A seeded row draws the same noise, and the same token, alone and in any batch."""
     noise = torch.empty_like(probs)
     if any(g is None for g in generators):
         noise.uniform_()
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].uniform_(generator=g)
-    noise = noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_().neg_()
-    return (probs / noise).argmax(dim=-1)
+    return (probs / _exponential(noise)).argmax(dim=-1)
+
+
+def _exponential(uniform: torch.Tensor) -> torch.Tensor:
+    """Exp(1) noise from uniform noise, in place: -log(U). torch's CPU exponential_ is not vectorised, and over a
+    large vocabulary it cost a batched decode step a sizeable share of its time
+    (benchmarks/2026-12-06-serving-smollm2.md, "Where a decode step goes"). U = 0 (one draw in 2^24) is raised to
+    the smallest normal float, so every noise is finite and positive: a token of probability 0 scores 0, never
+    NaN."""
+    return uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
 
 
 def probabilities(logits: torch.Tensor, params: list[SamplingParams], *, normalized: bool = False) -> torch.Tensor:
     """(B, V) float32: each row's distribution after its temperature, top-k and top-p, not normalised (a kept
-    token's weight is its softmax probability, a dropped one's 0). A greedy row (temperature 0) is taken at
-    temperature 1. What `pick` draws from, and what speculative decoding's rejection rule compares (normalized:
-    each row summing to 1)."""
-    on_device = functools.partial(_tensor, logits.device)
+    token's weight is its probability over the row's top k, or its softmax probability without one; a dropped
+    token's 0). A greedy row (temperature 0) is taken at temperature 1. What speculative decoding's draft draws
+    from and its rejection rule compares (normalized: each row summing to 1)."""
     B, V = logits.shape
-    x = logits / on_device([p.temperature or 1.0 for p in params], torch.float32).view(B, 1)
-    ks = [p.top_k if p.top_k is not None and p.top_k < V else None for p in params]
-    if any(ks):
-        rows = [i for i, k in enumerate(ks) if k]
-        k_max = max(k for k in ks if k)
-        sub = x if len(rows) == B else x[rows]  # every row: no gathered copy of the logits
-        # The k-th largest of each row, whatever the other rows ask: a threshold, not the top-k's indices (whose
-        # order among equal logits could change with k_max)
-        kth = sub.topk(k_max, dim=-1).values.gather(-1, on_device([ks[i] - 1 for i in rows]).view(-1, 1))
-        if len(rows) == B:
-            x.masked_fill_(x < kth, float("-inf"))  # x is this function's own tensor
-        else:
-            x[rows] = sub.masked_fill(sub < kth, float("-inf"))
-    probs = x.softmax(dim=-1)
-    if any(p.top_p < 1.0 for p in params):
-        rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        sub = probs if len(rows) == B else probs[rows]
-        top_p = on_device([params[i].top_p for i in rows], torch.float32).view(-1, 1)
-        # The smallest prefix of the row in descending order whose mass reaches p: a token stays while the mass
-        # before it is < p. Only the sorted values decide where that prefix ends, so the row's threshold (its
-        # smallest kept probability) comes from its m largest values (topk, a partial sort) when they hold p;
-        # a row whose nucleus is wider tries the next m, and the widest sort the whole vocabulary. So a peaked
-        # row, or one with a small top_k, never sorts it. Values alone, never indices: a row's threshold is the
-        # same whichever stage finds it, in any batch. Tokens tied with the threshold are all kept.
-        t, left = torch.empty_like(top_p), torch.arange(len(rows), device=logits.device)
-        for m in sorted({min(c, V) for c in (*TOP_P_CANDIDATES, V)}):
-            part = sub[left] if len(left) < len(rows) else sub
-            values = part.topk(m, dim=-1).values if m < V else part.sort(dim=-1, descending=True).values
-            t[left], wide = _smallest_kept(values, top_p[left])
-            left = left[wide]
-            if not len(left):  # the host learns whether a row is left: the one sync of a sampling step with top-p
-                break
-        if len(rows) == B:
-            probs.masked_fill_(probs < t, 0.0)
-        else:
-            probs[rows] = sub.masked_fill(sub < t, 0.0)
+    x = _scaled(logits, params)
+    cut = [i for i, p in enumerate(params) if _truncates(p, V)]
+    probs = x.softmax(dim=-1) if len(cut) < B else torch.zeros_like(x)
+    if cut:
+        rows = _tensor(logits.device, cut)
+        if len(cut) < B:
+            probs[rows] = 0.0
+        for idx, ids, q in _Truncated(x, params, cut).kept():
+            probs[rows[idx].view(-1, 1), ids] = q
     return probs / probs.sum(dim=-1, keepdim=True) if normalized else probs
 
 
-def _smallest_kept(values: torch.Tensor, top_p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """In each row of `values` (R, n; its largest probabilities, descending): the last value the mass before which
-    is < top_p (R, 1), and whether the row's n values hold less than top_p (R,), so that it may keep more."""
-    mass = values.cumsum(dim=-1)
-    # at least the first: nothing comes before it (unless the row is NaN, a row no token is allowed in)
-    kept = ((mass - values) < top_p).sum(dim=-1, keepdim=True).clamp_min_(1)
-    return values.gather(-1, kept - 1), mass[:, -1] < top_p.view(-1)
+def _scaled(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The logits over each row's temperature (a greedy row's taken as 1), in float32."""
+    temperature = _tensor(logits.device, [p.temperature or 1.0 for p in params], torch.float32)
+    return logits.float() / temperature.view(-1, 1)
+
+
+def _truncates(p: SamplingParams, vocab: int) -> bool:
+    return (p.top_k is not None and p.top_k < vocab) or p.top_p < 1.0
+
+
+class _Truncated:
+    """A batch's rows with top_k or top_p (R of them), and each one's kept set: looked for among the row's
+    CANDIDATES largest scaled logits (a partial sort, one width a stage), where a stage settles the rows whose
+    set ends within its width; the others sort their whole vocabulary. Each figure of a row comes from its own
+    values in descending order, by elementwise steps and running sums, so it is the same at any width and in any
+    batch: the stage that settles a row changes the cost, never the set or the draw."""
+
+    def __init__(self, x: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:
+        on_device = functools.partial(_tensor, x.device)
+        B, self.V = x.shape
+        self.x = x if len(rows) == B else x[rows]  # (R, V) the rows' scaled logits
+        ks = [params[i].top_k if params[i].top_k is not None and params[i].top_k < self.V else 0 for i in rows]
+        self.k = on_device(ks).view(-1, 1)  # 0: no top_k
+        self.has_k = self.k > 0
+        self.p = on_device([params[i].top_p for i in rows], torch.float32).view(-1, 1)
+        # A row without top_k measures top_p against its whole vocabulary's softmax; its largest probability
+        # bounds its nucleus from below (no m tokens hold more than m times it), so a flat row skips the stages
+        # that cannot hold it.
+        self.full = self.x.softmax(dim=-1) if not all(ks) else None
+        self.q_max = self.full.amax(dim=-1, keepdim=True) if self.full is not None else None
+        small, large = CANDIDATES
+        first = max(small, max(ks)) if max(ks) <= large else small  # a top_k of 64..1,024 is one stage
+        self.widths = sorted(w for w in {first, large} if w < self.V)
+
+    def kept(self, wide: Callable[[torch.Tensor], torch.Tensor] | None = None
+             ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Groups of rows (indices into the R rows), with their candidates' token ids (n, m) and probabilities
+        (n, m; a dropped token's 0), each row in one group. `wide` may settle the top-p rows (without top_k) the
+        first candidates did not hold, in place of the wider stages and the sort: it gets their indices and gives
+        the positions among them of those it settled."""
+        pending = torch.ones(len(self.x), dtype=torch.bool, device=self.x.device)
+        for n, m in enumerate(self.widths):
+            go = pending
+            if self.q_max is not None:
+                # With `wide`, a top-p row tries the first candidates only if its 16 most likely tokens could
+                # hold p (a flat row races at once), and never a wider stage: `wide` settles it for less.
+                reach = m if wide is None else WIDE_REACH
+                go = pending & ~(~self.has_k & (self.q_max * reach < self.p)).view(-1)
+                if wide is not None and n > 0:
+                    go = go & self.has_k.view(-1)
+            rows = go.nonzero().view(-1)  # a host sync: how many rows this stage takes
+            if len(rows):
+                fits, ids, q = self._stage(rows, m)
+                pending[rows[fits]] = False
+                yield rows[fits], ids[fits], q[fits]
+        if wide is not None:
+            rows = (pending & ~self.has_k.view(-1)).nonzero().view(-1)
+            if len(rows):
+                pending[rows[wide(rows)]] = False
+        rows = pending.nonzero().view(-1)
+        if len(rows):
+            _, ids, q = self._stage(rows, self.V)
+            yield rows, ids, q
+
+    def _stage(self, rows: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`rows` (n,) among their m largest (m = V: all of them, sorted): whether each row's kept set ends within
+        them (n,), their token ids (n, m) and kept probabilities (n, m)."""
+        inf = float("-inf")
+        every = len(rows) == len(self.x)  # rows come ascending: every row is all of them, in order
+        x = self.x if every else self.x[rows]
+        if m < self.V:  # one more than m: whether a token beyond them ties with the last kept
+            c, ids = x.topk(m + 1, dim=-1)
+            beyond, beyond_id, c, ids = c[:, m:], ids[:, m:], c[:, :m], ids[:, :m]
+        else:
+            c, ids = x.sort(dim=-1, descending=True)
+        k, p, has_k = self.k[rows], self.p[rows], self.has_k[rows]
+        # top-k: the k-th largest logit a threshold, the tokens tied with it kept (as transformers and vLLM do);
+        # the probabilities over the top k normalised by their sum in descending order
+        kth = torch.where(has_k, c.gather(-1, k.clamp(1, m) - 1), inf)
+        w = (c - c[:, :1]).exp_().masked_fill_(c < kth, 0.0)
+        q = w / w.cumsum(dim=-1)[:, -1:]
+        if self.full is not None:
+            q = torch.where(has_k, q, self.full[rows.view(-1, 1), ids])
+        # top-p: the smallest prefix in descending order whose mass reaches p (a token stays while the mass
+        # before it is < p), the tokens tied with its last all kept
+        mass = q.cumsum(dim=-1)
+        # at least the first: nothing comes before it (unless the row is NaN, a row no token is allowed in)
+        kept = ((mass - q) < p).sum(dim=-1, keepdim=True).clamp_min_(1)
+        t = torch.where(p < 1.0, q.gather(-1, kept - 1), 0.0)
+        q = q.masked_fill_(q < t, 0.0)
+        if m == self.V:
+            return torch.ones(len(rows), dtype=torch.bool, device=x.device), ids, q
+        # Settled here: its top k end within the m and nothing beyond ties the k-th (or all beyond are forbidden,
+        # -inf); its nucleus ends within them, and nothing beyond ties its last.
+        fits_k = (beyond == inf) | ((k <= m) & (beyond < kth))
+        q_beyond = torch.zeros_like(t)  # beyond the top k: probability 0
+        if self.full is not None:
+            q_beyond = torch.where(has_k, q_beyond, self.full[rows.view(-1, 1), beyond_id])
+        fits_p = (p >= 1.0) | ((mass[:, -1:] >= p) & (q_beyond < t))
+        return (torch.where(has_k, fits_k, True) & fits_p).view(-1), ids, q
+
+    def draw(self, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+        """(R,) each row's token: the race among its kept candidates, with each seeded row's noise over the whole
+        vocabulary from its own generator, taken by token id."""
+        device = self.x.device
+        R, V = self.x.shape
+        own = None
+        if any(g is not None for g in generators):
+            own = torch.empty(R, V, device=device)
+            for r, g in enumerate(generators):
+                if g is not None:
+                    own[r].uniform_(generator=g)
+        is_seeded = [g is not None for g in generators]
+        seeded = _tensor(device, is_seeded, torch.bool).view(-1, 1)
+        tokens = torch.empty(R, dtype=torch.long, device=device)
+
+        def noise(rows: torch.Tensor, ids: torch.Tensor | None, width: int) -> torch.Tensor:
+            """Uniform noise (a tensor of its own) for `rows` over `width` candidates: a seeded row's is its own
+            noise at the candidates' ids (None: the whole vocabulary), another row's fresh."""
+            mine = [is_seeded[r] for r in rows.tolist()]
+            if own is None or not any(mine):
+                return torch.empty(len(mine), width, device=device).uniform_()
+            drawn = own[rows] if ids is None else own[rows.view(-1, 1), ids]  # indexing copies
+            return drawn if all(mine) else torch.where(seeded[rows], drawn, torch.empty_like(drawn).uniform_())
+
+        def race_first(rows: torch.Tensor) -> torch.Tensor:
+            """A wide nucleus: the race over the whole vocabulary, its leaders tested in order; the first inside
+            the nucleus (the mass of the more likely tokens < p) is the race's winner within it. Which rows it
+            settles."""
+            assert self.full is not None  # only rows without top_k come here
+            q = self.full if len(rows) == R else self.full[rows]
+            u = noise(rows, None, V)
+            lead = torch.div(q, _exponential(u), out=u).topk(min(RACE_LEADERS, V), dim=-1).indices
+            found: dict[int, int] = {}  # the settled rows' positions in `rows`, and their tokens
+            for i, (ids, values, p) in enumerate(zip(lead.tolist(), q.gather(-1, lead).tolist(),
+                                                     self.p[rows].view(-1).tolist(), strict=True)):
+                inside = next((t for t, v in zip(ids, values, strict=True)
+                               if float(torch.nn.functional.threshold(q[i], v, 0.0).sum()) < p), None)
+                if inside is not None:
+                    found[i] = inside
+            settled = _tensor(device, list(found))
+            tokens[rows[settled]] = _tensor(device, list(found.values()))
+            return settled
+
+        for rows, ids, q in self.kept(race_first):
+            u = noise(rows, ids, ids.shape[1])
+            tokens[rows] = ids.gather(-1, (q / _exponential(u)).argmax(dim=-1, keepdim=True)).view(-1)
+        return tokens
 
 
 def _unless_none_allowed(tokens: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:

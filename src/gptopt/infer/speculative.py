@@ -128,10 +128,13 @@ class ModelDrafter:
         tokens: list[list[int]] = [[] for _ in go]
         for step in range(k_max):
             live = [r for r, i in enumerate(rows) if ks[i] > step]
-            if q is not None:
-                q[live, step] = sampling.probabilities(logits, [params[r] for r in live], normalized=True)
-            picked = sampling.pick(logits, [params[r] for r in live], [go[r].ids for r in live],
-                                   [go[r].rng for r in live]).tolist()
+            best = logits.argmax(dim=-1)
+            if q is not None:  # a sampled draft token is drawn from the very distribution the rule compares
+                probs = sampling.probabilities(logits, [params[r] for r in live], normalized=True)
+                q[live, step] = probs
+                greedy = torch.tensor([params[r].temperature == 0 for r in live], device=logits.device)
+                best = torch.where(greedy, best, sampling.race(probs, [go[r].rng for r in live]))
+            picked = best.tolist()
             for r, t in zip(live, picked, strict=True):
                 tokens[r].append(t)
             more = [r for r in live if ks[rows[r]] > step + 1]
