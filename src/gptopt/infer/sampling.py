@@ -98,9 +98,9 @@ CANDIDATES = (64, 1024)
 # race's winner within the nucleus. That costs about what a plain row's race does, where the wider partial sort
 # costs more.
 RACE_LEADERS = 32
-# ... and races at once, without trying its candidates, when its largest probability times 16 is below top_p:
+# ... and races at once, without trying its candidates, when its largest probability times 8 is below top_p:
 # its nucleus is then most likely wider than the candidates.
-WIDE_REACH = 16
+WIDE_REACH = 8
 
 
 def _tensor(device: torch.device, values: Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
@@ -292,7 +292,7 @@ class _Truncated:
         for n, m in enumerate(self.widths):
             go = pending
             if self.q_max is not None:
-                # With `wide`, a top-p row tries the first candidates only if its 16 most likely tokens could
+                # With `wide`, a top-p row tries the first candidates only if its 8 most likely tokens could
                 # hold p (a flat row races at once), and never a wider stage: `wide` settles it for less.
                 reach = m if wide is None else WIDE_REACH
                 go = pending & ~(~self.has_k & (self.q_max * reach < self.p)).view(-1)
