@@ -198,8 +198,8 @@ def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: lis
     cut = [i for i, p in enumerate(params) if p.temperature > 0 and _truncates(p, V)]
     if len(plain) == B:
         return race(x.softmax(dim=-1), generators)
-    tokens = logits.argmax(dim=-1) if len(plain) + len(cut) < B else torch.empty(B, dtype=torch.long,
-                                                                                      device=logits.device)
+    greedy = len(plain) + len(cut) < B  # the greedy rows take their argmax
+    tokens = logits.argmax(dim=-1) if greedy else torch.empty(B, dtype=torch.long, device=logits.device)
     if plain:
         tokens[on_device(plain)] = race(x[plain].softmax(dim=-1), [generators[i] for i in plain])
     if cut:
