@@ -23,7 +23,7 @@ from gptopt import cli
 from gptopt.bench import infer, report
 from gptopt.bench.infer import RUNGS, InferBench, InferRung, select_rungs
 from gptopt.config import BenchConfig
-from gptopt.infer.measure import STOPPED, GptoptRunner, weight_bytes
+from gptopt.infer.measure import GREEDY, STOPPED, GptoptRunner, Sampling, weight_bytes
 from gptopt.utils import extras
 from gptopt.utils.errors import UserError
 
@@ -114,31 +114,47 @@ def test_a_rotary_models_rungs_have_its_weights_and_agree_with_transformers(trai
     assert kv["max_logit_diff"] < 1e-3 and hf["max_logit_diff"] < 1e-3
 
 
+@pytest.mark.parametrize(("flags", "want", "label"), [
+    (("--temperature", "1"), Sampling(1.0), "sampled at temperature 1 (top_p 1, no top_k)"),
+    (("--temperature", "0.7", "--top_k", "50", "--top_p", "0.9"), Sampling(0.7, 50, 0.9),
+     "sampled at temperature 0.7 (top_k 50, top_p 0.9)")])
 def test_temperature_samples_the_timed_generations_and_still_checks_greedy_tokens(
-    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    flags: tuple[str, ...], want: Sampling, label: str, train_data: Path, tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # --temperature: what OpenAI's clients send (no top_k) reaches every rung's timed generations, so the
-    # figures carry the sampler's cost; the check against the baseline stays greedy (sampled tokens differ).
+    # --temperature (what OpenAI's clients send: no top_k), or with --top_k and --top_p, reaches every rung's timed
+    # generations, so the figures carry the sampler's cost; the check against the baseline stays greedy.
     pytest.importorskip("transformers")
-    asked: dict[str, list[float]] = {"hf": [], "kv": []}
+    asked: dict[str, list[Sampling]] = {"hf": [], "kv": []}
     for name, cls in (("hf", infer.HFRunner), ("kv", GptoptRunner)):
-        def spy(self: object, prompts: list[list[int]], n: int, temperature: float = 0.0, _name: str = name,
+        def spy(self: object, prompts: list[list[int]], n: int, sampling: Sampling = GREEDY, _name: str = name,
                 _real: object = cls.generate) -> list[list[int]]:
-            asked[_name].append(temperature)
-            return _real(self, prompts, n, temperature)  # type: ignore[operator]
+            asked[_name].append(sampling)
+            return _real(self, prompts, n, sampling)  # type: ignore[operator]
         monkeypatch.setattr(cls, "generate", spy)
     out = tmp_path / "b"
-    assert cli.main(infer_args(train_data, out, "hf,kv,onnxruntime", "--temperature", "1")) == 0
+    assert cli.main(infer_args(train_data, out, "hf,kv,onnxruntime", *flags)) == 0
     results = json.loads((out / "infer_results.json").read_text())
     hf, kv, ort = results["rungs"]
-    assert results["temperature"] == 1.0 and hf["status"] == kv["status"] == "ok"
+    assert Sampling(results["temperature"], results["top_k"], results["top_p"]) == want
+    assert hf["status"] == kv["status"] == "ok"
     assert kv["tokens_match"] == 1.0 and kv["tokens"] == hf["tokens"]  # the greedy check, as without --temperature
     for name in ("hf", "kv"):
-        assert asked[name][0] == 0.0 and asked[name].count(1.0) >= len(asked[name]) - 1, (name, asked[name])
+        assert asked[name][0] == GREEDY and asked[name].count(want) >= len(asked[name]) - 1, (name, asked[name])
     assert ort["status"] == "skipped" and "without --temperature" in ort["note"]
-    assert "sampled at temperature 1 (top_p 1, no top_k)" in (out / "infer_report.md").read_text()
-    with pytest.raises(UserError, match="--temperature belong to the generation ladder"):
-        BenchConfig(mode="train", temperature=1.0)
+    assert label in (out / "infer_report.md").read_text()
+
+
+@pytest.mark.parametrize(("fields", "reason"), [
+    (dict(mode="train", temperature=1.0), "--temperature, --top_k and --top_p belong to the generation ladder"),
+    (dict(mode="train", top_p=0.9), "--temperature, --top_k and --top_p belong to the generation ladder"),
+    (dict(mode="infer", top_k=50), "add --temperature"),
+    (dict(mode="infer", temperature=1.0, top_p=0.0), "top_p"),
+    (dict(mode="infer", temperature=1.0, top_k=0), "top_k"),
+])
+def test_sampling_flags_out_of_place_or_range_are_refused_by_name(fields: dict, reason: str) -> None:
+    with pytest.raises(UserError, match=reason):
+        BenchConfig(**fields)
 
 
 def test_without_the_hf_extra_hf_is_skipped_and_kv_is_the_baseline(
@@ -271,10 +287,10 @@ def test_the_sweep_stops_at_the_first_batch_that_does_not_fit(
 ) -> None:
     real = GptoptRunner.generate
 
-    def generate(self: GptoptRunner, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
+    def generate(self: GptoptRunner, prompts: list[list[int]], n: int, sampling: Sampling = GREEDY) -> list[list[int]]:
         if len(prompts) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(self, prompts, n, temperature)
+        return real(self, prompts, n, sampling)
 
     monkeypatch.setattr(GptoptRunner, "generate", generate)
     res = bench.run_rung(RUNG["kv"])
@@ -312,10 +328,10 @@ def test_ctrl_c_keeps_the_rungs_measured_so_far(train_data: Path, tmp_path: Path
     real = GptoptRunner.generate
 
     def stop_at_batch_2(self: GptoptRunner, prompts: list[list[int]], n: int,
-                        temperature: float = 0.0) -> list[list[int]]:
+                        sampling: Sampling = GREEDY) -> list[list[int]]:
         if len(prompts) == 2:
             raise KeyboardInterrupt
-        return real(self, prompts, n, temperature)
+        return real(self, prompts, n, sampling)
 
     monkeypatch.setattr(GptoptRunner, "generate", stop_at_batch_2)
     out = tmp_path / "b"
@@ -368,9 +384,9 @@ def test_the_rungs_are_timed_side_by_side_batch_size_by_batch_size(
     calls: list[tuple[int, int]] = []  # (rung, batch size) of every generation, in order
     real = GptoptRunner.generate
 
-    def generate(self: GptoptRunner, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
+    def generate(self: GptoptRunner, prompts: list[list[int]], n: int, sampling: Sampling = GREEDY) -> list[list[int]]:
         calls.append((built.index(self), len(prompts)))
-        return real(self, prompts, n, temperature)
+        return real(self, prompts, n, sampling)
 
     monkeypatch.setattr(GptoptRunner, "generate", generate)
     monkeypatch.setattr(bench, "results", [])
@@ -389,10 +405,10 @@ def test_an_oom_in_one_rung_leaves_the_others_batch_sizes(bench: InferBench, mon
     rungs, built = two_eager_rungs(monkeypatch)
     real = GptoptRunner.generate
 
-    def generate(self: GptoptRunner, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
+    def generate(self: GptoptRunner, prompts: list[list[int]], n: int, sampling: Sampling = GREEDY) -> list[list[int]]:
         if len(prompts) == 2 and self is built[1]:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real(self, prompts, n, temperature)
+        return real(self, prompts, n, sampling)
 
     monkeypatch.setattr(GptoptRunner, "generate", generate)
     monkeypatch.setattr(bench, "results", [])

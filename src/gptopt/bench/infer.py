@@ -6,8 +6,8 @@ onnxruntime.
 
 Every rung decodes the same real prompts (windows of the val split) with the same weights, greedily,
 so its tokens can be compared with the baseline's; --temperature T makes the timed generations sample
-(top_p 1, no top_k: what OpenAI's clients send), so the sampler's cost is in the figures, while the
-check stays greedy. --seq_len bounds prompt + completion: the prompt
+(top_p 1, no top_k: what OpenAI's clients send; or --top_k and --top_p), so the sampler's cost is in the
+figures, while the check stays greedy. --seq_len bounds prompt + completion: the prompt
 is min(seq_len // 2, 128) tokens, then up to 64 (CPU) / 256 (GPU) new ones. --batch_size is the
 largest batch of the sweep (default 16 on a CPU, 64 on a GPU); --warmup runs come first.
 
@@ -44,7 +44,7 @@ from gptopt.config import BenchConfig
 from gptopt.infer import speculative
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference, optimize_for_inference, weights_dtype
-from gptopt.infer.measure import STOPPED, GptoptRunner, free_memory, interleaved, timed, weight_bytes
+from gptopt.infer.measure import GREEDY, STOPPED, GptoptRunner, Sampling, free_memory, interleaved, timed, weight_bytes
 from gptopt.infer.quantize import int4_unsupported
 from gptopt.infer.speculative import Speculator
 from gptopt.models.gpt import GPT
@@ -141,13 +141,13 @@ class HFRunner:
         self.forward_kw = {"logits_to_keep": 1} if keep else {}
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling = GREEDY) -> list[list[int]]:
         ids = torch.tensor(prompts, device=self.device)
         # No end-of-text id: min_new_tokens would mask it until token n and change argmaxes gptopt's
         # generator (run without stop ids) keeps; without one, max_new_tokens fixes every length.
-        # Sampled: top_k 0 turns off generate's default of 50, so both sample the whole vocabulary.
-        sample = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature else \
-            dict(do_sample=False)
+        # Sampled: top_k 0 turns off generate's default of 50 when none is asked, as gptopt's has none.
+        sample = dict(do_sample=False) if sampling.greedy else dict(
+            do_sample=True, temperature=sampling.temperature, top_k=sampling.top_k or 0, top_p=sampling.top_p)
         cfg = self.config(**sample, use_cache=True, max_new_tokens=n, min_new_tokens=n,
                           eos_token_id=None, pad_token_id=0)
         out = self.model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
@@ -170,15 +170,15 @@ class OnnxRunner:
         export_onnx(model, path)
         self.decoder = OrtDecoder(path / ONNX_FILE, block_size=model.config.block_size)
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
-        assert not temperature, "the onnxruntime rung decodes greedily (InferBench._skip)"
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling = GREEDY) -> list[list[int]]:
+        assert sampling.greedy, "the onnxruntime rung decodes greedily (InferBench._skip)"
         return self.decoder.greedy(prompts, n)
 
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
         return torch.from_numpy(self.decoder.prefill([prompt])[0][0, -1]).float()
 
 
-Runner = GptoptRunner | HFRunner | OnnxRunner  # each: generate(prompts, n, temperature), last_logits(prompt), model
+Runner = GptoptRunner | HFRunner | OnnxRunner  # each: generate(prompts, n, sampling), last_logits(prompt), model
 
 
 @dataclass
@@ -201,6 +201,7 @@ def _release(runner: Runner, plan: DevicePlan) -> None:
 class InferBench:
     def __init__(self, cfg: BenchConfig) -> None:
         self.cfg = cfg
+        self.sampling = Sampling(cfg.temperature, cfg.top_k, cfg.top_p)  # the timed generations'
         setup = Setup.from_config(cfg)
         self.plan, self.preset, self.data = setup.plan, setup.preset, setup.data
         self.model_config, seq_len = setup.model_config, setup.seq_len
@@ -278,7 +279,7 @@ class InferBench:
                 return problem
         if (rung.int8 or rung.int4) and not has("torchao"):
             return "needs the 'quant' extra: pip install 'gptopt[quant]'"
-        if rung.onnx and self.cfg.temperature:  # first: installing the extra would not make it sample
+        if rung.onnx and not self.sampling.greedy:  # first: installing the extra would not make it sample
             return "the ONNX export's decoder here decodes greedily: bench this rung without --temperature"
         if rung.onnx and not all(has(m) for m in EXTRAS["onnx"]):
             return "needs the 'onnx' extra: pip install 'gptopt[onnx]'"
@@ -317,7 +318,7 @@ class InferBench:
         res.max_logit_diff = (runner.last_logits(p0).cpu() - self.ref_logits).abs().max().item()
         res.tokens = runner.generate([p0], self.new_tokens)[0][:AGREE_TOKENS]  # also a warm-up (compiles)
         res.prefill_s = timed(lambda: runner.last_logits(p0), plan, cfg.warmup, cfg.steps)
-        res.ttft_s = timed(lambda: runner.generate([p0], 1, cfg.temperature), plan, cfg.warmup, cfg.steps)
+        res.ttft_s = timed(lambda: runner.generate([p0], 1, self.sampling), plan, cfg.warmup, cfg.steps)
         return _Live(rung, res, runner, kv_dtype)
 
     def _runner(self, rung: InferRung, dtype: torch.dtype) -> tuple[Runner, torch.dtype]:
@@ -374,7 +375,7 @@ class InferBench:
                 owner: dict[str, _Live] = {}
                 for lv in going:
                     first, every = f"{lv.rung.name} 1", f"{lv.rung.name} {n}"
-                    fns[first] = lambda r=lv.runner, p=prompts: r.generate(p, 1, self.cfg.temperature)
+                    fns[first] = lambda r=lv.runner, p=prompts: r.generate(p, 1, self.sampling)
                     fns[every] = lambda lv=lv, p=prompts: self._generate(lv, p)
                     owner[first] = owner[every] = lv
                 ended: dict[str, Exception] = {}
@@ -407,8 +408,8 @@ class InferBench:
             raise
 
     def _generate(self, lv: _Live, prompts: list[list[int]]) -> None:
-        tokens = lv.runner.generate(prompts, self.new_tokens, self.cfg.temperature)
-        if len(prompts) == 1 and not self.cfg.temperature:
+        tokens = lv.runner.generate(prompts, self.new_tokens, self.sampling)
+        if len(prompts) == 1 and self.sampling.greedy:
             # The tokens compared with the baseline's are those of the timed decode, with the other rungs'
             # models, caches and compiled graphs alive beside it: the speed and the check are of one run.
             lv.res.tokens = tokens[0][:AGREE_TOKENS]
@@ -525,6 +526,7 @@ class InferBench:
             "params": self.params, "prompt_len": self.prompt_len, "max_new_tokens": self.new_tokens,
             "batch_sizes": self.batch_sizes, "warmup": self.cfg.warmup, "repeats": self.repeats,
             "steps": self.cfg.steps, "agree_tokens": AGREE_TOKENS, "temperature": self.cfg.temperature,
+            "top_k": self.cfg.top_k, "top_p": self.cfg.top_p,
             "dtype": str(self.base_dtype).removeprefix("torch."), "device_policy": self.plan.reason,
             "peak_bandwidth": self.peak_bandwidth, "bandwidth_source": self.bandwidth_source,
             "baseline": base.name if base else None, "environment": environment(self.plan),

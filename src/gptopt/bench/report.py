@@ -12,6 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from gptopt.config.sampling import describe
 from gptopt.outputs import check_output, replacing
 from gptopt.utils.extras import has
 from gptopt.utils.tables import fmt, md_table, text_table, toml_text
@@ -211,9 +212,9 @@ def _bandwidth_bound(summary: dict[str, Any]) -> str:
 
 
 def _decoding(summary: dict[str, Any]) -> str:
-    """How the timed generations chose their tokens."""
-    t = summary.get("temperature") or 0.0  # reports written before --temperature were greedy
-    return f"sampled at temperature {t:g} (top_p 1, no top_k)" if t else "greedy"
+    """How the timed generations chose their tokens (reports written before --temperature were greedy, before
+    --top_k and --top_p sampled the whole vocabulary)."""
+    return describe(summary.get("temperature") or 0.0, summary.get("top_k"), summary.get("top_p", 1.0))
 
 
 def infer_table(summary: dict[str, Any]) -> str:

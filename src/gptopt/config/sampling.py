@@ -36,6 +36,15 @@ class Bound:
             raise UserError(f"{name} must be {range_text(self.limits)}, got {value!r}")
 
 
+def describe(temperature: float, top_k: int | None = None, top_p: float = 1.0) -> str:
+    """How tokens are chosen, in words: "greedy", or "sampled at temperature T (top_k K, top_p P)" (OpenAI's
+    clients send neither: "top_p 1, no top_k")."""
+    if not temperature:
+        return "greedy"
+    cut = ", ".join([*([f"top_k {top_k}"] if top_k is not None else []), *([f"top_p {top_p:g}"] if top_p < 1 else [])])
+    return f"sampled at temperature {temperature:g} ({cut or 'top_p 1, no top_k'})"
+
+
 # OpenAI's ranges where OpenAI has the option (temperature, top_p, the presence and frequency penalties,
 # logit_bias); the extensions' (top_k, repetition_penalty) as vLLM accepts them.
 TEMPERATURE = Bound(ge=0.0, le=2.0)  # 0: greedy

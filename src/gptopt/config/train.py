@@ -24,7 +24,7 @@ from gptopt.config.fields import (
 )
 from gptopt.config.infer import MAX_SPECULATIVE_TOKENS
 from gptopt.config.model import ARCH_FIELDS, DEFAULT_PRESET, LOSSES, PRESETS, arch_overrides, preset
-from gptopt.config.sampling import TEMPERATURE
+from gptopt.config.sampling import TEMPERATURE, TOP_K, TOP_P
 from gptopt.utils.errors import UserError
 
 
@@ -319,6 +319,10 @@ class BenchConfig:
                              "no top_k (what OpenAI's clients send), so the sampler's cost is in every rung's "
                              "figures; 0: greedy. Each rung's tokens are still checked greedily",
                              **TEMPERATURE.limits)
+    top_k: int | None = opt(None, "--mode infer, with --temperature: the timed generations keep each step's k most "
+                            "likely tokens (default: all of them)", **TOP_K.limits)
+    top_p: float = opt(1.0, "--mode infer, with --temperature: the timed generations keep each step's smallest set of "
+                       "most likely tokens whose probability reaches this (1: all of them)", **TOP_P.limits)
     loss_tolerance: float = opt(0.02, "a rung whose loss departs from the baseline's by more than this share fails",
                                 gt=0.0, lt=1.0)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
@@ -343,9 +347,13 @@ class BenchConfig:
                                        or self.recipes != "default" or self.seeds != 3):
             raise UserError("--target_loss, --max_steps, --recipes and --seeds belong to the recipe ladder: "
                              "add --mode quality")
-        if self.mode != "infer" and (self.model is not None or self.draft_model is not None or self.temperature):
-            raise UserError("--model, --draft_model and --temperature belong to the generation ladder: add "
-                             "--mode infer")
+        if self.mode != "infer" and (self.model is not None or self.draft_model is not None or self.temperature
+                                     or self.top_k is not None or self.top_p != 1.0):
+            raise UserError("--model, --draft_model, --temperature, --top_k and --top_p belong to the generation "
+                             "ladder: add --mode infer")
+        if not self.temperature and (self.top_k is not None or self.top_p != 1.0):
+            raise UserError("--top_k and --top_p choose among the tokens a sampled generation draws from: add "
+                             "--temperature (e.g. 1), or leave them out for greedy decoding")
         if self.model is not None and self.preset is not None:
             raise UserError("--model benches that model, --preset a preset's random weights: give one of them")
         if self.mode == "quality" and self.rungs != "default":

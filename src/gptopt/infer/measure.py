@@ -9,17 +9,43 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
+from gptopt.config.sampling import describe
 from gptopt.infer.generator import Generator, Stepper, generate
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.runtime.torch_private import inner_tensors
 
-GREEDY = dict(temperature=0.0, top_k=None)
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a bench's timed generations choose their tokens: greedily (temperature 0), or sampled at a temperature
+    with top_k and top_p (OpenAI's clients send neither: no top_k, top_p 1)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def params(self, n: int) -> SamplingParams:
+        """gptopt's SamplingParams for n new tokens (no stop id: n fixes every length)."""
+        if self.greedy:
+            return SamplingParams(max_new_tokens=n, temperature=0.0, top_k=None)
+        return SamplingParams(max_new_tokens=n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def __str__(self) -> str:
+        return describe(self.temperature, self.top_k, self.top_p)
+
+
+GREEDY = Sampling()
 # The note of a rung that a stopped bench (Ctrl-C, SIGINT) did not finish: the rest are still reported.
 STOPPED = "not measured: bench was stopped (Ctrl-C) before this rung finished"
 
@@ -120,11 +146,9 @@ class GptoptRunner:
         self.gen = self.stepper = None
         free_memory(self.plan)
 
-    def generate(self, prompts: list[list[int]], n: int, temperature: float = 0.0) -> list[list[int]]:
-        """n new tokens a prompt: greedy, or sampled at `temperature` over the whole vocabulary (top_p 1)."""
-        params = SamplingParams(max_new_tokens=n, **GREEDY) if not temperature else \
-            SamplingParams(max_new_tokens=n, temperature=temperature, top_k=None, top_p=1.0)
-        return generate(self._for(len(prompts)), prompts, params, self.stepper)
+    def generate(self, prompts: list[list[int]], n: int, sampling: Sampling = GREEDY) -> list[list[int]]:
+        """n new tokens a prompt, chosen as `sampling` says."""
+        return generate(self._for(len(prompts)), prompts, sampling.params(n), self.stepper)
 
     def last_logits(self, prompt: list[int]) -> torch.Tensor:
         gen = self.gen or self._for(1)
