@@ -311,6 +311,24 @@ def test_a_seeded_row_draws_the_same_token_alone_and_beside_rows_that_change_its
     assert len(drawn) > 10  # the seeds draw different tokens: the equality is not a constant's
 
 
+def test_a_seeded_row_at_the_edge_of_its_nucleus_draws_alike_whatever_the_batchs_top_k() -> None:
+    """A top_p that falls where two ways of summing the mass before the nucleus's last token differ in their last
+    bit: alone, the row's nucleus is wider than its first candidates; beside a top_k 900 row the candidates are
+    900. Its way to its token is its own either way, so the seed draws the same token."""
+    from gptopt.infer.sampling import pick
+
+    V = 4096
+    torch.manual_seed(11)
+    x = torch.cat([torch.tensor([5.5]), torch.randn(V - 1) * 0.5 - 1.0])
+    mine = SamplingParams(temperature=1.0, top_k=None, top_p=0.33076757192611694)
+    other = SamplingParams(temperature=1.0, top_k=900)
+    for seed in (295, *range(20)):
+        alone = pick(x[None], [mine], [[]], [torch.Generator().manual_seed(seed)])
+        beside = pick(torch.stack([x, torch.zeros(V)]), [mine, other], [[]] * 2,
+                      [torch.Generator().manual_seed(seed), None])
+        assert int(alone[0]) == int(beside[0]), seed
+
+
 def test_sample_applies_each_rows_own_settings(debug_model: GPT) -> None:
     gen = Generator(debug_model, CPU, max_batch_size=4)
     logits = torch.tensor([[0.0, 3.0, 2.5, -1.0, -2.0]]).repeat(4, 1)

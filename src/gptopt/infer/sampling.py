@@ -92,7 +92,7 @@ NO_TOKEN = -1
 # A row with top_k or top_p is drawn among its most likely tokens only: its 64 largest (or its top_k's, when
 # larger), then its 1,024, found by a partial sort; a row whose kept set is wider sorts its whole vocabulary.
 CANDIDATES = (64, 1024)
-# When drawing, a top-p row whose nucleus the first candidates do not hold races over its whole vocabulary
+# When drawing on a CPU, a top-p row whose nucleus the first candidates do not hold races over its whole vocabulary
 # instead, and tests the race's 32 leaders for membership in order (one pass over the vocabulary each, and
 # the first is inside the nucleus with about top_p's chance) before it sorts: the first leader inside is the
 # race's winner within the nucleus. That costs about what a plain row's race does, where the wider partial sort
@@ -300,7 +300,7 @@ class _Truncated:
                     go = go & self.has_k.view(-1)
             rows = go.nonzero().view(-1)  # a host sync: how many rows this stage takes
             if len(rows):
-                fits, ids, q = self._stage(rows, m)
+                fits, ids, q = self._stage(rows, m, within=None if wide is None else CANDIDATES[0])
                 pending[rows[fits]] = False
                 yield rows[fits], ids[fits], q[fits]
         if wide is not None:
@@ -312,9 +312,11 @@ class _Truncated:
             _, ids, q = self._stage(rows, self.V)
             yield rows, ids, q
 
-    def _stage(self, rows: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _stage(self, rows: torch.Tensor, m: int, within: int | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """`rows` (n,) among their m largest (m = V: all of them, sorted): whether each row's kept set ends within
-        them (n,), their token ids (n, m) and kept probabilities (n, m)."""
+        them (n,), their token ids (n, m) and kept probabilities (n, m). `within`: a row without top_k is settled
+        only if its nucleus ends within that many, whatever m the batch's top_k make."""
         inf = float("-inf")
         every = len(rows) == len(self.x)  # rows come ascending: every row is all of them, in order
         x = self.x if every else self.x[rows]
@@ -347,6 +349,12 @@ class _Truncated:
         if self.full is not None:
             q_beyond = torch.where(has_k, q_beyond, self.full[rows.view(-1, 1), beyond_id])
         fits_p = (p >= 1.0) | ((mass[:, -1:] >= p) & (q_beyond < t))
+        if within is not None and within < m:
+            # So a drawn row's way is its own: one settled here and one `wide` settles may differ in the last bit
+            # of the mass before the nucleus's last token, and a seeded row must draw the same alone and in any
+            # batch.
+            early = (p >= 1.0) | ((mass[:, within - 1 : within] >= p) & (q[:, within : within + 1] < t))
+            fits_p = torch.where(has_k, fits_p, early)
         return (torch.where(has_k, fits_k, True) & fits_p).view(-1), ids, q
 
     def draw(self, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
@@ -392,7 +400,8 @@ class _Truncated:
             tokens[rows[settled]] = _tensor(device, list(found.values()))
             return settled
 
-        for rows, ids, q in self.kept(race_first):
+        # On a GPU a sort is cheap and each membership test a host sync: there a wide nucleus sorts (as vLLM's do).
+        for rows, ids, q in self.kept(race_first if device.type == "cpu" else None):
             u = noise(rows, ids, ids.shape[1])
             tokens[rows] = ids.gather(-1, (q / _exponential(u)).argmax(dim=-1, keepdim=True)).view(-1)
         return tokens
