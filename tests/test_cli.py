@@ -116,6 +116,8 @@ EXPECTED_OPTIONS = {
         "steps",
         "target_loss",
         "temperature",
+        "top_k",
+        "top_p",
         "warmup",
     },
     "profile": {
