@@ -92,11 +92,11 @@ NO_TOKEN = -1
 # A row with top_k or top_p is drawn among its most likely tokens only: its 64 largest (or its top_k's, when
 # larger), then its 1,024, found by a partial sort; a row whose kept set is wider sorts its whole vocabulary.
 CANDIDATES = (64, 1024)
-# When drawing on a CPU, a top-p row whose nucleus the first candidates do not hold races over its whole vocabulary
-# instead, and tests the race's 32 leaders for membership in order (one pass over the vocabulary each, and
-# the first is inside the nucleus with about top_p's chance) before it sorts: the first leader inside is the
-# race's winner within the nucleus. That costs about what a plain row's race does, where the wider partial sort
-# costs more.
+# When drawing on a CPU, a top-p row (without top_k) whose nucleus its first 64 candidates do not hold races over
+# its whole vocabulary instead, and tests the race's 32 leaders for membership in order (one pass over the
+# vocabulary each, and the first is inside the nucleus with about top_p's chance) before it sorts: the first
+# leader inside is the race's winner within the nucleus. That costs about what a plain row's race does, where the
+# wider partial sort costs more.
 RACE_LEADERS = 32
 # ... and races at once, without trying its candidates, when its largest probability times 8 is below top_p:
 # its nucleus is then most likely wider than the candidates.
@@ -263,7 +263,8 @@ class _Truncated:
     CANDIDATES largest scaled logits (a partial sort, one width a stage), where a stage settles the rows whose
     set ends within its width; the others sort their whole vocabulary. Each figure of a row comes from its own
     values in descending order, by elementwise steps and running sums, so it is the same at any width and in any
-    batch: the stage that settles a row changes the cost, never the set or the draw."""
+    batch: the stage that settles a row changes the cost, never the set or the draw. (`wide`'s membership test
+    sums otherwise, so which rows reach it depends on each row alone: see _stage's `within`.)"""
 
     def __init__(self, x: torch.Tensor, params: list[SamplingParams], rows: list[int]) -> None:
         on_device = functools.partial(_tensor, x.device)
