@@ -42,13 +42,14 @@ def at_revision(revision: str) -> ModuleType:
     except subprocess.CalledProcessError as e:
         raise SystemExit(f"--baseline {revision}: git cannot show its sampler ({e.stderr.strip()}); give a "
                          "commit of this repository that has src/gptopt/infer/sampling.py") from None
-    path = Path(tempfile.mkdtemp()) / "baseline_sampling.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("baseline_sampling", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["baseline_sampling"] = module
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as tmp:  # the file is needed only while the module is executed
+        path = Path(tmp) / "baseline_sampling.py"
+        path.write_text(text)
+        spec = importlib.util.spec_from_file_location("baseline_sampling", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["baseline_sampling"] = module
+        spec.loader.exec_module(module)
     return module
 
 

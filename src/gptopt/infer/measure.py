@@ -37,8 +37,6 @@ class Sampling:
 
     def params(self, n: int) -> SamplingParams:
         """gptopt's SamplingParams for n new tokens (no stop id: n fixes every length)."""
-        if self.greedy:
-            return SamplingParams(max_new_tokens=n, temperature=0.0, top_k=None)
         return SamplingParams(max_new_tokens=n, temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
 
     def __str__(self) -> str:

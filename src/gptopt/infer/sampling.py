@@ -319,8 +319,7 @@ class _Truncated:
         them (n,), their token ids (n, m) and kept probabilities (n, m). `within`: a row without top_k is settled
         only if its nucleus ends within that many, whatever m the batch's top_k make."""
         inf = float("-inf")
-        every = len(rows) == len(self.x)  # rows come ascending: every row is all of them, in order
-        x = self.x if every else self.x[rows]
+        x = _rows(self.x, rows)
         if m < self.V:  # one more than m: whether a token beyond them ties with the last kept
             c, ids = x.topk(m + 1, dim=-1)
             beyond, beyond_id, c, ids = c[:, m:], ids[:, m:], c[:, :m], ids[:, :m]
@@ -379,7 +378,7 @@ class _Truncated:
             mine = [is_seeded[r] for r in rows.tolist()]
             if own is None or not any(mine):
                 return torch.empty(len(mine), width, device=device).uniform_()
-            drawn = own[rows] if ids is None else own[rows.view(-1, 1), ids]  # indexing copies
+            drawn = own[rows] if ids is None else own[rows.view(-1, 1), ids]  # a copy: _exponential works in place
             return drawn if all(mine) else torch.where(seeded[rows], drawn, torch.empty_like(drawn).uniform_())
 
         def race_first(rows: torch.Tensor) -> torch.Tensor:
@@ -387,7 +386,7 @@ class _Truncated:
             the nucleus (the mass of the more likely tokens < p) is the race's winner within it. Which rows it
             settles."""
             assert self.full is not None  # only rows without top_k come here
-            q = self.full if len(rows) == R else self.full[rows]
+            q = _rows(self.full, rows)
             u = noise(rows, None, V)
             lead = torch.div(q, _exponential(u), out=u).topk(min(RACE_LEADERS, V), dim=-1).indices
             found: dict[int, int] = {}  # the settled rows' positions in `rows`, and their tokens
@@ -406,6 +405,11 @@ class _Truncated:
             u = noise(rows, ids, ids.shape[1])
             tokens[rows] = ids.gather(-1, (q / _exponential(u)).argmax(dim=-1, keepdim=True)).view(-1)
         return tokens
+
+
+def _rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """t's `rows` (ascending, as nonzero gives them), to read: t itself when they are all of its rows, no copy."""
+    return t if len(rows) == len(t) else t[rows]
 
 
 def _unless_none_allowed(tokens: torch.Tensor, logits: torch.Tensor, allowed: torch.Tensor | None) -> torch.Tensor:
