@@ -143,6 +143,8 @@ def _infer(name: str) -> Callable[[Path, str], dict[str, Any]]:
             sweep = r.get("batch_sweep") or []
             if sweep:
                 row["top_batch"] = [sweep[-1]["batch_size"], _r(sweep[-1]["tokens_per_s"], 0)]
+            if r.get("lever_gain"):  # a lever rung's: kv's rate over its own, [batch size, gain] at each
+                row["lever_gain"] = [[g["batch_size"], _r(g["gain"], 3)] for g in r["lever_gain"]]
             rungs[r["name"]] = row
         if not rungs:
             return {}

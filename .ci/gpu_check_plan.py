@@ -264,11 +264,13 @@ def plan(ctx: Ctx) -> list[Step]:
                "--batch_sizes", 1, "--output_dir", p("speculative")), model=True, stdout="speculative.json",
              default=False),
         # Issue 46: the grouped-query models' decode on the GPU, greedy and sampled over the whole vocabulary
-        # (OpenAI's default), eager and on CUDA graphs, against transformers; run by name
-        *[Step(f"infer_{family}_{how}", 75, f"bench --mode infer on {size}, {how}: hf, kv and graphs at batch "
-               f"{s.infer_batches.replace(',', ' and ')}: attention over the key/value heads as stored, the "
-               "family's block on CUDA graphs" + (", sampling the whole vocabulary" if how == "sampled" else ""),
-               g("bench", "--preset", size, *infer, "--rungs", "hf,kv,graphs", "--batch_sizes", s.infer_batches,
+        # (OpenAI's default), eager and on CUDA graphs, against transformers, with the lever rungs a GPU runs (the
+        # cache repeated to every head; transformers' sampler, sampled); run by name
+        *[Step(f"infer_{family}_{how}", 75, f"bench --mode infer on {size}, {how}: hf, kv, its lever rungs and "
+               f"graphs at batch {s.infer_batches.replace(',', ' and ')}: attention over the key/value heads as "
+               "stored against repeated, the family's block on CUDA graphs"
+               + (", gptopt's sampler against transformers' over the whole vocabulary" if how == "sampled" else ""),
+               g("bench", "--preset", size, *infer, "--rungs", "hf,levers,graphs", "--batch_sizes", s.infer_batches,
                  *(("--temperature", 1) if how == "sampled" else ()), "--output_dir", p(f"infer_{family}_{how}")),
                stdout=f"infer_{family}_{how}.json", default=False)
           for family, size in (("llama", s.llama), ("qwen3", s.qwen)) for how in ("greedy", "sampled")],

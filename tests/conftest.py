@@ -194,6 +194,35 @@ def load_script(name: str) -> ModuleType:
     return module
 
 
+def exact_distribution(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
+    """The distribution a row's settings define, computed directly: softmax(logits / T) over the top k (every
+    token tied with the k-th kept), then the smallest set of the most likely tokens whose mass reaches top_p (every
+    token tied with its last kept), renormalised."""
+    x = logits / temperature
+    if top_k is not None:
+        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
+    p = x.softmax(-1)
+    sorted_p = p.sort(descending=True).values
+    last = sorted_p[((sorted_p.cumsum(-1) - sorted_p) < top_p).sum().clamp_min(1) - 1]
+    q = p.masked_fill(p < last, 0.0)
+    return q / q.sum()
+
+
+def assert_draws_follow(counts: torch.Tensor, want: torch.Tensor) -> None:
+    """counts (each token's draws) come from `want`: none outside it, and a chi-square test (p = 0.001) over its
+    first 8 tokens one by one and the rest as one cell."""
+    n = counts.sum()
+    assert counts[want == 0].sum() == 0, (counts.tolist(), want.tolist())
+    cells = [*range(8), slice(8, None)] if want[8:].sum() > 0 else list(range(8))
+    seen = torch.stack([counts[c].sum() for c in cells])
+    expected = torch.stack([want[c].sum() for c in cells]) * n
+    live = expected > 0
+    chi2 = float(((seen[live] - expected[live]) ** 2 / expected[live]).sum())
+    # chi-square's 0.999 quantile for the cells' degrees of freedom (1 to 8)
+    limit = {0: 0.0, 1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
+    assert chi2 < limit[int(live.sum()) - 1], (seen.tolist(), expected.tolist())
+
+
 def last_json_line(stdout: str) -> Any:
     """What a command's `--json` prints: one JSON document on the last line of stdout (raises if not)."""
     return json.loads(stdout.strip().splitlines()[-1])

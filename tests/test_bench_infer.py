@@ -17,13 +17,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import last_json_line
+from conftest import assert_draws_follow, exact_distribution, last_json_line
 
 from gptopt import cli
 from gptopt.bench import infer, report
 from gptopt.bench.infer import RUNGS, InferBench, InferRung, select_rungs
-from gptopt.config import BenchConfig
+from gptopt.bench.levers import HFSamplingGenerator, repeated_kv_generator
+from gptopt.config import BenchConfig, preset
+from gptopt.infer.generator import Generator
 from gptopt.infer.measure import GREEDY, STOPPED, GptoptRunner, Sampling, weight_bytes
+from gptopt.infer.sampling import SamplingParams
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import resolve
 from gptopt.utils import extras
 from gptopt.utils.errors import UserError
 
@@ -58,7 +63,9 @@ def test_default_is_every_rung_and_unknown_names_list_the_valid_ones(
 ) -> None:
     assert [r.name for r in select_rungs("default")] == ["hf", "kv", "graphs", "compiled", "bf16", "int8", "int4",
                                                          "onnxruntime", "speculative"]
-    assert select_rungs("all") == select_rungs("default")
+    levers = ["kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights"]
+    assert [r.name for r in select_rungs("levers")] == ["kv", *levers]  # each lever's gain is kv's rate over its rung's
+    assert [r.name for r in select_rungs("all")] == [r.name for r in select_rungs("default")] + levers
     assert [r.name for r in select_rungs("kv,hf,kv")] == ["kv", "hf"]
     with pytest.raises(ValueError) as e:
         select_rungs("kv,turbo")
@@ -112,6 +119,71 @@ def test_a_rotary_models_rungs_have_its_weights_and_agree_with_transformers(trai
     hf, kv = json.loads((tmp_path / "b" / "infer_results.json").read_text())["rungs"]
     assert kv["tokens_match"] == 1.0 and kv["tokens"] == hf["tokens"] and len(set(kv["tokens"])) > 3
     assert kv["max_logit_diff"] < 1e-3 and hf["max_logit_diff"] < 1e-3
+
+
+def test_the_lever_rungs_decode_kvs_tokens_and_report_what_each_lever_buys(train_data: Path, tmp_path: Path) -> None:
+    # Each lever rung is kv with one lever done the usual way: the same model, so the same greedy tokens and logits,
+    # and its gain (kv's rate over its own) at every batch size of the sweep, in the results and the report.
+    pytest.importorskip("transformers")
+    args = infer_args(train_data, tmp_path / "b", "levers", "--temperature", "1", "--top_k", "20", "--top_p", "0.9")
+    args[args.index("debug")] = "llama-tiny"  # grouped-query: 4 query heads over 2 key/value heads
+    assert cli.main(args) == 0
+    results = json.loads((tmp_path / "b" / "infer_results.json").read_text())
+    rungs = {r["name"]: r for r in results["rungs"]}
+    assert list(rungs) == ["kv", "kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights"]
+    assert len(set(rungs["kv"]["tokens"])) > 3
+    for name in ("kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights"):
+        r = rungs[name]
+        assert r["status"] == "ok" and r["tokens"] == rungs["kv"]["tokens"] and r["max_logit_diff"] < 1e-3, r
+        assert [g["batch_size"] for g in r["lever_gain"]] == results["batch_sizes"] == [1, 2]
+        assert all(g["gain"] > 0 for g in r["lever_gain"]) and "the lever buys" in r["note"]
+    assert rungs["kv"]["lever_gain"] == []
+    report_md = (tmp_path / "b" / "infer_report.md").read_text()
+    assert "## What each lever buys" in report_md and "| kv-repeat-kv |" in report_md
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, 1.0), (0.6, 3, 1.0), (1.3, 4, 0.8)])
+def test_the_transformers_sampler_rung_draws_what_gptopts_sampler_draws(temperature: float, top_k: int | None,
+                                                                       top_p: float) -> None:
+    # kv-hf-sampling times transformers' draws against gptopt's: a fair race only over the same distribution.
+    pytest.importorskip("transformers")
+    torch.manual_seed(11)
+    gen = HFSamplingGenerator(GPT(preset("debug")), resolve("cpu"), max_batch_size=1)
+    logits = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0])
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)] * 1000
+    counts = torch.zeros(len(logits))
+    for _ in range(20):
+        drawn = gen.sample(logits.repeat(len(params), 1), params, [[]] * len(params), [None] * len(params))
+        counts += torch.bincount(torch.tensor(drawn), minlength=len(logits)).float()
+    assert_draws_follow(counts, exact_distribution(logits, temperature, top_k, top_p))
+
+
+def test_the_repeat_kv_rung_attends_every_query_head_its_own_copy_and_decodes_the_same_logits() -> None:
+    # What kv-repeat-kv takes away: its forwards see the cache's 2 key/value heads repeated to the 4 query heads.
+    torch.manual_seed(12)
+    model = GPT(preset("llama-tiny", vocab_size=512)).eval()
+    plan = resolve("cpu")
+    plain = Generator(model, plan, max_batch_size=2, max_len=32)
+    repeated = repeated_kv_generator(model, plan, max_batch_size=2, max_len=32)
+    layer = repeated.cache.layers(slice(0, 1), torch.tensor([[0]]))[0]
+    k, _ = layer.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32))  # position 0, overwritten below
+    assert k.shape[1] == 4 and torch.equal(k[:, 0], k[:, 1]) and torch.equal(k[:, 2], k[:, 3])
+    prompt = torch.randint(0, 512, (12,)).tolist()
+    with torch.no_grad():
+        want = [plain.prefill(0, prompt), plain.decode([0], [5], [12])]
+        got = [repeated.prefill(0, prompt), repeated.decode([0], [5], [12])]
+    for a, b in zip(want, got, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_a_lever_rung_that_has_nothing_to_take_away_here_says_why(train_data: Path, tmp_path: Path) -> None:
+    # debug's attention has a key/value head per query head, and greedy decoding samples nothing.
+    assert cli.main(infer_args(train_data, tmp_path / "b", "levers")) == 0
+    rungs = {r["name"]: r for r in json.loads((tmp_path / "b" / "infer_results.json").read_text())["rungs"]}
+    assert rungs["kv-hf-sampling"]["status"] == "skipped" and "with --temperature" in rungs["kv-hf-sampling"]["note"]
+    assert rungs["kv-repeat-kv"]["status"] == "skipped" and "key/value head per query head" in \
+        rungs["kv-repeat-kv"]["note"]
+    assert rungs["kv-plain-weights"]["status"] == "ok" and rungs["kv-plain-weights"]["lever_gain"]
 
 
 @pytest.mark.parametrize(("flags", "want", "label"), [

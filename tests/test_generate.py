@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import assert_draws_follow, exact_distribution
 from tokenizers import Tokenizer
 
 from gptopt import cli
@@ -194,20 +195,6 @@ def test_top_k_1_and_a_tiny_top_p_equal_greedy(varied_model: GPT) -> None:
     assert generate(gen, PROMPTS, dataclasses.replace(sampled, top_k=None, top_p=1e-6)) == greedy
 
 
-def _exact(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float) -> torch.Tensor:
-    """The distribution a row's settings define, computed directly: softmax(logits / T) over the top k (every
-    token tied with the k-th kept), then the smallest set of the most likely tokens whose mass reaches top_p (every
-    token tied with its last kept), renormalised."""
-    x = logits / temperature
-    if top_k is not None:
-        x = x.masked_fill(x < x.topk(top_k).values[-1], float("-inf"))
-    p = x.softmax(-1)
-    sorted_p = p.sort(descending=True).values
-    last = sorted_p[((sorted_p.cumsum(-1) - sorted_p) < top_p).sum().clamp_min(1) - 1]
-    q = p.masked_fill(p < last, 0.0)
-    return q / q.sum()
-
-
 def test_kept_sets_are_the_smallest_most_likely_however_wide_and_whatever_their_batch() -> None:
     """A top-k or top-p row's kept set is looked for among its largest logits first (a partial sort) and its whole
     vocabulary is sorted only for a wider set: nuclei of a few tokens, of hundreds and of thousands, top-k sets
@@ -230,7 +217,7 @@ def test_kept_sets_are_the_smallest_most_likely_however_wide_and_whatever_their_
     batch = probabilities(logits, params, normalized=True)
     widths = []
     for i, (t, k, p, _) in enumerate(settings):
-        want = _exact(logits[i], t, k, p)
+        want = exact_distribution(logits[i], t, k, p)
         alone = probabilities(logits[i : i + 1], [params[i]], normalized=True)[0]
         assert torch.equal(batch[i] > 0, want > 0) and torch.equal(alone > 0, want > 0), i
         assert torch.allclose(batch[i], want) and torch.allclose(alone, want), i
@@ -261,7 +248,7 @@ def test_sampled_tokens_follow_the_distribution_their_settings_define(vocab: str
 
     torch.manual_seed(7)
     logits = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0]) if vocab == "8" else _wide_logits()
-    want = _exact(logits, temperature, top_k, top_p)
+    want = exact_distribution(logits, temperature, top_k, top_p)
     mine = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)
     other = SamplingParams(temperature=0.9, top_k=2, top_p=0.5, max_new_tokens=1)
     params = [mine, other] * 500
@@ -269,16 +256,8 @@ def test_sampled_tokens_follow_the_distribution_their_settings_define(vocab: str
     for _ in range(40):
         tokens = pick(logits.repeat(len(params), 1), params, [[]] * len(params), [None] * len(params))
         counts += torch.bincount(tokens[0::2], minlength=len(logits)).float()
-    n = counts.sum()
-    assert n == 20_000 and counts[want == 0].sum() == 0
-    cells = [*range(8), slice(8, None)] if want[8:].sum() > 0 else list(range(8))
-    seen = torch.stack([counts[c].sum() for c in cells])
-    expected = torch.stack([want[c].sum() for c in cells]) * n
-    live = expected > 0
-    chi2 = float(((seen[live] - expected[live]) ** 2 / expected[live]).sum())
-    # chi-square's 0.999 quantile for the cells' degrees of freedom (1 to 8)
-    limit = {0: 0.0, 1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12}
-    assert chi2 < limit[int(live.sum()) - 1], (seen.tolist(), expected.tolist())
+    assert counts.sum() == 20_000
+    assert_draws_follow(counts, want)
 
 
 def test_a_seeded_row_draws_the_same_token_alone_and_beside_rows_that_change_its_stages() -> None:

@@ -493,7 +493,7 @@ def test_the_grouped_query_decode_steps_run_only_when_named_greedy_and_sampled(
     assert list(cmds) == ["install", "prepare", *names] and doc["planned_s"] < LEASE_CALL_S
     for family, size in (("llama", "smollm2-135m"), ("qwen3", "qwen3-0.6b")):
         greedy, sampled = cmds[f"infer_{family}_greedy"], cmds[f"infer_{family}_sampled"]
-        assert f"--preset {size} " in greedy and "--mode infer" in greedy and "--rungs hf,kv,graphs " in greedy
+        assert f"--preset {size} " in greedy and "--mode infer" in greedy and "--rungs hf,levers,graphs " in greedy
         assert "--temperature" not in greedy
         assert sampled.replace(" --temperature 1", "").replace("_sampled", "_greedy") == greedy
     assert all(gc_figures.FIGURES[n] for n in names)  # each step's bench JSON is read into figures
@@ -532,7 +532,8 @@ def test_the_family_steps_run_on_the_cpu(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_the_grouped_query_decode_steps_run_on_the_cpu(tmp_path: Path) -> None:
-    """Issue 46's rehearsal: llama-tiny stands in for both presets; the graphs rung is skipped with its reason."""
+    """Issue 46's rehearsal: llama-tiny stands in for both presets; the graphs rung is skipped with its reason, and
+    so is transformers' sampler where nothing is sampled."""
     steps = ["prepare", "infer_llama_greedy", "infer_llama_sampled"]
     done = subprocess.run([sys.executable, str(SCRIPT), "run", str(tmp_path), "--target", "cpu", "--only",
                            ",".join(steps)], capture_output=True, text=True, timeout=3600)
@@ -545,3 +546,8 @@ def test_the_grouped_query_decode_steps_run_on_the_cpu(tmp_path: Path) -> None:
         # the grouped-query rotary decode is transformers' token for token, and both have figures
         assert kv["tokens_match"] == 1.0 and kv["decode_tokens_per_s"] > 0 and hf["decode_tokens_per_s"] > 0
         assert graphs["status"] == "skipped" and "NVIDIA GPU" in graphs["note"]
+        levers = ["kv-repeat-kv", "kv-plain-weights"] + (["kv-hf-sampling"] if temperature else [])
+        for lever in levers:  # each lever's gain at both batch sizes, read into the figures
+            assert [b for b, _ in fig["rungs"][lever]["lever_gain"]] == [1, 2], (lever, fig["rungs"][lever])
+        if not temperature:
+            assert fig["rungs"]["kv-hf-sampling"]["status"] == "skipped"

@@ -21,6 +21,10 @@ out of memory at a batch size stops there; the others go on.
 
 A rung this device cannot run is `skipped` with the reason in its note (int4 off sm_80+ CUDA, a
 missing extra): the default ladder is every rung, so a report shows what was left out and why.
+
+The lever rungs (`--rungs levers`, or `all`: levers.py) are the kv rung with one lever done the usual way
+instead (transformers' sampler, the grouped-query cache repeated to every head, the weights as loaded); each
+one's `lever_gain` is kv's decode rate over its own at every batch size: what that lever buys here.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from gptopt.bench import report
+from gptopt.bench.levers import HFSamplingGenerator, repeated_kv_generator
 from gptopt.bench.setup import Setup
 from gptopt.commands.export import ONNX_FILE, OrtDecoder, export_onnx
 from gptopt.config import BenchConfig
@@ -72,6 +77,7 @@ class InferRung:
     int4: bool = False  # torchao int4 weight-only (tinygemm), bf16: sm_80+ CUDA only
     onnx: bool = False  # the model exported by `gptopt export`, run by onnxruntime
     speculate: bool = False  # speculative decoding: n-gram drafts, or --draft_model's
+    without: str | None = None  # a lever rung: the kv rung with this lever done the usual way (LEVERS)
 
 
 RUNGS: list[InferRung] = [
@@ -93,14 +99,28 @@ RUNGS: list[InferRung] = [
 ]
 
 
+# The levers of the eager decode, each taken away in a rung of its own (levers.py); kv keeps them all, so each
+# lever's gain is kv's rate over its rung's. Not in the default ladder: `--rungs levers` (with kv) or `all`.
+LEVERS: list[InferRung] = [
+    InferRung("kv-hf-sampling", "kv with transformers' sampler (its temperature, top-k and top-p warpers, top-p "
+              "sorting the whole vocabulary; softmax, multinomial): what gptopt's sampler buys", without="sampler"),
+    InferRung("kv-repeat-kv", "kv with the cached keys and values repeated to every query head each step "
+              "(transformers' repeat_kv): what attending a grouped-query cache as stored buys", without="gqa"),
+    InferRung("kv-plain-weights", "kv with the weights in the layout they load in: what the CPU weight layouts "
+              "buy (oneDNN-packed products; CPUs only)", without="layout"),
+]
+GROUPS = {"default": [r.name for r in RUNGS], "levers": ["kv", *(r.name for r in LEVERS)],
+          "all": [r.name for r in RUNGS + LEVERS]}
+
+
 def select_rungs(spec: str) -> list[InferRung]:
-    by_name = {r.name: r for r in RUNGS}
-    valid = ", ".join([*by_name, "default", "all"])
+    by_name = {r.name: r for r in RUNGS + LEVERS}
+    valid = ", ".join([*by_name, *GROUPS])
     names: list[str] = []
     for part in [p.strip() for p in spec.split(",") if p.strip()]:
-        if part not in by_name and part not in ("default", "all"):
+        if part not in by_name and part not in GROUPS:
             raise UserError(f"unknown rung {part!r} for --mode infer; valid rungs: {valid}")
-        names += list(by_name) if part in ("default", "all") else [part]
+        names += GROUPS.get(part, [part])
     if not names:  # nothing to measure: refused before a report with no rungs is written
         raise UserError(f"--rungs {spec!r} names no rung for --mode infer; valid rungs: {valid}")
     return [by_name[n] for n in dict.fromkeys(names)]
@@ -123,6 +143,7 @@ class InferResult:
     tokens_match: float | None = None  # share of the first AGREE_TOKENS equal to the baseline's
     max_logit_diff: float | None = None  # against fp32 gptopt on the same prompt (last position)
     speedup_vs_baseline: float | None = None
+    lever_gain: list[dict[str, Any]] = field(default_factory=list)  # a lever rung's: {batch_size, gain}, kv / it
     tokens: list[int] = field(default_factory=list)
 
 
@@ -291,6 +312,14 @@ class InferBench:
             return "the weights are already bf16 on this device: see the kv and compiled rungs"
         if rung.bf16 and self.plan.amp_dtype != torch.bfloat16:
             return f"no native bf16 here, it would be emulated and slower ({self.plan.reason})"
+        if rung.without == "sampler" and self.sampling.greedy:  # first: installing the extra would not change it
+            return "greedy decoding takes the argmax with either sampler: bench this rung with --temperature"
+        if rung.without == "sampler" and not has("transformers"):
+            return "needs the 'hf' extra: pip install 'gptopt[hf]'"
+        if rung.without == "gqa" and self.model_config.kv_heads == self.model_config.n_head:
+            return "this model has a key/value head per query head: nothing is repeated (bench a grouped-query one)"
+        if rung.without == "layout" and self.plan.device.type != "cpu":
+            return "GPUs keep the weights as loaded in every rung (their products read either layout at full speed)"
         return None
 
     # -- one rung set up, then every rung side by side -----------------------------------------
@@ -329,9 +358,11 @@ class InferBench:
             return OnnxRunner(self._model(torch.float32)), torch.float32
         # The transforms generate and serve apply, in their order (dtype, int8 or int4, layout).
         quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
-        model = optimize_for_inference(self._model(dtype), self.plan, dtype=dtype, quantize=quantize)
+        model = optimize_for_inference(self._model(dtype), self.plan, dtype=dtype, quantize=quantize,
+                                       layout=rung.without != "layout")
+        build = {"sampler": HFSamplingGenerator, "gqa": repeated_kv_generator}.get(rung.without or "", Generator)
         runner = GptoptRunner(model, self.plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs,
-                              speculate=self._speculator(dtype) if rung.speculate else None)
+                              speculate=self._speculator(dtype) if rung.speculate else None, build=build)
         return runner, model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
 
     def _speculator(self, dtype: torch.dtype) -> Callable[[Generator], Speculator]:
@@ -518,6 +549,18 @@ class InferBench:
                 first = next((i for i, (a, b) in pairs if a != b), len(r.tokens))
                 part = f"greedy tokens part from {base.name}'s at token {first}"
                 r.note = f"{r.note}; {part}" if r.note else part
+        kv = next((r for r in ok if r.name == "kv"), None)
+        levers = {r.name for r in LEVERS}
+        for r in ok:
+            if kv is None or r.name not in levers:
+                continue
+            mine = {p["batch_size"]: p["tokens_per_s"] for p in r.batch_sweep}
+            r.lever_gain = [{"batch_size": p["batch_size"], "gain": p["tokens_per_s"] / mine[p["batch_size"]]}
+                            for p in kv.batch_sweep if p["batch_size"] in mine]
+            if r.lever_gain:
+                gains = ", ".join(f"{g['gain']:.2f}x at batch {g['batch_size']}" for g in r.lever_gain)
+                part = f"the lever buys {gains} (kv's decode rate over this rung's)"
+                r.note = f"{r.note}; {part}" if r.note else part
 
     def summary(self) -> dict[str, Any]:
         base = next((r for r in self.results if r.status == "ok"), None)
@@ -536,8 +579,9 @@ class InferBench:
 
 def main(cfg: BenchConfig) -> int:
     if cfg.rungs.strip() == "list":
-        for r in RUNGS:
-            print(f"{r.name:<10} {r.what}")
+        for r in RUNGS + LEVERS:
+            print(f"{r.name:<16} {r.what}")
+        print("\ngroups: " + "; ".join(f"{g} = {','.join(names)}" for g, names in GROUPS.items()))
         return 0
     rungs = select_rungs(cfg.rungs)
     bench = InferBench(cfg)

@@ -245,6 +245,12 @@ def infer_markdown(summary: dict[str, Any], plot_file: str | None) -> str:
           f"({s['baseline']}); max logit diff: against fp32 gptopt on the same prompt", ""]
     md += md_table([c[0] for c in INFER_COLUMNS], _infer_rows(s))
     md += ["", "## Decode tokens/s by batch size", "", *md_table(*_sweep_rows(s))]
+    levers = [r for r in s["rungs"] if r.get("lever_gain")]
+    if levers:
+        head = ["lever taken away"] + [f"b{b}" for b in s["batch_sizes"]]
+        rows = [[r["name"]] + [fmt({g["batch_size"]: g["gain"] for g in r["lever_gain"]}.get(b), "x")
+                               for b in s["batch_sizes"]] for r in levers]
+        md += ["", "## What each lever buys: kv's decode tokens/s over the rung without it", "", *md_table(head, rows)]
     md += ["", "## What each rung changes", ""]
     md += [f"- **{r['name']}**: {r['what']}" + (f" — {r['note']}" if r["note"] else "") for r in s["rungs"]]
     md += ["", f"![batch sweep]({plot_file})"] if plot_file else []

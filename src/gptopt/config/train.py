@@ -290,7 +290,8 @@ class BenchConfig:
     warmup: int = opt(3, "untimed steps per rung before timing (compile happens in the first)", ge=1, le=100_000)
     mode: str = opt("train", "train: the training ladder; infer: the generation ladder; quality: the recipe ladder "
                     "(minutes of training to a target val loss)", choices=("train", "infer", "quality"))
-    rungs: str = opt("default", "comma-separated rungs, 'default' or 'all'; `--rungs list` prints them")
+    rungs: str = opt("default", "comma-separated rungs, 'default' or 'all' (--mode infer: also 'levers'); "
+                     "`--rungs list` prints them")
     batch_sizes: str | None = opt(None, "--mode infer: the batch sizes of the decode sweep, comma-separated (e.g. "
                                   "1,16,64; each compiled rung compiles once per size; batch 1 is always measured: "
                                   "the decode, TTFT and bandwidth figures are its); default: 1, 2, 4, ... up to "

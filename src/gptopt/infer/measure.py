@@ -124,18 +124,20 @@ class GptoptRunner:
     """A rung on gptopt's Generator: one Generator per batch size, since a static cache has one shape."""
 
     def __init__(self, model: GPT, plan: DevicePlan, max_len: int, *, compile: bool, cuda_graphs: bool = False,
-                 speculate: Callable[[Generator], Stepper] | None = None) -> None:
-        """speculate: the speculative decoding of a Generator (speculative.Speculator), built with each one."""
+                 speculate: Callable[[Generator], Stepper] | None = None,
+                 build: Callable[..., Generator] = Generator) -> None:
+        """speculate: the speculative decoding of a Generator (speculative.Speculator), built with each one.
+        build: what makes each Generator, from Generator's arguments (a lever rung's Generator: bench/levers.py)."""
         self.model, self.plan, self.max_len, self.compile, self.cuda_graphs = model, plan, max_len, compile, cuda_graphs
-        self.speculate = speculate
+        self.speculate, self.build = speculate, build
         self.gen: Generator | None = None
         self.stepper: Stepper | None = None
 
     def _for(self, batch: int) -> Generator:
         if self.gen is None or self.gen.max_batch_size != batch:
             self.release()  # the last cache goes before the next is allocated
-            self.gen = Generator(self.model, self.plan, max_batch_size=batch, max_len=self.max_len,
-                                 compile=self.compile, cuda_graphs=self.cuda_graphs)
+            self.gen = self.build(self.model, self.plan, max_batch_size=batch, max_len=self.max_len,
+                                  compile=self.compile, cuda_graphs=self.cuda_graphs)
             self.stepper = None if self.speculate is None else self.speculate(self.gen)
         return self.gen
 

@@ -1,0 +1,93 @@
+"""The generation ladder's lever rungs: gptopt's eager decode (the kv rung) with one of its levers taken away and
+done as the field's usual code does it, so that each lever's gain is measured on the user's machine, sampled and
+greedy, on any family.
+
+    gptopt bench --mode infer --preset smollm2-135m --rungs levers --temperature 1
+
+- kv-hf-sampling: the sampled rows drawn as transformers' `generate` draws them (its temperature, top-k and top-p
+  warpers, the top-p one sorting the whole vocabulary; softmax, torch.multinomial), where gptopt's sampler races
+  exponential noise among each row's candidates and sorts no vocabulary (infer/sampling.py).
+- kv-repeat-kv: each forward's cached keys and values repeated to every query head (transformers' repeat_kv),
+  where gptopt attends a grouped-query cache as it is stored (models/gpt.py).
+- kv-plain-weights: the weights in the layout they load in, where gptopt gives a CPU's linears the layout their
+  products read fastest (infer/cpu_layout.py): optimize_for_inference(layout=False), nothing of this module.
+
+The kv rung is the same decode with every lever, so the lever's gain is kv's rate over its rung's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from gptopt.infer.generator import Generator
+from gptopt.infer.kv_cache import KVCache
+from gptopt.infer.sampling import SamplingParams
+from gptopt.models.gpt import KVCacheLayer
+from gptopt.utils.extras import require
+
+
+class HFSamplingGenerator(Generator):
+    """A Generator whose sampled rows are drawn by transformers' logits warpers and torch.multinomial, in the order
+    transformers' `generate` applies them (temperature, top-k, top-p). Greedy rows take the argmax as ever.
+
+    For the bench's generations only: every row shares one setting, unseeded, with no penalties, logit bias or
+    grammar (what `gptopt bench --mode infer` sends)."""
+
+    def sample(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
+               generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
+               allowed: torch.Tensor | None = None) -> list[int]:
+        p = params[0]
+        if p.temperature == 0:
+            return super().sample(logits, params, histories, generators, prompt_lens=prompt_lens, allowed=allowed)
+        assert all(q == p for q in params) and allowed is None and not any(generators), \
+            "the bench's rows share one unseeded setting"
+        transformers = require("transformers", "hf", "the kv-hf-sampling rung")
+        warpers = [transformers.TemperatureLogitsWarper(p.temperature)]
+        if p.top_k is not None:
+            warpers.append(transformers.TopKLogitsWarper(top_k=p.top_k))
+        if p.top_p < 1.0:
+            warpers.append(transformers.TopPLogitsWarper(top_p=p.top_p))
+        scores = transformers.LogitsProcessorList(warpers)(None, logits)  # these warpers read no input ids
+        return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1).tolist()
+
+
+class _RepeatedLayer:
+    """One layer of a RepeatedKVCache: the cache's keys and values, each key/value head repeated for the query
+    heads it serves, as transformers' repeat_kv does (the attention then sees as many as there are query heads)."""
+
+    def __init__(self, layer: KVCacheLayer, groups: int) -> None:
+        self.layer, self.groups = layer, groups
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.layer.update(k, v)  # (B, nkv, S, hs)
+        return k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)  # (B, nh, S, hs)
+
+
+class RepeatedKVCache(KVCache):
+    """A KVCache (the same tensors) whose layers hand each forward its keys and values repeated to every query head:
+    a copy of the attended cache per layer and step, which gptopt's grouped-query attention does without."""
+
+    groups: int
+
+    @classmethod
+    def convert(cls, cache: KVCache, groups: int) -> RepeatedKVCache:
+        cache.__class__ = cls  # in place: the Generator's tensors and slots are this cache's
+        assert isinstance(cache, RepeatedKVCache)
+        cache.groups = groups
+        return cache
+
+    def layers(self, rows: torch.Tensor | slice, positions: torch.Tensor,
+               length: int | None = None) -> list[KVCacheLayer]:
+        return [_RepeatedLayer(layer, self.groups) for layer in super().layers(rows, positions, length)]
+
+
+def repeated_kv_generator(*args: Any, **kwargs: Any) -> Generator:
+    """A Generator (Generator's arguments; eager) whose cache repeats its key/value heads to every query head."""
+    gen = Generator(*args, **kwargs)
+    assert not gen.bucketed, "the kv-repeat-kv rung times the eager decode"
+    cfg = gen.model.config
+    RepeatedKVCache.convert(gen.cache, cfg.n_head // cfg.kv_heads)
+    return gen
