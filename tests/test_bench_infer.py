@@ -184,6 +184,10 @@ def test_a_lever_rung_that_has_nothing_to_take_away_here_says_why(train_data: Pa
     assert rungs["kv-repeat-kv"]["status"] == "skipped" and "key/value head per query head" in \
         rungs["kv-repeat-kv"]["note"]
     assert rungs["kv-plain-weights"]["status"] == "ok" and rungs["kv-plain-weights"]["lever_gain"]
+    # without kv beside it a lever rung has no gain to give, and says how to get one
+    assert cli.main(infer_args(train_data, tmp_path / "c", "kv-plain-weights")) == 0
+    alone = json.loads((tmp_path / "c" / "infer_results.json").read_text())["rungs"][0]
+    assert alone["status"] == "ok" and alone["lever_gain"] == [] and "--rungs levers" in alone["note"]
 
 
 @pytest.mark.parametrize(("flags", "want", "label"), [

@@ -20,7 +20,8 @@ one that ran in it, so the verdict between two rungs holds from one run to the n
 out of memory at a batch size stops there; the others go on.
 
 A rung this device cannot run is `skipped` with the reason in its note (int4 off sm_80+ CUDA, a
-missing extra): the default ladder is every rung, so a report shows what was left out and why.
+missing extra): the default ladder is every rung but the lever rungs, so a report shows what was left out and
+why.
 
 The lever rungs (`--rungs levers`, or `all`: levers.py) are the kv rung with one lever done the usual way
 instead (transformers' sampler, the grouped-query cache repeated to every head, the weights as loaded); each
@@ -552,7 +553,11 @@ class InferBench:
         kv = next((r for r in ok if r.name == "kv"), None)
         levers = {r.name for r in LEVERS}
         for r in ok:
-            if kv is None or r.name not in levers:
+            if r.name not in levers:
+                continue
+            if kv is None:
+                part = "its gain is kv's rate over its own: bench it beside kv (--rungs levers)"
+                r.note = f"{r.note}; {part}" if r.note else part
                 continue
             mine = {p["batch_size"]: p["tokens_per_s"] for p in r.batch_sweep}
             r.lever_gain = [{"batch_size": p["batch_size"], "gain": p["tokens_per_s"] / mine[p["batch_size"]]}
