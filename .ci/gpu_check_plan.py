@@ -266,7 +266,7 @@ def plan(ctx: Ctx) -> list[Step]:
         # Issue 46: the grouped-query models' decode on the GPU, greedy and sampled over the whole vocabulary
         # (OpenAI's default), eager and on CUDA graphs, against transformers, with the lever rungs a GPU runs (the
         # cache repeated to every head; transformers' sampler, sampled); run by name
-        *[Step(f"infer_{family}_{how}", 75, f"bench --mode infer on {size}, {how}: hf, kv, its lever rungs and "
+        *[Step(f"infer_{family}_{how}", 100, f"bench --mode infer on {size}, {how}: hf, kv, its lever rungs and "
                f"graphs at batch {s.infer_batches.replace(',', ' and ')}: attention over the key/value heads as "
                "stored against repeated, the family's block on CUDA graphs"
                + (", gptopt's sampler against transformers' over the whole vocabulary" if how == "sampled" else ""),

@@ -20,9 +20,9 @@ import torch
 from conftest import assert_draws_follow, exact_distribution, last_json_line
 
 from gptopt import cli
-from gptopt.bench import infer, report
+from gptopt.bench import infer, levers, report
 from gptopt.bench.infer import RUNGS, InferBench, InferRung, select_rungs
-from gptopt.bench.levers import HFSamplingGenerator, repeated_kv_generator
+from gptopt.bench.levers import HFSamplingGenerator, RepeatedKVGenerator
 from gptopt.config import BenchConfig, preset
 from gptopt.infer.generator import Generator
 from gptopt.infer.measure import GREEDY, STOPPED, GptoptRunner, Sampling, weight_bytes
@@ -122,8 +122,8 @@ def test_a_rotary_models_rungs_have_its_weights_and_agree_with_transformers(trai
 
 
 def test_the_lever_rungs_decode_kvs_tokens_and_report_what_each_lever_buys(train_data: Path, tmp_path: Path) -> None:
-    # Each lever rung is kv with one lever done the usual way: the same model, so the same greedy tokens and logits,
-    # and its gain (kv's rate over its own) at every batch size of the sweep, in the results and the report.
+    # The repeated cache and the weights as loaded compute kv's model another way: the same greedy tokens and logits.
+    # Each lever's gain (kv's rate over its own) is given at every batch size, the same in the results and the report.
     pytest.importorskip("transformers")
     args = infer_args(train_data, tmp_path / "b", "levers", "--temperature", "1", "--top_k", "20", "--top_p", "0.9")
     args[args.index("debug")] = "llama-tiny"  # grouped-query: 4 query heads over 2 key/value heads
@@ -131,23 +131,47 @@ def test_the_lever_rungs_decode_kvs_tokens_and_report_what_each_lever_buys(train
     results = json.loads((tmp_path / "b" / "infer_results.json").read_text())
     rungs = {r["name"]: r for r in results["rungs"]}
     assert list(rungs) == ["kv", "kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights"]
-    assert len(set(rungs["kv"]["tokens"])) > 3
+    assert len(set(rungs["kv"]["tokens"])) > 3 and rungs["kv"]["lever_gain"] == []
+    for name in ("kv-repeat-kv", "kv-plain-weights"):
+        assert rungs[name]["tokens"] == rungs["kv"]["tokens"] and rungs[name]["max_logit_diff"] < 1e-3, rungs[name]
+    kv = {p["batch_size"]: p["tokens_per_s"] for p in rungs["kv"]["batch_sweep"]}
+    report_md = (tmp_path / "b" / "infer_report.md").read_text()
     for name in ("kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights"):
         r = rungs[name]
-        assert r["status"] == "ok" and r["tokens"] == rungs["kv"]["tokens"] and r["max_logit_diff"] < 1e-3, r
-        assert [g["batch_size"] for g in r["lever_gain"]] == results["batch_sizes"] == [1, 2]
-        assert all(g["gain"] > 0 for g in r["lever_gain"]) and "the lever buys" in r["note"]
-    assert rungs["kv"]["lever_gain"] == []
-    report_md = (tmp_path / "b" / "infer_report.md").read_text()
-    assert "## What each lever buys" in report_md and "| kv-repeat-kv |" in report_md
+        own = {p["batch_size"]: p["tokens_per_s"] for p in r["batch_sweep"]}
+        assert r["status"] == "ok" and [g["batch_size"] for g in r["lever_gain"]] == [1, 2]
+        assert [g["gain"] for g in r["lever_gain"]] == [kv[b] / own[b] for b in (1, 2)]
+        cells = " | ".join(f"{g['gain']:.2f}x" for g in r["lever_gain"])
+        assert f"| {name} | {cells} |" in report_md.split("## What each lever buys")[1]
 
 
-@pytest.mark.parametrize(("temperature", "top_k", "top_p"), [(1.0, None, 1.0), (0.6, 3, 1.0), (1.3, 4, 0.8)])
+def test_a_lever_gain_is_taken_at_the_batch_sizes_both_rungs_measured(bench: InferBench,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # A rung that ran out of memory at batch 2 keeps its batch-1 gain; nothing is compared with a batch it lacks.
+    def result(name: str, rates: dict[int, float]) -> infer.InferResult:
+        return infer.InferResult(name=name, what="", decode_tokens_per_s=rates[1],
+                                 batch_sweep=[{"batch_size": b, "tokens_per_s": t} for b, t in rates.items()])
+
+    kv, short, long = result("kv", {1: 30.0, 2: 50.0}), result("kv-repeat-kv", {1: 20.0}), \
+        result("kv-plain-weights", {1: 15.0, 2: 40.0, 4: 60.0})
+    monkeypatch.setattr(bench, "results", [kv, short, long])
+    bench._compare()
+    assert short.lever_gain == [{"batch_size": 1, "gain": 1.5}]
+    assert long.lever_gain == [{"batch_size": 1, "gain": 2.0}, {"batch_size": 2, "gain": 1.25}]
+
+
+@pytest.mark.parametrize(("temperature", "top_k", "top_p"),
+                         [(1.0, None, 1.0), (0.6, 3, 1.0), (1.0, None, 0.9), (1.3, 4, 0.8)])
 def test_the_transformers_sampler_rung_draws_what_gptopts_sampler_draws(temperature: float, top_k: int | None,
-                                                                       top_p: float) -> None:
-    # kv-hf-sampling times transformers' draws against gptopt's: a fair race only over the same distribution.
+                                                                       top_p: float,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    # kv-hf-sampling times transformers' draws against gptopt's: a fair race only over the same distribution, and
+    # only if the draws are transformers' (multinomial over its warpers' scores; gptopt's sampler never calls it).
     pytest.importorskip("transformers")
     torch.manual_seed(11)
+    drawn_by = []
+    multinomial = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda *a, **k: drawn_by.append(1) or multinomial(*a, **k))
     gen = HFSamplingGenerator(GPT(preset("debug")), resolve("cpu"), max_batch_size=1)
     logits = torch.tensor([2.0, 1.5, 1.2, 0.3, 0.0, -0.5, -1.0, -3.0])
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=1)] * 1000
@@ -155,23 +179,34 @@ def test_the_transformers_sampler_rung_draws_what_gptopts_sampler_draws(temperat
     for _ in range(20):
         drawn = gen.sample(logits.repeat(len(params), 1), params, [[]] * len(params), [None] * len(params))
         counts += torch.bincount(torch.tensor(drawn), minlength=len(logits)).float()
+    assert len(drawn_by) == 20
     assert_draws_follow(counts, exact_distribution(logits, temperature, top_k, top_p))
 
 
-def test_the_repeat_kv_rung_attends_every_query_head_its_own_copy_and_decodes_the_same_logits() -> None:
-    # What kv-repeat-kv takes away: its forwards see the cache's 2 key/value heads repeated to the 4 query heads.
+def test_the_repeat_kv_rung_attends_every_query_head_its_own_copy_and_decodes_the_same_logits(
+    monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What kv-repeat-kv takes away: its prefill and decode forwards see the cache's 2 key/value heads repeated to
+    # the 4 query heads, and give the plain Generator's logits.
     torch.manual_seed(12)
     model = GPT(preset("llama-tiny", vocab_size=512)).eval()
     plan = resolve("cpu")
     plain = Generator(model, plan, max_batch_size=2, max_len=32)
-    repeated = repeated_kv_generator(model, plan, max_batch_size=2, max_len=32)
-    layer = repeated.cache.layers(slice(0, 1), torch.tensor([[0]]))[0]
-    k, _ = layer.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32))  # position 0, overwritten below
-    assert k.shape[1] == 4 and torch.equal(k[:, 0], k[:, 1]) and torch.equal(k[:, 2], k[:, 3])
+    repeated = RepeatedKVGenerator(model, plan, max_batch_size=2, max_len=32)
+    heads: list[int] = []
+    update = levers._RepeatedLayer.update
+
+    def spy(self: levers._RepeatedLayer, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = update(self, k, v)
+        heads.append(k.shape[1])
+        return k, v
+
+    monkeypatch.setattr(levers._RepeatedLayer, "update", spy)
     prompt = torch.randint(0, 512, (12,)).tolist()
     with torch.no_grad():
         want = [plain.prefill(0, prompt), plain.decode([0], [5], [12])]
         got = [repeated.prefill(0, prompt), repeated.decode([0], [5], [12])]
+    assert heads == [4] * (2 * model.config.n_layer)  # every layer, in the prefill and in the decode
     for a, b in zip(want, got, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 

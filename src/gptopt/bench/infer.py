@@ -20,12 +20,12 @@ one that ran in it, so the verdict between two rungs holds from one run to the n
 out of memory at a batch size stops there; the others go on.
 
 A rung this device cannot run is `skipped` with the reason in its note (int4 off sm_80+ CUDA, a
-missing extra): the default ladder is every rung but the lever rungs, so a report shows what was left out and
-why.
+missing extra): the default ladder is every rung, so a report shows what was left out and why.
 
-The lever rungs (`--rungs levers`, or `all`: levers.py) are the kv rung with one lever done the usual way
-instead (transformers' sampler, the grouped-query cache repeated to every head, the weights as loaded); each
-one's `lever_gain` is kv's decode rate over its own at every batch size: what that lever buys here.
+The lever rungs are apart from the ladder (`--rungs levers`: kv and them; `all`: the ladder and them; levers.py):
+each is the kv rung with one lever done the textbook way instead (transformers' sampler, the grouped-query cache
+repeated to every head, the weights as loaded). Each one's `lever_gain` is kv's decode rate over its own at every
+batch size both measured: what that lever buys here.
 """
 
 from __future__ import annotations
@@ -37,13 +37,13 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.nn as nn
 
 from gptopt.bench import report
-from gptopt.bench.levers import HFSamplingGenerator, repeated_kv_generator
+from gptopt.bench.levers import HFSamplingGenerator, RepeatedKVGenerator
 from gptopt.bench.setup import Setup
 from gptopt.commands.export import ONNX_FILE, OrtDecoder, export_onnx
 from gptopt.config import BenchConfig
@@ -64,6 +64,8 @@ from gptopt.utils.tables import to_json
 log = logging.getLogger("gptopt")
 
 AGREE_TOKENS = 32  # tokens compared with the baseline's: greedy paths may part later on near-ties
+# What a lever rung does the textbook way (LEVERS): the sampler, the grouped-query attention, the CPU weight layout
+Lever = Literal["sampler", "gqa", "layout"]
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class InferRung:
     int4: bool = False  # torchao int4 weight-only (tinygemm), bf16: sm_80+ CUDA only
     onnx: bool = False  # the model exported by `gptopt export`, run by onnxruntime
     speculate: bool = False  # speculative decoding: n-gram drafts, or --draft_model's
-    without: str | None = None  # a lever rung: the kv rung with this lever done the usual way (LEVERS)
+    without: Lever | None = None  # a lever rung: the kv rung with this lever done the textbook way (LEVERS)
 
 
 RUNGS: list[InferRung] = [
@@ -105,10 +107,10 @@ RUNGS: list[InferRung] = [
 LEVERS: list[InferRung] = [
     InferRung("kv-hf-sampling", "kv with transformers' sampler (its temperature, top-k and top-p warpers, top-p "
               "sorting the whole vocabulary; softmax, multinomial): what gptopt's sampler buys", without="sampler"),
-    InferRung("kv-repeat-kv", "kv with the cached keys and values repeated to every query head each step "
-              "(transformers' repeat_kv): what attending a grouped-query cache as stored buys", without="gqa"),
+    InferRung("kv-repeat-kv", "kv with the cached keys and values repeated to every query head each step (the "
+              "textbook repeat_kv): what attending a grouped-query cache as stored buys", without="gqa"),
     InferRung("kv-plain-weights", "kv with the weights in the layout they load in: what the CPU weight layouts "
-              "buy (oneDNN-packed products; CPUs only)", without="layout"),
+              "buy (column-major, fp32 ones also oneDNN-packed; CPUs only)", without="layout"),
 ]
 GROUPS = {"default": [r.name for r in RUNGS], "levers": ["kv", *(r.name for r in LEVERS)],
           "all": [r.name for r in RUNGS + LEVERS]}
@@ -213,6 +215,10 @@ class _Live:
     kv_dtype: torch.dtype
 
 
+def _add_note(res: InferResult, part: str) -> None:
+    res.note = f"{res.note}; {part}" if res.note else part
+
+
 def _release(runner: Runner, plan: DevicePlan) -> None:
     if isinstance(runner, GptoptRunner):
         runner.release()  # one Generator per rung at most: built again for the next batch size
@@ -293,7 +299,9 @@ class InferBench:
         return model.to(dtype=dtype).eval()
 
     def _skip(self, rung: InferRung) -> str | None:
-        if rung.hf and not has("transformers"):
+        if rung.without == "sampler" and self.sampling.greedy:  # first: installing the extra would not change it
+            return "greedy decoding takes the argmax with either sampler: bench this rung with --temperature"
+        if (rung.hf or rung.without == "sampler") and not has("transformers"):
             return "needs the 'hf' extra: pip install 'gptopt[hf]'"
         if rung.int4:  # the device first: installing torchao would not make int4 run on a CPU
             problem = int4_unsupported(self.plan, torch.bfloat16, "bench this rung on such a GPU (--device cuda)")
@@ -313,10 +321,6 @@ class InferBench:
             return "the weights are already bf16 on this device: see the kv and compiled rungs"
         if rung.bf16 and self.plan.amp_dtype != torch.bfloat16:
             return f"no native bf16 here, it would be emulated and slower ({self.plan.reason})"
-        if rung.without == "sampler" and self.sampling.greedy:  # first: installing the extra would not change it
-            return "greedy decoding takes the argmax with either sampler: bench this rung with --temperature"
-        if rung.without == "sampler" and not has("transformers"):
-            return "needs the 'hf' extra: pip install 'gptopt[hf]'"
         if rung.without == "gqa" and self.model_config.kv_heads == self.model_config.n_head:
             return "this model has a key/value head per query head: nothing is repeated (bench a grouped-query one)"
         if rung.without == "layout" and self.plan.device.type != "cpu":
@@ -361,7 +365,7 @@ class InferBench:
         quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
         model = optimize_for_inference(self._model(dtype), self.plan, dtype=dtype, quantize=quantize,
                                        layout=rung.without != "layout")
-        build = {"sampler": HFSamplingGenerator, "gqa": repeated_kv_generator}.get(rung.without or "", Generator)
+        build = {"sampler": HFSamplingGenerator, "gqa": RepeatedKVGenerator}.get(rung.without or "", Generator)
         runner = GptoptRunner(model, self.plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs,
                               speculate=self._speculator(dtype) if rung.speculate else None, build=build)
         return runner, model.transformer.wte.weight.dtype  # the Generator's cache takes the embedding's
@@ -482,9 +486,10 @@ class InferBench:
         # the tokens so far: prompt + N/2 on average over the decode steps. Quantised weights count
         # their stored tensors (measure.tensor_bytes): int8 or packed int4 integers plus their scales
         # (int4 also the zero points, and tinygemm's padding of the input width to 1024: the kernel reads it).
+        # The cache holds the key/value heads only (fewer than the query heads under grouped-query attention).
         c = self.model_config
         keys = self.max_len if static else self.prompt_len + self.new_tokens // 2
-        kv = 2 * c.n_layer * c.n_embd * keys * torch.empty((), dtype=kv_dtype).element_size()
+        kv = 2 * c.n_layer * c.kv_heads * c.head_dim * keys * torch.empty((), dtype=kv_dtype).element_size()
         return weight_bytes(model) + kv
 
     # -- the ladder ------------------------------------------------------------------------
@@ -548,24 +553,22 @@ class InferBench:
             if r.tokens_match < 1:
                 pairs = enumerate(zip(r.tokens, base.tokens, strict=False))
                 first = next((i for i, (a, b) in pairs if a != b), len(r.tokens))
-                part = f"greedy tokens part from {base.name}'s at token {first}"
-                r.note = f"{r.note}; {part}" if r.note else part
-        kv = next((r for r in ok if r.name == "kv"), None)
+                _add_note(r, f"greedy tokens part from {base.name}'s at token {first}")
+        kv = next((r for r in self.results if r.name == "kv"), None)
         levers = {r.name for r in LEVERS}
         for r in ok:
             if r.name not in levers:
                 continue
-            if kv is None:
-                part = "its gain is kv's rate over its own: bench it beside kv (--rungs levers)"
-                r.note = f"{r.note}; {part}" if r.note else part
+            if kv is None or kv.status != "ok":
+                _add_note(r, "its gain is kv's rate over its own: bench it beside kv (--rungs levers)" if kv is None
+                          else f"no gain: the kv rung beside it is {kv.status}")
                 continue
             mine = {p["batch_size"]: p["tokens_per_s"] for p in r.batch_sweep}
             r.lever_gain = [{"batch_size": p["batch_size"], "gain": p["tokens_per_s"] / mine[p["batch_size"]]}
                             for p in kv.batch_sweep if p["batch_size"] in mine]
             if r.lever_gain:
                 gains = ", ".join(f"{g['gain']:.2f}x at batch {g['batch_size']}" for g in r.lever_gain)
-                part = f"the lever buys {gains} (kv's decode rate over this rung's)"
-                r.note = f"{r.note}; {part}" if r.note else part
+                _add_note(r, f"the lever buys {gains} (kv's decode rate over this rung's)")
 
     def summary(self) -> dict[str, Any]:
         base = next((r for r in self.results if r.status == "ok"), None)
