@@ -27,6 +27,20 @@ def test_a_call_that_never_returns_to_python_still_takes_ctrl_c_at_once() -> Non
     release.set()
 
 
+def test_ctrl_c_that_the_kernel_hands_to_another_thread_is_taken_at_once_too() -> None:
+    """A process's SIGINT may land on any of its threads (tqdm's monitor, torch's pool): the blocked caller still
+    gets KeyboardInterrupt while the call is blocked, not once it ends."""
+    release = threading.Event()
+    threading.Timer(0.2, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGINT)).start()
+    end = threading.Timer(10.0, release.set)  # the call's end, should the interrupt wait for it
+    end.start()
+    with pytest.raises(KeyboardInterrupt):
+        process.interruptible(release.wait)
+    assert not release.is_set()  # the call was left, not finished
+    end.cancel()
+    release.set()
+
+
 def test_interruptible_returns_the_value_and_raises_the_error_of_the_call() -> None:
     assert process.interruptible(sum, [1, 2, 3]) == 6
     with pytest.raises(ValueError, match="boom"):

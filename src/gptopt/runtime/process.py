@@ -39,6 +39,7 @@ def allow_recompiles(graphs: int = DECODE_GRAPHS) -> None:
 
 
 T = TypeVar("T")
+INTERRUPT_POLL_S = 0.1  # how long Ctrl-C may wait in interruptible() when another thread receives the signal
 
 
 def interruptible(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
@@ -56,7 +57,10 @@ def interruptible(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
 
     worker = threading.Thread(target=run, daemon=True, name="gptopt-interruptible")
     worker.start()
-    worker.join()
+    # Joined in short waits: the kernel may deliver SIGINT to any thread (tqdm's monitor, torch's pool), and then
+    # nothing wakes a main thread blocked in one long join to run Python's handler until the call ends.
+    while worker.is_alive():
+        worker.join(INTERRUPT_POLL_S)
     if "error" in result:
         raise result["error"]
     return result["value"]
