@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 import weakref
@@ -54,6 +55,17 @@ def graph_ops(fn: object, x: torch.Tensor) -> tuple[set[str], torch.Tensor]:
     torch._dynamo.reset()
     out = torch.compile(fn, backend=backend)(x)
     return ops, out
+
+
+@pytest.fixture(autouse=True)
+def _own_signal_handlers() -> Iterator[None]:
+    # A test that runs a Trainer installs its stop handlers (the first SIGINT only sets a flag); one that leaves
+    # them behind would make a later test's Ctrl-C do nothing: each test gets back the handlers it started with.
+    saved = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    yield
+    for sig, handler in saved.items():
+        if signal.getsignal(sig) is not handler and handler is not None:
+            signal.signal(sig, handler)
 
 
 @pytest.fixture(autouse=True)

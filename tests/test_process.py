@@ -16,11 +16,17 @@ from gptopt.runtime import process
 from gptopt.runtime.torch_private import recompile_limit
 
 
+@pytest.fixture(autouse=True)
+def _python_ctrl_c() -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever ran before (conftest restores)
+
+
 def test_a_call_that_never_returns_to_python_still_takes_ctrl_c_at_once() -> None:
     """A call blocked in native code (here a wait no one ends) holds no Ctrl-C back: the caller gets
     KeyboardInterrupt while the call is still blocked, and the process need not wait for it."""
     release = threading.Event()
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    threading.Timer(10.0, release.set).start()  # the call's end, should the interrupt never come: a failure, no hang
     with pytest.raises(KeyboardInterrupt):
         process.interruptible(release.wait)
     assert not release.is_set()  # the call was left, not finished
