@@ -103,6 +103,8 @@ class RepeatedKVGenerator(Generator):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         assert not self.bucketed, "the kv-repeat-kv rung times the eager decode"
-        cfg, plain = self.model.config, self.cache
-        self.cache = RepeatedKVCache(cfg, plain.slots, plain.max_len, device=plain.device, dtype=plain.k[0].dtype,
-                                     groups=cfg.n_head // cfg.kv_heads)
+        cfg, c = self.model.config, self.cache
+        shape = dict(slots=c.slots, max_len=c.max_len, device=c.device, dtype=c.k[0].dtype)
+        del self.cache, c  # the plain cache's memory goes before the repeated one's is allocated
+        self.cache = RepeatedKVCache(cfg, shape["slots"], shape["max_len"], device=shape["device"],
+                                     dtype=shape["dtype"], groups=cfg.n_head // cfg.kv_heads)
