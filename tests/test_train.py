@@ -23,7 +23,7 @@ from conftest import split_bytes_per_token
 from gptopt import cli
 from gptopt.commands import train as train_cmd
 from gptopt.config import GPTConfig, TrainConfig, preset
-from gptopt.data.loader import load_tokenizer
+from gptopt.data.loader import BatchDataset, TokenData, load_tokenizer
 from gptopt.infer.generator import Generator, generate
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models import checkpoint
@@ -33,6 +33,7 @@ from gptopt.runtime import device as dev
 from gptopt.runtime.device import resolve
 from gptopt.train import loop as train
 from gptopt.train import step
+from gptopt.utils.errors import UserError
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
             eval_interval=0, log_interval=1, warmup_steps=2)
@@ -828,3 +829,89 @@ def test_ctrl_c_is_said_at_once_and_a_second_one_stops_at_once_without_a_checkpo
     assert cli.main(cli_args(train_data, out, "--max_steps", "20", "--save_interval", "1")) == 130
     assert "stopped (Ctrl-C)" in capsys.readouterr().err
     assert checkpoint.latest_checkpoint(out).name == "ckpt-0000002"  # the interrupted third step left none
+
+
+# -- what a run finds before its first step, and what it keeps when it fails after it ---------------------------
+
+
+def short_val_data(tmp_path: Path) -> Path:
+    """One short document prepared with a tiny val share: a train split of ~1,800 tokens, a val split of ~13."""
+    import sysconfig
+
+    from gptopt.config import PrepareConfig
+    from gptopt.data.corpus import tokenize_corpus
+
+    (tmp_path / "texts").mkdir()
+    text = (Path(sysconfig.get_paths()["stdlib"]) / "bisect.py").read_text(encoding="utf-8")
+    (tmp_path / "texts" / "bisect.txt").write_text(text, encoding="utf-8")
+    return tokenize_corpus(PrepareConfig(input=str(tmp_path / "texts"), output_dir=str(tmp_path / "data"),
+                                         vocab_size=300, val_fraction=0.01))
+
+
+def test_a_val_split_shorter_than_the_context_is_refused_before_the_first_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = short_val_data(tmp_path)
+    n = TokenData(data).num_tokens("val")
+    assert 1 < n < 33  # shorter than a window of --seq_len 32
+    steps = {"n": 0}
+    real = step.TrainStep.__call__
+    monkeypatch.setattr(step.TrainStep, "__call__", lambda *a: (steps.update(n=steps["n"] + 1), real(*a))[1])
+    out = tmp_path / "r"
+    assert cli.main(cli_args(data, out, "--max_steps", "4", "--eval_interval", "2")) == 2
+    assert steps["n"] == 0 and not out.exists()  # refused before any step, and nothing written
+    err = capsys.readouterr().err
+    assert f"the val split of {data} has {n} tokens" in err and "the context 32" in err
+    assert f"--seq_len of at most {n - 1}" in err and "--val_fraction" in err and "--eval_interval 0" in err
+    # the fix it names: without evaluation the run reads only the train split, which is long enough
+    assert cli.main(cli_args(data, out, "--max_steps", "2")) == 0
+    assert steps["n"] == 2 and checkpoint.latest_checkpoint(out).name == "ckpt-0000002"
+
+
+@pytest.mark.parametrize("failure", ["out of memory", "refusal"])
+def test_a_signal_stop_saves_first_and_an_evaluation_that_fails_then_keeps_the_checkpoint(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+    break_forward: Callable[..., None], failure: str
+) -> None:
+    real = train.Trainer._train_one
+
+    def interrupted(self: train.Trainer, progress: Any) -> None:  # Ctrl-C during the third step
+        real(self, progress)
+        if progress.step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(train.Trainer, "_train_one", interrupted)
+    if failure == "out of memory":
+        break_forward(lambda model, idx: not model.training)  # every evaluation's forward
+    else:
+        monkeypatch.setattr(BatchDataset, "eval_batches",
+                            lambda *a: (_ for _ in ()).throw(UserError("the val split cannot be read")))
+    out = tmp_path / "r"
+    assert cli.main(cli_args(train_data, out, "--max_steps", "20", "--eval_interval", "10")) in (1, 2)
+    assert checkpoint.latest_checkpoint(out).name == "ckpt-0000003"  # the evaluation failed; the checkpoint stays
+    err = capsys.readouterr().err
+    assert "stopping after this step: its checkpoint first, then its evaluation" in err
+    assert "saved" in err and "resume with --resume auto" in err  # said before the evaluation
+    assert cli.main(cli_args(train_data, out, "--max_steps", "4", "--resume", "auto")) == 0  # and it resumes
+
+
+def test_a_failure_after_a_checkpoint_keeps_it_whether_or_not_the_run_replaced_another(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A refusal found once training has begun (here at step 3): the checkpoint of step 2 is the run's, and
+    stays; under --overwrite it has already replaced the old run, which does not come back over it."""
+    real = train.Trainer._train_one
+
+    def refused(self: train.Trainer, progress: Any) -> None:
+        if progress.step == 2:
+            raise UserError("something found after training began")
+        real(self, progress)
+
+    new, old = tmp_path / "new", tmp_path / "old"
+    assert run(train_data, old, max_steps=4, save_interval=4) == 0
+    monkeypatch.setattr(train.Trainer, "_train_one", refused)
+    for out, extra in ((new, []), (old, ["--overwrite"])):
+        assert cli.main(cli_args(train_data, out, "--max_steps", "6", "--save_interval", "2", *extra)) == 2
+        assert "something found after training began" in capsys.readouterr().err
+        assert [d.name for d in checkpoint.checkpoint_dirs(out)] == ["ckpt-0000002"]
+        assert checkpoint.latest_checkpoint(out).name == "ckpt-0000002"

@@ -293,14 +293,7 @@ class BatchDataset(torch.utils.data.Dataset):
         return starts
 
     def _check(self, split: str) -> int:
-        n = self.data.num_tokens(split)
-        if n < self.seq_len + 1:
-            raise UserError(
-                f"the {split} split of {self.data.directory} has {n} tokens, "
-                f"fewer than seq_len + 1 = {self.seq_len + 1}; "
-                "use a shorter --seq_len or more text (a larger --val_fraction for val)"
-            )
-        return n
+        return check_split(self.data, split, self.seq_len)
 
     def __len__(self) -> int:
         return ENDLESS
@@ -341,6 +334,21 @@ class BatchDataset(torch.utils.data.Dataset):
         starts = np.linspace(0, last, num=count).astype(np.int64)[self.rank :: self.world_size]
         for i in range(n):
             yield self._windows(tokens, starts[i * self.batch_size : (i + 1) * self.batch_size])
+
+
+def check_split(data: TokenData, split: str, seq_len: int, *, other_fix: str | None = None) -> int:
+    """The split's token count; refused (naming the split, its count, the context and the fixes: a shorter
+    --seq_len, more text, or `other_fix`) when it holds no window of seq_len + 1 tokens. A command checks each split
+    it reads before its first step: found at the first evaluation, the steps before it would be trained in vain."""
+    n = data.num_tokens(split)
+    if n < seq_len + 1:
+        fixes = [f"use a --seq_len of at most {n - 1}" if n > 1 else "use a shorter --seq_len",
+                 "prepare more text" + (" (a larger --val_fraction)" if split == "val" else ""),
+                 *([other_fix] if other_fix else [])]
+        raise UserError(f"the {split} split of {data.directory} has {n} tokens, fewer than seq_len + 1 = {seq_len + 1} "
+                        f"(a window of the context {seq_len} and its next token): "
+                        + ", ".join(fixes[:-1]) + f", or {fixes[-1]}")
+    return n
 
 
 def make_loader(dataset: BatchDataset, start_step: int = 0, *, num_workers: int = 0, pin_memory: bool = False,

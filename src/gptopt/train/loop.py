@@ -133,6 +133,12 @@ class Trainer:
             raise UserError(f"--seq_len {self.seq_len} exceeds the model's context {context}: use --seq_len {context} "
                              "or less")
         self.data.check_vocab(self.model_config.vocab_size)
+        # Both splits the run reads, before its first step: a val split found too short at the first evaluation
+        # would cost every step before it.
+        data.check_split(self.data, "train", self.seq_len)
+        if cfg.eval_every:
+            data.check_split(self.data, "val", self.seq_len,
+                             other_fix="train without evaluation (--eval_interval 0)")
         self.state: dict[str, Any] = checkpoint.load_train_state(self.resume_dir) if self.resume_dir else {}
         resume.check_ranks_resume_alike(self.state, self.resume_dir, info, self.plan.device)
         self.lineage = resume.lineage(self.out, self.resume_dir, info)
@@ -300,25 +306,17 @@ class Trainer:
                 last_step = self._reached_the_end(progress)
                 every = cfg.eval_every
                 evaluated = bool(every) and (progress.step % every == 0 or last_step)
+                if self._stop_requested(stop_signal):  # every rank agrees, so all save and evaluate alike
+                    exit_code = self._stop(progress, stop_signal)
+                    break
                 if evaluated or last_step or self._read_due(progress):
                     self._read_steps(progress)
                 if evaluated:
                     self._record_eval(progress, self._evaluate(progress.step, progress.train_s))
-                stop = self._stop_requested(stop_signal)
                 reached = progress.target is not None
-                save = stop or reached or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0)
-                if save:  # a checkpoint holds the train time and counts up to its step
-                    self._read_steps(progress)
-                # the model a stop saves gets its val loss (every rank agrees on `stop`, so all evaluate)
-                if stop and every and not evaluated:
-                    self._record_eval(progress, self._evaluate(progress.step, progress.train_s))
-                if save:
-                    # A checkpoint taken because of Ctrl-C / SIGTERM does not retire an old run that --overwrite
-                    # set aside: stopping a mistaken --overwrite must give the old run back (run() does).
-                    progress.last_good = self._save(progress, retire_old=not stop_signal)
-                if stop:
-                    exit_code = self._stopped_early(progress, stop_signal)
-                    break
+                if reached or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0):
+                    self._read_steps(progress)  # a checkpoint holds the train time and counts up to its step
+                    progress.last_good = self._save(progress)
                 if reached:
                     if main:
                         log.info(f"target val loss {cfg.target_loss} reached at step {progress.step}: saved "
@@ -436,20 +434,30 @@ class Trainer:
         out_of_time = budget is not None and time.perf_counter() - self.t_start >= budget
         return distributed.any_rank(bool(stop_signal) or out_of_time, self.info, self.plan.device)
 
-    def _stopped_early(self, progress: Progress, stop_signal: list[int]) -> int:
-        """Say why the run stopped (its checkpoint is saved); the exit code: 143/130 for SIGTERM/SIGINT."""
-        main = self.info.is_main
-        if stop_signal:
-            if main and self.aside is not None and self.aside.folder is not None:
-                log.info(f"signal {signal.Signals(stop_signal[0]).name}: the run --overwrite was replacing is put back "
-                         f"in {self.out} (this run had no checkpoint before the signal)")
-            elif main:
-                log.info(f"signal {signal.Signals(stop_signal[0]).name}: saved {progress.last_good}; resume with "
-                         "--resume auto")
-            return EXIT_CODES.get(stop_signal[0], 1)
-        if main:
-            log.info(f"time budget {self.cfg.time_budget} reached at step {progress.step}: saved {progress.last_good}")
-        return 0
+    def _stop(self, progress: Progress, stop_signal: list[int]) -> int:
+        """A stop (a signal, the time budget) at this step: its checkpoint first, then its evaluation, so that an
+        evaluation that fails (or a second Ctrl-C during it) loses no training. The exit code: 143/130 for
+        SIGTERM/SIGINT, 0 for the time budget."""
+        self._read_steps(progress)
+        # A checkpoint taken because of Ctrl-C / SIGTERM does not retire an old run that --overwrite set aside:
+        # stopping a mistaken --overwrite must give the old run back (run() does), and its checkpoint with it.
+        progress.last_good = self._save(progress, retire_old=not stop_signal)
+        pending = self.aside is not None and self.aside.folder is not None  # rank 0's: it alone sets aside
+        given_back = distributed.any_rank(pending, self.info, self.plan.device)
+        main, name = self.info.is_main, signal.Signals(stop_signal[0]).name if stop_signal else ""
+        evaluate = bool(self.cfg.eval_every) and not given_back  # a checkpoint that goes back needs no val loss
+        then = "; its evaluation follows (Ctrl-C stops it, the checkpoint stays)" if evaluate else ""
+        if main and given_back:
+            log.info(f"signal {name}: the run --overwrite was replacing is put back in {self.out} (this run had no "
+                     "checkpoint before the signal)")
+        elif main and stop_signal:
+            log.info(f"signal {name}: saved {progress.last_good}; resume with --resume auto{then}")
+        elif main:
+            log.info(f"time budget {self.cfg.time_budget} reached at step {progress.step}: saved {progress.last_good}"
+                     + then)
+        if evaluate:
+            self._record_eval(progress, self._evaluate(progress.step, progress.train_s))
+        return EXIT_CODES.get(stop_signal[0], 1) if stop_signal else 0
 
     def _teardown(self) -> None:
         if self.profiler is not None:
@@ -600,8 +608,10 @@ class Trainer:
                 raise KeyboardInterrupt
             flag.append(signum)
             if main:
-                print(f"gptopt train: {signal.Signals(signum).name}: stopping after this step, with a checkpoint; "
-                      "Ctrl-C again stops at once, without one", file=sys.stderr, flush=True)
+                then = ", then its evaluation" if self.cfg.eval_every else ""
+                print(f"gptopt train: {signal.Signals(signum).name}: stopping after this step: its checkpoint first"
+                      f"{then}; Ctrl-C again stops at once (before the checkpoint: without one)", file=sys.stderr,
+                      flush=True)
 
         old: dict[int, Any] = {}
         with contextlib.suppress(ValueError):  # not the main thread (e.g. a test runner's worker)
