@@ -456,6 +456,30 @@ def test_resume_without_preset_keeps_the_checkpoints_and_a_given_default_is_refu
     assert checkpoint.latest_checkpoint(out).name == "ckpt-0000003"
 
 
+def test_resume_refuses_a_vocab_pad_multiple_other_than_the_checkpoints(
+    train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The padded rows are part of the checkpoint's weights: --vocab_pad_multiple shapes a new run only, and one
+    given for a resumed run that differs from its own is refused, never left unused without a word."""
+    out = tmp_path / "r"
+    assert run(train_data, out, max_steps=2) == 0  # train_data's 320 tokens, padded to 64: 320 rows
+    before = tree(out)
+    capsys.readouterr()
+    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "3", "--vocab_pad_multiple",
+                             "128")) == 2
+    err = capsys.readouterr().err
+    assert "--vocab_pad_multiple 128 does not apply to a resumed run" in err and "a multiple of 64" in err
+    assert "drop --vocab_pad_multiple" in err and tree(out) == before
+    # its own padding, or none given: it goes on
+    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "3", "--vocab_pad_multiple",
+                             "64")) == 0
+    assert cli.main(cli_args(train_data, out, "--resume", "auto", "--max_steps", "4")) == 0
+    # a new run takes it
+    assert run(train_data, tmp_path / "new", max_steps=1, vocab_pad_multiple=128) == 0
+    config = checkpoint.load_model(checkpoint.latest_checkpoint(tmp_path / "new")).config
+    assert (config.vocab_pad_multiple, config.padded_vocab_size) == (128, 384)
+
+
 def test_resume_refuses_a_preset_of_another_family_of_the_same_size(
     train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -39,7 +39,7 @@ class Setup:
         tokens = data.open_data(cfg.data_dir)
         # the vocabulary padded as `gptopt train` pads it: best.toml then trains this very model
         model_config = preset_for_data(name, tokens.model_vocab_size,
-                                       vocab_pad_multiple=TrainConfig().vocab_pad_multiple)
+                                       vocab_pad_multiple=TrainConfig().vocab_padding)
         tokens.check_vocab(model_config.vocab_size)
         seq_len = cfg.seq_len or min(1024 if gpu else 256, model_config.block_size)  # a default fits the model
         return cls(plan, name, tokens, model_config, seq_len)

@@ -449,7 +449,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     tokens = data.open_data(cfg.data_dir)  # the default corpus is prepared on first use, as train does
     tcfg = train_config(cfg)
     auto = default_attention(plan.device.type, plan.amp_dtype)
-    model_cfg = preset_for_data(cfg.preset, tokens.model_vocab_size, vocab_pad_multiple=tcfg.vocab_pad_multiple,
+    model_cfg = preset_for_data(cfg.preset, tokens.model_vocab_size, vocab_pad_multiple=tcfg.vocab_padding,
                        attention=cfg.attention if cfg.attention != "auto" else auto,
                        gradient_checkpointing=cfg.gradient_checkpointing)
     tokens.check_vocab(model_cfg.vocab_size)

@@ -109,6 +109,8 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 # update is scaled to AdamW's RMS (optim.MUON_ADJUST_LR), so the figure reads on AdamW's scale. The GPT-2 sizes
 # take the same rate, untried.
 MUON_LR = 3e-3
+# A new run's vocabulary is padded to a multiple of this: tensor cores take the embedding and the head in whole tiles
+VOCAB_PAD_MULTIPLE = 64
 
 
 @dataclass(kw_only=True)
@@ -127,8 +129,11 @@ class TrainConfig:
     output_dir: str = opt("out", "checkpoints, metrics.jsonl, TensorBoard logs and traces go here")
     seq_len: int | None = opt(None, "tokens per sequence; default: the model's context", ge=1, le=MAX_SEQ_LEN)
     dropout: float = opt(0.0, "dropout (0 for pretraining; 0.1 is common when fine-tuning small data)", ge=0.0, lt=1.0)
-    vocab_pad_multiple: int = opt(64, "pad the vocabulary to a multiple of this (tensor-core friendly shapes)",
-                                  ge=1, le=MAX_PAD_MULTIPLE)
+    # None: 64 for a new run; a resumed run keeps its checkpoint's padding, and one given for it must match
+    vocab_pad_multiple: int | None = opt(None, "pad the vocabulary to a multiple of this (tensor-core friendly "
+                                         f"shapes); default: {VOCAB_PAD_MULTIPLE} for a new run, and a resumed run "
+                                         "keeps its checkpoint's (one given for it must match)",
+                                         ge=1, le=MAX_PAD_MULTIPLE)
     # batch and length of the run
     batch_size: int = opt(16, "micro-batch: sequences per forward/backward on each device", ge=1, le=MAX_BATCH)
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step (global batch = this x batch x ranks)",
@@ -259,6 +264,11 @@ class TrainConfig:
                              "(the default evaluates about 100 times over max_steps)")
         if self.optimizer == "muon" and self.muon_lr is None:
             self.muon_lr = MUON_LR
+
+    @property
+    def vocab_padding(self) -> int:
+        """The padding multiple of a new run's vocabulary: --vocab_pad_multiple, or its default."""
+        return VOCAB_PAD_MULTIPLE if self.vocab_pad_multiple is None else self.vocab_pad_multiple
 
     @property
     def time_budget_s(self) -> float | None:

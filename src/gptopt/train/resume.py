@@ -138,7 +138,7 @@ def build_model(cfg: TrainConfig, attention: str, data_vocab: int, resumed: Path
         check_resumed_shape(cfg, stored, meta.get("train_config") or {}, resumed)
         return _with_config(checkpoint.load_model(resumed), dataclasses.replace(stored, **runtime))
     if cfg.init_from == "scratch":
-        return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, data_vocab, vocab_pad_multiple=cfg.vocab_pad_multiple,
+        return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, data_vocab, vocab_pad_multiple=cfg.vocab_padding,
                                    **arch_overrides(cfg.arch), **runtime))
     if cfg.arch:
         raise UserError(f"--arch designs a new model; {cfg.init_from} comes with its own: drop --arch, or "
@@ -149,7 +149,7 @@ def build_model(cfg: TrainConfig, attention: str, data_vocab: int, resumed: Path
         source = model_source(cfg.init_from)
     except ValueError as e:
         raise UserError(str(e).replace("--model", "--init_from")) from None
-    return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
+    return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_padding, **runtime)
 
 
 def _with_config(model: GPT, config: GPTConfig) -> GPT:
@@ -188,7 +188,14 @@ SHAPE_FIELDS = ("n_layer", "n_head", "n_embd", "block_size", *(f for f in ARCH_F
 
 
 def check_resumed_shape(cfg: TrainConfig, stored: GPTConfig, run: dict[str, Any], resumed: Path) -> None:
-    """--preset and --arch shape a new run only: those given for a resumed run must be its checkpoint's."""
+    """--preset, --arch and --vocab_pad_multiple shape a new run only: those given for a resumed run must be its
+    checkpoint's."""
+    pad = cfg.vocab_pad_multiple
+    if pad is not None and pad != stored.vocab_pad_multiple:
+        raise UserError(f"--vocab_pad_multiple {pad} does not apply to a resumed run: {resumed} holds a vocabulary "
+                         f"padded to a multiple of {stored.vocab_pad_multiple} ({stored.padded_vocab_size} rows of the "
+                         "embedding, its optimizer state with them); drop --vocab_pad_multiple to go on with it, or "
+                         f"give a run padded to {pad} another --output_dir")
     changed = {k: v for k, v in arch_overrides(cfg.arch).items() if getattr(stored, k) != v}
     if changed:
         raise UserError(f"--arch {cfg.arch} does not apply to a resumed run: {resumed} holds "
