@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 
 from gptopt import __version__
 from gptopt.config import field_types, range_text, type_ok
+from gptopt.runtime.signals import CTRL_C_EXIT
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import MissingExtra
 from gptopt.utils.logs import setup_logging
@@ -290,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         print(f"\ngptopt {verb}: stopped (Ctrl-C)", file=sys.stderr)
-        return 130
+        return CTRL_C_EXIT
 
 
 def output_flag(config: Any) -> str | None:

@@ -56,6 +56,7 @@ from gptopt.infer.speculative import Speculator
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, environment, memory_bandwidth
 from gptopt.runtime.memory import is_oom
+from gptopt.runtime.signals import CTRL_C_EXIT
 from gptopt.runtime.torch_private import recompile_limit_for, reset_dynamo
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import EXTRAS, has, require
@@ -607,5 +608,5 @@ def main(cfg: BenchConfig) -> int:
     skipped = all(r["status"] == "skipped" for r in summary["rungs"])
     if bench.stopped:
         log.warning("bench --mode infer was stopped: the report holds the rungs measured before it")
-        return 130
+        return CTRL_C_EXIT
     return 0 if summary["baseline"] or skipped else 1

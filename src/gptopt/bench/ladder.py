@@ -49,6 +49,7 @@ from gptopt.runtime.device import (
 )
 from gptopt.runtime.memory import is_oom
 from gptopt.runtime.monitor import Monitor, format_summary
+from gptopt.runtime.signals import CTRL_C_EXIT
 from gptopt.runtime.torch_private import reset_dynamo
 from gptopt.train import memory as train_memory
 from gptopt.train.step import LOADER_FIELDS, TrainStep, loader_options
@@ -542,5 +543,5 @@ def main(cfg: BenchConfig) -> int:
         print(to_json(summary))
     if bench.stopped:
         log.warning("bench was stopped: the report holds the rungs measured before it")
-        return 130
+        return CTRL_C_EXIT
     return 0 if best else 1

@@ -63,6 +63,7 @@ from gptopt.infer.measure import STOPPED
 from gptopt.outputs import replacing
 from gptopt.runtime import process
 from gptopt.runtime.device import cpu_has_fast_bf16, environment, resolve
+from gptopt.runtime.signals import CTRL_C_EXIT
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import has, require
 from gptopt.utils.tables import fmt, text_table, to_json, toml_text
@@ -591,5 +592,5 @@ def main(cfg: BenchConfig) -> int:
         print(to_json(summary))
     if ladder.stopped:
         log.warning("bench --mode quality was stopped: the report holds the runs measured before it")
-        return 130
+        return CTRL_C_EXIT
     return 0 if any(r.reached for r in ladder.runs if r.recipe == BASELINE) else 1

@@ -39,7 +39,7 @@ from tqdm import tqdm
 from gptopt.config import PrepareConfig
 from gptopt.data.tokenizer import EOT, TOKENIZER, eot_id, load_tokenizer
 from gptopt.outputs import check_output, lock_output, mark, marked_kind, staged_files
-from gptopt.runtime.process import interruptible
+from gptopt.runtime.signals import interruptible
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 

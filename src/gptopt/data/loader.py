@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ from gptopt.config import PrepareConfig
 from gptopt.data.corpus import FORMAT, META, SPLITS, VERSION, tokenize_corpus
 from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
 from gptopt.outputs import lock_output
+from gptopt.runtime import signals
 from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
@@ -375,8 +375,7 @@ def _leave_stop_signals_to_the_main_process(worker_id: int) -> None:
     # A stop sent to the whole process group (a scheduler, torchrun, Ctrl-C) would otherwise kill the
     # workers, and the main process would die of a lost worker mid-step or mid-save instead of saving
     # at the step boundary; it shuts its workers down itself when it is done.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    signals.ignore()
 
 
 def _cores_per_process() -> int:

@@ -52,7 +52,7 @@ from gptopt.infer.constrain import Grammars
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
 from gptopt.infer.sampling import SamplingParams
-from gptopt.runtime import memory, process
+from gptopt.runtime import memory, process, signals
 from gptopt.runtime.device import resolve
 from gptopt.serve.blocklist import Blocklist, load_blocklist
 from gptopt.serve.client import Draining, QueueFull, RetryAfter
@@ -174,7 +174,7 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
            setup: Callable[[Engine], None] | None) -> None:
     """The engine process: build and warm up the engine, say ready, then run it on this thread while
     another carries out the parent's commands, until it says shutdown (or its end of the pipe closes)."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signals.ignore((signal.SIGINT,))
     threading.Thread(target=_orphan_watch, args=(os.getppid(),), name="gptopt-orphan-watch", daemon=True).start()
     setup_logging()  # a spawned process starts with logging unset; its lines look like the parent's
     pipe = _Pipe(events)
@@ -189,7 +189,7 @@ def _child(cfg: ServeConfig, commands: Connection, events: Connection,
     # parent's drain would, and tells the parent, which then refuses new requests. Before that, SIGTERM
     # ends it at once: there is nothing to drain.
     terminated = threading.Event()
-    signal.signal(signal.SIGTERM, lambda signum, frame: terminated.set())
+    signals.install(lambda signum, frame: terminated.set(), (signal.SIGTERM,))
     pipe.engine = engine
     with settled_heap(give_back=False):
         pipe.message(("ready", {"max_batch_size": engine.max_batch_size, "max_len": engine.max_len,
