@@ -24,8 +24,8 @@ from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, gpu_spec, measured_matmul_flops, peak_flops, resolve
 from gptopt.runtime.monitor import Monitor
+from gptopt.train.auto_batch import find_batch_size
 from gptopt.train.distributed import DistInfo, no_sync, wrap_ddp, wrap_fsdp
-from gptopt.train.memory import find_batch_size
 from gptopt.train.step import TrainStep
 
 pytestmark = pytest.mark.cuda

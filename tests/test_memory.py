@@ -330,15 +330,15 @@ def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest
 def test_auto_batch_size_skips_sizes_the_estimate_rules_out(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from gptopt.train import memory as trained
+    from gptopt.train import auto_batch
 
     tried: list[int] = []
-    real = trained.find_batch_size
+    real = auto_batch.find_batch_size
 
     def spy(try_batch, global_batch, largest, fits=None):  # type: ignore[no-untyped-def]
         return real(lambda b: (tried.append(b), try_batch(b))[1], global_batch, largest, fits)
 
-    monkeypatch.setattr(trained, "find_batch_size", spy)
+    monkeypatch.setattr(auto_batch, "find_batch_size", spy)
     # the free memory fits micro-batch 4 of the debug model at 64 tokens, not 8
     cfg = preset("debug", vocab_size=320, vocab_pad_multiple=64, attention="eager")  # train_data's vocabulary
     four = train_memory.for_training(cfg, TrainConfig(batch_size=4), 64, None).without("weights").total

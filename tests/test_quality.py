@@ -22,7 +22,7 @@ from gptopt.config import BenchConfig, GPTConfig, TrainConfig, arch_overrides, p
 from gptopt.data import loader as data
 from gptopt.infer.measure import STOPPED
 from gptopt.models import checkpoint
-from gptopt.train import loop as train
+from gptopt.train import validation
 from gptopt.train.metrics import Progress
 
 FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
@@ -374,11 +374,10 @@ def test_a_decay_that_ends_inside_the_warmup_is_refused() -> None:
 
 
 def test_a_diverged_evaluation_neither_reaches_the_target_nor_becomes_the_best() -> None:
-    fake = type("T", (), {"cfg": TrainConfig(target_loss=3.0, eval_interval=10), "metrics": None})()
     progress = Progress()
-    train.Trainer._record_eval(fake, progress, float("nan"))
+    validation.record(progress, float("nan"), target_loss=3.0, metrics=None)
     assert progress.target is None and progress.best_val is None
-    train.Trainer._record_eval(fake, progress, 2.5)
+    validation.record(progress, 2.5, target_loss=3.0, metrics=None)
     assert progress.target is not None and progress.best_val == 2.5
 
 

@@ -1,6 +1,6 @@
 """A training step's memory, estimated before it is allocated: the peak of one step from the shapes, the loss
-that fits (--loss auto), the refusal with its fix, the search of --auto_batch_size, and the advice after an
-out-of-memory error.
+that fits (--loss auto), the refusal with its fix, and the advice after an out-of-memory error (the search of
+--auto_batch_size, which the estimate guides, is train/auto_batch.py).
 
     python -c "import gptopt.train.memory as m, gptopt.config as c; print(m.train_step_bytes(c.preset('tiny'), 8, 256))"
 
@@ -22,7 +22,7 @@ from gptopt.models.gpt import CAUSAL_SPLIT_MIN
 from gptopt.models.loss import chunk_rows
 from gptopt.runtime import memory
 from gptopt.runtime.device import DevicePlan
-from gptopt.runtime.memory import F32, Estimate, is_oom, itemsize
+from gptopt.runtime.memory import F32, Estimate, itemsize
 from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
@@ -193,22 +193,3 @@ def oom_advice(cfg: TrainConfig, plan: DevicePlan) -> str:
     fixes.append("--auto_batch_size")
     return f"out of memory at micro-batch {cfg.batch_size}{figures}; try: " + ", or ".join(fixes)
 
-
-def find_batch_size(try_batch: Callable[[int], None], global_batch: int, largest: int,
-                    fits: Callable[[int], bool] | None = None) -> int:
-    """Largest divisor of global_batch (<= largest) for which try_batch does not run out of memory;
-    a size `fits` rules out (the memory estimate) is not tried: on a CPU trying it could be OOM-killed."""
-    for b in sorted((d for d in range(1, global_batch + 1) if global_batch % d == 0 and d <= largest), reverse=True):
-        if fits is not None and not fits(b):
-            log.info(f"auto batch size: micro-batch {b} would not fit (memory estimate)")
-            continue
-        try:
-            try_batch(b)
-            return b
-        except Exception as e:
-            if not is_oom(e):
-                raise
-            log.info(f"auto batch size: micro-batch {b} does not fit")
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-    raise UserError("not even a micro-batch of 1 fits: use --gradient_checkpointing, --use_amp, or a smaller model")

@@ -1,0 +1,71 @@
+"""A run's evaluation: the val loss over the same windows every time (with perplexity, bits per byte and a text
+sample) and what it means for the run: the best val loss so far, and --target_loss reached.
+
+    python -c "from gptopt.train.validation import record; help(record)"
+
+The val split is checked against the context before the run's first step (data.loader.check_split), so an
+evaluation never finds it too short after the steps before it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from tqdm import tqdm
+
+from gptopt.config import TrainConfig
+from gptopt.data import loader as data
+from gptopt.data.bpb import bits_per_byte, bytes_per_token
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import DevicePlan
+from gptopt.train import distributed
+from gptopt.train.distributed import DistInfo
+from gptopt.train.metrics import Metrics, Progress, sample
+
+
+@torch.no_grad()
+def evaluate(model: GPT, tokens: data.TokenData, cfg: TrainConfig, plan: DevicePlan, info: DistInfo, seq_len: int,
+             step: int, train_s: float, metrics: Metrics | None) -> float:
+    """The val loss of --eval_iters batches (every rank's mean), said and written to metrics.jsonl (rank 0) with
+    perplexity, bits per byte, the sample (--sample_tokens) and train_s: the training steps' wall time so far (bench
+    --mode quality's curves of val loss against training time). The model goes back to training mode."""
+    model.eval()
+    ds = data.BatchDataset(tokens, "val", cfg.batch_size, seq_len, cfg.seed, info.rank, info.world_size)
+    losses = []
+    for x, y in ds.eval_batches(cfg.eval_iters):
+        with plan.autocast():
+            losses.append(model(x.to(plan.device), y.to(plan.device)).float())
+    val = distributed.all_reduce_mean(torch.stack(losses).mean(), info).item()
+    text = ""
+    if cfg.sample_tokens:
+        text = sample(model, plan, tokens.tokenizer(), tokens.eot_id, cfg.sample_tokens, cfg.seed + step)
+    model.train()
+    if info.is_main:
+        assert metrics is not None
+        ppl = math.exp(min(val, 50.0))
+        bpb = bits_per_byte(val, bytes_per_token(tokens, "val"))  # None for nanoGPT data (no tokenizer)
+        tqdm.write(f"step {step}: val loss {val:.4f}, perplexity {ppl:.2f}"
+                   + (f", {bpb:.4f} bits/byte" if bpb is not None else "")
+                   + (f"\n  sample: {text!r}" if text else ""))
+        metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "val_bpb": bpb, "sample": text,
+                       "train_s": train_s})
+    return val
+
+
+def record(progress: Progress, val: float, target_loss: float | None, metrics: Metrics | None) -> None:
+    """The best val loss so far, and --target_loss reached: what it took (step time summed, evals and saves left
+    out; with and without each process's first step, which compiles), written to metrics.jsonl once."""
+    if math.isfinite(val):  # a diverged evaluation is neither the best nor a target reached
+        progress.best_val = val if progress.best_val is None else min(progress.best_val, val)
+    if target_loss is None or not val <= target_loss or progress.target is not None:
+        return
+    progress.target = {
+        "loss": target_loss, "reached": True, "val_loss": val, "time_to_target_s": progress.train_s,
+        "time_to_target_excl_compile_s": progress.train_s - progress.first_steps_s,
+        "tokens_to_target": progress.tokens_seen, "steps_to_target": progress.step,
+        "best_val_loss": progress.best_val,
+    }
+    if metrics is not None:
+        metrics.write({"step": progress.step, "target": progress.target})
+
