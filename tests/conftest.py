@@ -26,7 +26,8 @@ from tokenizers import Tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from gptopt.config import GPTConfig, preset
+from gptopt.commands import train as train_cmd
+from gptopt.config import GPTConfig, TrainConfig, preset
 from gptopt.models.gpt import GPT
 from gptopt.runtime import process
 
@@ -248,6 +249,41 @@ def split_bytes_per_token(data_dir: Path, split: str = "val") -> float:
     ids = np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16).tolist()
     text = Tokenizer.from_file(str(data_dir / "tokenizer.json")).decode(ids)
     return len(text.encode("utf-8")) / len(ids)
+
+
+# gptopt train on one CPU process at its quickest: the debug model, no evaluation, every step logged
+TRAIN_FAST = dict(preset="debug", seq_len=32, batch_size=4, device="cpu", sample_tokens=0, tensorboard=False,
+                  eval_interval=0, log_interval=1, warmup_steps=2)
+
+
+def train_run(data: Path, out: Path, **kw: Any) -> int:
+    """`gptopt train` with TRAIN_FAST and kw, in this process; its exit code."""
+    return train_cmd.main(TrainConfig(data_dir=str(data), output_dir=str(out), **{**TRAIN_FAST, **kw}))
+
+
+def train_records(out: Path) -> list[dict[str, Any]]:
+    """A run's metrics.jsonl, one dict a record."""
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def train_losses(out: Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in train_records(out) if "loss" in r}
+
+
+def train_args(data: Path, out: Path, *extra: str) -> list[str]:
+    return ["train", "--data_dir", str(data), "--output_dir", str(out), "--preset", "debug", "--seq_len", "32",
+            "--batch_size", "4", "--device", "cpu", "--sample_tokens", "0", "--no-tensorboard", "--warmup_steps", "2",
+            "--eval_interval", "0", "--log_interval", "1", *extra]  # the same settings as TRAIN_FAST
+
+
+def eval_samples(out: Path) -> dict[int, str]:
+    return {r["step"]: r["sample"] for r in train_records(out) if "sample" in r}
+
+
+def file_tree(root: Path) -> dict[str, bytes]:
+    """Every file under root (relative path -> bytes): what a refused command must leave exactly as it was."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
 
 
 _HOLD = """
