@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from gptopt.config import GPTConfig
 from gptopt.models.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.models.gpt import GPT
+from gptopt.models.hf_files import GENERATION_CONFIG, HF_CONFIG
 from gptopt.outputs import check_output, staged_dir
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
@@ -38,8 +39,6 @@ __all__ = [
     "load_pretrained",
 ]
 
-HF_CONFIG = "config.json"
-GENERATION_CONFIG = "generation_config.json"  # transformers' generate reads its defaults (eos_token_id) here
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 EXPORT_KIND = "export-hf"  # the outputs mark of a directory export_hf wrote: the only kind its overwrite replaces

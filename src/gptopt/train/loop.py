@@ -125,6 +125,7 @@ class Trainer:
         self.resume_dir = resume.resume_dir(cfg)
         self.raw = resume.build_model(cfg, self.attention, self.data.model_vocab_size, self.resume_dir)
         resume.check_tokenizer(cfg, self.data, self.resume_dir)
+        self.carried = resume.carried_files(cfg, self.resume_dir)  # the source's template and end ids
         self.model_config = self.raw.config
         # A pretrained model's own context, known only once it is loaded: gpt2's 1024, a debug model's 64.
         self.seq_len = cfg.seq_len or self.model_config.block_size
@@ -538,7 +539,7 @@ class Trainer:
                         "tokenizer_digest": tokenizer_digest(tokenizer)} if tokenizer else {})}
             path = checkpoint.save_checkpoint(self.out, progress.step, self.model_config, model_state, train_state,
                                               meta=meta, keep=self.cfg.save_total_limit, parent=self.lineage,
-                                              tokenizer=tokenizer)
+                                              tokenizer=tokenizer, files=self.carried)
             self.lineage = checkpoint.lineage(path)
             if self.aside is not None and retire_old:
                 self.aside.commit()  # the new run has a checkpoint of its own: the old run goes
