@@ -84,10 +84,50 @@ def test_a_grouped_query_decode_step_reads_the_cache_as_stored(attention: str) -
 
 def test_what_gptopt_cannot_represent_is_refused_with_the_reason(tmp_path: Path) -> None:
     theirs = hf_family_model("llama", rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     theirs.save_pretrained(tmp_path / "scaled")
     with pytest.raises(ValueError, match="scaled rotary"):
         hf.load_pretrained(tmp_path / "scaled")
+
+
+def test_a_config_holding_rope_scaling_and_rope_parameters_rotates_as_transformers_reads_it(tmp_path: Path) -> None:
+    """transformers takes a rope_scaling that is set in place of rope_parameters, theta and all: beside a plain
+    rope_parameters, a llama3 rope_scaling is scaled there, so it is refused here (never loaded as plain rotary),
+    and a plain rope_scaling beside rope_parameters of another theta gives transformers' logits."""
+    hf_family_model("llama").save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    x = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(1))
+    for scaling in (llama3, {"rope_type": "default"}):
+        (tmp_path / "m" / "config.json").write_text(json.dumps(
+            {**config, "rope_scaling": scaling, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+        assert theirs.config.rope_parameters["rope_type"] == scaling["rope_type"]
+        if scaling is llama3:
+            with pytest.raises(ValueError, match="scaled rotary"):
+                hf.load_pretrained(tmp_path / "m")
+            continue
+        ours = hf.load_pretrained(tmp_path / "m").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), theirs(input_ids=x).logits, rtol=0, atol=1e-4)
+
+
+def test_an_end_id_that_is_no_id_is_refused_naming_the_file_and_the_field(
+        debug_tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """eos_token_id "x" in config.json or generation_config.json: generate refuses naming the file and the field,
+    where it skipped the value and let a reply run past its end."""
+    from gptopt import cli
+
+    d = chat_model_dir("qwen3", debug_tokenizer, tmp_path / "qwen3")
+    for name in ("config.json", "generation_config.json"):
+        good = (d / name).read_text()
+        (d / name).write_text(json.dumps({**json.loads(good), "eos_token_id": "x"}))
+        capsys.readouterr()
+        assert cli.main(["generate", "--model", str(d), "--device", "cpu", "--max_new_tokens", "1", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert f"{d / name}: eos_token_id must be a token id or a list of them, not 'x'" in err, err
+        (d / name).write_text(good)
 
 
 def test_the_family_trains_and_gpt2s_module_keeps_its_weights() -> None:

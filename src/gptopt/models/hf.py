@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from gptopt.config import GPTConfig
 from gptopt.models.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.models.gpt import GPT
-from gptopt.models.hf_files import GENERATION_CONFIG, HF_CONFIG
+from gptopt.models.hf_files import GENERATION_CONFIG, HF_CONFIG, token_ids
 from gptopt.outputs import check_output, staged_dir
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
@@ -125,7 +125,11 @@ def config_from_llama(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfi
         raise UserError(f"{where}: lacks {', '.join(missing)}; the file is damaged or not a {kind} config.json")
     if hf.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act is {hf.get('hidden_act')!r}, not the SwiGLU's 'silu'")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    # transformers (5.x) takes a rope_scaling that is set in place of rope_parameters, theta and all
+    # (PreTrainedConfig.convert_rope_params_to_dict): a config holding both rotates as its rope_scaling says
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{where}: rope_scaling / rope_parameters must be an object, not {rope!r}; fix the file")
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         refuse(f"rope type {rope.get('rope_type', rope.get('type'))!r} (scaled rotary) is not supported, only plain "
                "rotary positions")
@@ -453,6 +457,9 @@ def load_hf_dir(directory: str | os.PathLike[str], **overrides: Any) -> GPT:
         hf = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{config_path}: corrupt JSON ({e}); the download is damaged, fetch the model again") from None
+    if isinstance(hf, dict):  # ids that are no ids are refused now, not skipped where a reply should end
+        token_ids(config_path, hf, "bos_token_id", many=False)
+        token_ids(config_path, hf, "eos_token_id")
     if isinstance(hf, dict) and hf.get("model_type") in LLAMA_FAMILIES:
         config = apply_overrides(config_from_llama(hf, where=str(config_path)), overrides, str(directory))
         return _build(config, llama_state_to_gptopt(read_hf_weights(directory), config, where=str(directory)))
