@@ -25,6 +25,7 @@ from gptopt.config import GPTConfig
 from gptopt.models.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.models.gpt import GPT
 from gptopt.models.hf_files import GENERATION_CONFIG, HF_CONFIG, token_ids
+from gptopt.models.hub import offline as hub_offline
 from gptopt.outputs import check_output, staged_dir
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
@@ -481,15 +482,10 @@ def _load_gptopt_dir(directory: Path, overrides: dict[str, Any]) -> GPT:
     return _build(config, state)
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
 def _download(name: str) -> Path:
     """Fetch config + weights of a hub model into the HF cache; safetensors, the .bin only if there is none."""
     hub = require("huggingface_hub", "hf", f"downloading {name!r} from the Hugging Face Hub")
-    # huggingface_hub reads HF_HUB_OFFLINE once, at import; read it again so a later setting counts.
-    offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+    offline = hub_offline()
 
     def fetch(patterns: list[str]) -> Path:
         return Path(

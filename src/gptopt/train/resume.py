@@ -147,10 +147,7 @@ def build_model(cfg: TrainConfig, attention: str, data_vocab: int, resumed: Path
                          "train from scratch")
     if cfg.init_from in ("debug", "tiny"):
         raise UserError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
-    try:  # what `gptopt generate --model` takes: a training output dir means its latest checkpoint
-        source = model_source(cfg.init_from)
-    except ValueError as e:
-        raise UserError(str(e).replace("--model", "--init_from")) from None
+    source = model_source(cfg.init_from, "--init_from")  # as generate --model: an output dir is its latest checkpoint
     return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_pad_multiple, **runtime)
 
 
@@ -180,7 +177,7 @@ def check_tokenizer(cfg: TrainConfig, data: TokenData, resumed: Path | None) -> 
     if ours is None or (resumed is None and cfg.init_from == "scratch"):
         return
     what = f"the run's checkpoint {resumed}" if resumed is not None else f"--init_from {cfg.init_from}"
-    source = resumed if resumed is not None else model_source(cfg.init_from)
+    source = resumed if resumed is not None else model_source(cfg.init_from, "--init_from")
     recorded = checkpoint.read_meta(source).get("tokenizer_digest") if isinstance(source, Path) and \
         checkpoint.is_gptopt_dir(source) else None
     theirs = own_tokenizer(source)
