@@ -57,13 +57,37 @@ def how_it_chats(folder: Path | str, tok: Tokenizer) -> tuple[object, ...]:
     return template.text, template.eos_token, chat.end_token_ids(folders, tok), hf_files.special_ids(folders)
 
 
+def served_chat_ends_at(folder: Path, chat_ids: list[int], end_of_turn: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """serve --model FOLDER: the chat route sends the template's tokens, and the model's end of turn ends the reply
+    (forced as the third new token, as a model that ends its turn there would), with the text before it."""
+    pytest.importorskip("fastapi")
+    httpx = pytest.importorskip("httpx")
+    from test_serve import end_of_text_after
+
+    from gptopt.config import ServeConfig
+    from gptopt.serve.app import create_app
+    from gptopt.serve.server import serve_in_thread
+
+    app = create_app(ServeConfig(model=str(folder), device="cpu", max_batch_size=2, engine_process=False))
+    body = {"messages": MESSAGES, "max_tokens": 8, "temperature": 0}
+    with serve_in_thread(app) as server:
+        url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
+        end_of_text_after(app.state.engine.generator, monkeypatch, len(chat_ids), 3, end_of_turn)
+        got = httpx.post(url, json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    reply = got.json()
+    assert reply["usage"] == {"prompt_tokens": len(chat_ids), "completion_tokens": 3, "total_tokens": len(chat_ids) + 3}
+    assert reply["choices"][0]["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("kind", ["qwen3", "llama"])
 def test_a_chat_model_fine_tuned_resumed_and_exported_keeps_its_template_and_every_end_id(
         kind: str, debug_tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     """train --init_from a chat model's folder: the checkpoint chats as its source does (its template, its end of
     turn and every eos id of both configs), generate --chat sends the template's tokens, --resume keeps it all
-    (the checkpoint it resumed from deleted by retention before the next save), and export --format hf writes a
+    (the checkpoint it resumed from deleted by retention before the next save), serve's chat route ends a reply at
+    the end of turn, and export --format hf writes a
     folder whose tokenizer transformers applies the template with, and whose configs name every eos id."""
     from test_chat import run_chat
 
@@ -88,6 +112,7 @@ def test_a_chat_model_fine_tuned_resumed_and_exported_keeps_its_template_and_eve
     train(data, out, "--resume", "auto", "--max_steps", "6", "--save_interval", "2", "--save_total_limit", "1")
     assert not first.exists() and checkpoint.latest_checkpoint(out).name == checkpoint.checkpoint_name(6)
     assert how_it_chats(out, tok) == want
+    served_chat_ends_at(out, chat_ids, end_of_turn, monkeypatch)
 
     export = tmp_path / "export"
     assert cli.main(["export", "--model", str(out), "--format", "hf", "--output_dir", str(export)]) == 0
