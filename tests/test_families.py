@@ -116,7 +116,8 @@ def test_a_config_holding_rope_scaling_and_rope_parameters_rotates_as_transforme
 def test_an_end_id_that_is_no_id_is_refused_naming_the_file_and_the_field(
         debug_tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """eos_token_id "x" in config.json or generation_config.json: generate refuses naming the file and the field,
-    where it skipped the value and let a reply run past its end."""
+    where it skipped the value and let a reply run past its end; so does loading config.json's model for any
+    command (hf.load_pretrained), whether or not it reads the end ids."""
     from gptopt import cli
 
     d = chat_model_dir("qwen3", debug_tokenizer, tmp_path / "qwen3")
@@ -127,6 +128,9 @@ def test_an_end_id_that_is_no_id_is_refused_naming_the_file_and_the_field(
         assert cli.main(["generate", "--model", str(d), "--device", "cpu", "--max_new_tokens", "1", "hi"]) == 2
         err = capsys.readouterr().err
         assert f"{d / name}: eos_token_id must be a token id or a list of them, not 'x'" in err, err
+        if name == "config.json":
+            with pytest.raises(ValueError, match="config.json: eos_token_id must be a token id"):
+                hf.load_pretrained(d)
         (d / name).write_text(good)
 
 
