@@ -134,6 +134,94 @@ def make_varied_model(vocab_size: int, family: str = "gpt2") -> GPT:
     return model.eval()
 
 
+FAMILY_SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, max_position_embeddings=128, rms_norm_eps=1e-6)
+
+
+def hf_family_model(kind: str, **kw: object) -> torch.nn.Module:
+    """A random transformers model of the family: Llama with grouped-query attention and its own head; Qwen3 with
+    heads sized apart from the width (as Qwen3-0.6B's) and a tied head."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(**{**FAMILY_SMALL, "num_key_value_heads": 2, "rope_theta": 50000.0,
+                                          "tie_word_embeddings": False, **kw})
+        return transformers.LlamaForCausalLM(cfg).eval()
+    cfg = transformers.Qwen3Config(**{**FAMILY_SMALL, "num_key_value_heads": 2, "head_dim": 32, "rope_theta": 1e6,
+                                      "tie_word_embeddings": True, **kw})
+    return transformers.Qwen3ForCausalLM(cfg).eval()
+
+
+# The families' chat templates as their tokenizer_config.json carries them: Llama 3's (its BOS from the
+# template, each turn ended by <|eot_id|>), and Qwen3's chat turns with its thinking switch (its tool calls left out).
+LLAMA3_TEMPLATE = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+QWEN3_TEMPLATE = """{%- if messages[0].role == 'system' %}
+    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
+{%- endif %}
+{%- set ns = namespace(last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- if message.role == "user" and ns.last_query_index == messages|length - 1 %}
+        {%- set ns.last_query_index = (messages|length - 1) - loop.index0 %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- set content = message.content if message.content is string else '' %}
+    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- if '</think>' in content %}
+            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+        {%- endif %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}
+{%- endif %}"""
+# kind: (template, its special tokens, bos_token, eos_token: the token that ends a turn)
+CHAT = {"llama": (LLAMA3_TEMPLATE, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
+                  "<|begin_of_text|>", "<|eot_id|>"),
+        "qwen3": (QWEN3_TEMPLATE, ("<|im_start|>", "<|im_end|>"), None, "<|im_end|>")}
+
+
+def chat_model_dir(kind: str, tokenizer: Tokenizer, path: Path) -> Path:
+    """A Hugging Face directory of the family as a published chat model has it: the tokenizer with the family's
+    special tokens (Llama 3's adds its BOS to every text it encodes), tokenizer_config.json with the chat template
+    and the end-of-turn token, and random weights wide enough that greedy text changes from token to token."""
+    from tokenizers import processors
+
+    template, specials, bos, eos = CHAT[kind]
+    tok = Tokenizer.from_str(tokenizer.to_str())
+    tok.add_special_tokens(list(specials))
+    if bos is not None:
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])])
+    # its configs name its own special tokens, as a published model's do (transformers' defaults, 1 and 2, would be
+    # ordinary tokens of this tokenizer)
+    ends = {"bos_token_id": tok.token_to_id(bos) if bos else None, "eos_token_id": tok.token_to_id(eos)}
+    model = hf_family_model(kind, vocab_size=tok.get_vocab_size(), **ends)
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = ends.values()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.5)
+    model.save_pretrained(path)
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": eos,
+              **({"bos_token": bos} if bos else {})}
+    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
+    return path
+
+
 @pytest.fixture
 def varied_model(debug_tokenizer: Tokenizer) -> GPT:
     """make_varied_model sized to debug_tokenizer."""

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import CHAT, chat_model_dir, hf_family_model
 from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig
@@ -20,95 +21,9 @@ from gptopt.models.gpt import GPT, rotary
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-             max_position_embeddings=128, rms_norm_eps=1e-6)
-
-
-def hf_model(kind: str, **kw: object) -> torch.nn.Module:
-    """A random transformers model of the family: Llama with grouped-query attention and its own head; Qwen3 with
-    heads sized apart from the width (as Qwen3-0.6B's) and a tied head."""
-    torch.manual_seed(0)
-    if kind == "llama":
-        cfg = transformers.LlamaConfig(**{**SMALL, "num_key_value_heads": 2, "rope_theta": 50000.0,
-                                          "tie_word_embeddings": False, **kw})
-        return transformers.LlamaForCausalLM(cfg).eval()
-    cfg = transformers.Qwen3Config(**{**SMALL, "num_key_value_heads": 2, "head_dim": 32, "rope_theta": 1e6,
-                                      "tie_word_embeddings": True, **kw})
-    return transformers.Qwen3ForCausalLM(cfg).eval()
-
-
-# The families' chat templates as their tokenizer_config.json carries them: Llama 3's (its BOS from the
-# template, each turn ended by <|eot_id|>), and Qwen3's chat turns with its thinking switch (its tool calls left out).
-LLAMA3_TEMPLATE = (
-    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
-    "message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
-QWEN3_TEMPLATE = """{%- if messages[0].role == 'system' %}
-    {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-{%- endif %}
-{%- set ns = namespace(last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- if message.role == "user" and ns.last_query_index == messages|length - 1 %}
-        {%- set ns.last_query_index = (messages|length - 1) - loop.index0 %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- set content = message.content if message.content is string else '' %}
-    {%- if message.role == "user" or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- if '</think>' in content %}
-            {%- set content = content.split('</think>')[-1].lstrip('\n') %}
-        {%- endif %}
-        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}"""
-# kind: (template, its special tokens, bos_token, eos_token: the token that ends a turn)
-CHAT = {"llama": (LLAMA3_TEMPLATE, ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"),
-                  "<|begin_of_text|>", "<|eot_id|>"),
-        "qwen3": (QWEN3_TEMPLATE, ("<|im_start|>", "<|im_end|>"), None, "<|im_end|>")}
-
-
-def chat_model_dir(kind: str, tokenizer: Tokenizer, path: Path) -> Path:
-    """A Hugging Face directory of the family as a published chat model has it: the tokenizer with the family's
-    special tokens (Llama 3's adds its BOS to every text it encodes), tokenizer_config.json with the chat template
-    and the end-of-turn token, and random weights wide enough that greedy text changes from token to token."""
-    from tokenizers import processors
-
-    template, specials, bos, eos = CHAT[kind]
-    tok = Tokenizer.from_str(tokenizer.to_str())
-    tok.add_special_tokens(list(specials))
-    if bos is not None:
-        tok.post_processor = processors.Sequence([
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])])
-    # its configs name its own special tokens, as a published model's do (transformers' defaults, 1 and 2, would be
-    # ordinary tokens of this tokenizer)
-    ends = {"bos_token_id": tok.token_to_id(bos) if bos else None, "eos_token_id": tok.token_to_id(eos)}
-    model = hf_model(kind, vocab_size=tok.get_vocab_size(), **ends)
-    model.generation_config.bos_token_id, model.generation_config.eos_token_id = ends.values()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0.0, 0.5)
-    model.save_pretrained(path)
-    tok.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": template, "eos_token": eos,
-              **({"bos_token": bos} if bos else {})}
-    (path / "tokenizer_config.json").write_text(json.dumps(config), encoding="utf-8")
-    return path
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen3"])
 def test_a_hugging_face_model_of_the_family_loads_with_its_logits(kind: str, tmp_path: Path) -> None:
-    theirs = hf_model(kind)
+    theirs = hf_family_model(kind)
     theirs.save_pretrained(tmp_path / kind)
     ours = hf.load_pretrained(tmp_path / kind).eval()
     c = ours.config
@@ -128,7 +43,7 @@ def test_cached_decoding_gives_the_full_forwards_logits(kind: str, attention: st
     both attention paths (each attends a decode step's grouped queries over the key/value heads as stored)."""
     from gptopt.infer.kv_cache import KVCache
 
-    hf_model(kind).save_pretrained(tmp_path / kind)
+    hf_family_model(kind).save_pretrained(tmp_path / kind)
     model = hf.load_pretrained(tmp_path / kind, attention=attention).eval()
     assert model.config.attention == attention
     x = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(2))
@@ -168,11 +83,55 @@ def test_a_grouped_query_decode_step_reads_the_cache_as_stored(attention: str) -
 
 
 def test_what_gptopt_cannot_represent_is_refused_with_the_reason(tmp_path: Path) -> None:
-    theirs = hf_model("llama", rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    theirs = hf_family_model("llama", rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
     theirs.save_pretrained(tmp_path / "scaled")
     with pytest.raises(ValueError, match="scaled rotary"):
         hf.load_pretrained(tmp_path / "scaled")
+
+
+def test_a_config_holding_rope_scaling_and_rope_parameters_rotates_as_transformers_reads_it(tmp_path: Path) -> None:
+    """transformers takes a rope_scaling that is set in place of rope_parameters, theta and all: beside a plain
+    rope_parameters, a llama3 rope_scaling is scaled there, so it is refused here (never loaded as plain rotary),
+    and a plain rope_scaling beside rope_parameters of another theta gives transformers' logits."""
+    hf_family_model("llama").save_pretrained(tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64}
+    x = torch.randint(0, 300, (2, 100), generator=torch.Generator().manual_seed(1))
+    for scaling in (llama3, {"rope_type": "default"}):
+        (tmp_path / "m" / "config.json").write_text(json.dumps(
+            {**config, "rope_scaling": scaling, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}))
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m").eval()
+        assert theirs.config.rope_parameters["rope_type"] == scaling["rope_type"]
+        if scaling is llama3:
+            with pytest.raises(ValueError, match="scaled rotary"):
+                hf.load_pretrained(tmp_path / "m")
+            continue
+        ours = hf.load_pretrained(tmp_path / "m").eval()
+        with torch.no_grad():
+            torch.testing.assert_close(ours(x), theirs(input_ids=x).logits, rtol=0, atol=1e-4)
+
+
+def test_an_end_id_that_is_no_id_is_refused_naming_the_file_and_the_field(
+        debug_tokenizer: Tokenizer, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """eos_token_id "x" in config.json or generation_config.json: generate refuses naming the file and the field,
+    where it skipped the value and let a reply run past its end; so does loading config.json's model for any
+    command (hf.load_pretrained), whether or not it reads the end ids."""
+    from gptopt import cli
+
+    d = chat_model_dir("qwen3", debug_tokenizer, tmp_path / "qwen3")
+    for name in ("config.json", "generation_config.json"):
+        good = (d / name).read_text()
+        (d / name).write_text(json.dumps({**json.loads(good), "eos_token_id": "x"}))
+        capsys.readouterr()
+        assert cli.main(["generate", "--model", str(d), "--device", "cpu", "--max_new_tokens", "1", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert f"{d / name}: eos_token_id must be a token id or a list of them, not 'x'" in err, err
+        if name == "config.json":
+            with pytest.raises(ValueError, match="config.json: eos_token_id must be a token id"):
+                hf.load_pretrained(d)
+        (d / name).write_text(good)
 
 
 def test_the_family_trains_and_gpt2s_module_keeps_its_weights() -> None:

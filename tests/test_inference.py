@@ -7,6 +7,7 @@ gptopt itself makes is accepted, a tokenizer of another vocabulary is refused wi
 from __future__ import annotations
 
 import shutil
+import socket
 from pathlib import Path
 
 import pytest
@@ -87,4 +88,49 @@ def test_a_typo_in_a_local_path_fails_at_once_without_asking_the_hub(
             hf.load_pretrained(typo)
     with pytest.raises(ValueError, match="no such file or folder"):
         load_tokenizer("out/tokenizer.jsn")
+    cached_on_the_hub("openai-community/gpt2", tmp_path / "cache", monkeypatch)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert model_source("openai-community/gpt2") == "openai-community/gpt2"  # a Hub name stays one
+
+
+def cached_on_the_hub(name: str, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Hugging Face cache in `cache`, holding `name`'s config.json as a download leaves it."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    snapshot = cache / f"models--{name.replace('/', '--')}" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+
+
+@pytest.mark.parametrize("hub", ["HF_HUB_OFFLINE", "unreachable"])
+def test_an_org_slash_name_that_is_no_folder_and_not_on_a_reachable_hub_fails_at_once_naming_the_model(
+        hub: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`generate --model ot/ckpt-0000030` (out/ckpt-0000030 mistyped) reads as the Hub's org/name: with the Hub
+    offline, or unreachable (one refused request, no retries), it fails at once naming the model, never asking
+    the Hub for a tokenizer (GPT-2's took most of a minute of retries, then the tokenizer was blamed)."""
+    constants = pytest.importorskip("huggingface_hub.constants")
+    from gptopt import cli
+    from gptopt.data import tokenizer as tokenizer_module
+
+    asked: list[str] = []
+    monkeypatch.setattr(tokenizer_module, "_from_hub", lambda name: asked.append(name))
+    (tmp_path / "out" / "ckpt-0000030").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))  # empty, whatever this machine's holds
+    with socket.socket() as closed:  # bound, never listening: a connection to it is refused at once
+        closed.bind(("127.0.0.1", 0))
+        if hub == "HF_HUB_OFFLINE":
+            monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+        else:
+            monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+            monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+            url = f"http://127.0.0.1:{closed.getsockname()[1]}/{{repo_id}}/resolve/{{revision}}/{{filename}}"
+            monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url)
+        assert cli.main(["generate", "--model", "ot/ckpt-0000030", "--device", "cpu", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "--model ot/ckpt-0000030 is neither a local folder nor reachable" in err and "check the path" in err
+    assert "tokenizer" not in err and asked == []
+    assert not [r for r in caplog.records if "Retrying" in r.getMessage()]

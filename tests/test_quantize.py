@@ -8,7 +8,11 @@ Every model is the debug preset (fp32, CPU); the cuda-marked tests run in .ci/gp
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +30,7 @@ from gptopt.models import checkpoint, hf
 from gptopt.models import compressed as fmt
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve
+from gptopt.utils.extras import quiet_torchao
 
 CPU = resolve("cpu", quiet=True)
 GREEDY = SamplingParams(temperature=0, top_k=None, max_new_tokens=8)
@@ -310,3 +315,29 @@ def test_quantising_leaves_inductors_settings_for_the_rest_of_the_process(
                       tokenizer_file)
     load_for_inference(str(directory), tokenizer=None, plan=CPU)
     assert (inductor.coordinate_descent_tuning, inductor.coordinate_descent_check_all_directions) == before
+
+
+@pytest.mark.parametrize("command", ["generate", "export"])
+def test_torchaos_import_noise_is_not_printed_and_its_other_records_are(
+        command: str, model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """gptopt generate --quantize int8-weight and export --format hf import torchao (the latter through
+    transformers): neither torchao's messages about its compiled kernels that do not load here nor torch's
+    deprecation of how torchao registers its enums reach stderr (they read like errors, and are none). Only those:
+    another record of the same loggers still passes."""
+    if importlib.util.find_spec("torchao") is None or importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs torchao and transformers (the quant and hf extras)")
+    args = {"generate": ["--device", "cpu", "--quantize", "int8-weight", "--max_new_tokens", "2", "hi"],
+            "export": ["--format", "hf", "--output_dir", str(tmp_path / "hf")]}[command]
+    run = subprocess.run([sys.executable, "-m", "gptopt", command, "--model", str(model_dir), *args],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr
+    for noise in ("Failed to load", "_C", ".so", "Enum subclass", "_pytree", "register_constant"):
+        assert noise not in run.stderr, run.stderr
+
+    quiet_torchao()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load what the user asked for")
+        logging.getLogger("torch.utils._pytree").warning("%s is an Enum subclass ...", logging.Logger)
+    assert [r.getMessage() for r in caplog.records] == ["Failed to load what the user asked for",
+                                                        "<class 'logging.Logger'> is an Enum subclass ..."]

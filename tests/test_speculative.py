@@ -201,3 +201,38 @@ def test_generate_speculates_and_refuses_a_draft_of_another_tokenizer(
     _swap_two_ids(tok)
     assert cli.main([*args, "--draft_model", str(draft), "--tokenizer", str(train_data / "tokenizer.json")]) == 2
     assert "the draft's tokenizer is not the model's" in capsys.readouterr().err
+
+
+def test_a_bad_draft_model_is_named_as_the_draft_at_once(
+        model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A --draft_model that names no folder is reported as --draft_model, not --model; a folder of a model
+    without its tokenizer fails at once (no Hub asked for GPT-2's), advising about the draft, not --tokenizer."""
+    from gptopt.data import tokenizer as tokenizer_module
+
+    asked: list[str] = []
+    monkeypatch.setattr(tokenizer_module, "_from_hub", lambda name: asked.append(name))
+    args = ["generate", "--model", str(model_dir), "--max_new_tokens", "2", "--device", "cpu", "hi"]
+    assert cli.main([*args, "--draft_model", str(tmp_path / "nope")]) == 2
+    err = capsys.readouterr().err
+    assert f"--draft_model {tmp_path / 'nope'}: no such directory" in err and "--model " not in err, err
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "config.json").write_text("{}")
+    assert cli.main([*args, "--draft_model", str(junk)]) == 2
+    err = capsys.readouterr().err
+    assert f"no tokenizer found for --draft_model {junk}" in err and "pass --tokenizer" not in err, err
+    assert asked == []
+
+
+def test_the_count_of_a_drafts_other_tokens_is_within_its_vocabulary() -> None:
+    """Of the draft's tokens, those with another id or none in the model's; and the model's tokens it lacks."""
+    from tokenizers import Tokenizer, models
+
+    from gptopt.infer.speculative import same_tokenizer
+
+    model = Tokenizer(models.WordLevel({"a": 0, "b": 1, "c": 2, "d": 3}, unk_token="a"))
+    draft = Tokenizer(models.WordLevel({"a": 0, "b": 2, "x": 1}, unk_token="a"))
+    with pytest.raises(ValueError, match=r"\(2 of its 3 tokens have other ids or none in the model's 4; it lacks 2 "
+                                         r"of the model's 4 tokens\)"):
+        same_tokenizer(model, draft, "--draft_model d")
+    same_tokenizer(model, model, "--draft_model d")

@@ -378,7 +378,8 @@ class InferBench:
         draft = None
         if self.cfg.draft_model is not None:
             name = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
-            draft, tok = load_for_inference(self.cfg.draft_model, tokenizer=None, plan=self.plan, dtype=name)
+            draft, tok = load_for_inference(self.cfg.draft_model, tokenizer=None, plan=self.plan, dtype=name,
+                                            option="--draft_model")
             if self.tokenizer is not None:
                 speculative.same_tokenizer(self.tokenizer, tok, f"--draft_model {self.cfg.draft_model}")
         made: list[Speculator] = self.speculators

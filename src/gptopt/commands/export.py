@@ -37,7 +37,7 @@ from gptopt.config import MIN_OPSET, ExportConfig
 from gptopt.data.tokenizer import TOKENIZER, eot_id, load_tokenizer
 from gptopt.infer import chat
 from gptopt.infer.load import check_vocab, find_tokenizer, has_tokenizer, model_source, own_tokenizer
-from gptopt.models import checkpoint, hf
+from gptopt.models import checkpoint, hf, hf_files
 from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, lock_output, mark, marked_kind, staged_dir
 from gptopt.utils.errors import UserError
@@ -402,44 +402,6 @@ def main(cfg: ExportConfig) -> int:
         return _export(cfg, target)
 
 
-# What a chat model's folder carries beside its tokenizer.json: its template and special tokens, which the export
-# keeps, so that the exported folder chats (and ends its turns) as the model does.
-CHAT_FILES = ("tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")
-
-
-def _chat_files(folders: Sequence[Path]) -> list[Path]:
-    """Each of CHAT_FILES from the first of the model's folders (chat.template_folders) that has it."""
-    found: dict[str, Path] = {}
-    for d in folders:
-        for name in CHAT_FILES:
-            if name not in found and (d / name).is_file():
-                found[name] = d / name
-    return list(found.values())
-
-
-def _special_ids(folders: Sequence[Path]) -> tuple[int | None, int | list[int] | None]:
-    """The model's own bos and eos ids (eos an id or a list), from its folder's generation_config.json, else its
-    config.json; None for what neither names (a gptopt checkpoint: the export then writes its end-of-text)."""
-    bos: int | None = None
-    eos: int | list[int] | None = None
-    for d in folders:
-        for name in (hf.GENERATION_CONFIG, hf.HF_CONFIG):
-            path = d / name
-            if not path.is_file():
-                continue
-            try:
-                data = json.loads(path.read_text(encoding="utf-8"))
-            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UserError(f"{path}: cannot read it as JSON ({e}); fix or remove the file") from None
-            for key, value in (("bos_token_id", data.get("bos_token_id")), ("eos_token_id", data.get("eos_token_id"))):
-                ids = value if isinstance(value, list) else [value]
-                if value is not None and not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-                    raise UserError(f"{path}: {key} must be a token id or a list of them, not {value!r}; fix the file")
-            bos = data.get("bos_token_id") if bos is None else bos
-            eos = data.get("eos_token_id") if eos is None else eos
-    return bos, eos
-
-
 def _export(cfg: ExportConfig, target: Path) -> int:
     onnx = cfg.format == "onnx"
     _check_output_dir(target, cfg.format, cfg.overwrite)  # before any loading
@@ -467,10 +429,11 @@ def _export(cfg: ExportConfig, target: Path) -> int:
                     f"{check['decode_max_abs_diff']:.2g}")
         else:
             folders = chat.template_folders(cfg.model, cfg.tokenizer)
-            bos, eos = _special_ids(folders)
-            kept = _chat_files(folders) if tok is not None else []
+            bos, eos = hf_files.special_ids(folders)  # the model's own; none: the tokenizer's end-of-text
+            kept = hf_files.chat_files(folders) if tok is not None else []
             check = export_hf_checked(model, target, tokenizer=tok, tolerance=cfg.tolerance, overwrite=cfg.overwrite,
-                                      bos=bos, eos=eos, files=kept)
+                                      bos=bos, eos=(eos[0] if len(eos) == 1 else eos) or None,
+                                      files=kept)
             files = [hf.HF_CONFIG, *([hf.GENERATION_CONFIG] if (target / hf.GENERATION_CONFIG).is_file() else []),
                      hf.SAFETENSORS, *(f.name for f in kept)]
             what = (f"{target} ({', '.join(files)}); transformers matches: max |logit diff| "

@@ -29,6 +29,7 @@ from tokenizers import Tokenizer
 
 from gptopt.data.tokenizer import EOT, eot_id
 from gptopt.models import checkpoint
+from gptopt.models.hf_files import TEMPLATE_FILE, TOKENIZER_CONFIG, read_json, special_ids
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
@@ -40,8 +41,6 @@ PLAIN_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_FORMAT = "System: ...\\nUser: ...\\nAssistant: ...\\nUser: ...\\nAssistant:"
 # A plain-template reply ends where the model starts the next turn itself: a base model does.
 PLAIN_STOP = ("\nUser:", "\nSystem:")
-TEMPLATE_FILE = "chat_template.jinja"  # transformers >= 4.43 saves the template here
-TOKENIZER_CONFIG = "tokenizer_config.json"
 NO_TEMPLATE = ("this model has no chat template ({where}); give one with --chat_template FILE (a Jinja "
                "template), or --chat_template plain for the built-in 'System/User/Assistant:' lines")
 
@@ -141,42 +140,23 @@ def template_folders(model: str, tokenizer: str | None = None) -> list[Path]:
     return [d for d in dict.fromkeys(f.resolve() for f in folders) if d.is_dir()]
 
 
-# The files of a model folder that name its end-of-sequence ids: transformers' model config and generate defaults
-END_ID_FILES = ("config.json", "generation_config.json")
-
-
 def end_token_ids(folders: Sequence[Path], tokenizer: Tokenizer) -> tuple[int, ...]:
     """Every id that ends a sequence of this model: the tokenizer's end-of-text, each eos_token_id (an id or a
-    list) of config.json and generation_config.json in `folders` (template_folders), and the eos_token of their
-    tokenizer_config.json (a chat template's end of turn: Llama 3's <|eot_id|>, Qwen3's <|im_end|>), where the
-    tokenizer has it. A completion stops at any of them, as transformers' generate does."""
-    ids: list[int | None] = [eot_id(tokenizer)]
+    list) of config.json and generation_config.json in `folders` (template_folders; hf_files.special_ids, which
+    refuses a value that is no id), and the eos_token of their tokenizer_config.json (a chat template's end of
+    turn: Llama 3's <|eot_id|>, Qwen3's <|im_end|>), where the tokenizer has it. A completion stops at any of
+    them, as transformers' generate does."""
+    ids: list[int | None] = [eot_id(tokenizer), *special_ids(folders)[1]]
     for d in folders:
-        for name in END_ID_FILES:
-            path = d / name
-            if path.is_file():
-                value = _read_json(path).get("eos_token_id")
-                ids += value if isinstance(value, list) else [value]
         if (d / TOKENIZER_CONFIG).is_file():
-            text = _token_text(_read_json(d / TOKENIZER_CONFIG).get("eos_token"))
+            text = _token_text(read_json(d / TOKENIZER_CONFIG).get("eos_token"))
             ids.append(tokenizer.token_to_id(text) if text else None)
     size = tokenizer.get_vocab_size(with_added_tokens=True)
-    return tuple(dict.fromkeys(i for i in ids if isinstance(i, int) and not isinstance(i, bool) and 0 <= i < size))
-
-
-def _read_json(path: Path, fix: str = "fix or remove the file") -> dict[str, Any]:
-    """A model file's JSON object; a file that is not one names itself and the fix."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: cannot read it as JSON ({e}); {fix}") from None
-    if not isinstance(data, dict):
-        raise UserError(f"{path}: expected a JSON object; {fix}")
-    return data
+    return tuple(dict.fromkeys(i for i in ids if i is not None and 0 <= i < size))
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    return _read_json(path, "fix the file, or give --chat_template")
+    return read_json(path, "fix the file, or give --chat_template")
 
 
 def _config_template(path: Path, data: dict[str, Any]) -> str | None:

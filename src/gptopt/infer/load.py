@@ -8,7 +8,7 @@ compress and export. The order, and why it is this one:
   1. model_source: `--model` -> a directory (a training output dir means its latest checkpoint)
      or a hub name.
   2. find_tokenizer: the model folder's own tokenizer (checkpoints carry a copy), else the one the
-     checkpoint recorded, else one in the folder above, else GPT-2's.
+     checkpoint recorded, else one in the folder above, else a hub model's own (never another model's).
   3. weights: hf.load_pretrained (a compressed checkpoint comes back dequantised, in fp32); check_vocab
      refuses a tokenizer that is not the model's.
   4. optimize_for_inference, once per model:
@@ -38,7 +38,7 @@ from gptopt.config import INFER_QUANTIZE
 from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
 from gptopt.infer.cpu_layout import inference_layout
 from gptopt.infer.quantize import int4_unsupported, quantize_int4, quantize_int8, restore
-from gptopt.models import checkpoint, hf
+from gptopt.models import checkpoint, hf, hub
 from gptopt.models.compressed import describe, int4_group_size
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
@@ -59,25 +59,28 @@ _HUB_NAME = re.compile(r"(openai-community/)?(distil)?gpt2(-medium|-large|-xl)?|
 # than its tokenizer is still that tokenizer's model; gptopt's own padding (vocab_pad_multiple) is not counted
 # in vocab_size at all.
 VOCAB_PAD = 64
-_NO_MODEL = ("train one first (`gptopt train --output_dir {0}`), or pass --model: a training output dir, "
-             "a checkpoint dir, a Hugging Face GPT-2 dir or a hub name like gpt2")
+_NO_MODEL = ("train one first (`gptopt train --output_dir {0}`), or pass {1}: a training output dir, "
+             "a checkpoint dir, a Hugging Face model dir or a hub name like gpt2")
 
 
-def model_source(model: str) -> Path | str:
-    """The directory (or hub name) to load: a training output dir means its latest checkpoint."""
+def model_source(model: str, option: str = "--model") -> Path | str:
+    """The directory (or hub name) to load: a training output dir means its latest checkpoint. A hub name the
+    Hub cannot provide is refused at once (hub.check_name). option: the flag that named it, for the errors."""
     p = Path(model).expanduser()
     if p.is_dir():
         latest = checkpoint.latest_checkpoint(p)
         if latest is not None:
             return latest
         if not checkpoint.is_gptopt_dir(p) and not (p / hf.HF_CONFIG).is_file():
-            raise UserError(f"--model {p}: no checkpoint or model files in this directory; " + _NO_MODEL.format(p))
+            raise UserError(f"{option} {p}: no checkpoint or model files in this directory; "
+                             + _NO_MODEL.format(p, option))
         return p
     if p.exists():
-        raise UserError(f"--model {p} is a file; give the model's directory")
+        raise UserError(f"{option} {p} is a file; give the model's directory")
     if _HUB_NAME.fullmatch(model) and not looks_local(model):
+        hub.check_name(model, option)
         return model
-    raise UserError(f"--model {model}: no such directory; " + _NO_MODEL.format(model))
+    raise UserError(f"{option} {model}: no such directory; " + _NO_MODEL.format(model, option))
 
 
 def has_tokenizer(d: Path) -> bool:
@@ -91,12 +94,13 @@ def own_tokenizer(source: Path | str) -> Tokenizer | None:
     return load_tokenizer(source) if isinstance(source, Path) and has_tokenizer(source) else None
 
 
-def find_tokenizer(source: Path | str) -> Tokenizer:
+def find_tokenizer(source: Path | str, option: str = "--model") -> Tokenizer:
     """The model folder's own tokenizer files (a training checkpoint carries a copy), else meta["tokenizer"]
-    of a gptopt checkpoint, else tokenizer files in the folder above, else GPT-2's.
+    of a gptopt checkpoint, else tokenizer files in the folder above; a hub model's own from the Hub.
 
     The folder's own copy comes first: a recorded path may be relative to wherever training ran, and
-    from another working directory it would name nothing, or another corpus's tokenizer."""
+    from another working directory it would name nothing, or another corpus's tokenizer. Never another
+    model's (GPT-2's, say): its ids would be other text to this model. option: the flag that named the model."""
     ours = isinstance(source, Path) and checkpoint.is_gptopt_dir(source)
     recorded = checkpoint.read_meta(source).get("tokenizer") if ours else None
     candidates = [str(source)] if isinstance(source, Path) and has_tokenizer(source) else []
@@ -106,14 +110,16 @@ def find_tokenizer(source: Path | str) -> Tokenizer:
     for c in candidates:
         if Path(c).exists():
             return load_tokenizer(c)
-    if not ours:  # a GPT-2 from the hub or a HF folder without tokenizer files: GPT-2's own
-        for name in dict.fromkeys(([source] if isinstance(source, str) else []) + ["gpt2"]):
-            with contextlib.suppress(ValueError):
-                return load_tokenizer(name)
+    if isinstance(source, str):  # a hub name: its own tokenizer.json, from the Hub
+        with contextlib.suppress(ValueError):
+            return load_tokenizer(source)
     where = f"{recorded} (recorded in the checkpoint), " if recorded else ""
-    raise UserError(f"no tokenizer found for {source} (looked for {where}tokenizer.json beside the model"
-                     f"{'' if ours else ', GPT-2s from the Hugging Face Hub'}); pass --tokenizer with the "
-                     "tokenizer.json the model was trained with (or a folder holding it)")
+    looked = f"{where}tokenizer.json beside the model" if isinstance(source, Path) else "its tokenizer.json on the Hub"
+    fix = ("pass --tokenizer with the tokenizer.json the model was trained with (or a folder holding it)"
+           if option == "--model" else
+           f"{option} takes no --tokenizer (that one is --model's): put the tokenizer.json the model was trained "
+           f"with into {source}")
+    raise UserError(f"no tokenizer found for {option} {source} (looked for {looked}); {fix}")
 
 
 def check_vocab(tok: Tokenizer, vocab_size: int, *, own: Tokenizer | None = None) -> None:
@@ -179,17 +185,18 @@ def optimize_for_inference(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, 
 
 
 def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, dtype: str = "auto",
-                       quantize: str = "none", layout: bool = True) -> tuple[GPT, Tokenizer]:
+                       quantize: str = "none", layout: bool = True, option: str = "--model") -> tuple[GPT, Tokenizer]:
     """The model (eval, on plan.device, in `dtype`) and its tokenizer, from a training output dir (its
     latest checkpoint), a checkpoint or model dir, a Hugging Face GPT-2 dir or a hub name: steps 1-4.
 
     layout: store fp weights in the layout that runs inference fastest (cpu_layout.inference_layout);
-    False for a caller that transforms the weights further (gptopt compress)."""
+    False for a caller that transforms the weights further (gptopt compress). option: the flag that named
+    the model (--draft_model for a draft), which the errors name."""
     dt = weights_dtype(dtype, plan)
     _check_quantize(quantize, plan, dt)  # before any loading
-    source = model_source(model)
+    source = model_source(model, option)
     own = own_tokenizer(source)
-    tok = load_tokenizer(tokenizer) if tokenizer is not None else own or find_tokenizer(source)
+    tok = load_tokenizer(tokenizer) if tokenizer is not None else own or find_tokenizer(source, option)
     net = hf.load_pretrained(source)  # a compressed checkpoint comes back dequantised, in fp32
     check_vocab(tok, net.config.vocab_size, own=own)
     record = checkpoint.read_meta(source).get("compression") if isinstance(source, Path) and \

@@ -260,11 +260,14 @@ def same_tokenizer(model: Tokenizer, draft: Tokenizer, where: str) -> None:
     """Refuse a draft whose tokenizer maps any text to other ids than the model's: its tokens would be another
     language to the model, and none would be kept."""
     a, b = model.get_vocab(with_added_tokens=True), draft.get_vocab(with_added_tokens=True)
-    differ = sum(1 for piece, i in a.items() if b.get(piece) != i) + sum(1 for piece in b if piece not in a)
-    if differ:
-        raise UserError(f"{where}: the draft's tokenizer is not the model's ({differ} of its {len(b)} tokens have "
-                         f"other ids or none in the model's {len(a)}); a draft must share the model's tokenizer: "
-                         "train it on data prepared with the model's (gptopt prepare --tokenizer MODEL_DIR)")
+    differ = sum(1 for piece, i in b.items() if a.get(piece) != i)  # of the draft's tokens: at most all of them
+    lacks = sum(1 for piece in a if piece not in b)
+    if differ or lacks:
+        what = [f"{differ} of its {len(b)} tokens have other ids or none in the model's {len(a)}"] if differ else []
+        what += [f"it lacks {lacks} of the model's {len(a)} tokens"] if lacks else []
+        raise UserError(f"{where}: the draft's tokenizer is not the model's ({'; '.join(what)}); a draft must share "
+                         "the model's tokenizer: train it on data prepared with the model's (gptopt prepare "
+                         "--tokenizer MODEL_DIR)")
 
 
 def build(cfg: Any, gen: Generator, tokenizer: Tokenizer, plan: DevicePlan) -> Speculator | None:
@@ -276,7 +279,8 @@ def build(cfg: Any, gen: Generator, tokenizer: Tokenizer, plan: DevicePlan) -> S
         return None
     if cfg.speculate == "ngram":
         return Speculator(NgramDrafter(), cfg.num_speculative_tokens)
-    draft, draft_tok = load_for_inference(cfg.draft_model, tokenizer=None, plan=plan, dtype=cfg.dtype)
+    draft, draft_tok = load_for_inference(cfg.draft_model, tokenizer=None, plan=plan, dtype=cfg.dtype,
+                                          option="--draft_model")
     same_tokenizer(tokenizer, draft_tok, f"--draft_model {cfg.draft_model}")
     max_len = min(draft.config.block_size, gen.max_len)
     dtype = draft.transformer.wte.weight.dtype

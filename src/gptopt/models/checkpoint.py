@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from gptopt.config import GPTConfig
 from gptopt.data.tokenizer import TOKENIZER
 from gptopt.models.compressed import unpack_state
 from gptopt.models.gpt import GPT
+from gptopt.models.hf_files import write_carried
 from gptopt.outputs import remove, staged_dir, write_text_atomic
 from gptopt.utils.errors import UserError
 
@@ -206,10 +207,13 @@ def save_checkpoint(
     keep: int = 3,
     parent: Sequence[str] = (),
     tokenizer: Tokenizer | None = None,
+    files: Mapping[str, bytes] | None = None,
 ) -> Path:
     """Write ckpt-<step> atomically (outputs.staged_dir), point `latest` at it, then drop all but the last
     `keep` checkpoints of its lineage (parent: the lineage of the checkpoint the run continues; a fresh
     run's is empty). tokenizer: stored in the checkpoint, so generate and serve find it from anywhere.
+    files: what the model keeps of the one it was trained from (hf_files.carried: its chat template, special
+    tokens and end ids).
 
     A crash in the middle leaves the previous checkpoints untouched and no partial ckpt-<step>.
     """
@@ -221,6 +225,7 @@ def save_checkpoint(
         write_model_files(config, model_state, tmp, {**(meta or {}), "step": step, "lineage": chain})
         if tokenizer is not None:
             tokenizer.save(str(tmp / TOKENIZER))
+        write_carried(files or {}, tmp)
         torch.save(train_state, tmp / TRAIN_STATE)
     write_text_atomic(root / LATEST, name + "\n")  # before retention: `latest` never names a deleted checkpoint
     mine = set(chain)

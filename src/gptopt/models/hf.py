@@ -24,6 +24,8 @@ from safetensors.torch import load_file, save_file
 from gptopt.config import GPTConfig
 from gptopt.models.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.models.gpt import GPT
+from gptopt.models.hf_files import GENERATION_CONFIG, HF_CONFIG, token_ids
+from gptopt.models.hub import offline as hub_offline
 from gptopt.outputs import check_output, staged_dir
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
@@ -38,8 +40,6 @@ __all__ = [
     "load_pretrained",
 ]
 
-HF_CONFIG = "config.json"
-GENERATION_CONFIG = "generation_config.json"  # transformers' generate reads its defaults (eos_token_id) here
 SAFETENSORS = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 EXPORT_KIND = "export-hf"  # the outputs mark of a directory export_hf wrote: the only kind its overwrite replaces
@@ -126,7 +126,11 @@ def config_from_llama(hf: dict[str, Any], *, where: str = HF_CONFIG) -> GPTConfi
         raise UserError(f"{where}: lacks {', '.join(missing)}; the file is damaged or not a {kind} config.json")
     if hf.get("hidden_act", "silu") != "silu":
         refuse(f"hidden_act is {hf.get('hidden_act')!r}, not the SwiGLU's 'silu'")
-    rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
+    # transformers (5.x) takes a rope_scaling that is set in place of rope_parameters, theta and all
+    # (PreTrainedConfig.convert_rope_params_to_dict): a config holding both rotates as its rope_scaling says
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise UserError(f"{where}: rope_scaling / rope_parameters must be an object, not {rope!r}; fix the file")
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         refuse(f"rope type {rope.get('rope_type', rope.get('type'))!r} (scaled rotary) is not supported, only plain "
                "rotary positions")
@@ -454,6 +458,9 @@ def load_hf_dir(directory: str | os.PathLike[str], **overrides: Any) -> GPT:
         hf = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise UserError(f"{config_path}: corrupt JSON ({e}); the download is damaged, fetch the model again") from None
+    if isinstance(hf, dict):  # ids that are no ids are refused now, not skipped where a reply should end
+        token_ids(config_path, hf, "bos_token_id", many=False)
+        token_ids(config_path, hf, "eos_token_id")
     if isinstance(hf, dict) and hf.get("model_type") in LLAMA_FAMILIES:
         config = apply_overrides(config_from_llama(hf, where=str(config_path)), overrides, str(directory))
         return _build(config, llama_state_to_gptopt(read_hf_weights(directory), config, where=str(directory)))
@@ -475,15 +482,10 @@ def _load_gptopt_dir(directory: Path, overrides: dict[str, Any]) -> GPT:
     return _build(config, state)
 
 
-def _env_true(name: str) -> bool:
-    return os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
-
-
 def _download(name: str) -> Path:
     """Fetch config + weights of a hub model into the HF cache; safetensors, the .bin only if there is none."""
     hub = require("huggingface_hub", "hf", f"downloading {name!r} from the Hugging Face Hub")
-    # huggingface_hub reads HF_HUB_OFFLINE once, at import; read it again so a later setting counts.
-    offline = _env_true("HF_HUB_OFFLINE") or _env_true("TRANSFORMERS_OFFLINE")
+    offline = hub_offline()
 
     def fetch(patterns: list[str]) -> Path:
         return Path(

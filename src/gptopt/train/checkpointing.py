@@ -83,8 +83,9 @@ class Checkpointer:
     retention keeps --save_total_limit) and restore() of the checkpoint being resumed."""
 
     def __init__(self, cfg: TrainConfig, info: DistInfo, plan: DevicePlan, data: TokenData, lineage: list[str],
-                 folder: RunFolder | None) -> None:
+                 folder: RunFolder | None, carried: dict[str, bytes] | None = None) -> None:
         self.cfg, self.info, self.plan, self.data = cfg, info, plan, data
+        self.carried = carried or {}  # resume.carried_files: what each checkpoint keeps of the model it began from
         self.out = Path(cfg.output_dir)
         self.lineage = lineage
         self.folder = folder  # rank 0's; None elsewhere
@@ -135,7 +136,7 @@ class Checkpointer:
                        if tokenizer else {})}
             path = checkpoint.save_checkpoint(self.out, progress.step, raw.config, model_state, train_state,
                                               meta=meta, keep=self.cfg.save_total_limit, parent=self.lineage,
-                                              tokenizer=tokenizer)
+                                              tokenizer=tokenizer, files=self.carried)
             self.lineage = checkpoint.lineage(path)
             if self.folder is not None and retire_old:
                 self.folder.retire()  # the new run has a checkpoint of its own: the old run goes

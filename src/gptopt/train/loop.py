@@ -138,6 +138,7 @@ class Trainer:
         self.resume_dir = resume.resume_dir(cfg)
         self.raw = resume.build_model(cfg, self.attention, self.data.model_vocab_size, self.resume_dir)
         resume.check_tokenizer(cfg, self.data, self.resume_dir)
+        self.carried = resume.carried_files(cfg, self.resume_dir)  # the source's template and end ids
         self.model_config = self.raw.config
         # A pretrained model's own context, known only once it is loaded: gpt2's 1024, a debug model's 64.
         self.seq_len = cfg.seq_len or self.model_config.block_size
@@ -212,7 +213,7 @@ class Trainer:
             compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph, fp8=cfg.fp8,
         )
         self.train_step = TrainStep(self.prep.model, self.raw, plan, cfg, info)
-        self.checkpoints = Checkpointer(cfg, info, plan, self.data, self.lineage, self.folder)
+        self.checkpoints = Checkpointer(cfg, info, plan, self.data, self.lineage, self.folder, self.carried)
         progress = self.checkpoints.restore(self.state, self.raw, self.train_step, self.prep.sharded,
                                             Progress(last_good=self.resume_dir))
         loader_opts = loader_options(self.cfg, self.plan.device.type)

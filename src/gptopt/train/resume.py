@@ -32,8 +32,9 @@ from gptopt.config import (
 )
 from gptopt.data.loader import TokenData
 from gptopt.data.tokenizer import TOKENIZER, tokenizer_digest
+from gptopt.infer import chat
 from gptopt.infer.load import model_source, own_tokenizer
-from gptopt.models import checkpoint, hf
+from gptopt.models import checkpoint, hf, hf_files
 from gptopt.models.gpt import GPT
 from gptopt.train import distributed
 from gptopt.train.distributed import DistInfo
@@ -45,7 +46,8 @@ RUN_KIND = "train-run"  # the output-folder mark (outputs.mark) of a training ru
 # Every top-level entry a run writes into --output_dir: a folder holding any of them holds a run, which
 # only --resume continues and only --overwrite replaces. The user's other files there are never touched.
 # What a run writes inside its folders: anything else there is the user's, and --overwrite keeps away.
-RUN_CONTENTS = {f"{checkpoint.PREFIX}*": [checkpoint.WEIGHTS, checkpoint.META, checkpoint.TRAIN_STATE, TOKENIZER],
+RUN_CONTENTS = {f"{checkpoint.PREFIX}*": [checkpoint.WEIGHTS, checkpoint.META, checkpoint.TRAIN_STATE, TOKENIZER,
+                                          *hf_files.CHAT_FILES, hf_files.GENERATION_CONFIG],
                 "logs": ["events.out.tfevents.*", "profile/*"]}
 RUN_ENTRIES = (f"{checkpoint.PREFIX}*", checkpoint.LATEST, "metrics.jsonl", "run.json", "monitor.json", "logs")
 
@@ -145,11 +147,18 @@ def build_model(cfg: TrainConfig, attention: str, data_vocab: int, resumed: Path
                          "train from scratch")
     if cfg.init_from in ("debug", "tiny"):
         raise UserError(f"--init_from {cfg.init_from}: no pretrained weights exist; use --preset {cfg.init_from}")
-    try:  # what `gptopt generate --model` takes: a training output dir means its latest checkpoint
-        source = model_source(cfg.init_from)
-    except ValueError as e:
-        raise UserError(str(e).replace("--model", "--init_from")) from None
+    source = model_source(cfg.init_from, "--init_from")  # as generate --model: an output dir is its latest checkpoint
     return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_padding, **runtime)
+
+
+def carried_files(cfg: TrainConfig, resumed: Path | None) -> dict[str, bytes]:
+    """What the run's checkpoints keep of the model it starts from (hf_files.carried: its chat template, special
+    tokens and every end id), from the resumed checkpoint or --init_from's folders (those generate --model reads
+    them from), so that a fine-tuned chat model chats and ends its turns as its source did. None for a run from
+    scratch, or from a hub name (only its weights are fetched)."""
+    if resumed is None and cfg.init_from == "scratch":
+        return {}
+    return hf_files.carried(chat.template_folders(str(resumed) if resumed is not None else cfg.init_from))
 
 
 def _with_config(model: GPT, config: GPTConfig) -> GPT:
@@ -168,7 +177,7 @@ def check_tokenizer(cfg: TrainConfig, data: TokenData, resumed: Path | None) -> 
     if ours is None or (resumed is None and cfg.init_from == "scratch"):
         return
     what = f"the run's checkpoint {resumed}" if resumed is not None else f"--init_from {cfg.init_from}"
-    source = resumed if resumed is not None else model_source(cfg.init_from)
+    source = resumed if resumed is not None else model_source(cfg.init_from, "--init_from")
     recorded = checkpoint.read_meta(source).get("tokenizer_digest") if isinstance(source, Path) and \
         checkpoint.is_gptopt_dir(source) else None
     theirs = own_tokenizer(source)

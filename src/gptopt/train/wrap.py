@@ -16,6 +16,7 @@ from gptopt.runtime.device import DevicePlan
 from gptopt.train import distributed
 from gptopt.train.distributed import DistInfo
 from gptopt.utils.errors import UserError
+from gptopt.utils.extras import require
 
 
 @dataclass
@@ -63,7 +64,7 @@ def to_float8(model: nn.Module) -> int:
     stays as it is: it is tied to the embedding, and its logits are where float8's range costs the most. A
     layer with a dimension that is not a multiple of 16 stays too (float8 GEMMs need it). Returns how many
     layers were swapped. Needs the 'quant' extra; device.fp8_unavailable says where it pays."""
-    from torchao.float8 import convert_to_float8_training
+    convert_to_float8_training = require("torchao.float8", "quant", "--fp8").convert_to_float8_training
 
     def swap(module: nn.Module, name: str) -> bool:
         return (name != "lm_head" and isinstance(module, nn.Linear)
