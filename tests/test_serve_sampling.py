@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import PROMPT, assert_openai_error, completion, running, sse  # noqa: E402
+from serve_helpers import PROMPT, assert_openai_error, completion, running, sse  # noqa: E402
 
 from gptopt.infer.constrain import Grammars, grammar_for  # noqa: E402
 from gptopt.infer.generator import Generator, complete  # noqa: E402
