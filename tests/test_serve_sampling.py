@@ -90,6 +90,25 @@ def test_best_of_returns_the_candidates_with_the_highest_logprob_per_token(serve
     assert r["usage"] == every["usage"]  # every candidate generated counts, as OpenAI bills best_of
 
 
+def test_each_choice_of_a_seeded_request_draws_from_a_seed_of_its_own_that_no_other_request_shares(url: str) -> None:
+    """Choice j of seed s draws from a seed derived from the pair (s, j), never s + j: requests over a range of seeds
+    give as many different samples as they have choices (vLLM's seed + index made choice 1 of seed s the first of
+    seed s + 1). The same prompt, seed and choice give the same sample again, alone or batched beside others."""
+    from gptopt.serve.routes import choice_seed
+
+    pairs = [(s, j) for s in range(64) for j in range(8)]
+    seeds = {choice_seed(s, j) for s, j in pairs}
+    assert len(seeds) == len(pairs) and all(0 <= x < 2**63 for x in seeds)  # no two pairs share a stream
+    assert all(choice_seed(s, j) != choice_seed(s + j, 0) for s, j in pairs if j)
+    assert choice_seed(5, 0) == 5 and choice_seed(2**63 - 1, 7) < 2**63  # the first choice keeps the seed itself
+    body = {"max_tokens": 8, "temperature": 1.0}
+    swept = [c["text"] for seed in range(6) for c in completion(url, prompt="import os", n=2, seed=seed,
+                                                                **body).json()["choices"]]
+    assert len(set(swept)) == len(swept) == 12
+    batched = completion(url, prompt=["import os", "class A:"], n=2, seed=3, **body).json()["choices"]
+    assert [c["text"] for c in batched[:2]] == swept[6:8]  # prompt 0's choices 0 and 1 of seed 3, beside prompt 1's
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"best_of": 1, "n": 2}, "best_of"),
     ({"best_of": 3, "stream": True}, "best_of"),
