@@ -170,13 +170,6 @@ def child_pids(pid: int) -> list[int]:
     return out
 
 
-PROMPT = "def parse_args(self, args=None):"
-
-
-HOSTILE_BLOCKLIST = ("re:(a|a){1,60}$\nre:(a{1,20}){1,20}$\nre:(x{1,20}x{1,20}){1,20}y\nre:(.{0,20}a){20}\n"
-                     "(a+)+$\nforbidden\n")
-
-
 def same_up_to_rounding(a: Any, b: Any, tol: float = LOGPROB_TOL) -> bool:
     """Two JSON answers are the same but for float rounding: the same keys, lists, strings and integers, and
     floats within `tol` of each other (for the numbers of two forwards of different shapes, LOGPROB_TOL)."""

@@ -271,6 +271,38 @@ def test_a_compiled_cpu_engine_never_recompiles_for_its_solo_threads(varied_mode
         torch._dynamo.reset()
 
 
+def test_building_an_engine_leaves_torchs_process_switches_as_they_were(debug_tokenizer: Any,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """TF32, dynamo's recompile limit and torch's thread count are set where a serving process starts
+    (startup.set_process_switches; the engine's forwards switch threads around themselves only): building an
+    engine, warm-up included, leaves them as the caller had them. The CPU stands for a device whose plan
+    chooses TF32."""
+    from gptopt.runtime.torch_private import recompile_limit
+    from gptopt.serve import engine as engine_module
+    from gptopt.serve import startup
+
+    tf32 = dataclasses.replace(resolve("cpu"), tf32=True)
+    monkeypatch.setattr(startup, "resolve", lambda *args, **kwargs: tf32)
+    model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size())).eval()
+    limit = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+    had_threads, had_precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    try:
+        torch.set_num_threads(2)
+        torch.set_float32_matmul_precision("highest")
+        with torch._dynamo.config.patch(**{limit: 8}):
+            cfg = ServeConfig(model="debug", device="cpu", max_batch_size=2, solo_threads=1)
+            startup.build_engine(cfg, model, debug_tokenizer)  # its warm-up ran forwards on 1 and on 2 threads
+            assert (torch.get_num_threads(), torch.get_float32_matmul_precision()) == (2, "highest")
+            monkeypatch.setattr(engine_module.Engine, "warmup", lambda self: 0.0)  # no compiling needed here
+            startup.build_engine(dataclasses.replace(cfg, compile=True), model, debug_tokenizer)
+            assert (recompile_limit(), torch.get_float32_matmul_precision()) == (8, "highest")
+            startup.set_process_switches(dataclasses.replace(cfg, compile=True))  # where serve's processes start
+            assert (recompile_limit(), torch.get_float32_matmul_precision()) == (64, "high")
+    finally:
+        torch.set_num_threads(had_threads)
+        torch.set_float32_matmul_precision(had_precision)
+
+
 def test_a_long_prompt_is_prefilled_in_chunks_between_the_running_decodes(
         varied_model: GPT, debug_tokenizer: Any) -> None:
     """A 40-token prompt at 8 tokens a forward: five prefills, each followed by a decode step of the

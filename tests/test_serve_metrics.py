@@ -45,6 +45,7 @@ def test_metrics_expose_histograms_gauges_and_counters(debug_tokenizer: Any) -> 
           if s.labels == {"route": "/v1/completions", "status": "200"} and s.name.endswith("_total")]
     assert ok and ok[0].value == 1
     assert not [name for name in families if name.startswith("gptopt_device_memory")]  # CUDA only
+    assert families["gptopt_engine_up"].samples[0].value == 1  # the engine runs in this process: its series are here
 
 
 def requests_counted(url: str, route: str) -> dict[str, float]:

@@ -6,10 +6,12 @@ serves, fails and stops with its server, and the socket the command listens on.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -76,7 +78,6 @@ def test_the_served_connections_send_each_chunk_at_once() -> None:
 def test_serve_announces_and_serves_the_port_it_bound(model_dir: Path) -> None:
     """...and Ctrl-C stops it with its engine process: nothing is left running."""
     import re
-    import sys
 
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1] / "src")}
     children: list[int] = []
@@ -105,6 +106,63 @@ def _answers(url: str) -> bool:
         return httpx.get(url).status_code == 200
     except httpx.TransportError:
         return False
+
+
+STARTING = "the engine process is starting"
+
+
+def never_ready(engine: Any) -> None:
+    """EngineProcess setup: a start that goes on (a large model loading or warming up for minutes), said on stderr."""
+    print(STARTING, file=sys.stderr, flush=True)
+    time.sleep(600)
+
+
+# `gptopt serve` whose engine process never gets ready (never_ready): argv[1] is this folder, argv[2] the model
+SERVE_NEVER_READY = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from test_serve_process import never_ready
+from gptopt import cli
+from gptopt.serve import app, engine_process
+app.EngineProcess = lambda cfg: engine_process.EngineProcess(cfg, setup=never_ready)
+sys.exit(cli.main(["serve", "--model", sys.argv[2], "--device", "cpu", "--port", "0", "--max_batch_size", "1"]))
+"""
+
+
+def _engine_process_of(server: int) -> int | None:
+    """The spawned child of `server` that runs its engine (not multiprocessing's resource tracker)."""
+    for pid in child_pids(server):
+        with contextlib.suppress(OSError):
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+    return None
+
+
+@pytest.mark.parametrize("stage", ["importing", "loading"])
+def test_a_server_stopped_while_its_engine_is_starting_leaves_no_engine_behind(model_dir: Path, stage: str) -> None:
+    """SIGTERM to `gptopt serve` while its engine process still starts, importing torch (it runs no code of ours yet)
+    or loading and warming up: the engine process ends with the server, instead of finishing its start."""
+    tests = Path(__file__).resolve().parent
+    env = {**os.environ, "PYTHONPATH": str(tests.parent / "src")}
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_NEVER_READY, str(tests), str(model_dir)],
+                            stderr=subprocess.PIPE, text=True, env=env)
+    engine: int | None = None
+    try:
+        assert proc.stderr is not None
+        if stage == "loading":
+            assert any(STARTING in line for line in proc.stderr)  # read up to the setup's line
+        wait_for(lambda: _engine_process_of(proc.pid) is not None, timeout=120)
+        engine = _engine_process_of(proc.pid)
+        left = child_pids(proc.pid)
+        assert engine is not None and alive(engine)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)
+        wait_for(lambda: not any(alive(pid) for pid in left), timeout=30)  # the engine, and the resource tracker
+    finally:
+        proc.kill()
+        proc.wait()
+        if engine is not None and alive(engine):
+            os.kill(engine, signal.SIGKILL)
 
 
 # -- the engine in a process of its own (gptopt serve's default) -----------------------------------
@@ -147,7 +205,41 @@ def test_an_engine_process_serves_what_an_engine_in_the_server_does(model_dir: P
         assert families["gptopt_generation_tokens"].samples[0].value == got["usage"]["completion_tokens"] + 12
         assert families["process_resident_memory_bytes"].samples[0].value > 0  # the engine's process
         assert families["gptopt_http_process_resident_memory_bytes"].samples[0].value > 0  # the HTTP side's
+        assert families["gptopt_engine_up"].samples[0].value == 1  # the engine's series are here
     assert not alive(pid)
+
+
+def metrics_stall_once(engine: Any) -> None:
+    """EngineProcess setup: the engine's first metrics take 3 s (a stuck step, or a busy process), later ones none."""
+    real, calls = engine.render_metrics, []
+
+    def render() -> bytes:
+        calls.append(1)
+        if len(calls) == 1:
+            time.sleep(3)
+        return real()
+
+    engine.render_metrics = render
+
+
+def test_metrics_of_an_engine_that_does_not_answer_say_so_and_keep_the_http_sides(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A scrape whose engine process does not answer in time still answers with the HTTP side's series, with
+    gptopt_engine_up 0 and none of the engine's: a scraper tells a stalled engine from an idle one."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gptopt.serve import engine_process
+
+    def scrape(url: str) -> dict[str, Any]:
+        return {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text)}
+
+    monkeypatch.setattr(engine_process, "METRICS_TIMEOUT", 0.5)
+    with running_apart(model_dir, metrics_stall_once) as (url, _):
+        stalled = scrape(url)
+        assert stalled["gptopt_engine_up"].samples[0].value == 0
+        assert "gptopt_requests" in stalled and "gptopt_generation_tokens" not in stalled
+        wait_for(lambda: scrape(url)["gptopt_engine_up"].samples[0].value == 1, timeout=30)
+        assert "gptopt_generation_tokens" in scrape(url)
 
 
 def forwards_on_the_main_thread_only(engine: Any) -> None:
@@ -322,13 +414,13 @@ def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(de
     import multiprocessing
 
     from gptopt.serve.engine import Engine
-    from gptopt.serve.engine_process import _Pipe
+    from gptopt.serve.engine_child import EventPipe
 
     model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size())).eval()
     engine = Engine(Generator(model, resolve("cpu"), max_batch_size=1), debug_tokenizer)
     engine.begin_drain()
     inbox, outbox = multiprocessing.Pipe(duplex=False)
-    pipe = _Pipe(outbox, engine)
+    pipe = EventPipe(outbox, engine)
     submit = threading.Thread(target=pipe.submit, args=(7, [1, 2, 3], SamplingParams(max_new_tokens=4), 0),
                               daemon=True)
     submit.start()
