@@ -1,6 +1,6 @@
 """Continuous batching: one thread owns the model and its KV-cache slots; requests meet it through queues.
 
-    pytest -q tests/test_serve.py -k batching
+    pytest -q tests/test_serve_engine.py -k batching
 
 Every iteration of the engine thread: drop cancelled and timed-out requests, admit waiting requests
 into free slots, run ONE prefill forward over the admitted prompts (at most `prefill_chunk` tokens:
@@ -12,11 +12,12 @@ token granularity: a short request never waits for a long one to finish, and N r
 each forward pass. The events of a prefill and of a decode step go out together after it: one
 wake-up of each client event loop per forward, not one per token.
 
-On a CPU a decode step of one request alone computes with `solo_threads` torch threads, by default
-every core but one: its arithmetic is so small that the HTTP event loop, the detokenizing and local
-clients are as busy as the model, and the spare core keeps them from preempting the decode's
-threads. A decode step of several requests, and every prefill, take every core: there the model is
-the work, and a core fewer delays every client's next token and a new request's first (both measured:
+On a CPU a decode step of one request alone computes with `solo_threads` torch threads (serve's start-up,
+startup.build_engine, decides them: by default every core but one; the engine only switches to them around its
+own forwards, and gives its caller's thread its count back): its arithmetic is so small that the HTTP event
+loop, the detokenizing and local clients are as busy as the model, and the spare core keeps them from
+preempting the decode's threads. A decode step of several requests, and every prefill, take every core: there
+the model is the work, and a core fewer delays every client's next token and a new request's first (both measured:
 benchmarks/2026-12-04-serving-vs-transformers.md, "A fourth comparison: a core left to the HTTP side").
 A model too small for that (under SMALL_MODEL_FLOPS a token) runs every forward on `solo_threads`: its
 steps gain next to nothing from another core, and the HTTP side, which caps such a server, needs it
