@@ -3,9 +3,9 @@
     python benchmarks/engine_rate.py --model DIR [--clients 16] [--requests 256] [--max_tokens 32]
         [--prompt_tokens 60] [--max_batch_size 64] [--compile] [--solo_threads N] [--thread]
 
-The engine is built as `gptopt serve` builds it (engine_process.build_engine: the same slots, warm-up
-and thread rule) and runs on this script's main thread, as in the engine process; --thread runs it in a
-thread of its own, as `gptopt serve --no-engine_process` does. Each client sends a prompt of random
+The engine is built as `gptopt serve` builds it (serve.startup: the process switches, then build_engine: the
+same slots, warm-up and thread rule) and runs on this script's main thread, as in the engine process; --thread
+runs it in a thread of its own, as `gptopt serve --no-engine_process` does. Each client sends a prompt of random
 token ids, waits for its last token and sends the next, until --requests are done; greedy, with no stop
 token, so every request makes exactly --max_tokens. What it prints is the ceiling that `gptopt
 loadtest` figures of the same load are read against: tokens/s, decode steps and the sequences in each
@@ -25,8 +25,8 @@ from typing import Any
 from gptopt.config import ServeConfig
 from gptopt.infer.sampling import SamplingParams
 from gptopt.serve.engine import Engine
-from gptopt.serve.engine_process import build_engine
 from gptopt.serve.events import Event
+from gptopt.serve.startup import build_engine, set_process_switches
 
 
 def check(clients: int, requests: int) -> None:
@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         check(args.clients, args.requests)  # before the model loads (and compiles, with --compile: slow)
         cfg = ServeConfig(model=args.model, device=args.device, compile=args.compile,
                           max_batch_size=args.max_batch_size, solo_threads=args.solo_threads)
+        set_process_switches(cfg)  # as serve's engine process does where it starts
         engine = build_engine(cfg)
         result = rate(engine, clients=args.clients, requests=args.requests, max_tokens=args.max_tokens,
                       prompt_tokens=args.prompt_tokens, in_thread=args.thread, timeout=args.timeout)

@@ -128,7 +128,8 @@ def test_text_is_no_constraint() -> None:
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}, "strict": "yes"}}, "strict"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}, "foo"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/no"}}}, "/$defs/no"),
-    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}}, "regex"),
+    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "(("}}},
+     "regular expression '((' at character 2: unclosed group"),
     ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer", "minimum": 5,
                                                                      "maximum": 1}}}, "minimum"),
     ({"type": "json_schema", "json_schema": {"name": "x", "strict": True, "schema": {"not": {"type": "string"}}}},
@@ -138,6 +139,35 @@ def test_a_bad_response_format_is_one_line_naming_the_problem(response_format: A
     with pytest.raises(ValueError) as e:
         grammar_for(response_format)
     assert words in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(("pattern", "words"), [
+    ("[a-", "'[a-' at character 1: unclosed character class"),
+    ("a{2,1}", "'a{2,1}' at character 2: invalid repetition count range"),
+])
+def test_an_invalid_pattern_is_refused_with_the_whole_parse_error_in_one_line(pattern: str, words: str) -> None:
+    for schema in ({"type": "string", "pattern": pattern}, {"type": "object", "patternProperties": {pattern: {}}}):
+        with pytest.raises(ValueError) as e:
+            grammar_for({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+        assert f"invalid regular expression {words}" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_one_of_it_cannot_prove_exclusive_says_what_the_user_can_do_not_an_option_the_api_lacks() -> None:
+    """oneOf is enforced where llguidance proves its branches exclusive (objects told apart by a required const), and
+    otherwise refused with what a client can change: anyOf, or exclusive branches. Its own advice, an option named
+    coerce_one_of, is not something a request can set."""
+    def branch(kind: str) -> dict:
+        return {"type": "object", "properties": {"kind": {"const": kind}}, "required": ["kind"]}
+
+    assert grammar_for({"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "oneOf": [branch("a"), branch("b")]}}})
+    with pytest.raises(ValueError) as e:
+        grammar_for({"type": "json_schema", "json_schema": {"name": "x", "schema": {"oneOf": [{"type": "integer"},
+                                                                                             {"minimum": 0}]}}})
+    message = str(e.value)
+    assert "coerce_one_of" not in message and "oneOf" in message and "anyOf" in message and "exclusive" in message
+    assert grammar_for({"type": "json_schema", "json_schema": {"name": "x", "schema": {"anyOf": [{"type": "integer"},
+                                                                                                 {"minimum": 0}]}}})
 
 
 @pytest.mark.parametrize(("keyword", "schema"), [

@@ -223,7 +223,7 @@ def test_serve_answers_a_chat_models_directory_greedily_through_its_own_template
     directory's template (one BOS, from the template), and the template's end-of-turn token ends the reply."""
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    from test_serve import end_of_text_after, sse
+    from serve_helpers import end_of_text_after, sse
 
     from gptopt.config import ServeConfig
     from gptopt.serve.app import create_app

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import (  # noqa: E402
+from serve_helpers import (  # noqa: E402
     PROMPT,
     assert_openai_error,
     completion,

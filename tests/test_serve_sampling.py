@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from test_serve import PROMPT, assert_openai_error, completion, running, sse  # noqa: E402
+from serve_helpers import PROMPT, assert_openai_error, completion, running, sse  # noqa: E402
 
 from gptopt.infer.constrain import Grammars, grammar_for  # noqa: E402
 from gptopt.infer.generator import Generator, complete  # noqa: E402
@@ -88,6 +88,25 @@ def test_best_of_returns_the_candidates_with_the_highest_logprob_per_token(serve
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
     assert all(c["logprobs"] is None for c in r["choices"])  # not asked for
     assert r["usage"] == every["usage"]  # every candidate generated counts, as OpenAI bills best_of
+
+
+def test_each_choice_of_a_seeded_request_draws_from_a_seed_of_its_own_that_no_other_request_shares(url: str) -> None:
+    """Choice j of seed s draws from a seed derived from the pair (s, j), never s + j: requests over a range of seeds
+    give as many different samples as they have choices (vLLM's seed + index made choice 1 of seed s the first of
+    seed s + 1). The same prompt, seed and choice give the same sample again, alone or batched beside others."""
+    from gptopt.serve.routes import choice_seed
+
+    pairs = [(s, j) for s in range(64) for j in range(8)]
+    seeds = {choice_seed(s, j) for s, j in pairs}
+    assert len(seeds) == len(pairs) and all(0 <= x < 2**63 for x in seeds)  # no two pairs share a stream
+    assert all(choice_seed(s, j) != choice_seed(s + j, 0) for s, j in pairs if j)
+    assert choice_seed(5, 0) == 5 and choice_seed(2**63 - 1, 7) < 2**63  # the first choice keeps the seed itself
+    body = {"max_tokens": 8, "temperature": 1.0}
+    swept = [c["text"] for seed in range(6) for c in completion(url, prompt="import os", n=2, seed=seed,
+                                                                **body).json()["choices"]]
+    assert len(set(swept)) == len(swept) == 12
+    batched = completion(url, prompt=["import os", "class A:"], n=2, seed=3, **body).json()["choices"]
+    assert [c["text"] for c in batched[:2]] == swept[6:8]  # prompt 0's choices 0 and 1 of seed 3, beside prompt 1's
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -163,14 +182,18 @@ def test_a_json_schema_reply_validates_and_equals_the_direct_computation(server:
         jsonschema.validate(json.loads(choice["text"]), SCHEMA)
 
 
-def test_a_stop_string_that_cuts_a_constrained_reply_short_ends_it_incomplete_not_stop(url: str) -> None:
+def test_a_stop_string_that_cuts_a_constrained_reply_short_ends_it_incomplete_not_stop(url: str,
+                                                                                        debug_tokenizer: Any) -> None:
     """A reply that breaks its schema never says "stop": cut by a stop string before its document is complete (here
     at its first character), it ends "incomplete"; unconstrained, the same stop string ends it "stop"."""
     pytest.importorskip("llguidance")
-    body = {"prompt": "x", "max_tokens": 30, "temperature": 0, "stop": ["{"]}
+    brace = debug_tokenizer.token_to_id("{")
+    # both replies begin with "{": the object's first character, and the unconstrained one's through its bias
+    body = {"prompt": "x", "max_tokens": 30, "temperature": 0, "stop": ["{"], "logit_bias": {str(brace): 100}}
     cut = completion(url, **body, response_format={"type": "json_object"}).json()["choices"][0]
-    assert cut["finish_reason"] == "incomplete" and cut["text"] == ""
-    assert completion(url, **{**body, "stop": ["\u2603"]}).json()["choices"][0]["finish_reason"] in ("stop", "length")
+    assert (cut["finish_reason"], cut["text"]) == ("incomplete", "")
+    plain = completion(url, **body).json()["choices"][0]
+    assert (plain["finish_reason"], plain["text"]) == ("stop", "")
 
 
 def test_a_row_its_grammar_leaves_no_token_ends_incomplete_and_never_takes_a_forbidden_token(

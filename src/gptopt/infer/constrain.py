@@ -42,6 +42,11 @@ FEATURE = "response_format (constrained decoding)"
 COMPACT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # llguidance's message for keywords it does not implement: 'Unimplemented keys: ["uniqueItems"]'
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys?: \[(.*?)\]")
+# What to do about a oneOf llguidance cannot prove exclusive. Its own message advises its coerce_one_of option,
+# which the API does not expose: enforcing anyOf instead would let through a reply matching two branches.
+ONE_OF = ("response_format's schema uses oneOf with branches that one value could match together, which constrained "
+          "decoding cannot enforce (exactly one must match): use anyOf if a value may match several branches, or make "
+          "the branches exclusive, e.g. objects that each require a property of a \"const\" value of their own")
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 
 
@@ -95,12 +100,28 @@ def grammar_for(response_format: Any) -> str | None:
             keywords = unenforced.group(1).replace('"', "")
             raise UserError(f"response_format's schema uses {keywords}, which constrained decoding cannot enforce "
                              "(the reply could break it): drop it from the schema, and check the reply for it yourself")
+        if "coerce_one_of" in str(messages[0]):
+            raise UserError(ONE_OF)
         raise UserError(f"invalid JSON schema in response_format: {_first_line(messages[0])}")
     return grammar
 
 
 def _first_line(message: object) -> str:
-    return str(message).strip().splitlines()[0] if str(message).strip() else "rejected"
+    """llguidance's message in one line (a 400's message is one line). A regular expression's parse error spans
+    several: 'regex parse error:', the pattern, a caret under the fault, then 'error: why'; it becomes one line
+    with the pattern, the fault's place and why."""
+    lines = [line for line in str(message).rstrip().splitlines() if line.strip()]
+    if not lines:
+        return "rejected"
+    head = lines[0].strip()
+    if head.endswith("regex parse error:") and len(lines) > 1:  # the regex crate's, its pattern indented 4
+        before = head[:-len("regex parse error:")]
+        why = next((line.strip()[len("error:"):].strip() for line in lines if line.strip().startswith("error:")), "")
+        carets = next((line for line in lines[2:] if set(line.strip()) == {"^"}), None)
+        at = f" at character {len(carets) - len(carets.lstrip()) - 3}" if carets is not None else ""
+        pattern = lines[1].removeprefix("    ")
+        return f"{before}invalid regular expression {pattern!r}{at}: {why or ' '.join(lines[2:]).strip()}"
+    return head
 
 
 class Matcher:

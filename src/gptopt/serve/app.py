@@ -38,10 +38,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException  # noqa
 
 from gptopt.serve.client import EngineClient  # noqa: E402
 from gptopt.serve.engine import settled_heap  # noqa: E402
-from gptopt.serve.engine_process import EngineProcess, build_engine  # noqa: E402
+from gptopt.serve.engine_process import EngineProcess  # noqa: E402
 from gptopt.serve.guard import OPEN_ROUTES, Guard  # noqa: E402
 from gptopt.serve.protocol import APIError, validation_error  # noqa: E402
 from gptopt.serve.routes import STATUS_DOC, Routes  # noqa: E402
+from gptopt.serve.startup import build_engine  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,8 @@ def create_app(cfg: ServeConfig, *, model: Any = None, tokenizer: Any = None) ->
 
 def _engine(cfg: ServeConfig, model: Any, tokenizer: Any) -> EngineClient:
     """The engine, warmed up and not started yet: in a process of its own (engine_process.py) when the
-    model is loaded from cfg.model and cfg.engine_process asks for it, else in this process."""
+    model is loaded from cfg.model and cfg.engine_process asks for it, else in this process (which has set
+    its switches where it started: server.main, or the test or notebook that made the model)."""
     if model is None and cfg.engine_process:
         return EngineProcess(cfg)
     return build_engine(cfg, model, tokenizer)

@@ -1,6 +1,6 @@
 """The blocklist: text refused in prompts and cut from generated output, matched in bounded time.
 
-    pytest -q tests/test_serve.py -k blocklist
+    pytest -q tests/test_serve_guard.py -k blocklist
 
 A blocklist file holds one rule a line; blank lines and lines starting with '#' are skipped:
 

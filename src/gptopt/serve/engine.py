@@ -1,6 +1,6 @@
 """Continuous batching: one thread owns the model and its KV-cache slots; requests meet it through queues.
 
-    pytest -q tests/test_serve.py -k batching
+    pytest -q tests/test_serve_engine.py -k batching
 
 Every iteration of the engine thread: drop cancelled and timed-out requests, admit waiting requests
 into free slots, run ONE prefill forward over the admitted prompts (at most `prefill_chunk` tokens:
@@ -12,11 +12,12 @@ token granularity: a short request never waits for a long one to finish, and N r
 each forward pass. The events of a prefill and of a decode step go out together after it: one
 wake-up of each client event loop per forward, not one per token.
 
-On a CPU a decode step of one request alone computes with `solo_threads` torch threads, by default
-every core but one: its arithmetic is so small that the HTTP event loop, the detokenizing and local
-clients are as busy as the model, and the spare core keeps them from preempting the decode's
-threads. A decode step of several requests, and every prefill, take every core: there the model is
-the work, and a core fewer delays every client's next token and a new request's first (both measured:
+On a CPU a decode step of one request alone computes with `solo_threads` torch threads (serve's start-up,
+startup.build_engine, decides them: by default every core but one; the engine only switches to them around its
+own forwards, and gives its caller's thread its count back): its arithmetic is so small that the HTTP event
+loop, the detokenizing and local clients are as busy as the model, and the spare core keeps them from
+preempting the decode's threads. A decode step of several requests, and every prefill, take every core: there
+the model is the work, and a core fewer delays every client's next token and a new request's first (both measured:
 benchmarks/2026-12-04-serving-vs-transformers.md, "A fourth comparison: a core left to the HTTP side").
 A model too small for that (under SMALL_MODEL_FLOPS a token) runs every forward on `solo_threads`: its
 steps gain next to nothing from another core, and the HTTP side, which caps such a server, needs it
@@ -40,7 +41,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -53,9 +54,6 @@ from gptopt.serve.blocklist import Blocklist, TextFilter
 from gptopt.serve.client import Draining, QueueFull, RetryAfter
 from gptopt.serve.events import COMPLETED, Event, FinishReason, Sink, deliver
 from gptopt.utils.errors import UserError
-
-if TYPE_CHECKING:  # a type only: the engine itself never needs prometheus_client
-    pass
 
 log = logging.getLogger(__name__)
 
@@ -99,12 +97,6 @@ def settled_heap(*, give_back: bool = True) -> Iterator[None]:
                 gc.unfreeze()
 
 
-def default_solo_threads() -> int:
-    """A one-request decode step's torch threads on a CPU when not given: every core but one (see the module
-    docstring)."""
-    return max(1, torch.get_num_threads() - 1)
-
-
 @dataclass(eq=False)
 class Request:
     """One sequence to generate. The client side may call cancel(); the rest is the engine's."""
@@ -142,19 +134,23 @@ class Engine:
 
     def __init__(self, generator: Generator, tokenizer: Any, *, max_queue: int = 64,
                  request_timeout: float = 120.0, prefill_chunk: int = PREFILL_CHUNK,
-                 blocklist: Blocklist | None = None, metrics: Any = None,
+                 blocklist: Blocklist | None = None, metrics: Any = None, threads: int | None = None,
                  solo_threads: int | None = None, speculator: Stepper | None = None,
                  speculate_max_batch: int = 4) -> None:
-        """speculator: speculative decoding (infer.speculative.Speculator), for decode steps of at most
-        `speculate_max_batch` requests: a larger batch already keeps the arithmetic busy, and decodes plainly."""
+        """threads, solo_threads: on a CPU, torch's threads of a prefill or a decode step of several requests (every
+        core: torch's count when the engine is made, unless given), and of a one-request decode step; without
+        solo_threads the engine leaves torch's count alone. Whoever starts the server decides both (startup.py);
+        the engine sets them around its own forwards only. speculator: speculative decoding
+        (infer.speculative.Speculator), for decode steps of at most `speculate_max_batch` requests: a larger batch
+        already keeps the arithmetic busy, and decodes plainly."""
         if prefill_chunk < 1:
             raise UserError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if solo_threads is not None and solo_threads < 1:
             raise UserError(f"solo_threads must be >= 1, got {solo_threads}")
         self.generator = generator
-        # torch's threads on a CPU: every core (the process's count), and a one-request decode step's;
-        # None leaves torch's count alone (GPUs, or not asked)
-        self._all_threads = torch.get_num_threads()
+        # torch's threads on a CPU: every core, and a one-request decode step's; None leaves torch's count
+        # alone (GPUs, or not asked)
+        self._all_threads = threads or torch.get_num_threads()
         self._solo_threads = solo_threads if generator.device.type == "cpu" else None
         # One count for every forward of such a model (not one per size): a compiled CPU decode runs all its
         # batched sizes through one graph of symbolic rows, which keeps the count it was compiled under.
@@ -274,6 +270,7 @@ class Engine:
         (each compiled bucket's graph, or its CUDA graph, is built now): the first requests are not slow,
         and a configuration whose activations do not fit fails at start-up, not on a user. Seconds taken."""
         g, t0 = self.generator, time.perf_counter()
+        had = torch.get_num_threads()  # the caller's (a test, a notebook, the engine process's main thread)
         with torch.inference_mode():
             self._use_threads(rows=0)
             g.prefill(0, [0] * max(1, g.max_len - 1))
@@ -288,9 +285,9 @@ class Engine:
                         g.decode(slots, [0] * rows, [min(g.max_len - 1, 1)] * rows)
                     for s in slots:
                         g.free(s)
-            finally:  # this thread (the caller's) gets every core back; the engine thread sets its own
-                if self._solo_threads is not None:
-                    torch.set_num_threads(self._all_threads)
+            finally:  # the caller's thread gets its count back as it was; the engine's thread sets its own
+                if torch.get_num_threads() != had:
+                    torch.set_num_threads(had)
                 g.forget_prefixes()  # the warm-up's prompts are no request's
         seconds = time.perf_counter() - t0
         if g.bucketed:
@@ -334,11 +331,12 @@ class Engine:
             self._started = True
 
     def _run(self) -> None:
+        had = torch.get_num_threads()
         try:
             self._loop()
         finally:
-            if self._solo_threads is not None:  # whatever this thread runs next gets every core again
-                torch.set_num_threads(self._all_threads)
+            if torch.get_num_threads() != had:  # whatever this thread runs next has its count as it was
+                torch.set_num_threads(had)
             self._done.set()
 
     def begin_drain(self) -> None:

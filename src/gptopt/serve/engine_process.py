@@ -1,12 +1,13 @@
 """The engine in a process of its own: the HTTP side and the model stop sharing one GIL.
 
-    pytest -q tests/test_serve.py -k engine_process
+    pytest -q tests/test_serve_process.py
 
 `gptopt serve` builds its engine (engine.py: the model, the KV cache, the continuous-batching thread)
-with `build_engine`. By default it runs it in a child process (`EngineProcess`), as vLLM's API
-server does, and talks to it over two pipes: requests and cancels go in, each engine iteration's
-events come back in one message. The HTTP process keeps the tokenizer, the request checks and the
-streams; the child keeps the model.
+with startup.build_engine. By default it runs it in a child process (`EngineProcess`, this module: the
+parent's side; engine_entry.py and engine_child.py: the child's), as vLLM's API server does, and talks
+to it over two pipes: requests and cancels go in, each engine iteration's events come back in one
+message. The HTTP process keeps the tokenizer, the request checks and the streams; the child keeps the
+model.
 
 Why: the engine thread calls its kernels from Python and takes the GIL back after each one, so in one
 process it waits whenever the event loop runs Python, and the event loop waits for it. Apart, neither
@@ -21,9 +22,11 @@ between kernels instead of spinning (engine.Engine.run; benchmarks/2026-12-04-se
 "The engine on its process's main thread").
 
 The child is started with "spawn": a forked child would inherit the parent's OpenMP and CUDA state,
-which neither survives a fork. It ignores SIGINT (Ctrl-C reaches the whole process group) and drains
-when the parent tells it to, or on a SIGTERM of its own; it exits when the parent's end of the pipe
-closes, and when its engine ends unasked (the parent then answers /health with 503 "failed").
+which neither survives a fork. Its first code (engine_entry.run) ties its life to this process's, so a
+server stopped at any stage of its start leaves no engine behind. It ignores SIGINT (Ctrl-C reaches the
+whole process group) and drains when the parent tells it to, or on a SIGTERM of its own; it exits when
+the parent's end of the pipe closes, and when its engine ends unasked (the parent then answers /health
+with 503 "failed").
 """
 
 from __future__ import annotations
@@ -40,241 +43,24 @@ import signal
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from gptopt.config import ServeConfig
-from gptopt.data.tokenizer import Tokenizer, eot_id
-from gptopt.infer import memory as infer_memory
-from gptopt.infer import speculative
-from gptopt.infer.constrain import Grammars
-from gptopt.infer.generator import Generator
-from gptopt.infer.load import load_for_inference
+from gptopt.data.tokenizer import Tokenizer
 from gptopt.infer.sampling import SamplingParams
-from gptopt.runtime import memory, process, signals
-from gptopt.runtime.device import resolve
+from gptopt.serve import engine_entry
 from gptopt.serve.blocklist import Blocklist, load_blocklist
 from gptopt.serve.client import Draining, QueueFull, RetryAfter
-from gptopt.serve.engine import Engine, default_solo_threads, settled_heap
-from gptopt.serve.events import COMPLETED, Channel, ChannelSink, Event, FinishReason, Sink, deliver
+from gptopt.serve.engine import Engine
+from gptopt.serve.events import COMPLETED, Event, Sink, deliver
 from gptopt.serve.metrics import ServeMetrics
 from gptopt.utils.errors import UserError
-from gptopt.utils.extras import has
-from gptopt.utils.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
 START_TIMEOUT = 3600.0  # seconds for the child to load and warm up (a cold compile of gpt2-xl's buckets is long)
 METRICS_TIMEOUT = 5.0  # seconds /metrics waits for the child's figures
-
-
-def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
-                 metrics: ServeMetrics | None = None) -> Engine:
-    """The model (loaded now unless given) in a Generator, in a warmed-up engine that is not started yet."""
-    plan = resolve(cfg.device, quiet=True)
-    process.set_matmul_precision(plan)
-    if cfg.compile:
-        process.allow_recompiles()
-    if model is None:
-        model, tokenizer = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype,
-                                              quantize=cfg.quantize)
-    if tokenizer is None:
-        raise UserError("create_app: a model was given without its tokenizer")
-    metrics = metrics or ServeMetrics()
-    dtype, context = model.transformer.wte.weight.dtype, model.config.block_size
-    if cfg.max_len is not None and cfg.max_len > context:
-        raise UserError(f"--max_len {cfg.max_len} exceeds the model's context of {context} tokens: its position "
-                        f"embeddings (or rotary training) end there; use --max_len {context} or less")
-    context = cfg.max_len or context
-    slots = cfg.max_batch_size or infer_memory.auto_slots(model.config, context, plan.device, dtype=dtype)
-    # the KV cache and the warm-up's forwards, checked before the cache is allocated (the weights are loaded)
-    memory.require(infer_memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"),
-                   plan.device, f"--max_batch_size {slots} KV-cache slots of {context} tokens",
-                   "lower --max_batch_size or --max_len, or use --dtype bf16")
-    generator = Generator(model, plan, max_batch_size=slots, max_len=context, compile=cfg.compile,
-                          cuda_graphs=cfg.cuda_graphs,
-                          grammars=_grammars(tokenizer, model.config.vocab_size), prefix_cache=cfg.prefix_cache)
-    engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
-                    prefill_chunk=cfg.prefill_chunk, blocklist=load_blocklist(cfg.blocklist), metrics=metrics,
-                    solo_threads=cfg.solo_threads or default_solo_threads(),
-                    speculator=speculative.build(cfg, generator, tokenizer, plan),
-                    speculate_max_batch=cfg.speculate_max_batch)
-    try:
-        engine.warmup()
-    except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel
-        raise UserError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
-                         "lower --max_batch_size, or use --dtype bf16 or --quantize int8-weight") from None
-    metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
-    metrics.bind_device_memory(plan.device)  # CUDA only
-    return engine
-
-
-def _grammars(tokenizer: Tokenizer, vocab_size: int) -> Grammars | None:
-    """response_format's grammars, or None where the model cannot be constrained (the server then answers
-    such requests 400): a document ends with the end-of-text token, so the tokenizer needs one, and
-    llguidance must read the tokenizer (it does not read every kind)."""
-    eot = eot_id(tokenizer)
-    if eot is None or not has("llguidance"):
-        return None
-    try:
-        return Grammars(tokenizer, eot, vocab_size)
-    except ValueError as e:
-        log.warning("response_format cannot be served with this tokenizer (%s); such requests get a 400", e)
-        return None
-
-
-# -- the child --------------------------------------------------------------------------------------
-
-
-class _Pipe(Channel):
-    """The child's way back: each iteration's events, with the engine's load, in one message. Two threads
-    send (the engine's and the one reading commands), so a lock keeps their messages whole."""
-
-    def __init__(self, conn: Connection, engine: Engine | None = None) -> None:
-        self.conn, self.engine, self.lock = conn, engine, threading.Lock()
-        # key -> engine.Request, for cancels, until its last event; under its own lock, so a request that
-        # ends at once cannot be recorded after its end
-        self.requests: dict[int, Any] = {}
-        self.requests_lock = threading.Lock()
-
-    def submit(self, key: int, prompt: list[int], params: SamplingParams, index: int) -> None:
-        assert self.engine is not None
-        refused: Exception | None = None
-        with self.requests_lock:
-            try:
-                self.requests[key] = self.engine.submit(prompt, params, ChannelSink(self, key), index=index)
-            except Exception as e:  # the parent counts first: a drain of the child's own, or a bug
-                refused = e
-        if refused is not None:  # send() takes requests_lock: after it is released. Draining is a 503
-            reason: FinishReason = "cancelled" if isinstance(refused, Draining) else "error"
-            self.send([(key, Event(index, "", reason, error=f"{type(refused).__name__}: {refused}"))])
-
-    def cancel(self, key: int) -> None:
-        with self.requests_lock:
-            req = self.requests.get(key)
-        if req is not None:
-            req.cancel()
-
-    def send(self, items: list[tuple[int, Event]]) -> None:
-        with self.requests_lock:
-            for key, event in items:
-                if event.finish_reason is not None:
-                    self.requests.pop(key, None)
-        stats = self.engine.stats() if self.engine is not None else {"running": 0, "waiting": 0}
-        self.message(("events", items, stats))
-
-    def message(self, msg: tuple[Any, ...]) -> None:
-        with self.lock:
-            with contextlib.suppress(OSError):  # the parent is gone: nobody to tell
-                self.conn.send(msg)
-
-
-def _child(cfg: ServeConfig, commands: Connection, events: Connection,
-           setup: Callable[[Engine], None] | None) -> None:
-    """The engine process: build and warm up the engine, say ready, then run it on this thread while
-    another carries out the parent's commands, until it says shutdown (or its end of the pipe closes)."""
-    signals.ignore((signal.SIGINT,))
-    threading.Thread(target=_orphan_watch, args=(os.getppid(),), name="gptopt-orphan-watch", daemon=True).start()
-    setup_logging()  # a spawned process starts with logging unset; its lines look like the parent's
-    pipe = _Pipe(events)
-    try:
-        engine = build_engine(cfg, metrics=ServeMetrics(http=False))  # the HTTP side counts requests
-        if setup is not None:
-            setup(engine)
-    except BaseException as e:  # noqa: BLE001 - whatever it was, the parent reports it
-        pipe.message(("failed", _portable(e)))
-        return
-    # Once serving, a SIGTERM of its own (systemd stops every process of a unit) drains it as the
-    # parent's drain would, and tells the parent, which then refuses new requests. Before that, SIGTERM
-    # ends it at once: there is nothing to drain.
-    terminated = threading.Event()
-    signals.install(lambda signum, frame: terminated.set(), (signal.SIGTERM,))
-    pipe.engine = engine
-    with settled_heap(give_back=False):
-        pipe.message(("ready", {"max_batch_size": engine.max_batch_size, "max_len": engine.max_len,
-                                "vocab_size": engine.vocab_size, "constrains": engine.constrains,
-                                "tokenizer": engine.tokenizer.to_str()}))
-        reader = threading.Thread(target=_commands, args=(engine, pipe, commands, terminated, cfg.request_timeout),
-                                  name="gptopt-engine-commands", daemon=True)
-        reader.start()
-        # The engine runs on this thread, which loaded the model: the process's one OpenMP pool (Engine.run).
-        engine.run()  # returns once stopped; an engine that ends unasked raises, and the child exits
-        reader.join()
-
-
-def _commands(engine: Engine, pipe: _Pipe, commands: Connection, terminated: threading.Event,
-              drain_timeout: float) -> None:
-    """The parent's commands, carried out until the drain it asked for is over or its end of the pipe
-    closes. No torch work here: the engine's thread is the one that computes. If this thread fails, the
-    engine stops too: a child that can no longer hear its parent must not look alive."""
-    stopping: threading.Thread | None = None
-
-    def stop(timeout: float) -> threading.Thread:
-        pipe.message(("draining",))
-        thread = threading.Thread(target=_shut, args=(engine, timeout, pipe), name="gptopt-engine-shutdown")
-        thread.start()
-        return thread
-
-    try:
-        while stopping is None or stopping.is_alive():
-            if terminated.is_set() and stopping is None:
-                stopping = stop(drain_timeout)
-            try:
-                if not commands.poll(0.1):
-                    continue
-                msg = commands.recv()
-            except (EOFError, OSError):  # the parent is gone: end without waiting for anyone
-                engine.shutdown(0)
-                return
-            batch = [pickle.loads(m) for m in msg[1]] if msg[0] == "batch" else [msg]  # EngineProcess._send
-            for msg in batch:
-                stopping = _command(engine, pipe, msg, stopping, stop)
-    except BaseException:
-        log.exception("the engine process stopped reading its commands; stopping its engine")
-        engine.shutdown(0)
-        raise
-
-
-def _command(engine: Engine, pipe: _Pipe, msg: tuple[Any, ...], stopping: threading.Thread | None,
-             stop: Callable[[float], threading.Thread]) -> threading.Thread | None:
-    """Carry out one of the parent's commands; the drain's thread, once one is started."""
-    try:
-        kind = msg[0]
-        if kind == "submit":
-            pipe.submit(*msg[1:])
-        elif kind == "cancel":
-            pipe.cancel(msg[1])
-        elif kind == "metrics":
-            pipe.message(("metrics", msg[1], engine.render_metrics()))
-        elif kind == "shutdown" and stopping is None:
-            return stop(msg[1])
-    except Exception:  # one bad command must not take the engine down
-        log.exception("the engine process could not carry out %r", msg[0])
-    return stopping
-
-
-def _orphan_watch(parent: int) -> None:
-    """Exit once the parent is gone: a parent killed outright (SIGKILL, or SIGTERM before it serves) runs
-    no clean-up, and a child still loading would hold the model and its memory for minutes. Polled, not
-    prctl's PDEATHSIG: that fires when the thread that started the child ends, which may be any thread."""
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
-
-
-def _shut(engine: Engine, timeout: float, pipe: _Pipe) -> None:
-    engine.shutdown(timeout)
-    pipe.message(("closed",))
-
-
-def _portable(e: BaseException) -> BaseException:
-    """`e` if it crosses a pipe intact, else a RuntimeError with its text."""
-    try:
-        pickle.loads(pickle.dumps(e))
-        return e
-    except Exception:  # noqa: BLE001 - any pickling failure
-        return RuntimeError(f"{type(e).__name__}: {e}")
 
 
 # -- the parent -------------------------------------------------------------------------------------
@@ -318,8 +104,9 @@ class EngineProcess:
         ctx = multiprocessing.get_context("spawn")
         commands, self._commands = ctx.Pipe(duplex=False)
         self._events, events = ctx.Pipe(duplex=False)
-        self._process = ctx.Process(target=_child, args=(cfg, commands, events, setup), name="gptopt-engine",
-                                    daemon=True)
+        on_main = threading.current_thread() is threading.main_thread()
+        self._process = ctx.Process(target=engine_entry.run, args=(os.getpid(), on_main, cfg, commands, events, setup),
+                                    name="gptopt-engine", daemon=True)
         self._process.start()
         # Whatever ends this process, the child goes first: registered after multiprocessing's own exit
         # hook (which would wait for a child that is still loading), so it runs before it.
@@ -461,19 +248,21 @@ class EngineProcess:
             self._events.close()
 
     def render_metrics(self) -> bytes:
-        """This process's metrics, then the engine's, asked of the child (blocks up to METRICS_TIMEOUT s)."""
-        own = self.metrics.render()
-        if self._closed:
-            return own
-        key, done, reply = next(self._keys), threading.Event(), []
-        self._metrics_replies[key] = (done, reply)
-        try:
-            self._send(("metrics", key))
-            if not done.wait(METRICS_TIMEOUT):
-                log.warning("the engine process did not send its metrics within %.0f s", METRICS_TIMEOUT)
-        finally:
-            self._metrics_replies.pop(key, None)
-        return own + (reply[0] if reply else b"")
+        """This process's metrics, then the engine's, asked of the child (blocks up to METRICS_TIMEOUT s);
+        gptopt_engine_up says whether the child's are there (1) or it has ended or not answered in time (0)."""
+        reply: list[bytes] = []
+        if not self._closed:
+            key, done = next(self._keys), threading.Event()
+            self._metrics_replies[key] = (done, reply)
+            try:
+                self._send(("metrics", key))
+                if not done.wait(METRICS_TIMEOUT):
+                    log.warning("the engine process did not send its metrics within %.0f s; this scrape has "
+                                "gptopt_engine_up 0 and none of its series", METRICS_TIMEOUT)
+            finally:
+                self._metrics_replies.pop(key, None)
+        self.metrics.engine_up.set(1.0 if reply else 0.0)
+        return self.metrics.render() + (reply[0] if reply else b"")
 
     # -- the pipes -----------------------------------------------------------------------------------
 

@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from gptopt.infer.sampling import TokenLogprob
-
-if TYPE_CHECKING:  # a type only: the engine itself never needs prometheus_client
-    pass
 
 # Why a sequence ended. stop/length/content_filter are OpenAI's, and incomplete gptopt's (a constrained reply cut
 # before its document was complete: decoding.Finish); they come with a result (COMPLETED), the others without:

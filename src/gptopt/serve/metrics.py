@@ -1,5 +1,6 @@
-"""Prometheus metrics of the server: latency histograms, load gauges, token and request counters, and
-on CUDA the device memory (allocated, reserved, peak allocated), read at scrape time.
+"""Prometheus metrics of the server: latency histograms, load gauges, token and request counters, whether the
+engine answered (gptopt_engine_up), and on CUDA the device memory (allocated, reserved, peak allocated), read at
+scrape time.
 
     curl -s http://127.0.0.1:8000/metrics | grep gptopt_
 
@@ -34,9 +35,15 @@ class ServeMetrics:
         part in each process; /metrics shows both."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self.http = http
         if http:
             self.requests = Counter("gptopt_requests", "HTTP requests by route and status code",
                                     ["route", "status"], registry=r)
+            # A scrape whose engine did not answer still says what the HTTP side knows, and this says that the
+            # engine's series are missing: a 503 would lose the rest, and silence would look like an idle engine.
+            self.engine_up = Gauge("gptopt_engine_up", "1: the engine is running and its series in this scrape are "
+                                   "current; 0: it has ended, or (in a process of its own) did not answer within "
+                                   "the scrape's wait, and its series are missing", registry=r)
         if not engine:  # the HTTP process of a server whose engine runs apart: its own memory, named apart
             ProcessCollector(namespace="gptopt_http", registry=r)
             return
@@ -74,6 +81,11 @@ class ServeMetrics:
         """Read the gauges from the engine at scrape time, so they can never drift from its state."""
         self.running.set_function(running)
         self.waiting.set_function(waiting)
+
+    def bind_engine_up(self, up: Callable[[], bool]) -> None:
+        """gptopt_engine_up read from an engine in this process at scrape time (its series are always here)."""
+        if self.http:
+            self.engine_up.set_function(lambda: float(up()))
 
     def bind_device_memory(self, device: torch.device) -> None:
         """On CUDA, gauges of the device's memory read from torch's caching allocator at scrape time:

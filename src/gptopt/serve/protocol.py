@@ -128,7 +128,9 @@ class Sampling(BaseModel):
     top_p: float = Field(1.0, **bounds.TOP_P.limits)
     n: Int = Field(1, ge=1, le=MAX_N)
     stop: StopText | Annotated[list[StopText], Field(max_length=MAX_STOP)] | None = None
-    seed: IntOrNone = Field(None, **bounds.SEED.limits)
+    seed: IntOrNone = Field(None, **bounds.SEED.limits, description="the same request and seed give the same "
+                            "choices, alone or beside others; each choice draws from a seed of its own, derived from "
+                            "this seed and its index (the first: this seed itself)")
     stream: bool = False
     stream_options: StreamOptions | None = None
     top_k: IntOrNone = Field(None, **bounds.TOP_K.limits, description="extension: sample from the k most likely tokens")

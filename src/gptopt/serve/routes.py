@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import hashlib
 import logging
 import os
 import time
@@ -67,6 +68,19 @@ STATUS_DOC = {
     503: "shutting down: no new requests",
     504: "generation took longer than the server's --request_timeout",
 }
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of a request's sequence `index` (its choices in order, prompt by prompt: prompt i's j-th of n is
+    i * n + j; with best_of, its candidates counted so), derived from the pair: the request's seed itself for the
+    first, so a one-choice request draws what `gptopt generate --seed` draws; for each other, the top 63 bits of
+    BLAKE2b of the two as 64-bit integers (torch's generators take seeds below 2**63). Seed + index, vLLM's rule,
+    made choice j of seed s the first choice of seed s + j, so requests over a range of seeds drew the same
+    samples again."""
+    if index == 0:
+        return seed
+    digest = hashlib.blake2b(seed.to_bytes(8, "little") + index.to_bytes(8, "little"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def _error_doc(status: int) -> dict[str, Any]:
@@ -276,7 +290,7 @@ class Routes:
                     repetition_penalty=body.repetition_penalty, presence_penalty=body.presence_penalty,
                     frequency_penalty=body.frequency_penalty, logit_bias=bias, grammar=grammar, stop=stop,
                     stop_token_ids=() if body.ignore_eos else stop_ids,
-                    seed=None if body.seed is None else body.seed + i * copies + j,  # choices differ
+                    seed=None if body.seed is None else choice_seed(body.seed, i * copies + j),
                     logprobs=logprobs, prompt_logprobs=prompt_logprobs))
         return seqs, params
 

@@ -33,6 +33,7 @@ from fastapi import FastAPI  # noqa: E402
 from gptopt.serve.app import create_app  # noqa: E402
 from gptopt.serve.client import EngineClient  # noqa: E402
 from gptopt.serve.guard import api_key  # noqa: E402
+from gptopt.serve.startup import set_process_switches  # noqa: E402
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,8 @@ def main(cfg: ServeConfig) -> int:
         chat.load_template(cfg.chat_template, chat.template_folders(cfg.model, cfg.tokenizer))
     sock = bind(cfg.host, cfg.port)  # before the model loads, and before "serving on" is said
     try:
+        if not cfg.engine_process:  # the engine runs here; else its process sets them where it starts
+            set_process_switches(cfg)
         app = create_app(cfg)
     except BaseException:
         sock.close()
