@@ -1,4 +1,4 @@
-"""What both bench ladders (training, bench/ladder.py; inference, bench/infer.py) resolve the same
+"""What both bench ladders (training, bench/ladder.py; inference, bench/infer_ladder.py) resolve the same
 way from a BenchConfig: the device plan, the preset, the data, the model config, the sequence length;
 the recipe ladder (bench/quality.py) takes the preset from here too.
 
