@@ -17,7 +17,7 @@ import torch
 from conftest import make_varied_model
 
 from gptopt.config import TrainConfig, preset
-from gptopt.infer.compiled import GraphedDecode
+from gptopt.infer.decode_graphs import GraphedDecode
 from gptopt.infer.generator import Generator, generate
 from gptopt.infer.load import optimize_for_inference
 from gptopt.infer.sampling import SamplingParams
@@ -25,8 +25,8 @@ from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, gpu_spec, measured_matmul_flops, peak_flops, resolve
 from gptopt.runtime.monitor import Monitor
 from gptopt.train.distributed import DistInfo, no_sync, wrap_ddp, wrap_fsdp
-from gptopt.train.memory import find_batch_size
 from gptopt.train.step import TrainStep
+from gptopt.train.step_memory import find_batch_size
 
 pytestmark = pytest.mark.cuda
 

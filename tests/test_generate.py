@@ -25,7 +25,7 @@ from gptopt import cli
 from gptopt.commands import generate as gen_mod
 from gptopt.config import GenerateConfig
 from gptopt.data.tokenizer import eot_id
-from gptopt.infer.compiled import GraphedDecode
+from gptopt.infer.decode_graphs import GraphedDecode
 from gptopt.infer.decoding import Decoding
 from gptopt.infer.generator import Generator, complete, generate, stream
 from gptopt.infer.load import load_for_inference

@@ -64,7 +64,7 @@ from gptopt.infer.quantize import int4_unsupported
 from gptopt.infer.speculative import Speculator
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, environment, memory_bandwidth
-from gptopt.runtime.memory import is_oom
+from gptopt.runtime.memory_check import is_oom
 from gptopt.runtime.torch_private import recompile_limit_for, reset_dynamo
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import EXTRAS, has

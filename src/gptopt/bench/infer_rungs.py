@@ -36,7 +36,7 @@ class InferRung:
     what: str
     hf: bool = False
     compile: bool = False
-    cuda_graphs: bool = False  # the eager decode recorded as CUDA graphs (inference.GraphedDecode): CUDA only
+    cuda_graphs: bool = False  # the eager decode recorded as CUDA graphs (infer.decode_graphs.GraphedDecode): CUDA only
     bf16: bool = False  # bf16 weights instead of the device's inference dtype
     int8: bool = False
     int4: bool = False  # torchao int4 weight-only (tinygemm), bf16: sm_80+ CUDA only

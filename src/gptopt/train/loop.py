@@ -32,7 +32,7 @@ from gptopt.data.bpb import bits_per_byte, bytes_per_token
 from gptopt.data.tokenizer import TOKENIZER, tokenizer_digest
 from gptopt.models import checkpoint
 from gptopt.models.flops import at_least, flops_per_token, mfu
-from gptopt.runtime import memory
+from gptopt.runtime import memory_check as memory
 from gptopt.runtime.device import (
     DevicePlan,
     default_attention,
@@ -42,10 +42,10 @@ from gptopt.runtime.device import (
     reuse_host_memory,
     sdpa_backend_unavailable,
 )
-from gptopt.runtime.memory import is_oom
+from gptopt.runtime.memory_check import is_oom
 from gptopt.runtime.monitor import Monitor, peak_memory_bytes
 from gptopt.train import distributed, resume
-from gptopt.train import memory as train_memory
+from gptopt.train import step_memory as train_memory
 from gptopt.train.distributed import DistInfo
 from gptopt.train.metrics import Metrics, Progress, sample
 from gptopt.train.resume import RUN_ENTRIES, RUN_KIND

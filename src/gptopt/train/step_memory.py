@@ -2,7 +2,7 @@
 that fits (--loss auto), the refusal with its fix, the search of --auto_batch_size, and the advice after an
 out-of-memory error.
 
-    python -c "import gptopt.train.memory as m, gptopt.config as c; print(m.train_step_bytes(c.preset('tiny'), 8, 256))"
+    python -c "import gptopt.train.step_memory as m; print(m.train_step_bytes(m.GPTConfig(), 8, 256))"
 
 The estimate counts what a step holds at its peak, each part from the shapes (bytes per token per layer, read
 off what the model saves for backward), on the high side wherever there is a choice: eager kernels
@@ -20,9 +20,9 @@ from gptopt.config import GPTConfig, TrainConfig
 from gptopt.models.flops import param_count
 from gptopt.models.gpt import CAUSAL_SPLIT_MIN
 from gptopt.models.loss import chunk_rows
-from gptopt.runtime import memory
+from gptopt.runtime import memory_check
 from gptopt.runtime.device import DevicePlan
-from gptopt.runtime.memory import F32, Estimate, is_oom, itemsize
+from gptopt.runtime.memory_check import F32, Estimate, is_oom, itemsize
 from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
@@ -138,9 +138,9 @@ def pick_loss(choice: str, estimate_at: Callable[[str], Estimate], device: torch
     does, the chunked one, the smaller (the step is then refused with the fixes, naming its estimate)."""
     if choice != "auto":
         return choice, f"--loss {choice}"
-    if memory.shortfall(estimate_at("full"), device) is None:
+    if memory_check.shortfall(estimate_at("full"), device) is None:
         return "full", "auto: the full logits fit"
-    if memory.shortfall(estimate_at("chunked"), device) is None:
+    if memory_check.shortfall(estimate_at("chunked"), device) is None:
         return "chunked", f"auto: the full logits of micro-batch {batch} would not fit"
     return "chunked", f"auto: micro-batch {batch} does not fit with either loss; the chunked one is the smaller"
 
@@ -168,9 +168,9 @@ def require_training(estimate_at: Callable[[int], Estimate], device: torch.devic
                      seq_len: int) -> None:
     """Refuse a `gptopt train` step that cannot fit (ValueError: exit 2), naming the estimate, the memory
     free and the fix, with the largest micro-batch that fits. estimate_at: micro-batch -> its estimate."""
-    short = memory.shortfall(estimate_at(train.batch_size), device)
+    short = memory_check.shortfall(estimate_at(train.batch_size), device)
     if short is not None:
-        fix = train_fix(train, seq_len, memory.largest_batch(estimate_at, device, train.batch_size - 1))
+        fix = train_fix(train, seq_len, memory_check.largest_batch(estimate_at, device, train.batch_size - 1))
         raise UserError(f"a training step of micro-batch {train.batch_size} x {seq_len} tokens will not fit in "
                          f"memory: it {short}; {fix}")
 

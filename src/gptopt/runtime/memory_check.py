@@ -1,7 +1,8 @@
 """Memory before it is allocated: what the device has free, and the check of an estimate against it. The
-estimates themselves are their users': a training step's (train/memory.py), a generator's (infer/memory.py).
+estimates themselves are their users': a training step's (train/step_memory.py), a generator's
+(infer/generator_memory.py).
 
-    python -c "import torch, gptopt.runtime.memory as m; print(m.available_bytes(torch.device('cpu')))"
+    python -c "import torch, gptopt.runtime.memory_check as m; print(m.available_bytes(torch.device('cpu')))"
 
 A run that cannot fit must be refused or reported, never killed: on a CPU the kernel's OOM killer
 ends the process (exit 137) with no report, and a GPU that fills mid-step has already spent the
