@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from gptopt.config import GPTConfig, preset
+from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime import process
 
@@ -137,6 +138,12 @@ def make_varied_model(vocab_size: int, family: str = "gpt2") -> GPT:
 def varied_model(debug_tokenizer: Tokenizer) -> GPT:
     """make_varied_model sized to debug_tokenizer."""
     return make_varied_model(debug_tokenizer.get_vocab_size())
+
+
+# Prompts the Generator's tests decode (test_generate, test_sampling, test_generate_cli): of different lengths, one
+# of a single token and one of a token repeated, each within varied_model's vocabulary; and greedy settings.
+PROMPTS = [[5, 17, 99, 4, 200, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [120, 3, 64]]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
 
 
 @pytest.fixture(scope="session")
