@@ -102,9 +102,9 @@ def check_loader(num_workers: int | None, prefetch_factor: int | None, persisten
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-# --optimizer muon's default peak learning rate, Muon's own and not a multiple of --learning_rate: on tiny the
-# best Muon rate stayed where it was while AdamW's rate for the rest moved (2e-3 to 8e-3), and the tuned AdamW
-# rate times any multiple that suited train's default would overshoot it (benchmarks/2026-12-04-muon.md, "Muon's
+# --optimizer muon's default peak learning rate, Muon's own and not a multiple of --learning_rate: Muon's best
+# rate does not move with the rate the rest of the model trains at under AdamW, so a multiple that suited
+# train's default would overshoot it at a tuned AdamW rate (benchmarks/2026-12-04-muon.md, "Muon's
 # rates racing to a loss"; the quality ladder's muon recipe, benchmarks/2026-12-06-time-to-quality.md). Muon's
 # update is scaled to AdamW's RMS (optim.MUON_ADJUST_LR), so the figure reads on AdamW's scale. The GPT-2 sizes
 # take the same rate, untried.

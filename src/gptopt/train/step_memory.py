@@ -114,8 +114,8 @@ def train_step_bytes(config: GPTConfig, batch_size: int, seq_len: int, *, amp_dt
         "logits": logits,
         "batch": 2 * 8 * tokens * accumulation,  # int64 inputs and targets of the whole step
         # Backward's short-lived buffers (an op's input gradient beside its output's, casts) and the
-        # allocator's slack: a quarter of what grows with the batch. Without it the sum fell short of
-        # the peak resident growth measured on a CPU for bf16 + checkpointing.
+        # allocator's slack: a quarter of what grows with the batch, so that the sum is not below a step's
+        # peak under bf16 + checkpointing either (tests/test_memory.py measures that peak).
         "temporaries": (activations + scores + logits) // 4,
     }
     return Estimate(parts)
