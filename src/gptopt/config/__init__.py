@@ -58,6 +58,7 @@ from gptopt.config.model import (
 from gptopt.config.sampling import Bound, SamplingConfig
 from gptopt.config.train import (
     COMPILE_MODES,
+    DOCTOR_SEQ_LEN,
     MUON_LR,
     TUNE_AXES,
     BenchConfig,

@@ -27,11 +27,18 @@ from gptopt.config.model import ARCH_FIELDS, DEFAULT_PRESET, LOSSES, PRESETS, ar
 from gptopt.config.sampling import TEMPERATURE, TOP_K, TOP_P
 from gptopt.utils.errors import UserError
 
+# The sequence length doctor sizes a training step at when --seq_len is not given, where a preset's context is
+# longer: a long-context model (Qwen3's 40,960 tokens) is first fine-tuned at lengths like this, and a step at its
+# full context needs many times the memory; --seq_len asks for any other.
+DOCTOR_SEQ_LEN = 2048
+
 
 @dataclass(kw_only=True)
 class DoctorConfig:
     device: str = opt("auto", "device to check: auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     preset: str = opt("tiny", "model preset used to size the memory/disk checks and the smoke test")
+    seq_len: int | None = opt(None, "tokens per sequence the memory checks size a training step at (batch 1); "
+                                    f"default: the preset's context, at most {DOCTOR_SEQ_LEN}", ge=1, le=MAX_SEQ_LEN)
     smoke: bool = opt(False, "also run a tiny forward+backward under autocast on the device")
     json: bool = opt(False, "print one JSON document instead of the table")
 
@@ -39,6 +46,10 @@ class DoctorConfig:
         check_fields(self)
         if self.preset not in PRESETS:
             raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        context = preset(self.preset).block_size
+        if self.seq_len is not None and self.seq_len > context:
+            raise UserError(f"--seq_len {self.seq_len} exceeds --preset {self.preset}'s context of {context} tokens; "
+                            f"give --seq_len {context} or less")
 
 
 @dataclass(kw_only=True)
