@@ -26,6 +26,7 @@ from tokenizers import Tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from gptopt import cli
 from gptopt.config import GPTConfig, preset
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
@@ -138,6 +139,14 @@ def make_varied_model(vocab_size: int, family: str = "gpt2") -> GPT:
 def varied_model(debug_tokenizer: Tokenizer) -> GPT:
     """make_varied_model sized to debug_tokenizer."""
     return make_varied_model(debug_tokenizer.get_vocab_size())
+
+
+def exit_status(argv: list[str]) -> int:
+    """`gptopt ARGV`'s exit status, whether cli.main returns it or exits (argparse's and the configs' refusals)."""
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
 
 
 # Prompts the Generator's tests decode (test_generate, test_sampling, test_generate_cli): of different lengths, one

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import last_json_line
+from conftest import exit_status, last_json_line
 
 from gptopt import cli
 from gptopt.bench import ladder, report
@@ -68,8 +68,8 @@ def test_a_seq_len_beyond_the_models_context_is_refused_before_any_work(
 ) -> None:
     """As train refuses it: not measured at the context and written into best.toml as if that had been asked."""
     out = tmp_path / "b"
-    assert cli.main(["bench", "--device", "cpu", "--data_dir", str(tmp_path / "no_data"), "--output_dir", str(out),
-                     *argv]) == 2
+    assert exit_status(["bench", "--device", "cpu", "--data_dir", str(tmp_path / "no_data"), "--output_dir", str(out),
+                        *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     n, c = argv[argv.index("--seq_len") + 1], context.split()[0]
     said = f"--seq_len {n} exceeds the model's context {context}: use --seq_len {c} or less"

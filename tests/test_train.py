@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import split_bytes_per_token
+from conftest import exit_status, split_bytes_per_token
 
 from gptopt import cli
 from gptopt.commands import train as train_cmd
@@ -402,7 +402,7 @@ def test_token_ids_beyond_the_model_vocabulary(train_data: Path, tmp_path: Path,
 
 
 def test_seq_len_beyond_the_context(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(cli_args(train_data, tmp_path / "o", "--seq_len", "65")) == 2
+    assert exit_status(cli_args(train_data, tmp_path / "o", "--seq_len", "65")) == 2
     assert "exceeds the model's context 64" in capsys.readouterr().err
 
 
@@ -547,7 +547,7 @@ def test_overwrite_validates_first_and_keeps_the_old_run_until_the_new_one_has_a
     before = tree(out)
     assert [d.name for d in checkpoint.checkpoint_dirs(out)] == ["ckpt-0000002", "ckpt-0000004"]
     # a bad argument: refused before anything is moved or deleted
-    assert cli.main(cli_args(train_data, out, "--max_steps", "20", "--overwrite", "--seq_len", "100000")) == 2
+    assert exit_status(cli_args(train_data, out, "--max_steps", "20", "--overwrite", "--seq_len", "100000")) == 2
     assert "exceeds the model's context" in capsys.readouterr().err
     assert tree(out) == before
     # a new run that fails before its first checkpoint: the old run is back, as it was

@@ -404,10 +404,7 @@ def _generate_step(cfg: ProfileConfig, raw: GPT, plan: DevicePlan, prompts: torc
                    steps: int) -> Callable[[], float]:
     """One greedy decode step of the whole batch by the Generator, after the prompts' prefill (done here,
     before any profiled step). The sequences grow to seq_len tokens: the prompts are `steps` shorter."""
-    seq_len = prompts.size(1)
-    if seq_len - steps < 1:
-        raise UserError(f"--seq_len {seq_len} leaves no prompt for {steps} decode steps: use --seq_len {steps + 1} "
-                         "or more")
+    seq_len = prompts.size(1)  # longer than steps: ProfileConfig refuses a --seq_len that leaves no prompt
     # Generation runs in the weights' dtype, without autocast (load_for_inference casts them once):
     # --use_amp gives the weights the autocast dtype the device policy resolves to.
     raw.to(device=plan.device, dtype=plan.amp_dtype or torch.float32).eval()
@@ -453,9 +450,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
                        attention=cfg.attention if cfg.attention != "auto" else auto,
                        gradient_checkpointing=cfg.gradient_checkpointing)
     tokens.check_vocab(model_cfg.vocab_size)
-    seq_len = cfg.seq_len or model_cfg.block_size
-    if seq_len > model_cfg.block_size:
-        raise UserError(f"--seq_len {seq_len} exceeds the model's context {model_cfg.block_size}")
+    seq_len = cfg.seq_len or model_cfg.block_size  # within the preset's context: ProfileConfig refuses one beyond
     memory_check.require(step_memory.train_step_bytes(model_cfg, cfg.batch_size, seq_len, amp_dtype=plan.amp_dtype)
                    if cfg.mode == "train"
                    else generator_memory.inference_bytes(model_cfg, cfg.batch_size, seq_len, dtype=plan.amp_dtype),

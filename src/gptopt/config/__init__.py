@@ -52,6 +52,7 @@ from gptopt.config.model import (
     PRESETS,
     GPTConfig,
     arch_overrides,
+    check_seq_len,
     preset,
     preset_for_data,
 )

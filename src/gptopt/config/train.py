@@ -23,7 +23,7 @@ from gptopt.config.fields import (
     opt,
 )
 from gptopt.config.infer import MAX_SPECULATIVE_TOKENS
-from gptopt.config.model import ARCH_FIELDS, DEFAULT_PRESET, LOSSES, PRESETS, arch_overrides, preset
+from gptopt.config.model import ARCH_FIELDS, DEFAULT_PRESET, LOSSES, PRESETS, arch_overrides, check_seq_len, preset
 from gptopt.config.sampling import TEMPERATURE, TOP_K, TOP_P
 from gptopt.utils.errors import UserError
 
@@ -79,6 +79,13 @@ class PrepareConfig:
         check_fields(self)
         if self.input and self.dataset:
             raise UserError("give either --input or --dataset, not both")
+
+
+def check_cpu_amp(device: str, use_amp: bool, amp_dtype: str) -> None:
+    """Refuse fp16 autocast on a device given as the CPU as the options are read (device.resolve refuses it on a
+    CPU that auto picked)."""
+    if use_amp and amp_dtype == "fp16" and device == "cpu":
+        raise UserError("fp16 autocast on a CPU is slow and needs loss scaling: use --amp_dtype bf16 or fp32")
 
 
 def parse_duration(text: str) -> float:
@@ -251,11 +258,13 @@ class TrainConfig:
             if not hasattr(torch.optim, "Muon"):
                 raise UserError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9), this is torch "
                                  f"{torch.__version__}: upgrade torch, or use --optimizer adamw")
-        if self.arch:  # a bad field or value is named before any data or model is read
-            try:
-                preset(self.preset or DEFAULT_PRESET, **arch_overrides(self.arch))
-            except ValueError as e:
-                raise UserError(str(e) if str(e).startswith("--arch") else f"--arch: {e}") from None
+        try:  # a bad --arch field or value is named before any data or model is read
+            model = preset(self.preset or DEFAULT_PRESET, **arch_overrides(self.arch))
+        except ValueError as e:
+            raise UserError(str(e) if str(e).startswith("--arch") else f"--arch: {e}") from None
+        if self.init_from == "scratch" and self.resume is None:  # else the context is the loaded model's
+            check_seq_len(self.seq_len, model.block_size, self.preset or DEFAULT_PRESET)
+        check_cpu_amp(self.device, self.use_amp, self.amp_dtype)
         if self.muon_lr is not None and self.optimizer != "muon":
             raise UserError("--muon_lr is Muon's learning rate: add --optimizer muon, or drop --muon_lr")
         if self.time_budget is not None:
@@ -368,6 +377,8 @@ class BenchConfig:
                              "--temperature (e.g. 1), or leave them out for greedy decoding")
         if self.model is not None and self.preset is not None:
             raise UserError("--model benches that model, --preset a preset's random weights: give one of them")
+        if self.preset is not None:  # the default preset is the device's (bench.setup checks it)
+            check_seq_len(self.seq_len, preset(self.preset).block_size, self.preset)
         if self.mode == "quality" and self.rungs != "default":
             raise UserError("--rungs chooses the rungs of the train and infer ladders; --mode quality takes "
                              "--recipes (adamw, muon, modern, ...: see --help)")
@@ -414,6 +425,8 @@ class TuneConfig:
         check_fields(self)
         if self.preset is not None and self.preset not in PRESETS:
             raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        if self.preset is not None:  # the default preset is the device's (bench.setup checks it)
+            check_seq_len(self.seq_len, preset(self.preset).block_size, self.preset)
         parse_duration(self.time_budget)
         unknown = set(self.axis_set) - set(TUNE_AXES)
         if unknown:
@@ -462,3 +475,10 @@ class ProfileConfig:
         check_fields(self)
         if self.preset not in PRESETS:
             raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        context = preset(self.preset).block_size
+        check_seq_len(self.seq_len, context, self.preset)
+        steps, seq_len = self.wait + self.warmup + self.active, self.seq_len or context
+        if self.mode == "generate" and seq_len - steps < 1:  # the prompts are the sequences less the decode steps
+            raise UserError(f"--seq_len {seq_len} leaves no prompt for {steps} decode steps (--wait, --warmup and "
+                            f"--active): use --seq_len {steps + 1} or more, or fewer steps")
+        check_cpu_amp(self.device, self.use_amp, self.amp_dtype)
