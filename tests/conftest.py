@@ -26,8 +26,10 @@ from tokenizers import Tokenizer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from gptopt import cli
 from gptopt.commands import train as train_cmd
 from gptopt.config import GPTConfig, TrainConfig, preset
+from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime import process
 
@@ -226,6 +228,20 @@ def chat_model_dir(kind: str, tokenizer: Tokenizer, path: Path) -> Path:
 def varied_model(debug_tokenizer: Tokenizer) -> GPT:
     """make_varied_model sized to debug_tokenizer."""
     return make_varied_model(debug_tokenizer.get_vocab_size())
+
+
+def exit_status(argv: list[str]) -> int:
+    """`gptopt ARGV`'s exit status, whether cli.main returns it or exits (argparse's and the configs' refusals)."""
+    try:
+        return cli.main(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
+
+
+# Prompts the Generator's tests decode (test_generate, test_sampling, test_generate_cli): of different lengths, one
+# of a single token and one of a token repeated, each within varied_model's vocabulary; and greedy settings.
+PROMPTS = [[5, 17, 99, 4, 200, 31, 8], [42], [7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7, 7], [120, 3, 64]]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=24)
 
 
 @pytest.fixture(scope="session")

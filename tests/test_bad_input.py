@@ -10,11 +10,14 @@ import dataclasses
 import errno
 import json
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import exit_status
 
 from gptopt import cli
 from gptopt.config import GPTConfig, TrainConfig, field_types
@@ -29,11 +32,7 @@ def config_class(verb: str) -> type:
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
     """gptopt.cli.main(argv) -> (exit status, stderr), whether it returns or exits."""
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
-    return code, capsys.readouterr().err
+    return exit_status(argv), capsys.readouterr().err
 
 
 def assert_one_line_error(code: int, err: str, *needles: str) -> None:
@@ -320,3 +319,55 @@ def test_an_unwritable_output_dir_of_a_real_run(tmp_path: Path, monkeypatch: pyt
 
 def test_network_errors_keep_their_traceback() -> None:
     assert cli.os_error_line(ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), None) is None
+
+
+# Argument errors of every verb: an unknown option, a value out of range or not among the choices, options that
+# contradict each other or the preset. Each is told before torch is imported (seconds sooner).
+ARGUMENT_ERRORS = [
+    *[[verb, "--no_such_option", "1"] for verb in cli.COMMANDS],
+    ["doctor", "--preset", "qwen3-0.6b", "--seq_len", "50000"],
+    ["prepare", "--vocab_size", "3"],
+    ["train", "--batch_size", "0"],
+    ["train", "--preset", "tiny", "--seq_len", "4096"],
+    ["train", "--arch", "block_size=128", "--seq_len", "200"],
+    ["train", "--use_amp", "--amp_dtype", "fp16", "--device", "cpu"],
+    ["train", "--cpu_offload"],
+    ["bench", "--preset", "tiny", "--seq_len", "4096"],
+    ["bench", "--batch_sizes", "1,4"],
+    ["profile", "--preset", "tiny", "--seq_len", "4096"],
+    ["profile", "--mode", "generate", "--seq_len", "4"],
+    ["profile", "--use_amp", "--amp_dtype", "fp16", "--device", "cpu"],
+    ["generate", "--temperature", "-1"],
+    ["serve", "--port", "99999"],
+    ["loadtest", "--requests", "0"],
+    ["compress", "--quantize", "int3"],
+    ["export", "--format", "tflite"],
+    ["tune", "--preset", "tiny", "--seq_len", "4096"],
+    ["tune", "--axes", "colour"],
+    ["eval", "--task", "trivia"],
+]
+
+# Runs each command line in one fresh process, in order, and prints its exit status and whether torch had been
+# imported by then: the first line that imports it is the one to fix.
+_RUN_EACH = """
+import json, sys
+from gptopt import cli
+for argv in json.loads(sys.argv[1]):
+    try:
+        code = cli.main(argv)
+    except SystemExit as e:
+        code = e.code
+    print(json.dumps([argv, code, "torch" in sys.modules]), flush=True)
+"""
+
+
+def test_every_argument_error_is_told_before_torch_is_imported(tmp_path: Path) -> None:
+    env = {"PYTHONPATH": str(Path(cli.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-c", _RUN_EACH, json.dumps(ARGUMENT_ERRORS)], capture_output=True,
+                          text=True, env=env, cwd=tmp_path, timeout=120)
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == len(ARGUMENT_ERRORS), proc.stderr[-2000:]
+    assert [argv for argv, code, _ in rows if code != 2] == []  # each an argument error, refused
+    first = next((argv for argv, _, torch_in in rows if torch_in), None)
+    assert first is None, f"`gptopt {' '.join(first or [])}` imported torch before telling its argument error"
+    assert list(tmp_path.iterdir()) == []  # and nothing was written

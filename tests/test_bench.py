@@ -13,13 +13,13 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import last_json_line
+from conftest import exit_status, last_json_line
 
 from gptopt import cli
 from gptopt.bench import ladder, report
 from gptopt.bench.ladder import Bench, select_rungs
 from gptopt.config import BenchConfig, TrainConfig
-from gptopt.runtime import device, memory
+from gptopt.runtime import device, memory_check
 
 
 def bench_args(data: Path, out: Path, rungs: str, *extra: str) -> list[str]:
@@ -68,8 +68,8 @@ def test_a_seq_len_beyond_the_models_context_is_refused_before_any_work(
 ) -> None:
     """As train refuses it: not measured at the context and written into best.toml as if that had been asked."""
     out = tmp_path / "b"
-    assert cli.main(["bench", "--device", "cpu", "--data_dir", str(tmp_path / "no_data"), "--output_dir", str(out),
-                     *argv]) == 2
+    assert exit_status(["bench", "--device", "cpu", "--data_dir", str(tmp_path / "no_data"), "--output_dir", str(out),
+                        *argv]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     n, c = argv[argv.index("--seq_len") + 1], context.split()[0]
     said = f"--seq_len {n} exceeds the model's context {context}: use --seq_len {c} or less"
@@ -302,8 +302,8 @@ def test_a_rung_estimated_not_to_fit_is_reported_before_it_allocates_and_the_ben
     eager, sdpa = (bench.memory_estimate(bench.config(r)).total for r in chosen)
     assert sdpa < eager  # eager attention keeps its scores
     # free memory between the two: eager's estimate is over it, sdpa's under
-    free = int((sdpa + eager) / 2 / memory.REFUSE_ABOVE)
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "available RAM"))
+    free = int((sdpa + eager) / 2 / memory_check.REFUSE_ABOVE)
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "available RAM"))
     built: list[str] = []
     real_build = Bench._build
     monkeypatch.setattr(Bench, "_build", lambda self, rung, cfg: (built.append(rung.name),
@@ -313,7 +313,7 @@ def test_a_rung_estimated_not_to_fit_is_reported_before_it_allocates_and_the_ben
     assert built == ["sdpa"]  # the refused rung allocated nothing
     note = rungs["eager"]["note"]
     assert rungs["eager"]["status"] == "oom" and "out of memory at micro-batch 4 (estimated, not run)" in note
-    assert f"needs about {memory.gib(eager)}" in note and f"but {memory.gib(free)} is available RAM" in note
+    assert f"needs about {memory_check.gib(eager)}" in note and f"but {memory_check.gib(free)} is available RAM" in note
     assert rungs["sdpa"]["status"] == "ok" and summary["best"] == "sdpa"
 
 
@@ -325,7 +325,7 @@ def test_an_absurd_batch_is_reported_out_of_memory_not_killed(
     # within the static limit (config.MAX_BATCH); 64 MiB free cannot hold it, as a real machine could not hold
     # a step that needs more than its RAM: the estimate refuses it before anything is allocated
     args[args.index("--batch_size") + 1] = "4096"
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (64 * 2**20, "available RAM"))
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (64 * 2**20, "available RAM"))
     assert cli.main(args) == 1  # no rung ran, so there is no best
     results = json.loads((out / "results.json").read_text())
     assert [(r["name"], r["status"]) for r in results["rungs"]] == [("eager", "oom"), ("sdpa", "oom")]

@@ -20,8 +20,9 @@ import torch
 from conftest import assert_draws_follow, exact_distribution, last_json_line
 
 from gptopt import cli
-from gptopt.bench import infer, levers, report
-from gptopt.bench.infer import RUNGS, InferBench, InferRung, select_rungs
+from gptopt.bench import infer_ladder, infer_rungs, levers, report
+from gptopt.bench.infer_ladder import InferBench
+from gptopt.bench.infer_rungs import RUNGS, InferRung, select_rungs
 from gptopt.bench.levers import HFSamplingGenerator, RepeatedKVGenerator
 from gptopt.config import BenchConfig, preset
 from gptopt.infer.generator import Generator
@@ -148,8 +149,8 @@ def test_the_lever_rungs_decode_kvs_tokens_and_report_what_each_lever_buys(train
 def test_a_lever_gain_is_taken_at_the_batch_sizes_both_rungs_measured(bench: InferBench,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     # A rung that ran out of memory at batch 2 keeps its batch-1 gain; nothing is compared with a batch it lacks.
-    def result(name: str, rates: dict[int, float]) -> infer.InferResult:
-        return infer.InferResult(name=name, what="", decode_tokens_per_s=rates[1],
+    def result(name: str, rates: dict[int, float]) -> infer_rungs.InferResult:
+        return infer_rungs.InferResult(name=name, what="", decode_tokens_per_s=rates[1],
                                  batch_sweep=[{"batch_size": b, "tokens_per_s": t} for b, t in rates.items()])
 
     kv, short, long = result("kv", {1: 30.0, 2: 50.0}), result("kv-repeat-kv", {1: 20.0}), \
@@ -237,7 +238,7 @@ def test_temperature_samples_the_timed_generations_and_still_checks_greedy_token
     # generations, so the figures carry the sampler's cost; the check against the baseline stays greedy.
     pytest.importorskip("transformers")
     asked: dict[str, list[Sampling]] = {"hf": [], "kv": []}
-    for name, cls in (("hf", infer.HFRunner), ("kv", GptoptRunner)):
+    for name, cls in (("hf", infer_rungs.HFRunner), ("kv", GptoptRunner)):
         def spy(self: object, prompts: list[list[int]], n: int, sampling: Sampling = GREEDY, _name: str = name,
                 _real: object = cls.generate) -> list[list[int]]:
             asked[_name].append(sampling)
@@ -271,7 +272,7 @@ def test_sampling_flags_out_of_place_or_range_are_refused_by_name(fields: dict, 
 def test_without_the_hf_extra_hf_is_skipped_and_kv_is_the_baseline(
     bench: InferBench, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(infer, "has", lambda module: module != "transformers" and extras.has(module))
+    monkeypatch.setattr(infer_ladder, "has", lambda module: module != "transformers" and extras.has(module))
     monkeypatch.setattr(bench, "results", [])
     summary = bench.run(select_rungs("hf,kv"))
     hf, kv = summary["rungs"]
@@ -302,7 +303,7 @@ def test_int8_runs_on_a_cpu_or_says_why_not(bench: InferBench, monkeypatch: pyte
         assert res.dtype == "int8" and 0 < res.max_logit_diff < math.inf
         # int8 weights: fewer bytes read per decoded token than the same model in fp32
         assert res.bytes_per_token < bench.run_rung(RUNG["kv"]).bytes_per_token
-    monkeypatch.setattr(infer, "has", lambda module: module != "torchao" and extras.has(module))
+    monkeypatch.setattr(infer_ladder, "has", lambda module: module != "torchao" and extras.has(module))
     res = bench.run_rung(int8)
     assert res.status == "skipped" and res.note == "needs the 'quant' extra: pip install 'gptopt[quant]'"
 
@@ -361,7 +362,7 @@ def test_bf16_is_skipped_where_the_device_has_no_native_bf16(bench: InferBench,
 def test_onnxruntime_is_skipped_with_the_install_line_without_the_onnx_extra(
     bench: InferBench, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(infer, "has", lambda module: module != "onnxruntime" and extras.has(module))
+    monkeypatch.setattr(infer_ladder, "has", lambda module: module != "onnxruntime" and extras.has(module))
     res = bench.run_rung(RUNG["onnxruntime"])
     assert res.status == "skipped" and res.note == "needs the 'onnx' extra: pip install 'gptopt[onnx]'"
 

@@ -18,7 +18,7 @@ from gptopt.config import DoctorConfig, ProfileConfig, TrainConfig, opt
 
 # The option surface grows only on purpose: a new flag must be added here too.
 EXPECTED_OPTIONS = {
-    "doctor": {"device", "json", "preset", "smoke"},
+    "doctor": {"device", "json", "preset", "seq_len", "smoke"},
     "prepare": {
         "dataset",
         "dataset_config",

@@ -17,7 +17,7 @@ import torch
 from conftest import make_varied_model
 
 from gptopt.config import TrainConfig, preset
-from gptopt.infer.compiled import GraphedDecode
+from gptopt.infer.decode_graphs import GraphedDecode
 from gptopt.infer.generator import Generator, generate
 from gptopt.infer.load import optimize_for_inference
 from gptopt.infer.sampling import SamplingParams

@@ -194,3 +194,35 @@ def test_the_readme_and_the_current_figures_stay_short_enough_to_read() -> None:
     # goes to benchmarks/, one dated report per study).
     assert len(README.read_text(encoding="utf-8").splitlines()) <= 250
     assert len((ROOT / "docs" / "benchmarks.md").read_text(encoding="utf-8").splitlines()) <= 300
+
+
+# A report a source file cites: `benchmarks/2026-12-05-x.md`, and the section after it where one is quoted,
+# `benchmarks/2026-12-05-x.md, "A heading"`. Comments keep the rule and point here for the figures behind it.
+CITATION = re.compile(r"benchmarks/(\d{4}-\d\d-\d\d-[\w.-]+?\.md)(?:, \"([^\"]+)\")?")
+
+
+def _citations(text: str) -> list[tuple[str, str]]:
+    """(report, section or '') of each report a Python file cites, its comments' lines joined as one text."""
+    joined = " ".join(line.strip().lstrip("#").strip() for line in text.splitlines())
+    return CITATION.findall(joined)
+
+
+def test_the_citation_reader_joins_a_comments_lines() -> None:
+    text = ('# the rule (benchmarks/2026-12-02-a.md, "The compiled\n    # decode at every batch size"); and\n'
+            "x = 1  # benchmarks/2026-12-03-b.md\n")
+    assert _citations(text) == [("2026-12-02-a.md", "The compiled decode at every batch size"),
+                                ("2026-12-03-b.md", "")]
+
+
+def test_every_report_and_section_the_source_cites_exists() -> None:
+    broken = []
+    for path in sorted([*(ROOT / "src").rglob("*.py"), *(ROOT / "benchmarks").glob("*.py")]):
+        for report, section in _citations(path.read_text(encoding="utf-8")):
+            dest = ROOT / "benchmarks" / report
+            if not dest.exists():
+                broken.append(f"{path.relative_to(ROOT)}: benchmarks/{report}")
+                continue
+            headings = re.findall(r"(?m)^#+ (.+)$", FENCE.sub("", dest.read_text(encoding="utf-8")))
+            if section and not any(section in " ".join(h.split()) for h in headings):
+                broken.append(f'{path.relative_to(ROOT)}: benchmarks/{report}, "{section}" (no such heading)')
+    assert not broken, "citations of reports that lead nowhere:\n" + "\n".join(broken)

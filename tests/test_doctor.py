@@ -19,6 +19,7 @@ from gptopt.commands.doctor import GPU, Check, Facts, checks
 from gptopt.config import GPTConfig, preset
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
+from gptopt.train import step_memory
 
 GiB = 1024**3
 ALL_EXTRAS = {"hf": True, "serve": True, "plot": True, "gpu": True, "quant": True, "data": True}
@@ -158,6 +159,39 @@ def test_disk_too_small_for_the_preset_fails_and_names_one_that_fits() -> None:
 def test_too_little_ram_to_train_on_cpu_fails() -> None:
     ram = by_name(checks(healthy_cpu(ram_available=4 * GiB), "gpt2-xl"))["ram"]
     assert ram.status == "fail" and "--preset" in ram.fix
+
+
+def test_a_long_context_preset_is_sized_at_a_stated_length_not_its_whole_context() -> None:
+    # Qwen3-0.6B's context is 40,960 tokens: a step of it at batch 1 fits a 32 GiB machine at 2,048 tokens, and
+    # the check says at which length it sized the step and how to ask for another
+    ram = by_name(checks(healthy_cpu(ram_available=32 * GiB), "qwen3-0.6b"))["ram"]
+    assert ram.status != "fail", ram
+    assert "batch 1 x 2,048 tokens of the 40,960-token context" in ram.value and "--seq_len" in ram.value
+    whole = by_name(checks(healthy_cpu(ram_available=32 * GiB), "qwen3-0.6b", seq_len=40960))["ram"]
+    assert whole.status == "fail" and "batch 1 x 40,960 tokens in fp32" in whole.value
+    # a preset whose context is shorter than the default length is sized at its context
+    assert "batch 1 x 1,024 tokens in fp32" in by_name(checks(healthy_cpu(), "gpt2"))["ram"].value
+
+
+@pytest.mark.parametrize("name", ["gpt2", "smollm2-135m", "qwen3-0.6b"])
+def test_the_memory_checks_need_what_train_refuses_a_batch_1_step_against(name: str) -> None:
+    # the family's own shape (grouped-query heads, head size apart from the width, SwiGLU's width) as the
+    # training step's estimate counts it, so doctor and `gptopt train --batch_size 1 --seq_len T` agree
+    cfg = preset(name)
+    T = min(cfg.block_size, 2048)
+    step = min(step_memory.train_step_bytes(dataclasses.replace(cfg, loss=loss), 1, T).total
+               for loss in ("full", "chunked"))
+    have = int(1.2 * step)  # room for the step, less than the 1.5x an ok asks
+    assert by_name(checks(healthy_cpu(ram_available=have), name))["ram"].status == "warn"
+    assert by_name(checks(healthy_cpu(ram_available=step - 1), name))["ram"].status == "fail"
+
+
+def test_a_sequence_longer_than_the_presets_context_is_refused_before_any_check(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        main(["doctor", "--preset", "tiny", "--seq_len", "4096"])
+    assert stop.value.code == 2
+    assert "--seq_len 4096 exceeds --preset tiny's context of 256 tokens" in capsys.readouterr().err
 
 
 def test_too_little_gpu_memory_for_the_preset_fails() -> None:

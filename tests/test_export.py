@@ -1,5 +1,5 @@
-"""gptopt export: ONNX through onnxruntime and Hugging Face through transformers give PyTorch's logits;
-bad input is refused before anything is written.
+"""gptopt export (and infer/onnx_decoder.py under it): ONNX through onnxruntime and Hugging Face through
+transformers give PyTorch's logits; bad input is refused before anything is written.
 
     pytest -q tests/test_export.py
 
@@ -22,7 +22,9 @@ from tokenizers import Tokenizer
 from gptopt import cli
 from gptopt.commands import export
 from gptopt.config import preset
+from gptopt.infer import onnx_decoder
 from gptopt.infer.generator import Generator, generate
+from gptopt.infer.onnx_decoder import OrtDecoder, export_onnx
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models import hf
 from gptopt.models.checkpoint import save_model
@@ -43,8 +45,8 @@ def onnx_dir(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def decoder(onnx_dir: Path) -> export.OrtDecoder:
-    return export.OrtDecoder(onnx_dir / "model.onnx", block_size=64)
+def decoder(onnx_dir: Path) -> OrtDecoder:
+    return OrtDecoder(onnx_dir / "model.onnx", block_size=64)
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +78,7 @@ def test_export_writes_the_graph_its_description_and_the_tokenizer(
 
 @torch.no_grad()
 def test_onnx_logits_match_pytorch_across_batch_lengths_and_decode_steps(
-    decoder: export.OrtDecoder, model: GPT
+    decoder: OrtDecoder, model: GPT
 ) -> None:
     g = torch.Generator().manual_seed(1)
     V = model.config.vocab_size
@@ -98,7 +100,7 @@ def test_onnx_logits_match_pytorch_across_batch_lengths_and_decode_steps(
                 assert np.abs(step[r, 0] - ref).max() <= TOL * np.abs(ref).max()
 
 
-def test_onnxruntime_greedy_tokens_equal_gptopt_greedy_tokens(decoder: export.OrtDecoder, model: GPT) -> None:
+def test_onnxruntime_greedy_tokens_equal_gptopt_greedy_tokens(decoder: OrtDecoder, model: GPT) -> None:
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (10, 4)]
     gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2, max_len=64)
@@ -129,7 +131,7 @@ def test_a_llama_or_qwen3_checkpoint_exports_to_onnx_with_its_key_value_heads_an
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (9, 4)]
     gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2, max_len=64)
     want = generate(gen, prompts, SamplingParams(max_new_tokens=16, temperature=0.0, top_k=None))
-    got = export.OrtDecoder(out / "model.onnx", block_size=64).greedy(prompts, 16)
+    got = OrtDecoder(out / "model.onnx", block_size=64).greedy(prompts, 16)
     assert got == want and len(set(got[0])) > 3
 
 
@@ -203,7 +205,7 @@ def test_an_output_dir_where_no_folder_can_be_made_is_one_line(model_dir: Path, 
     def no_staging(target: Path, **kw: object) -> None:  # a folder that vanished or turned read-only since
         raise FileNotFoundError(2, "No such file or directory", str(target.parent / f".{target.name}.tmp-1"))
 
-    monkeypatch.setattr(export, "staged_dir", no_staging)
+    monkeypatch.setattr(onnx_decoder, "staged_dir", no_staging)  # the staging both exports use
     pytest.importorskip("transformers")
     with pytest.raises(ValueError, match=r"--output_dir .*hf: cannot create a folder there \(No such file"):
         export.export_hf_checked(model, tmp_path / "hf")
@@ -250,7 +252,7 @@ def test_the_torchscript_exporter_is_the_fallback_when_dynamo_fails(
         return real(*args, dynamo=False, **kwargs)
 
     monkeypatch.setattr(torch.onnx, "export", no_dynamo)
-    meta = export.export_onnx(debug_model, tmp_path / "ts")
+    meta = export_onnx(debug_model, tmp_path / "ts")
     assert meta["exporter"] == "torchscript" and meta["tokenizer"] is None
     assert meta["check"]["decode_max_abs_diff"] <= meta["check"]["allowed_abs_diff"]
     assert {o["name"]: o["shape"] for o in meta["outputs"]}["present_value_1"] == ["batch", 2, "total_sequence", 32]

@@ -1,5 +1,6 @@
-"""Dependencies point one way: each package imports only its own layer and the layers below it, no import cycle
-among gptopt's modules, lazy imports included, and nothing imports the command line.
+"""Dependencies point one way: each package imports only itself and the layers below it (never a layer above, nor
+another package of its own layer), no import cycle among gptopt's modules, lazy imports included, and nothing
+imports the command line.
 
     pytest -q tests/test_imports.py
 """
@@ -14,20 +15,22 @@ import gptopt
 SRC = Path(gptopt.__file__).resolve().parent  # src/gptopt
 
 # gptopt's layers, lowest first (docs/design.md says what each holds). A module may import modules of its own
-# layer and of the layers below; never of a layer above. The package root (gptopt/__init__: the version) is
-# below them all.
+# package and of the layers below; never of a layer above, nor of another package of its own layer: packages that
+# share a layer are independent of each other. Where one package needs another, that one sits in a layer below it.
+# The package root (gptopt/__init__: the version) is below them all.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("config", "utils"),  # options, presets and their checks; plain helpers (extras, logs, tables)
+    ("utils",),  # plain helpers: the user's error, optional extras, log lines, paths, tables
+    ("config",),  # options, presets and their checks
     ("outputs", "runtime"),  # how gptopt writes a user's disk; the device, its memory and torch's switches
     ("data",),  # tokenizers, corpora -> token shards, the loader
     ("models",),  # the model and its families, Hugging Face in and out, checkpoints, FLOPs
-    ("infer",),  # loading for inference, the KV cache, the sampler, the Generator, CPU layouts, quantisation
-    ("train",),  # the step, optimizers, wrapping, the loop, resuming, its memory plan
-    ("commands", "bench", "serve"),  # the verbs: each uses the layers below, another verb's public functions only
-    ("cli", "__main__"),  # the command line
+    ("infer",),  # loading for inference, the KV cache, the sampler, the Generator, CPU layouts, quantisation, ONNX
+    ("train",),  # the step, optimizers, wrapping, the loop, resuming, its memory estimate
+    ("bench",),  # the ladders: training and inference rungs measured side by side (bench's verb; tune runs rungs)
+    ("commands", "serve"),  # the verbs: each uses the layers below, never another verb
+    ("cli",),  # the command line
+    ("__main__",),  # python -m gptopt
 )
-# The old import paths kept for users' code (re-exports): nothing of gptopt's imports them.
-OLD_PATHS = ("model", "hf", "checkpoint", "export")
 
 
 def _module_name(path: Path, src: Path) -> str:
@@ -157,32 +160,67 @@ def layer(module: str) -> int | None:
     return next((i for i, names in enumerate(LAYERS) if top in names), None)
 
 
-def test_the_layers_name_every_package_and_the_old_paths_only_re_export() -> None:
-    graph = import_graph()
-    old = {f"gptopt.{name}" for name in OLD_PATHS}
-    unplaced = sorted({m.split(".")[1] for m in graph if m not in old and layer(m) is None})
+def _package(module: str) -> str:
+    return module.split(".")[1] if "." in module else ""
+
+
+def upward(graph: dict[str, dict[str, str]]) -> list[str]:
+    """Every import of a module in a layer above the importer's, as 'importer -> imported  (file:line)'."""
+    return sorted(f"{name} -> {target}  ({where})" for name, edges in graph.items() if layer(name) is not None
+                  for target, where in edges.items() if layer(target) is not None and layer(target) > layer(name))
+
+
+def sideways(graph: dict[str, dict[str, str]]) -> list[str]:
+    """Every import of a module of another package in the importer's own layer (commands -> serve, say)."""
+    return sorted(f"{name} -> {target}  ({where})" for name, edges in graph.items() if layer(name) is not None
+                  for target, where in edges.items()
+                  if layer(target) == layer(name) and _package(target) != _package(name))
+
+
+def test_the_layers_name_every_package() -> None:
+    unplaced = sorted({_package(m) for m in import_graph() if layer(m) is None})
     assert not unplaced, f"in no layer of tests/test_imports.py's LAYERS (place them): {', '.join(unplaced)}"
-    importers = sorted(f"{name} -> {target} ({where})" for name, edges in graph.items()
-                       for target, where in edges.items() if target in old)
-    assert not importers, "gptopt's own modules import an old path (import its new home):\n" + "\n".join(importers)
 
 
 def test_no_module_imports_a_layer_above_its_own() -> None:
-    graph = import_graph()
-    upward = sorted(f"{name} -> {target}  ({where})" for name, edges in graph.items() if layer(name) is not None
-                    for target, where in edges.items() if (layer(target) or -1) > layer(name))
-    assert not upward, "imports that point up the layers (tests/test_imports.py's LAYERS):\n" + "\n".join(upward)
+    found = upward(import_graph())
+    assert not found, "imports that point up the layers (tests/test_imports.py's LAYERS):\n" + "\n".join(found)
+
+
+def test_no_package_imports_another_of_its_own_layer() -> None:
+    found = sideways(import_graph())
+    assert not found, ("imports between packages of one layer (move what both need to a layer below, or place the "
+                       "imported package in a layer below in tests/test_imports.py's LAYERS):\n" + "\n".join(found))
+
+
+def _tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    pkg = tmp_path / "gptopt"
+    for rel, text in {"__init__.py": "", **files}.items():
+        (pkg / rel).parent.mkdir(parents=True, exist_ok=True)
+        (pkg / rel).write_text(text)
+    return pkg
 
 
 def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
-    pkg = tmp_path / "gptopt"
-    for d in ("models", "train"):
-        (pkg / d).mkdir(parents=True)
-        (pkg / d / "__init__.py").write_text("")
-    (pkg / "__init__.py").write_text("")
-    (pkg / "train" / "loop.py").write_text("from gptopt.models import gpt\n")
-    (pkg / "models" / "gpt.py").write_text("def f():\n    from gptopt.train import loop\n")  # lazy, and upward
+    pkg = _tree(tmp_path, {
+        "models/__init__.py": "", "train/__init__.py": "",
+        "train/loop.py": "from gptopt.models import gpt\n",
+        "models/gpt.py": "def f():\n    from gptopt.train import loop\n",  # lazy, and upward
+    })
     graph = import_graph(pkg)
-    up = [(a, b) for a, edges in graph.items() for b in edges
-          if layer(a) is not None and layer(b) is not None and layer(b) > layer(a)]
-    assert up == [("gptopt.models.gpt", "gptopt.train.loop")]
+    assert upward(graph) == ["gptopt.models.gpt -> gptopt.train.loop  (gptopt/models/gpt.py:2)"]
+    assert sideways(graph) == []
+
+
+def test_the_layer_check_sees_an_import_of_a_package_beside_the_importer(tmp_path: Path) -> None:
+    pkg = _tree(tmp_path, {
+        "commands/__init__.py": "", "serve/__init__.py": "", "bench/__init__.py": "",
+        "commands/export.py": "from gptopt.bench import ladder\n",  # down a layer: allowed
+        "commands/tune.py": "def f():\n    from gptopt.serve.engine import Engine\n",  # lazy, and beside
+        "serve/engine.py": "from gptopt.commands import export\n",  # beside, the other way
+        "bench/ladder.py": "",
+    })
+    graph = import_graph(pkg)
+    assert sideways(graph) == ["gptopt.commands.tune -> gptopt.serve.engine  (gptopt/commands/tune.py:2)",
+                               "gptopt.serve.engine -> gptopt.commands.export  (gptopt/serve/engine.py:1)"]
+    assert upward(graph) == []

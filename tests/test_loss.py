@@ -21,8 +21,8 @@ from gptopt.commands import train as train_cmd
 from gptopt.config import TrainConfig, preset
 from gptopt.models.gpt import GPT
 from gptopt.models.loss import linear_cross_entropy
-from gptopt.runtime import memory
-from gptopt.train import memory as train_memory
+from gptopt.runtime import memory_check
+from gptopt.train import step_memory
 
 N, C, V, V_PADDED = 300, 32, 500, 512  # 300 rows: the last chunk of 64 is short
 
@@ -119,19 +119,19 @@ def test_auto_takes_the_chunked_loss_only_where_the_full_logits_would_not_fit(
     run = TrainConfig(batch_size=16, seq_len=1024)
     cpu = torch.device("cpu")
 
-    def estimate(loss: str) -> memory.Estimate:
-        return train_memory.for_training(dataclasses.replace(cfg, loss=loss), run, 1024, torch.bfloat16)
+    def estimate(loss: str) -> memory_check.Estimate:
+        return step_memory.for_training(dataclasses.replace(cfg, loss=loss), run, 1024, torch.bfloat16)
 
     full, chunked = estimate("full").total, estimate("chunked").total
     assert chunked < full
     for free, want, why in [(10 * full, "full", "the full logits fit"),
-                            ((full + chunked) // 2 / memory.REFUSE_ABOVE, "chunked", "would not fit"),
+                            ((full + chunked) // 2 / memory_check.REFUSE_ABOVE, "chunked", "would not fit"),
                             (chunked // 2, "chunked", "does not fit with either loss")]:
-        monkeypatch.setattr(memory, "available_bytes", lambda device, f=int(free): (f, "test RAM"))
-        loss, reason = train_memory.pick_loss("auto", estimate, cpu, "16 x 1024")
+        monkeypatch.setattr(memory_check, "available_bytes", lambda device, f=int(free): (f, "test RAM"))
+        loss, reason = step_memory.pick_loss("auto", estimate, cpu, "16 x 1024")
         assert loss == want and why in reason
     # what the user names is kept, fitting or not
-    assert train_memory.pick_loss("full", estimate, cpu, "16 x 1024") == ("full", "--loss full")
+    assert step_memory.pick_loss("full", estimate, cpu, "16 x 1024") == ("full", "--loss full")
 
 
 def test_train_on_the_chunked_loss_follows_the_full_loss_curve(
@@ -182,20 +182,20 @@ def test_auto_batch_size_takes_the_larger_micro_batch_the_chunked_loss_lets_fit(
     train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Memory that holds micro-batch 4 with the chunked loss's logits but only 2 with the full loss's."""
-    real = memory.shortfall
+    real = memory_check.shortfall
     limit = {"logits": 0}
 
-    def shortfall(estimate: memory.Estimate, device: torch.device) -> str | None:
+    def shortfall(estimate: memory_check.Estimate, device: torch.device) -> str | None:
         return "needs more than this test allows" if estimate.parts["logits"] > limit["logits"] else real(
             estimate, device)
 
     def logits_bytes(loss: str, batch: int) -> int:
         cfg = dataclasses.replace(GPT(preset("debug", vocab_size=320, vocab_pad_multiple=64)).config, loss=loss)
-        return train_memory.train_step_bytes(cfg, batch, 32).parts["logits"]
+        return step_memory.train_step_bytes(cfg, batch, 32).parts["logits"]
 
     assert logits_bytes("full", 2) < logits_bytes("chunked", 4) < logits_bytes("full", 4)
     limit["logits"] = logits_bytes("chunked", 4)
-    monkeypatch.setattr(memory, "shortfall", shortfall)
+    monkeypatch.setattr(memory_check, "shortfall", shortfall)
     out = tmp_path / "o"
     assert train_cmd.main(TrainConfig(data_dir=str(train_data), output_dir=str(out), preset="debug", seq_len=32,
                                   batch_size=4, auto_batch_size=True, max_steps=2, device="cpu", sample_tokens=0,

@@ -21,16 +21,16 @@ import torch
 
 from gptopt import cli
 from gptopt.config import TrainConfig, preset
-from gptopt.infer import memory as infer_memory
+from gptopt.infer import generator_memory
 from gptopt.infer.generator import Generator
-from gptopt.infer.memory import inference_bytes
+from gptopt.infer.generator_memory import inference_bytes
 from gptopt.models import flops
 from gptopt.models.gpt import GPT
-from gptopt.runtime import memory
+from gptopt.runtime import memory_check
 from gptopt.runtime.device import resolve
-from gptopt.runtime.memory import Estimate
-from gptopt.train import memory as train_memory
-from gptopt.train.memory import train_step_bytes
+from gptopt.runtime.memory_check import Estimate
+from gptopt.train import step_memory
+from gptopt.train.step_memory import train_step_bytes
 
 ABSURD = 10_000_000  # sequences: terabytes for any preset
 BIG = 4096  # within every static limit (config.MAX_BATCH, MAX_SLOTS): only the memory check refuses it
@@ -82,7 +82,7 @@ print(json.dumps(peak[0] - rss0))
 def test_the_estimate_is_within_a_small_factor_of_the_measured_peak(
     B: int, T: int, amp: str, attention: str, ckpt: bool
 ) -> None:
-    env = {"PYTHONPATH": str(Path(memory.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(Path(memory_check.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", MEASURE, str(B), str(T), amp, attention, str(int(ckpt))],
                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     grown = json.loads(out.splitlines()[-1])
@@ -178,17 +178,17 @@ def test_each_suggested_fix_makes_the_step_smaller() -> None:
     sdpa = preset("tiny", vocab_pad_multiple=64, attention="sdpa")
     assert train_step_bytes(sdpa, 64, 256).parts["attention scores"] == 0 < train_step_bytes(cfg, 64, 256).parts[
         "attention scores"]
-    fix = train_memory.train_fix(TrainConfig(batch_size=64, gradient_accumulation_steps=2), 256)
+    fix = step_memory.train_fix(TrainConfig(batch_size=64, gradient_accumulation_steps=2), 256)
     assert "--batch_size 32 --gradient_accumulation_steps 4" in fix and "--gradient_checkpointing" in fix
     assert "--seq_len 128" in fix
 
 
 def test_fsdp_shards_and_cpu_offload_take_the_state_off_the_device() -> None:
     cfg = preset("gpt2")
-    one = train_memory.for_training(cfg, TrainConfig(batch_size=1), 1024, torch.bfloat16)
-    eight = train_memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True), 1024, torch.bfloat16, world_size=8)
+    one = step_memory.for_training(cfg, TrainConfig(batch_size=1), 1024, torch.bfloat16)
+    eight = step_memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True), 1024, torch.bfloat16, world_size=8)
     assert eight.parts["AdamW state"] * 8 == pytest.approx(one.parts["AdamW state"], abs=8)
-    off = train_memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True, cpu_offload=True), 1024, torch.bfloat16)
+    off = step_memory.for_training(cfg, TrainConfig(batch_size=1, fsdp=True, cpu_offload=True), 1024, torch.bfloat16)
     assert "weights" not in off.parts and "AdamW state" not in off.parts and off.parts["activations"] > 0
 
 
@@ -220,36 +220,36 @@ def test_the_kv_cache_estimate_is_the_generators_cache_of_the_key_value_heads(na
 def _cgroup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, **files: str) -> None:
     for name, text in files.items():
         (tmp_path / name.replace("_", ".", 1)).write_text(text)
-    monkeypatch.setattr(memory, "CGROUP_V2", tmp_path)
-    monkeypatch.setattr(memory, "CGROUP_V1", tmp_path / "v1")
+    monkeypatch.setattr(memory_check, "CGROUP_V2", tmp_path)
+    monkeypatch.setattr(memory_check, "CGROUP_V1", tmp_path / "v1")
 
 
 def test_a_cgroup_v2_limit_bounds_what_is_free(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _cgroup(tmp_path, monkeypatch, memory_max=f"{2**30}\n", memory_current=f"{600 * 2**20}\n",
             memory_stat=f"anon 1\ninactive_file {100 * 2**20}\n")
-    assert memory.cgroup_free() == (2**30 - 500 * 2**20, 2**30)  # the page cache is reclaimed before a kill
-    free, source = memory.available_bytes(torch.device("cpu"))  # the machine itself has more than that free
+    assert memory_check.cgroup_free() == (2**30 - 500 * 2**20, 2**30)  # the page cache is reclaimed before a kill
+    free, source = memory_check.available_bytes(torch.device("cpu"))  # the machine itself has more than that free
     assert free == 2**30 - 500 * 2**20 and "left under the container's 1.00 GiB memory limit" == source
 
 
 def test_no_cgroup_limit_leaves_ram(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     _cgroup(tmp_path, monkeypatch, memory_max="max\n")
-    assert memory.cgroup_free() is None
+    assert memory_check.cgroup_free() is None
     (tmp_path / "v1").mkdir()
     (tmp_path / "memory.max").unlink()
     (tmp_path / "v1" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1's "no limit"
-    assert memory.cgroup_free() is None
+    assert memory_check.cgroup_free() is None
     (tmp_path / "v1" / "memory.limit_in_bytes").write_text(f"{4 * 2**30}\n")
     (tmp_path / "v1" / "memory.usage_in_bytes").write_text(f"{2**30}\n")
-    assert memory.cgroup_free() == (3 * 2**30, 4 * 2**30)
+    assert memory_check.cgroup_free() == (3 * 2**30, 4 * 2**30)
 
 
 def test_an_address_space_limit_bounds_what_is_free(monkeypatch: pytest.MonkeyPatch) -> None:
     import psutil
 
     vms = psutil.Process().memory_info().vms
-    monkeypatch.setattr(memory.resource, "getrlimit", lambda which: (vms + 2**30, resource.RLIM_INFINITY))
-    free, source = memory.available_bytes(torch.device("cpu"))
+    monkeypatch.setattr(memory_check.resource, "getrlimit", lambda which: (vms + 2**30, resource.RLIM_INFINITY))
+    free, source = memory_check.available_bytes(torch.device("cpu"))
     assert free <= 2**30 and "ulimit -v" in source
 
 
@@ -261,19 +261,19 @@ def test_default_sizes_pass_and_an_absurd_one_is_refused(monkeypatch: pytest.Mon
     # bench's and train's CPU default: tiny at 256 tokens x 16, eager attention, either precision
     tiny = preset("tiny", vocab_pad_multiple=64, attention="eager")
     for dtype in (None, torch.bfloat16):
-        assert memory.shortfall(train_step_bytes(tiny, 16, 256, amp_dtype=dtype), cpu) is None
+        assert memory_check.shortfall(train_step_bytes(tiny, 16, 256, amp_dtype=dtype), cpu) is None
     # the GPU default, gpt2 at 1024 x 16 in bf16, fits an 80 GB card and a 40 GB one with room to spare
     gpt2 = preset("gpt2", vocab_pad_multiple=64)
     for gb in (80, 40):
-        monkeypatch.setattr(memory, "available_bytes", lambda device, gb=gb: (gb * 10**9, "free on cuda:0"))
-        assert memory.shortfall(train_step_bytes(gpt2, 16, 1024, amp_dtype=torch.bfloat16), cpu) is None
+        monkeypatch.setattr(memory_check, "available_bytes", lambda device, gb=gb: (gb * 10**9, "free on cuda:0"))
+        assert memory_check.shortfall(train_step_bytes(gpt2, 16, 1024, amp_dtype=torch.bfloat16), cpu) is None
     # serving gpt2 with 8 slots of 1024 tokens
-    assert memory.shortfall(inference_bytes(gpt2, 8, 1024, dtype=torch.bfloat16), cpu) is None
-    short = memory.shortfall(train_step_bytes(tiny, ABSURD, 256), cpu)
+    assert memory_check.shortfall(inference_bytes(gpt2, 8, 1024, dtype=torch.bfloat16), cpu) is None
+    short = memory_check.shortfall(train_step_bytes(tiny, ABSURD, 256), cpu)
     assert short is not None and "free on cuda:0" in short and "GiB" in short
     with pytest.raises(ValueError, match=r"will not fit in memory: it needs about .* GiB .* but 37 GiB is free on "
                                          r"cuda:0; use --batch_size"):
-        memory.require(train_step_bytes(tiny, ABSURD, 256), cpu, "a step", "use --batch_size 1")
+        memory_check.require(train_step_bytes(tiny, ABSURD, 256), cpu, "a step", "use --batch_size 1")
 
 
 def test_the_refusal_names_the_largest_parts() -> None:
@@ -290,7 +290,7 @@ def test_train_refuses_a_batch_that_cannot_fit_with_the_fixes(
     train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
     args = ["train", "--preset", "debug", "--data_dir", str(train_data), "--output_dir", str(tmp_path / "o"),
             "--device", "cpu", "--max_steps", "1", "--batch_size", str(BIG), "--no-tensorboard"]
     assert cli.main(args) == 2
@@ -312,19 +312,19 @@ def test_the_refusal_names_the_largest_micro_batch_that_fits(monkeypatch: pytest
     train = TrainConfig(batch_size=16, gradient_accumulation_steps=2)
 
     def at(b: int) -> Estimate:
-        return train_memory.for_training(cfg, train, 64, None, batch_size=b)
+        return step_memory.for_training(cfg, train, 64, None, batch_size=b)
 
-    free = int(at(5).total / memory.REFUSE_ABOVE) + 2  # 5 fits, 6 does not: 4 is the largest that divides 32
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "test RAM"))
-    assert memory.largest_batch(at, torch.device("cpu"), 15) == 5
+    free = int(at(5).total / memory_check.REFUSE_ABOVE) + 2  # 5 fits, 6 does not: 4 is the largest that divides 32
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "test RAM"))
+    assert memory_check.largest_batch(at, torch.device("cpu"), 15) == 5
     with pytest.raises(ValueError, match=r"use --batch_size 4 --gradient_accumulation_steps 8 "
                                          r"\(the same global batch\), "
                                          r"or --gradient_checkpointing, or --seq_len 32$"):
-        train_memory.require_training(at, torch.device("cpu"), train, 64)
+        step_memory.require_training(at, torch.device("cpu"), train, 64)
     # not even one sequence fits: the batch is not the fix
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (1, "test RAM"))
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (1, "test RAM"))
     with pytest.raises(ValueError, match=r"; use --gradient_checkpointing, or --seq_len 32$"):
-        train_memory.require_training(at, torch.device("cpu"), train, 64)
+        step_memory.require_training(at, torch.device("cpu"), train, 64)
 
 
 def test_auto_batch_size_skips_sizes_the_estimate_rules_out(
@@ -341,8 +341,9 @@ def test_auto_batch_size_skips_sizes_the_estimate_rules_out(
     monkeypatch.setattr(auto_batch, "find_batch_size", spy)
     # the free memory fits micro-batch 4 of the debug model at 64 tokens, not 8
     cfg = preset("debug", vocab_size=320, vocab_pad_multiple=64, attention="eager")  # train_data's vocabulary
-    four = train_memory.for_training(cfg, TrainConfig(batch_size=4), 64, None).without("weights").total
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (int(1.2 * four / memory.REFUSE_ABOVE), "test RAM"))
+    four = step_memory.for_training(cfg, TrainConfig(batch_size=4), 64, None).without("weights").total
+    free = int(1.2 * four / memory_check.REFUSE_ABOVE)
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "test RAM"))
     args = ["train", "--preset", "debug", "--data_dir", str(train_data), "--output_dir", str(tmp_path / "o"),
             "--device", "cpu", "--max_steps", "1", "--batch_size", "16", "--auto_batch_size", "--attention", "eager",
             "--eval_interval", "0", "--no-tensorboard", "--sample_tokens", "0"]
@@ -354,7 +355,7 @@ def test_auto_batch_size_skips_sizes_the_estimate_rules_out(
 
 def test_profile_refuses_before_it_allocates(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
     for mode in ("train", "generate"):
         args = ["profile", "--preset", "debug", "--mode", mode, "--batch_size", str(BIG), "--device", "cpu",
                 "--data_dir", str(train_data), "--output_dir", str(tmp_path / mode)]
@@ -366,7 +367,7 @@ def test_profile_refuses_before_it_allocates(train_data: Path, tmp_path: Path, c
 
 def test_serve_refuses_kv_cache_slots_that_cannot_fit(model_dir: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
     pytest.importorskip("fastapi")
     # in this process: the check runs where the engine is built, and the stand-in free memory is this process's
     args = ["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--max_batch_size", str(BIG),
@@ -381,13 +382,14 @@ def test_a_servers_default_slots_are_what_fits_in_half_the_free_memory(monkeypat
     """serve without --max_batch_size: the device's cap where memory is plenty, fewer where it is not,
     and never a cache the start-up check then refuses."""
     cfg, cpu = preset("gpt2"), torch.device("cpu")
-    per_slot = infer_memory.inference_bytes(cfg, 2, 1024).total - infer_memory.inference_bytes(cfg, 1, 1024).total
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (10**13, "test RAM"))
-    assert infer_memory.auto_slots(cfg, 1024, cpu) == infer_memory.AUTO_SLOTS["cpu"]
+    per_slot = (generator_memory.inference_bytes(cfg, 2, 1024).total
+                - generator_memory.inference_bytes(cfg, 1, 1024).total)
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (10**13, "test RAM"))
+    assert generator_memory.auto_slots(cfg, 1024, cpu) == generator_memory.AUTO_SLOTS["cpu"]
     free = 20 * per_slot
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (free, "test RAM"))
-    slots = infer_memory.auto_slots(cfg, 1024, cpu)
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "test RAM"))
+    slots = generator_memory.auto_slots(cfg, 1024, cpu)
     assert 5 <= slots < 10  # about half of the 20 slots' worth that is free
-    assert memory.shortfall(infer_memory.inference_bytes(cfg, slots, 1024).without("weights"), cpu) is None
-    monkeypatch.setattr(memory, "available_bytes", lambda device: (1, "test RAM"))
-    assert infer_memory.auto_slots(cfg, 1024, cpu) == 1  # the start-up check then refuses, naming the figures
+    assert memory_check.shortfall(generator_memory.inference_bytes(cfg, slots, 1024).without("weights"), cpu) is None
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (1, "test RAM"))
+    assert generator_memory.auto_slots(cfg, 1024, cpu) == 1  # the start-up check then refuses, naming the figures

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import exit_status
 
-from gptopt import cli
 from gptopt.config import TrainConfig, preset
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve
@@ -100,13 +100,6 @@ def test_fp16s_grad_scaler_unscales_and_steps_both_parts() -> None:
     assert scaler.get_scale() < 2.0**10 and not opt.muon.state and not opt.adamw.state
 
 
-def exit_code(args: list[str]) -> int:
-    try:
-        return cli.main(args)
-    except SystemExit as e:  # refused while the flags are parsed
-        return int(e.code or 0)
-
-
 def args(data: Path, out: Path, *extra: str) -> list[str]:
     return ["train", "--data_dir", str(data), "--output_dir", str(out), "--preset", "debug", "--seq_len", "32",
             "--batch_size", "4", "--device", "cpu", "--sample_tokens", "0", "--no-tensorboard", "--warmup_steps", "2",
@@ -122,7 +115,7 @@ def args(data: Path, out: Path, *extra: str) -> list[str]:
 def test_bad_combinations_are_refused_with_the_fix(
     extra: list[str], expect: str, train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    assert exit_code(args(train_data, tmp_path / "o", *extra)) == 2
+    assert exit_status(args(train_data, tmp_path / "o", *extra)) == 2
     err = capsys.readouterr().err
     assert expect in err and "Traceback" not in err
     assert not (tmp_path / "o").exists()
@@ -133,10 +126,10 @@ def test_resuming_with_the_other_optimizer_is_refused_with_the_fix(
 ) -> None:
     for first, second in (("adamw", "muon"), ("muon", "adamw")):
         out = tmp_path / first
-        assert exit_code(args(train_data, out, "--max_steps", "2", "--optimizer", first)) == 0
+        assert exit_status(args(train_data, out, "--max_steps", "2", "--optimizer", first)) == 0
         capsys.readouterr()
         before = {q: q.read_bytes() for q in out.rglob("*") if q.is_file()}
-        assert exit_code(args(train_data, out, "--max_steps", "4", "--resume", "auto", "--optimizer", second)) == 2
+        assert exit_status(args(train_data, out, "--max_steps", "4", "--resume", "auto", "--optimizer", second)) == 2
         assert {q: q.read_bytes() for q in out.rglob("*") if q.is_file()} == before  # the run is left as it was
         err = capsys.readouterr().err
         assert f"resume with --optimizer {first}" in err and "--init_from" in err and "Traceback" not in err

@@ -16,8 +16,8 @@ import torch
 from conftest import graph_ops, make_varied_model
 
 from gptopt.config import preset
-from gptopt.infer.compiled import compile_decode
 from gptopt.infer.cpu_layout import GEMV_MAX_ROWS, CpuLinear, gemv_linears, inference_layout, packed_products
+from gptopt.infer.decode_graphs import compile_decode
 from gptopt.infer.generator import Generator, generate
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models import checkpoint

@@ -23,7 +23,7 @@ from gptopt.config import ProfileConfig, TrainConfig
 from gptopt.data import loader as data
 from gptopt.infer.generator import Generator
 from gptopt.models.gpt import GPT
-from gptopt.runtime import device, memory
+from gptopt.runtime import device, memory_check
 from gptopt.train import wrap
 
 # Few, small steps: every real trace below takes a few seconds on a 2-core CPU.
@@ -168,7 +168,7 @@ def test_tiny_steps_are_found_launch_bound(train_data: Path, tmp_path: Path) -> 
 def test_memory_near_capacity_is_found(train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The peak (this process's max RSS) is real; the capacity is a machine with 10% more RAM than we use now.
     small = int(psutil.Process().memory_info().rss * 1.1)
-    monkeypatch.setattr(memory, "capacity_bytes", lambda device: small)
+    monkeypatch.setattr(memory_check, "capacity_bytes", lambda device: small)
     summary, names = profiled(train_data, tmp_path, use_amp=True)
     assert "memory" in names
     assert figures(summary).memory_share > profile.MEMORY_SHARE

@@ -52,7 +52,7 @@ def test_benchs_all_rung_and_train_with_its_best_toml_take_the_same_steps(
 
 
 def test_a_host_allocation_the_kernel_refuses_is_out_of_memory() -> None:
-    from gptopt.runtime.memory import is_oom
+    from gptopt.runtime.memory_check import is_oom
 
     # what torch's CPU allocator raises under a cgroup or `ulimit -v` limit (a bench rung reported it as failed)
     refused = RuntimeError("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: "

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import file_tree, train_args, train_losses, train_run
+from conftest import exit_status, file_tree, train_args, train_losses, train_run
 
 from gptopt import cli
 from gptopt.config import preset
@@ -40,7 +40,7 @@ def test_token_ids_beyond_the_model_vocabulary(train_data: Path, tmp_path: Path,
 
 
 def test_seq_len_beyond_the_context(train_data: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli.main(train_args(train_data, tmp_path / "o", "--seq_len", "65")) == 2
+    assert exit_status(train_args(train_data, tmp_path / "o", "--seq_len", "65")) == 2
     assert "exceeds the model's context 64" in capsys.readouterr().err
 
 
@@ -78,7 +78,7 @@ def test_overwrite_validates_first_and_keeps_the_old_run_until_the_new_one_has_a
     before = file_tree(out)
     assert [d.name for d in checkpoint.checkpoint_dirs(out)] == ["ckpt-0000002", "ckpt-0000004"]
     # a bad argument: refused before anything is moved or deleted
-    assert cli.main(train_args(train_data, out, "--max_steps", "20", "--overwrite", "--seq_len", "100000")) == 2
+    assert exit_status(train_args(train_data, out, "--max_steps", "20", "--overwrite", "--seq_len", "100000")) == 2
     assert "exceeds the model's context" in capsys.readouterr().err
     assert file_tree(out) == before
     # a new run that fails before its first checkpoint: the old run is back, as it was

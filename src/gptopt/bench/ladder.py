@@ -36,7 +36,7 @@ from gptopt.data import loader as data
 from gptopt.infer.measure import STOPPED
 from gptopt.models.flops import at_least, flops_per_token, mfu
 from gptopt.models.gpt import GPT
-from gptopt.runtime import memory
+from gptopt.runtime import memory_check
 from gptopt.runtime.compile import compile_model
 from gptopt.runtime.device import (
     DevicePlan,
@@ -47,11 +47,11 @@ from gptopt.runtime.device import (
     reuse_host_memory,
     sdpa_backend_unavailable,
 )
-from gptopt.runtime.memory import is_oom
+from gptopt.runtime.memory_check import is_oom
 from gptopt.runtime.monitor import Monitor, format_summary
 from gptopt.runtime.signals import CTRL_C_EXIT
 from gptopt.runtime.torch_private import reset_dynamo
-from gptopt.train import memory as train_memory
+from gptopt.train import step_memory
 from gptopt.train.step import LOADER_FIELDS, TrainStep, loader_options
 from gptopt.train.wrap import to_float8
 from gptopt.utils.errors import UserError
@@ -235,7 +235,7 @@ class Bench:
         amp = plan.amp_name
         cfg = dataclasses.replace(cfg, attention=self._attention(cfg.attention, plan.amp_dtype), use_amp=amp != "fp32",
                                   amp_dtype="auto" if amp == "fp32" else amp, **loader_options(cfg, plan.device.type))
-        loss, _ = train_memory.pick_loss(
+        loss, _ = step_memory.pick_loss(
             cfg.loss, lambda loss: self.memory_estimate(dataclasses.replace(cfg, loss=loss)), plan.device,
             f"{cfg.batch_size} x {self.seq_len}")
         return dataclasses.replace(cfg, loss=loss)
@@ -289,9 +289,9 @@ class Bench:
         return {**dataclasses.asdict(self.config(rung, batch_size)), "hf": rung.hf,
                 "reuse_memory": rung.reuse_memory and self.plan.device.type == "cpu"}
 
-    def memory_estimate(self, cfg: TrainConfig) -> memory.Estimate:
-        """The peak memory of a rung's step, as train_memory.train_step_bytes counts it."""
-        return train_memory.train_step_bytes(self._model_config(cfg), cfg.batch_size, self.seq_len,
+    def memory_estimate(self, cfg: TrainConfig) -> memory_check.Estimate:
+        """The peak memory of a rung's step, as step_memory.train_step_bytes counts it."""
+        return step_memory.train_step_bytes(self._model_config(cfg), cfg.batch_size, self.seq_len,
                                        amp_dtype=self._plan(cfg).amp_dtype,
                                        accumulation=cfg.gradient_accumulation_steps)
 
@@ -315,7 +315,7 @@ class Bench:
         if why:
             res.status, res.note = "skipped", why
             return res
-        short = memory.shortfall(self.memory_estimate(tcfg), plan.device)
+        short = memory_check.shortfall(self.memory_estimate(tcfg), plan.device)
         if short is not None:  # reported before anything is allocated: a CPU would otherwise be OOM-killed
             res.status, res.note = "oom", f"out of memory at micro-batch {B} (estimated, not run): it {short}"
             log.warning(f"rung {res.name}: {res.note}")

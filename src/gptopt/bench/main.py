@@ -30,7 +30,7 @@ def _ladder(cfg: BenchConfig) -> int:
     # imported by mode: one ladder's dependencies (the inference ladder's ONNX, quantisation) stay unloaded for the
     # other
     if cfg.mode == "infer":
-        from gptopt.bench.infer import main as infer_main
+        from gptopt.bench.infer_ladder import main as infer_main
 
         return infer_main(cfg)
     if cfg.mode == "quality":

@@ -183,7 +183,7 @@ def _write_all(summary: dict[str, Any], out: Path, best_opts: dict[str, Any] | N
 
 
 # ----------------------------------------------------------------------------------------------
-# `gptopt bench --mode infer` (bench/infer.py): infer_report.md, infer_results.json / .csv, sweep plot
+# `gptopt bench --mode infer` (bench/infer_ladder.py): infer_report.md, infer_results.json / .csv, sweep plot
 
 INFER_COLUMNS = [("rung", "name", "str"), ("prefill ms", "prefill_s", "ms"), ("TTFT ms", "ttft_s", "ms"),
                  ("decode tok/s", "decode_tokens_per_s", "int"), ("GB/s", "bandwidth_gbs", "s"),

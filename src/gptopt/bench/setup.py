@@ -1,4 +1,4 @@
-"""What both bench ladders (training, bench/ladder.py; inference, bench/infer.py) resolve the same
+"""What both bench ladders (training, bench/ladder.py; inference, bench/infer_ladder.py) resolve the same
 way from a BenchConfig: the device plan, the preset, the data, the model config, the sequence length;
 the recipe ladder (bench/quality.py) takes the preset from here too.
 
@@ -10,11 +10,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from gptopt.config import PRESETS, BenchConfig, GPTConfig, TrainConfig, preset_for_data
+from gptopt.config import PRESETS, BenchConfig, GPTConfig, TrainConfig, check_seq_len, preset_for_data
 from gptopt.data import loader as data
 from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, resolve
-from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
 
@@ -50,8 +49,6 @@ def bench_preset(cfg: BenchConfig, plan: DevicePlan) -> str:
     A --seq_len beyond its context is refused here, before any work, as `gptopt train` refuses it: cut to
     the context, the ladder would measure (and write into best.toml) a length nobody asked for."""
     name = cfg.preset or ("gpt2" if plan.device.type == "cuda" else "tiny")
-    context = PRESETS[name]["block_size"]
-    if cfg.seq_len is not None and cfg.seq_len > context and cfg.model is None:  # a --model: its own context
-        raise UserError(f"--seq_len {cfg.seq_len} exceeds the model's context {context} (preset {name}): "
-                         f"use --seq_len {context} or less")
+    if cfg.model is None:  # a --model: its own context
+        check_seq_len(cfg.seq_len, PRESETS[name]["block_size"], name)
     return name

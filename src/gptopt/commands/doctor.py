@@ -2,6 +2,7 @@
 
     gptopt doctor                          # table on stdout, exit 1 if any check fails
     gptopt doctor --json --smoke --device cpu
+    gptopt doctor --preset qwen3-0.6b --seq_len 4096   # memory sized for a training step of 4,096 tokens
 
 Probing (`probe`) gathers plain facts; judging (`checks`) is a pure function of those facts and
 the preset, so every verdict is tested on a CPU machine with synthetic facts.
@@ -29,10 +30,11 @@ from typing import Any
 import psutil
 import torch
 
-from gptopt.config import PRESETS, DoctorConfig, GPTConfig, TrainConfig, preset
+from gptopt.config import DOCTOR_SEQ_LEN, PRESETS, DoctorConfig, GPTConfig, TrainConfig, preset
 from gptopt.models.flops import param_count
 from gptopt.runtime import device as device_mod
 from gptopt.runtime import process
+from gptopt.train.step_memory import train_step_bytes
 from gptopt.utils.extras import installed_extras
 
 log = logging.getLogger("gptopt")
@@ -225,12 +227,17 @@ def probe(plan: device_mod.DevicePlan | None, device_error: str | None = None) -
 # Sizing: what training a preset needs, from its config alone (building even a meta model is slow).
 
 
-def train_bytes(cfg: GPTConfig) -> int:
-    """Memory to train at batch 1, full context: fp32 weights + grads + AdamW's 2 moments = 16 B/param,
-    plus activations (~34·T·C bytes per layer under 16-bit autocast with flash attention, Korthikanti
-    et al. 2022) and the fp32 logits with their gradient."""
-    act = cfg.n_layer * 34 * cfg.block_size * cfg.n_embd + 8 * cfg.block_size * cfg.vocab_size
-    return 16 * param_count(cfg) + act
+def sizing_seq_len(cfg: GPTConfig, seq_len: int | None = None) -> int:
+    """The sequence length the memory checks size a step of this model at: seq_len (--seq_len), capped at the
+    model's context; without it the context, at most DOCTOR_SEQ_LEN."""
+    return min(cfg.block_size, seq_len or DOCTOR_SEQ_LEN)
+
+
+def train_bytes(cfg: GPTConfig, seq_len: int) -> int:
+    """Memory of a `gptopt train` step at batch 1 x seq_len under train's defaults (fp32, no checkpointing): the
+    training step's own estimate (step_memory), from the family's shape (layers, heads and key/value heads, head
+    size, MLP width, vocabulary), with the smaller of the two losses, as --loss auto would take where only it fits."""
+    return min(train_step_bytes(dataclasses.replace(cfg, loss=loss), 1, seq_len).total for loss in ("full", "chunked"))
 
 
 def disk_bytes(cfg: GPTConfig) -> int:
@@ -288,12 +295,14 @@ def arch_supported(cap: tuple[int, int], arch_list: list[str]) -> bool:
 
 
 def _fits(name: str, have: int | None, need_of: Callable[[GPTConfig], int], cfg: GPTConfig, what: str,
-          fix: str) -> Check:
-    """fail below the estimate, warn below 1.5x (the estimate is a floor: batch 1, no fragmentation)."""
+          fix: str, sizing: str = "") -> Check:
+    """fail below the estimate, warn below 1.5x (the estimate is a floor: batch 1, no fragmentation).
+    sizing: what the estimate is of, where it depends on a choice (the step's sequence length)."""
     need = need_of(cfg)
+    needs = f"preset needs ~{_size(need)}{f' {sizing}' if sizing else ''}"
     if have is None:
-        return Check(name, "ok", f"unknown; preset needs ~{_size(need)}")
-    value = f"{_size(have)} {what}; preset needs ~{_size(need)}"
+        return Check(name, "ok", f"unknown; {needs}")
+    value = f"{_size(have)} {what}; {needs}"
     if have >= 1.5 * need:
         return Check(name, "ok", value)
     # the largest of the same family (GPT-2's block, or the Llama-shaped one) that fits with room
@@ -347,8 +356,9 @@ def _cpu_bf16_check(f: Facts) -> Check:
                  "(tests of it, or flags a VM hides)")
 
 
-def checks(facts: Facts, preset_name: str) -> list[Check]:
-    """Every verdict with its fix; a pure function of the facts and the preset."""
+def checks(facts: Facts, preset_name: str, seq_len: int | None = None) -> list[Check]:
+    """Every verdict with its fix; a pure function of the facts, the preset and the sequence length the memory
+    checks size a training step at (--seq_len; None: sizing_seq_len's default)."""
     f, cfg, out = facts, preset(preset_name), []
     add = out.append
     wheel = wheel_cuda(f.driver_cuda)
@@ -416,15 +426,26 @@ def checks(facts: Facts, preset_name: str) -> list[Check]:
                   f"more threads than cores thrash: export OMP_NUM_THREADS={f.cpu_usable}"))
 
     on_gpu = (f.device or "").startswith("cuda")
+    T = sizing_seq_len(cfg, seq_len)
+    context = f" of the {cfg.block_size:,}-token context" if T < cfg.block_size else ""
+    sizing = f"to train batch 1 x {T:,} tokens{context} in fp32 (--seq_len sizes another)"
+
+    def step(c: GPTConfig) -> int:  # this preset, or another (the one with room) at the same length within its context
+        return train_bytes(c, min(c.block_size, T))
+
     # Training on a GPU needs host RAM only to stage the fp32 weights (model + loaded state dict).
-    add(_fits("ram", f.ram_available, (lambda c: 8 * param_count(c)) if on_gpu else train_bytes, cfg,
-              f"available of {_size(f.ram_total or 0)}", "free or add RAM"))
+    if on_gpu:
+        add(_fits("ram", f.ram_available, lambda c: 8 * param_count(c), cfg, f"available of {_size(f.ram_total or 0)}",
+                  "free or add RAM", "to stage the weights"))
+    else:
+        add(_fits("ram", f.ram_available, step, cfg, f"available of {_size(f.ram_total or 0)}", "free or add RAM",
+                  sizing))
     if on_gpu:
         idx = int(f.device.split(":")[1]) if ":" in (f.device or "") else 0
         g = next((g for g in f.gpus if g.index == idx), None)
         have = None if g is None else g.memory_free if g.memory_free is not None else g.memory_total
-        add(_fits("gpu memory", have, train_bytes, cfg, f"free on {f.device}",
-                  "shard it over GPUs: torchrun --nproc_per_node N -m gptopt train --fsdp"))
+        add(_fits("gpu memory", have, step, cfg, f"free on {f.device}",
+                  "shard it over GPUs: torchrun --nproc_per_node N -m gptopt train --fsdp", sizing))
     add(_fits("disk", f.disk_free, disk_bytes, cfg, f"free in {f.disk_path}",
               "free space, or point --output_dir at a larger disk"))
 
@@ -512,7 +533,7 @@ def run(config: DoctorConfig) -> int:
     except ValueError as e:  # an impossible --device is a finding, not a crash
         error = str(e)
     facts = probe(plan, error)
-    results = checks(facts, config.preset)
+    results = checks(facts, config.preset, config.seq_len)
     smoke_result = None
     if config.smoke:
         smoke_result = smoke(plan) if plan is not None else None

@@ -36,17 +36,17 @@ from torch.profiler import DeviceType, ProfilerActivity, profile, record_functio
 
 from gptopt.config import ProfileConfig, TrainConfig, preset_for_data
 from gptopt.data import loader as data
-from gptopt.infer import memory as infer_memory
+from gptopt.infer import generator_memory
 from gptopt.infer.cpu_layout import inference_layout
 from gptopt.infer.generator import Generator
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, lock_output, replacing
-from gptopt.runtime import memory, process
+from gptopt.runtime import memory_check, process
 from gptopt.runtime.device import DevicePlan, cpu_has_fast_bf16, default_attention, resolve
 from gptopt.runtime.monitor import peak_memory_bytes
 from gptopt.runtime.torch_private import dump_memory_snapshot, graph_breaks, record_memory_history
-from gptopt.train import memory as train_memory
+from gptopt.train import step_memory
 from gptopt.train.distributed import DistInfo
 from gptopt.train.step import READOUT_RANGE, TrainStep, loader_options
 from gptopt.train.wrap import wrap_for_training
@@ -404,10 +404,7 @@ def _generate_step(cfg: ProfileConfig, raw: GPT, plan: DevicePlan, prompts: torc
                    steps: int) -> Callable[[], float]:
     """One greedy decode step of the whole batch by the Generator, after the prompts' prefill (done here,
     before any profiled step). The sequences grow to seq_len tokens: the prompts are `steps` shorter."""
-    seq_len = prompts.size(1)
-    if seq_len - steps < 1:
-        raise UserError(f"--seq_len {seq_len} leaves no prompt for {steps} decode steps: use --seq_len {steps + 1} "
-                         "or more")
+    seq_len = prompts.size(1)  # longer than steps: ProfileConfig refuses a --seq_len that leaves no prompt
     # Generation runs in the weights' dtype, without autocast (load_for_inference casts them once):
     # --use_amp gives the weights the autocast dtype the device policy resolves to.
     raw.to(device=plan.device, dtype=plan.amp_dtype or torch.float32).eval()
@@ -453,12 +450,10 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
                        attention=cfg.attention if cfg.attention != "auto" else auto,
                        gradient_checkpointing=cfg.gradient_checkpointing)
     tokens.check_vocab(model_cfg.vocab_size)
-    seq_len = cfg.seq_len or model_cfg.block_size
-    if seq_len > model_cfg.block_size:
-        raise UserError(f"--seq_len {seq_len} exceeds the model's context {model_cfg.block_size}")
-    memory.require(train_memory.train_step_bytes(model_cfg, cfg.batch_size, seq_len, amp_dtype=plan.amp_dtype)
+    seq_len = cfg.seq_len or model_cfg.block_size  # within the preset's context: ProfileConfig refuses one beyond
+    memory_check.require(step_memory.train_step_bytes(model_cfg, cfg.batch_size, seq_len, amp_dtype=plan.amp_dtype)
                    if cfg.mode == "train"
-                   else infer_memory.inference_bytes(model_cfg, cfg.batch_size, seq_len, dtype=plan.amp_dtype),
+                   else generator_memory.inference_bytes(model_cfg, cfg.batch_size, seq_len, dtype=plan.amp_dtype),
                    plan.device, f"profiling {cfg.mode} steps at batch {cfg.batch_size} x {seq_len} tokens",
                    "use a smaller --batch_size or --seq_len" + ("" if cfg.gradient_checkpointing or cfg.mode != "train"
                                                                 else ", or --gradient_checkpointing"))
@@ -519,7 +514,7 @@ def profile_steps(cfg: ProfileConfig) -> tuple[TraceSummary, str]:
     attach_dtypes(prof, events)
     summary = TraceSummary(
         device_type=plan.device.type, step_s=step_s, data_wait_s=waits, ops=trace_ops(events),
-        peak_memory_bytes=peak_memory_bytes(plan), memory_capacity_bytes=memory.capacity_bytes(plan.device),
+        peak_memory_bytes=peak_memory_bytes(plan), memory_capacity_bytes=memory_check.capacity_bytes(plan.device),
         graph_breaks=breaks, amp_speeds_matmuls=amp_speeds_matmuls(plan), mode=cfg.mode,
         batch_size=cfg.batch_size, num_workers=loader_opts["num_workers"], pin_memory=loader_opts["pin_memory"],
         use_amp=cfg.use_amp, compile=cfg.compile, compile_mode=cfg.compile_mode,

@@ -32,7 +32,7 @@ from gptopt.bench.ladder import ALL, Bench, Rung, RungResult, StopHook, loss_mat
 from gptopt.config import BenchConfig, TrainConfig, TuneConfig
 from gptopt.data import loader as data
 from gptopt.outputs import lock_output
-from gptopt.runtime import memory
+from gptopt.runtime import memory_check
 from gptopt.runtime.device import cpu_has_fast_bf16, default_attention, environment
 from gptopt.train.optim import fused_available
 from gptopt.train.step import LOADER_FIELDS
@@ -127,9 +127,10 @@ class Tuner:
     def _memory_limit(self) -> int:
         device = self.bench.plan.device
         if self.device_type == "cuda":
-            return int(self.cfg.memory_budget * (memory.capacity_bytes(device) or 0))
+            return int(self.cfg.memory_budget * (memory_check.capacity_bytes(device) or 0))
         # what this process can hold: what is free now (RAM, cgroup, ulimit -v) plus its own (others keep theirs)
-        return int(self.cfg.memory_budget * (memory.available_bytes(device)[0] + psutil.Process().memory_info().rss))
+        free = memory_check.available_bytes(device)[0]
+        return int(self.cfg.memory_budget * (free + psutil.Process().memory_info().rss))
 
     # -- measuring one candidate -------------------------------------------------------------
 

@@ -52,12 +52,14 @@ from gptopt.config.model import (
     PRESETS,
     GPTConfig,
     arch_overrides,
+    check_seq_len,
     preset,
     preset_for_data,
 )
 from gptopt.config.sampling import Bound, SamplingConfig
 from gptopt.config.train import (
     COMPILE_MODES,
+    DOCTOR_SEQ_LEN,
     MUON_LR,
     TUNE_AXES,
     BenchConfig,

@@ -144,6 +144,13 @@ def preset(name: str, **overrides: Any) -> GPTConfig:
     return GPTConfig(**{**PRESETS[name], **overrides})
 
 
+def check_seq_len(seq_len: int | None, context: int, name: str) -> None:
+    """Refuse a --seq_len beyond a preset's context (name: the preset) as the options are read, before any work."""
+    if seq_len is not None and seq_len > context:
+        raise UserError(f"--seq_len {seq_len} exceeds the model's context {context} (preset {name}): "
+                        f"use --seq_len {context} or less")
+
+
 def preset_for_data(name: str, data_vocab: int, **overrides: Any) -> GPTConfig:
     """The preset sized for a corpus: the published models' shapes keep their own embedding (GPT-2's 50257 tokens:
     their FLOPs and memory are the model's whatever the corpus' tokenizer), the small ones take the data's."""

@@ -23,15 +23,22 @@ from gptopt.config.fields import (
     opt,
 )
 from gptopt.config.infer import MAX_SPECULATIVE_TOKENS
-from gptopt.config.model import ARCH_FIELDS, DEFAULT_PRESET, LOSSES, PRESETS, arch_overrides, preset
+from gptopt.config.model import ARCH_FIELDS, DEFAULT_PRESET, LOSSES, PRESETS, arch_overrides, check_seq_len, preset
 from gptopt.config.sampling import TEMPERATURE, TOP_K, TOP_P
 from gptopt.utils.errors import UserError
+
+# The sequence length doctor sizes a training step at when --seq_len is not given, where a preset's context is
+# longer: a long-context model (Qwen3's 40,960 tokens) is first fine-tuned at lengths like this, and a step at its
+# full context needs many times the memory; --seq_len asks for any other.
+DOCTOR_SEQ_LEN = 2048
 
 
 @dataclass(kw_only=True)
 class DoctorConfig:
     device: str = opt("auto", "device to check: auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
     preset: str = opt("tiny", "model preset used to size the memory/disk checks and the smoke test")
+    seq_len: int | None = opt(None, "tokens per sequence the memory checks size a training step at (batch 1); "
+                                    f"default: the preset's context, at most {DOCTOR_SEQ_LEN}", ge=1, le=MAX_SEQ_LEN)
     smoke: bool = opt(False, "also run a tiny forward+backward under autocast on the device")
     json: bool = opt(False, "print one JSON document instead of the table")
 
@@ -39,6 +46,10 @@ class DoctorConfig:
         check_fields(self)
         if self.preset not in PRESETS:
             raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        context = preset(self.preset).block_size
+        if self.seq_len is not None and self.seq_len > context:
+            raise UserError(f"--seq_len {self.seq_len} exceeds --preset {self.preset}'s context of {context} tokens; "
+                            f"give --seq_len {context} or less")
 
 
 @dataclass(kw_only=True)
@@ -68,6 +79,13 @@ class PrepareConfig:
         check_fields(self)
         if self.input and self.dataset:
             raise UserError("give either --input or --dataset, not both")
+
+
+def check_cpu_amp(device: str, use_amp: bool, amp_dtype: str) -> None:
+    """Refuse fp16 autocast on a device given as the CPU as the options are read (device.resolve refuses it on a
+    CPU that auto picked)."""
+    if use_amp and amp_dtype == "fp16" and device == "cpu":
+        raise UserError("fp16 autocast on a CPU is slow and needs loss scaling: use --amp_dtype bf16 or fp32")
 
 
 def parse_duration(text: str) -> float:
@@ -102,9 +120,9 @@ def check_loader(num_workers: int | None, prefetch_factor: int | None, persisten
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
-# --optimizer muon's default peak learning rate, Muon's own and not a multiple of --learning_rate: on tiny the
-# best Muon rate stayed where it was while AdamW's rate for the rest moved (2e-3 to 8e-3), and the tuned AdamW
-# rate times any multiple that suited train's default would overshoot it (benchmarks/2026-12-04-muon.md, "Muon's
+# --optimizer muon's default peak learning rate, Muon's own and not a multiple of --learning_rate: Muon's best
+# rate does not move with the rate the rest of the model trains at under AdamW, so a multiple that suited
+# train's default would overshoot it at a tuned AdamW rate (benchmarks/2026-12-04-muon.md, "Muon's
 # rates racing to a loss"; the quality ladder's muon recipe, benchmarks/2026-12-06-time-to-quality.md). Muon's
 # update is scaled to AdamW's RMS (optim.MUON_ADJUST_LR), so the figure reads on AdamW's scale. The GPT-2 sizes
 # take the same rate, untried.
@@ -245,11 +263,13 @@ class TrainConfig:
             if not hasattr(torch.optim, "Muon"):
                 raise UserError(f"--optimizer muon needs torch.optim.Muon (torch >= 2.9), this is torch "
                                  f"{torch.__version__}: upgrade torch, or use --optimizer adamw")
-        if self.arch:  # a bad field or value is named before any data or model is read
-            try:
-                preset(self.preset or DEFAULT_PRESET, **arch_overrides(self.arch))
-            except ValueError as e:
-                raise UserError(str(e) if str(e).startswith("--arch") else f"--arch: {e}") from None
+        try:  # a bad --arch field or value is named before any data or model is read
+            model = preset(self.preset or DEFAULT_PRESET, **arch_overrides(self.arch))
+        except ValueError as e:
+            raise UserError(str(e) if str(e).startswith("--arch") else f"--arch: {e}") from None
+        if self.init_from == "scratch" and self.resume is None:  # else the context is the loaded model's
+            check_seq_len(self.seq_len, model.block_size, self.preset or DEFAULT_PRESET)
+        check_cpu_amp(self.device, self.use_amp, self.amp_dtype)
         if self.muon_lr is not None and self.optimizer != "muon":
             raise UserError("--muon_lr is Muon's learning rate: add --optimizer muon, or drop --muon_lr")
         if self.time_budget is not None:
@@ -367,6 +387,8 @@ class BenchConfig:
                              "--temperature (e.g. 1), or leave them out for greedy decoding")
         if self.model is not None and self.preset is not None:
             raise UserError("--model benches that model, --preset a preset's random weights: give one of them")
+        if self.preset is not None:  # the default preset is the device's (bench.setup checks it)
+            check_seq_len(self.seq_len, preset(self.preset).block_size, self.preset)
         if self.mode == "quality" and self.rungs != "default":
             raise UserError("--rungs chooses the rungs of the train and infer ladders; --mode quality takes "
                              "--recipes (adamw, muon, modern, ...: see --help)")
@@ -413,6 +435,8 @@ class TuneConfig:
         check_fields(self)
         if self.preset is not None and self.preset not in PRESETS:
             raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        if self.preset is not None:  # the default preset is the device's (bench.setup checks it)
+            check_seq_len(self.seq_len, preset(self.preset).block_size, self.preset)
         parse_duration(self.time_budget)
         unknown = set(self.axis_set) - set(TUNE_AXES)
         if unknown:
@@ -461,3 +485,10 @@ class ProfileConfig:
         check_fields(self)
         if self.preset not in PRESETS:
             raise UserError(f"unknown preset {self.preset!r}; choose one of: {', '.join(PRESETS)}")
+        context = preset(self.preset).block_size
+        check_seq_len(self.seq_len, context, self.preset)
+        steps, seq_len = self.wait + self.warmup + self.active, self.seq_len or context
+        if self.mode == "generate" and seq_len - steps < 1:  # the prompts are the sequences less the decode steps
+            raise UserError(f"--seq_len {seq_len} leaves no prompt for {steps} decode steps (--wait, --warmup and "
+                            f"--active): use --seq_len {steps + 1} or more, or fewer steps")
+        check_cpu_amp(self.device, self.use_amp, self.amp_dtype)

@@ -19,14 +19,12 @@ from gptopt.models.gpt import MLP, TanhGELU
 from gptopt.runtime.torch_private import onednn_linear, onednn_pack
 
 # Up to this many rows a compiled CPU Linear is a multiply-and-sum (gemv_linears); from 2 rows the
-# GEMM. The sum loops over the rows outermost, so it reads the whole weight once per row (at 8 rows
-# tiny's 8 MB lm_head 8 times a step), which a large L3 hides and a small one does not: a 2-core
-# Intel Xeon's compiled decode fell behind the eager one at batch 4 and 8 (issue 17). Putting the
-# weight's rows outermost, (out, rows), read it once, but inside the whole decode graph inductor then
-# vectorised over the 2 rows and ran one kernel over the reduction axis, far slower than the GEMM
-# (benchmarks/2026-12-02-inference-ladder.md, "The compiled decode at every batch size"). The weights'
-# layout is the model's: compile_decode applies gemv_linears where the products of several rows do
-# not read it (packed_products), else to a Generator of one slot only.
+# GEMM. The sum loops over the rows outermost, so it reads the whole weight once per row, which a large
+# L3 hides and a small one does not; putting the weight's rows outermost reads it once, but inside the
+# whole decode graph inductor then vectorises over the rows and runs one kernel over the reduction axis.
+# Either way the GEMM is the faster from 2 rows (benchmarks/2026-12-02-inference-ladder.md, "The compiled
+# decode at every batch size"). The weights' layout is the model's: compile_decode applies gemv_linears
+# where the products of several rows do not read it (packed_products), else to a Generator of one slot only.
 GEMV_MAX_ROWS = 1
 
 

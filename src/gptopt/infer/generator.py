@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from gptopt.infer import sampling
-from gptopt.infer.compiled import GraphedDecode, compile_decode
+from gptopt.infer.decode_graphs import GraphedDecode, compile_decode
 from gptopt.infer.decoding import Decoding, Finish
 from gptopt.infer.kv_cache import KVCache
 from gptopt.infer.prefix_cache import MIN_COPY, SlotPrefixes, common_prefix

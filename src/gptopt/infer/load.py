@@ -17,10 +17,10 @@ compress and export. The order, and why it is this one:
      b. int8 or int4 weight-only (quantize_int8, quantize_int4): swaps weights for torchao tensors, so
         after the cast (int4 runs bf16 on sm_80+ CUDA only: refused before step 1 elsewhere);
      c. weight layout (cpu_layout.inference_layout: CpuLinear): float weights only, so after int8.
-  5. compiled.compile_decode, once per Generator (it needs the KV cache, which the Generator owns):
+  5. decode_graphs.compile_decode, once per Generator (it needs the KV cache, which the Generator owns):
      static cache addresses for CUDA graphs, or on CPUs the gemv Linears (cpu_layout.gemv_linears,
      which undo step c's layout: they read row-major weights), then torch.compile. Or, on CUDA without
-     a compiler, compiled.GraphedDecode: the eager decode recorded as one CUDA graph per batch bucket.
+     a compiler, decode_graphs.GraphedDecode: the eager decode recorded as one CUDA graph per batch bucket.
 """
 
 from __future__ import annotations

@@ -166,7 +166,8 @@ def _ao_dynamic_linear(layer: nn.Linear, q: torch.Tensor, scale: torch.Tensor) -
     import torch.ao.nn.quantized.dynamic as nnqd
 
     with warnings.catch_warnings():
-        # torch deprecates its quantized tensors (still shipped, and measured the fastest on CPUs):
+        # torch deprecates its quantized tensors (still shipped, and the CPU int8 path that decodes faster
+        # than fp32: benchmarks/2026-12-02-compression.md):
         # the warning is for torch's users at large, not for a gptopt user who asked for int8.
         warnings.filterwarnings("ignore", message=".*deprecated.*")
         weight = torch.quantize_per_channel(q.float() * scale[:, None], scale.double(),

@@ -28,13 +28,12 @@ from typing import Any, Protocol
 import torch
 from tokenizers import Tokenizer
 
-from gptopt.infer import memory as infer_memory
-from gptopt.infer import sampling
+from gptopt.infer import generator_memory, sampling
 from gptopt.infer.decoding import Decoding
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
 from gptopt.infer.sampling import SamplingParams
-from gptopt.runtime import memory
+from gptopt.runtime import memory_check
 from gptopt.runtime.device import DevicePlan
 from gptopt.utils.errors import UserError
 
@@ -284,7 +283,7 @@ def build(cfg: Any, gen: Generator, tokenizer: Tokenizer, plan: DevicePlan) -> S
     same_tokenizer(tokenizer, draft_tok, f"--draft_model {cfg.draft_model}")
     max_len = min(draft.config.block_size, gen.max_len)
     dtype = draft.transformer.wte.weight.dtype
-    memory.require(infer_memory.inference_bytes(draft.config, gen.max_batch_size, max_len, dtype=dtype
+    memory_check.require(generator_memory.inference_bytes(draft.config, gen.max_batch_size, max_len, dtype=dtype
                                                 ).without("weights"), plan.device,
                    f"the draft's KV cache ({gen.max_batch_size} slots of {max_len} tokens)",
                    "use a smaller --draft_model, or fewer --max_batch_size slots")

@@ -33,7 +33,7 @@ def onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, post_op, [], algorithm)
 
 
-# -- dynamo's settings and marks (infer/compiled.py, the commands that compile) ------------------------------------
+# -- dynamo's settings and marks (infer/decode_graphs.py, the commands that compile) --------------------------------
 # torch.compiler has no public setter for the number of graphs dynamo keeps per function, nor for marking a
 # tensor's address static (what CUDA graphs of a KV cache need) or a dimension dynamic where it may be.
 

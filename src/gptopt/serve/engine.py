@@ -62,9 +62,9 @@ log = logging.getLogger(__name__)
 # one forward, and a prompt of the whole 1,024-token context in two.
 PREFILL_CHUNK = 512
 
-# A forward's FLOPs per token (2 x parameters) under which a CPU engine runs every forward on solo_threads:
-# between the model measured to gain from it (0.36 M) and the one measured to lose (tiny, 10.5 M), in
-# benchmarks/2026-12-05-serving-stack-ceiling.md.
+# A forward's FLOPs per token (2 x parameters) under which a CPU engine runs every forward on solo_threads: a
+# model this small gains from every core, and tiny and larger ones lose
+# (benchmarks/2026-12-05-serving-stack-ceiling.md, "After: a model under 2 MFLOP a token runs every forward").
 SMALL_MODEL_FLOPS = 2e6
 
 

@@ -19,12 +19,13 @@ import torch
 
 from gptopt.config import ServeConfig
 from gptopt.data.tokenizer import Tokenizer, eot_id
-from gptopt.infer import memory as infer_memory
+from gptopt.infer import generator_memory as infer_memory
 from gptopt.infer import speculative
 from gptopt.infer.constrain import Grammars
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
-from gptopt.runtime import memory, process
+from gptopt.runtime import memory_check as memory
+from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, resolve
 from gptopt.serve.blocklist import load_blocklist
 from gptopt.serve.engine import Engine

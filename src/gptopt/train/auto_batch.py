@@ -18,7 +18,7 @@ import torch
 from gptopt.config import TrainConfig
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
-from gptopt.runtime.memory import is_oom
+from gptopt.runtime.memory_check import is_oom
 from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")

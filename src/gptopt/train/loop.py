@@ -32,7 +32,8 @@ from gptopt.config import TrainConfig
 from gptopt.data import loader as data
 from gptopt.models import checkpoint
 from gptopt.models.flops import at_least, flops_per_token, mfu
-from gptopt.runtime import memory, signals
+from gptopt.runtime import memory_check as memory
+from gptopt.runtime import signals
 from gptopt.runtime.device import (
     DevicePlan,
     default_attention,
@@ -41,10 +42,10 @@ from gptopt.runtime.device import (
     reuse_host_memory,
     sdpa_backend_unavailable,
 )
-from gptopt.runtime.memory import is_oom
+from gptopt.runtime.memory_check import is_oom
 from gptopt.runtime.monitor import Monitor, peak_memory_bytes
 from gptopt.train import auto_batch, distributed, resume, validation
-from gptopt.train import memory as train_memory
+from gptopt.train import step_memory as train_memory
 from gptopt.train.checkpointing import Checkpointer, RunFolder
 from gptopt.train.distributed import DistInfo
 from gptopt.train.metrics import Metrics, Progress

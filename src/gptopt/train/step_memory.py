@@ -2,7 +2,7 @@
 that fits (--loss auto), the refusal with its fix, and the advice after an out-of-memory error (the search of
 --auto_batch_size, which the estimate guides, is train/auto_batch.py).
 
-    python -c "import gptopt.train.memory as m, gptopt.config as c; print(m.train_step_bytes(c.preset('tiny'), 8, 256))"
+    python -c "import gptopt.train.step_memory as m; print(m.train_step_bytes(m.GPTConfig(), 8, 256))"
 
 The estimate counts what a step holds at its peak, each part from the shapes (bytes per token per layer, read
 off what the model saves for backward), on the high side wherever there is a choice: eager kernels
@@ -20,9 +20,9 @@ from gptopt.config import GPTConfig, TrainConfig
 from gptopt.models.flops import param_count
 from gptopt.models.gpt import CAUSAL_SPLIT_MIN
 from gptopt.models.loss import chunk_rows
-from gptopt.runtime import memory
+from gptopt.runtime import memory_check
 from gptopt.runtime.device import DevicePlan
-from gptopt.runtime.memory import F32, Estimate, itemsize
+from gptopt.runtime.memory_check import F32, Estimate, itemsize
 from gptopt.utils.errors import UserError
 
 log = logging.getLogger("gptopt")
@@ -114,8 +114,8 @@ def train_step_bytes(config: GPTConfig, batch_size: int, seq_len: int, *, amp_dt
         "logits": logits,
         "batch": 2 * 8 * tokens * accumulation,  # int64 inputs and targets of the whole step
         # Backward's short-lived buffers (an op's input gradient beside its output's, casts) and the
-        # allocator's slack: a quarter of what grows with the batch. Without it the sum fell short of
-        # the peak resident growth measured on a CPU for bf16 + checkpointing.
+        # allocator's slack: a quarter of what grows with the batch, so that the sum is not below a step's
+        # peak under bf16 + checkpointing either (tests/test_memory.py measures that peak).
         "temporaries": (activations + scores + logits) // 4,
     }
     return Estimate(parts)
@@ -138,9 +138,9 @@ def pick_loss(choice: str, estimate_at: Callable[[str], Estimate], device: torch
     does, the chunked one, the smaller (the step is then refused with the fixes, naming its estimate)."""
     if choice != "auto":
         return choice, f"--loss {choice}"
-    if memory.shortfall(estimate_at("full"), device) is None:
+    if memory_check.shortfall(estimate_at("full"), device) is None:
         return "full", "auto: the full logits fit"
-    if memory.shortfall(estimate_at("chunked"), device) is None:
+    if memory_check.shortfall(estimate_at("chunked"), device) is None:
         return "chunked", f"auto: the full logits of micro-batch {batch} would not fit"
     return "chunked", f"auto: micro-batch {batch} does not fit with either loss; the chunked one is the smaller"
 
@@ -168,9 +168,9 @@ def require_training(estimate_at: Callable[[int], Estimate], device: torch.devic
                      seq_len: int) -> None:
     """Refuse a `gptopt train` step that cannot fit (ValueError: exit 2), naming the estimate, the memory
     free and the fix, with the largest micro-batch that fits. estimate_at: micro-batch -> its estimate."""
-    short = memory.shortfall(estimate_at(train.batch_size), device)
+    short = memory_check.shortfall(estimate_at(train.batch_size), device)
     if short is not None:
-        fix = train_fix(train, seq_len, memory.largest_batch(estimate_at, device, train.batch_size - 1))
+        fix = train_fix(train, seq_len, memory_check.largest_batch(estimate_at, device, train.batch_size - 1))
         raise UserError(f"a training step of micro-batch {train.batch_size} x {seq_len} tokens will not fit in "
                          f"memory: it {short}; {fix}")
 

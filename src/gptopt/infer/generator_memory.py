@@ -1,7 +1,7 @@
 """A generator's memory, estimated before it is allocated: the weights, the KV cache and the largest
 forward; and a server's default KV-cache slots, as many as fit.
 
-    python -c "import gptopt.infer.memory as m, gptopt.config as c; print(m.inference_bytes(c.preset('tiny'), 8, 256))"
+    python -c "import gptopt.infer.generator_memory as m; print(m.inference_bytes(m.GPTConfig(), 8, 256))"
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from gptopt.config import GPTConfig
 from gptopt.models.flops import param_count
 from gptopt.models.gpt import CAUSAL_SPLIT_MIN
-from gptopt.runtime.memory import F32, Estimate, itemsize, largest_batch
+from gptopt.runtime.memory_check import F32, Estimate, itemsize, largest_batch
 
 
 def live_widths(config: GPTConfig, *, decode: bool = False) -> tuple[int, int, int]:

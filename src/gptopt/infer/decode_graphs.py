@@ -2,7 +2,7 @@
 owns): compile_decode (torch.compile: CUDA graphs on GPUs, on CPUs the multiply-and-sum or packed products of
 cpu_layout), or, on CUDA without a compiler, GraphedDecode (the eager step recorded as one CUDA graph per bucket).
 
-    python -c "from gptopt.infer.compiled import compile_decode; help(compile_decode)"
+    python -c "from gptopt.infer.decode_graphs import compile_decode; help(compile_decode)"
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 from gptopt.infer.cpu_layout import GEMV_MAX_ROWS, gemv_linears, inference_layout, packed_products
 from gptopt.models.gpt import GPT
 from gptopt.runtime.compile import compile_model
-from gptopt.runtime.memory import is_oom
+from gptopt.runtime.memory_check import is_oom
 from gptopt.runtime.process import DECODE_GRAPHS
 from gptopt.runtime.torch_private import mark_static_address, recompile_limit
 from gptopt.utils.errors import UserError

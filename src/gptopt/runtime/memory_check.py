@@ -1,7 +1,8 @@
 """Memory before it is allocated: what the device has free, and the check of an estimate against it. The
-estimates themselves are their users': a training step's (train/memory.py), a generator's (infer/memory.py).
+estimates themselves are their users': a training step's (train/step_memory.py), a generator's
+(infer/generator_memory.py).
 
-    python -c "import torch, gptopt.runtime.memory as m; print(m.available_bytes(torch.device('cpu')))"
+    python -c "import torch, gptopt.runtime.memory_check as m; print(m.available_bytes(torch.device('cpu')))"
 
 A run that cannot fit must be refused or reported, never killed: on a CPU the kernel's OOM killer
 ends the process (exit 137) with no report, and a GPU that fills mid-step has already spent the
@@ -27,12 +28,9 @@ import torch
 
 from gptopt.utils.errors import UserError
 
-# Refuse when the estimate is above this share of the free memory. Against the peak measured on a
-# CPU (ru_maxrss growth over two steps; debug and tiny presets, fp32 and bf16, eager and SDPA, with
-# and without checkpointing; steps large enough that the allocator's fixed overhead does not
-# dominate) the estimate came out close to it on both sides, understating by less than this margin:
-# refusing above 90% of what is free keeps a run the estimate understates below the limit, and
-# refuses only runs within a tenth of it.
+# Refuse when the estimate is above this share of the free memory: the estimate may understate a step's
+# peak by up to a tenth (tests/test_memory.py holds it there against the peak a step's process reaches), so a
+# run it understates still stays below the limit, and only runs within a tenth of the limit are refused.
 REFUSE_ABOVE = 0.9
 
 # Where a container's memory limit is read (cgroup v2, then v1); module constants so tests can point
