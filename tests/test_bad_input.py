@@ -345,6 +345,15 @@ ARGUMENT_ERRORS = [
     ["tune", "--preset", "tiny", "--seq_len", "4096"],
     ["tune", "--axes", "colour"],
     ["eval", "--task", "trivia"],
+    # a model path that names nothing: a typo of a local folder, not a hub name
+    ["generate", "--model", "./no_such_run"],
+    ["generate", "--model", "gpt2", "--draft_model", "runs/draft/ckpt-0000010"],
+    ["serve", "--model", "~/no_such_run"],
+    ["train", "--init_from", "./no_such_model"],
+    ["compress", "--model", "/no/such/run"],
+    ["export", "--model", "./no_such_run"],
+    ["eval", "--model", "./no_such_run"],
+    ["bench", "--mode", "infer", "--model", "./no_such_run"],
 ]
 
 # Runs each command line in one fresh process, in order, and prints its exit status and whether torch had been
@@ -371,3 +380,13 @@ def test_every_argument_error_is_told_before_torch_is_imported(tmp_path: Path) -
     first = next((argv for argv, _, torch_in in rows if torch_in), None)
     assert first is None, f"`gptopt {' '.join(first or [])}` imported torch before telling its argument error"
     assert list(tmp_path.iterdir()) == []  # and nothing was written
+
+
+def test_a_model_path_that_names_nothing_is_refused_naming_its_option(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "runs").mkdir()  # 'runs/draft' then reads as a path under it, not as the hub's org/name
+    assert cli.main(["generate", "--model", "gpt2", "--draft_model", "runs/draft"]) == 2
+    err = capsys.readouterr().err
+    assert "--draft_model runs/draft: no such directory" in err and "--model " not in err, err

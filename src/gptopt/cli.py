@@ -30,6 +30,7 @@ from gptopt.runtime.signals import CTRL_C_EXIT
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import MissingExtra
 from gptopt.utils.logs import setup_logging
+from gptopt.utils.paths import looks_local
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -268,6 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(verb, cls, given_mode(rest))
     config = parse_config(verb, cls, rest, parser)
     try:
+        check_model_paths(config)
         run = _load(COMMANDS[verb].run)
         return int(run(config) or 0)
     except MissingExtra as e:
@@ -292,6 +294,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"\ngptopt {verb}: stopped (Ctrl-C)", file=sys.stderr)
         return CTRL_C_EXIT
+
+
+# The options that name a model to load: a local folder, or a Hugging Face Hub name.
+MODEL_OPTIONS = ("model", "draft_model", "init_from")
+
+
+def check_model_paths(config: Any) -> None:
+    """A model option meant as a local path (utils.paths.looks_local) that names nothing: refused now, before
+    the command imports torch, with the same words the loader would use later (infer.load.model_source)."""
+    names = {f.name for f in dataclasses.fields(config)}
+    for name in MODEL_OPTIONS:
+        value = getattr(config, name, None) if name in names else None
+        if isinstance(value, str) and looks_local(value) and not os.path.exists(os.path.expanduser(value)):
+            raise UserError(f"--{name} {value}: no such directory; pass a training output dir, a checkpoint dir, "
+                            "a Hugging Face model dir or a hub name like gpt2")
 
 
 def output_flag(config: Any) -> str | None:
