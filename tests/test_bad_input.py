@@ -390,3 +390,13 @@ def test_a_model_path_that_names_nothing_is_refused_naming_its_option(
     assert cli.main(["generate", "--model", "gpt2", "--draft_model", "runs/draft"]) == 2
     err = capsys.readouterr().err
     assert "--draft_model runs/draft: no such directory" in err and "--model " not in err, err
+
+
+def test_loadtest_model_is_the_servers_name_for_it_not_a_path_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server started with --model /its/path answers to that name: loadtest from another machine sends it."""
+    from gptopt.commands import loadtest
+
+    seen = []
+    monkeypatch.setattr(loadtest, "main", lambda cfg: seen.append(cfg.model) or 0)
+    assert cli.main(["loadtest", "--model", "/srv/models/run-7", "--requests", "1"]) == 0
+    assert seen == ["/srv/models/run-7"]

@@ -62,7 +62,7 @@ def served_chat_ends_at(folder: Path, chat_ids: list[int], end_of_turn: int, mon
     (forced as the third new token, as a model that ends its turn there would), with the text before it."""
     pytest.importorskip("fastapi")
     httpx = pytest.importorskip("httpx")
-    from test_serve import end_of_text_after
+    from serve_helpers import end_of_text_after
 
     from gptopt.config import ServeConfig
     from gptopt.serve.app import create_app

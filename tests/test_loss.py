@@ -116,7 +116,7 @@ def test_auto_takes_the_chunked_loss_only_where_the_full_logits_would_not_fit(
     monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cfg = preset("gpt2", vocab_pad_multiple=64)
-    run = TrainConfig(batch_size=16, seq_len=1024)
+    run = TrainConfig(preset="gpt2", batch_size=16, seq_len=1024)
     cpu = torch.device("cpu")
 
     def estimate(loss: str) -> memory_check.Estimate:

@@ -30,7 +30,7 @@ from gptopt.runtime.signals import CTRL_C_EXIT
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import MissingExtra
 from gptopt.utils.logs import setup_logging
-from gptopt.utils.paths import looks_local
+from gptopt.utils.paths import looks_local, missing_model
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -269,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser(verb, cls, given_mode(rest))
     config = parse_config(verb, cls, rest, parser)
     try:
-        check_model_paths(config)
+        check_model_paths(verb, config)
         run = _load(COMMANDS[verb].run)
         return int(run(config) or 0)
     except MissingExtra as e:
@@ -296,19 +296,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return CTRL_C_EXIT
 
 
-# The options that name a model to load: a local folder, or a Hugging Face Hub name.
+# The options that name a model to load: a local folder, or a Hugging Face Hub name. loadtest's --model is no
+# path but the name its requests give the server (which may be a path on the server's machine).
 MODEL_OPTIONS = ("model", "draft_model", "init_from")
+NO_MODEL_PATHS = frozenset({"loadtest"})
 
 
-def check_model_paths(config: Any) -> None:
+def check_model_paths(verb: str, config: Any) -> None:
     """A model option meant as a local path (utils.paths.looks_local) that names nothing: refused now, before
-    the command imports torch, with the same words the loader would use later (infer.load.model_source)."""
+    the command imports torch, in the loader's words (utils.paths.missing_model)."""
+    if verb in NO_MODEL_PATHS:
+        return
     names = {f.name for f in dataclasses.fields(config)}
     for name in MODEL_OPTIONS:
         value = getattr(config, name, None) if name in names else None
         if isinstance(value, str) and looks_local(value) and not os.path.exists(os.path.expanduser(value)):
-            raise UserError(f"--{name} {value}: no such directory; pass a training output dir, a checkpoint dir, "
-                            "a Hugging Face model dir or a hub name like gpt2")
+            raise UserError(missing_model(value, f"--{name}"))
 
 
 def output_flag(config: Any) -> str | None:

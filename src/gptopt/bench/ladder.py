@@ -521,7 +521,7 @@ def toml_options(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(cfg: BenchConfig) -> int:
-    """The training ladder (`gptopt bench`; bench/main.py dispatches --mode infer to infer.py)."""
+    """The training ladder (`gptopt bench`; bench/main.py dispatches --mode infer to infer_ladder.py)."""
     from gptopt.bench import report
 
     if cfg.rungs.strip() == "list":

@@ -1,4 +1,4 @@
-"""`gptopt bench`: the training ladder (ladder.py); with --mode infer the inference ladder (infer.py);
+"""`gptopt bench`: the training ladder (ladder.py); with --mode infer the inference ladder (infer_ladder.py);
 with --mode quality the recipe ladder, minutes to a target val loss (quality.py).
 
     gptopt bench --rungs list

@@ -1,6 +1,6 @@
 """Bits per byte: a language model's loss in a unit that does not depend on its tokenizer.
 
-    python -c "from gptopt import bpb, data; print(bpb.bytes_per_token(data.TokenData('data/stdlib'), 'val'))"
+    python -c "from gptopt.data import bpb, loader; print(bpb.bytes_per_token(loader.TokenData('data/stdlib'), 'val'))"
 
 A loss in nats per token rewards a tokenizer that cuts text into fewer, longer tokens: two models with
 different vocabularies cannot be compared by it. Per byte of UTF-8 text they can:

@@ -44,7 +44,7 @@ from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
-from gptopt.utils.paths import looks_local
+from gptopt.utils.paths import looks_local, missing_model, model_advice
 
 __all__ = ["check_vocab", "find_tokenizer", "load_for_inference", "model_source", "optimize_for_inference",
            "own_tokenizer", "weights_dtype"]
@@ -59,8 +59,6 @@ _HUB_NAME = re.compile(r"(openai-community/)?(distil)?gpt2(-medium|-large|-xl)?|
 # than its tokenizer is still that tokenizer's model; gptopt's own padding (vocab_pad_multiple) is not counted
 # in vocab_size at all.
 VOCAB_PAD = 64
-_NO_MODEL = ("train one first (`gptopt train --output_dir {0}`), or pass {1}: a training output dir, "
-             "a checkpoint dir, a Hugging Face model dir or a hub name like gpt2")
 
 
 def model_source(model: str, option: str = "--model") -> Path | str:
@@ -73,14 +71,14 @@ def model_source(model: str, option: str = "--model") -> Path | str:
             return latest
         if not checkpoint.is_gptopt_dir(p) and not (p / hf.HF_CONFIG).is_file():
             raise UserError(f"{option} {p}: no checkpoint or model files in this directory; "
-                             + _NO_MODEL.format(p, option))
+                             + model_advice(str(p), option))
         return p
     if p.exists():
         raise UserError(f"{option} {p} is a file; give the model's directory")
     if _HUB_NAME.fullmatch(model) and not looks_local(model):
         hub.check_name(model, option)
         return model
-    raise UserError(f"{option} {model}: no such directory; " + _NO_MODEL.format(model, option))
+    raise UserError(missing_model(model, option))
 
 
 def has_tokenizer(d: Path) -> bool:

@@ -4,7 +4,7 @@ Convention (PaLM appendix B, as nanoGPT): 6N + 12*L*d*T FLOPs per trained token,
 parameters without the position table and the tied lm_head once; the second term is attention's
 QK^T and AV, which N does not see. Inference (forward only) is a third of that.
 
-    python -c "from gptopt import flops, config; print(flops.flops_per_token(config.preset('gpt2'), 1024))"
+    python -c "import gptopt.models.flops as f, gptopt.config as c; print(f.flops_per_token(c.preset('gpt2'), 1024))"
 """
 
 from __future__ import annotations

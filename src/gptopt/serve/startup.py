@@ -19,13 +19,11 @@ import torch
 
 from gptopt.config import ServeConfig
 from gptopt.data.tokenizer import Tokenizer, eot_id
-from gptopt.infer import generator_memory as infer_memory
-from gptopt.infer import speculative
+from gptopt.infer import generator_memory, speculative
 from gptopt.infer.constrain import Grammars
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
-from gptopt.runtime import memory_check as memory
-from gptopt.runtime import process
+from gptopt.runtime import memory_check, process
 from gptopt.runtime.device import DevicePlan, resolve
 from gptopt.serve.blocklist import load_blocklist
 from gptopt.serve.engine import Engine
@@ -65,11 +63,11 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
         raise UserError(f"--max_len {cfg.max_len} exceeds the model's context of {context} tokens: its position "
                         f"embeddings (or rotary training) end there; use --max_len {context} or less")
     context = cfg.max_len or context
-    slots = cfg.max_batch_size or infer_memory.auto_slots(model.config, context, plan.device, dtype=dtype)
+    slots = cfg.max_batch_size or generator_memory.auto_slots(model.config, context, plan.device, dtype=dtype)
     # the KV cache and the warm-up's forwards, checked before the cache is allocated (the weights are loaded)
-    memory.require(infer_memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights"),
-                   plan.device, f"--max_batch_size {slots} KV-cache slots of {context} tokens",
-                   "lower --max_batch_size or --max_len, or use --dtype bf16")
+    cache = generator_memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights")
+    memory_check.require(cache, plan.device, f"--max_batch_size {slots} KV-cache slots of {context} tokens",
+                         "lower --max_batch_size or --max_len, or use --dtype bf16")
     generator = Generator(model, plan, max_batch_size=slots, max_len=context, compile=cfg.compile,
                           cuda_graphs=cfg.cuda_graphs,
                           grammars=_grammars(tokenizer, model.config.vocab_size), prefix_cache=cfg.prefix_cache)

@@ -32,8 +32,7 @@ from gptopt.config import TrainConfig
 from gptopt.data import loader as data
 from gptopt.models import checkpoint
 from gptopt.models.flops import at_least, flops_per_token, mfu
-from gptopt.runtime import memory_check as memory
-from gptopt.runtime import signals
+from gptopt.runtime import memory_check, signals
 from gptopt.runtime.device import (
     DevicePlan,
     default_attention,
@@ -44,8 +43,7 @@ from gptopt.runtime.device import (
 )
 from gptopt.runtime.memory_check import is_oom
 from gptopt.runtime.monitor import Monitor, peak_memory_bytes
-from gptopt.train import auto_batch, distributed, resume, validation
-from gptopt.train import step_memory as train_memory
+from gptopt.train import auto_batch, distributed, resume, step_memory, validation
 from gptopt.train.checkpointing import Checkpointer, RunFolder
 from gptopt.train.distributed import DistInfo
 from gptopt.train.metrics import Metrics, Progress
@@ -185,7 +183,7 @@ class Trainer:
         """--auto_batch_size: the run takes the search's micro-batch and accumulation (the global batch kept)."""
         cfg = self.cfg
         choice = auto_batch.search(self.raw, self.plan, cfg, self.seq_len,
-                                   lambda b, loss: memory.shortfall(self._memory_estimate(b, loss),
+                                   lambda b, loss: memory_check.shortfall(self._memory_estimate(b, loss),
                                                                     self.plan.device) is None)
         if choice.batch_size != cfg.batch_size:
             self.cfg = dataclasses.replace(cfg, batch_size=choice.batch_size,
@@ -198,7 +196,7 @@ class Trainer:
     def _setup(self) -> Progress:
         """The loop's parts, and the progress of the run being resumed (if any)."""
         cfg, info, plan, main = self.cfg, self.info, self.plan, self.info.is_main
-        loss, why = train_memory.pick_loss(cfg.loss, lambda loss: self._memory_estimate(cfg.batch_size, loss),
+        loss, why = step_memory.pick_loss(cfg.loss, lambda loss: self._memory_estimate(cfg.batch_size, loss),
                                            plan.device, f"{cfg.batch_size} x {self.seq_len}")
         if cfg.loss == "auto" and info.world_size > 1 and distributed.any_rank(loss == "chunked", info, plan.device):
             loss = "chunked"  # one loss on every rank, the one that fits where memory is least
@@ -208,7 +206,7 @@ class Trainer:
             kernel = f" ({cfg.sdpa_backend} kernel only)" if cfg.sdpa_backend != "auto" else ""
             log.info(f"attention: {self.attention}{kernel}; loss: {loss} ({why})"
                      + ("; float8 matmuls in the blocks (--fp8)" if cfg.fp8 else ""))
-        train_memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
+        step_memory.require_training(self._memory_estimate, plan.device, cfg, self.seq_len)
         self.prep = wrap_for_training(
             self.raw, plan, info, fsdp=cfg.fsdp, cpu_offload=cfg.cpu_offload, compile=cfg.compile,
             compile_mode=cfg.compile_mode, compile_fullgraph=cfg.compile_fullgraph, fp8=cfg.fp8,
@@ -250,11 +248,11 @@ class Trainer:
             source += f" x {self.info.world_size} ranks"
         return peak * self.info.world_size, source
 
-    def _memory_estimate(self, batch_size: int, loss: str | None = None) -> memory.Estimate:
+    def _memory_estimate(self, batch_size: int, loss: str | None = None) -> memory_check.Estimate:
         """The step's peak memory at a micro-batch (with `loss`, or the model's), less the weights where the model
         already is (the CPU, or the device after --auto_batch_size's search)."""
         config = self.model_config if loss is None else dataclasses.replace(self.model_config, loss=loss)
-        est = train_memory.for_training(config, self.cfg, self.seq_len, self.plan.amp_dtype,
+        est = step_memory.for_training(config, self.cfg, self.seq_len, self.plan.amp_dtype,
                                         batch_size=batch_size, world_size=self.info.world_size)
         there = next(self.raw.parameters()).device.type == self.plan.device.type
         return est.without("weights") if there else est
@@ -295,7 +293,7 @@ class Trainer:
                     break
         except Exception as e:
             if is_oom(e):
-                raise RuntimeError(train_memory.oom_advice(cfg, self.plan)) from e
+                raise RuntimeError(step_memory.oom_advice(cfg, self.plan)) from e
             raise
         finally:
             bar.close()
