@@ -452,3 +452,21 @@ def test_ctrl_c_keeps_the_rungs_measured_so_far(train_data: Path, tmp_path: Path
     status = {r["name"]: (r["status"], r["note"]) for r in summary["rungs"]}
     assert status["eager"][0] == "ok" and summary["rungs"][0]["tokens_per_s"] > 0
     assert status["sdpa"] == status["amp"] == ("skipped", ladder.STOPPED)
+
+
+def test_building_a_ladder_sets_no_process_switch(train_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TF32 is the command's to set where it starts (bench/main.py, tune): a ladder built in a notebook or by tune
+    leaves torch's matmul precision as its caller had it, even on a device whose plan chooses TF32."""
+    import dataclasses
+
+    from gptopt.bench import setup
+
+    real = setup.resolve
+    monkeypatch.setattr(setup, "resolve", lambda *a, **k: dataclasses.replace(real(*a, **k), tf32=True))
+    had = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        setup.Setup.from_config(BenchConfig(data_dir=str(train_data), device="cpu", preset="debug"))
+        assert torch.get_float32_matmul_precision() == "highest"
+    finally:
+        torch.set_float32_matmul_precision(had)

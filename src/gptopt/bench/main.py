@@ -27,6 +27,12 @@ def main(cfg: BenchConfig) -> int:
 
 
 def _ladder(cfg: BenchConfig) -> int:
+    # the process's switches, set here where the command starts (runtime/process.py), not by the ladders' classes,
+    # which tune builds too
+    from gptopt.runtime import process
+    from gptopt.runtime.device import resolve
+
+    process.set_matmul_precision(resolve(cfg.device, quiet=True))
     # imported by mode: one ladder's dependencies (the inference ladder's ONNX, quantisation) stay unloaded for the
     # other
     if cfg.mode == "infer":

@@ -61,7 +61,6 @@ from gptopt.bench.setup import bench_preset
 from gptopt.config import BenchConfig, TrainConfig
 from gptopt.infer.measure import STOPPED
 from gptopt.outputs import replacing
-from gptopt.runtime import process
 from gptopt.runtime.device import cpu_has_fast_bf16, environment, resolve
 from gptopt.runtime.signals import CTRL_C_EXIT
 from gptopt.utils.errors import UserError
@@ -245,7 +244,6 @@ class Ladder:
         self.names = recipes(cfg.recipes)
         self.seeds = [cfg.seed + i for i in range(cfg.seeds)]
         self.plan = resolve(cfg.device, quiet=True)
-        process.set_matmul_precision(self.plan)
         self.preset = bench_preset(cfg, self.plan)
         self.cfg = dataclasses.replace(cfg, preset=self.preset)  # every run trains the preset the report names
         if cfg.target_loss is None and self.preset not in DEFAULT_TARGET:

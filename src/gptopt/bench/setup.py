@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 from gptopt.config import PRESETS, BenchConfig, GPTConfig, TrainConfig, check_seq_len, preset_for_data
 from gptopt.data import loader as data
-from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, resolve
 
 log = logging.getLogger("gptopt")
@@ -31,7 +30,6 @@ class Setup:
     @classmethod
     def from_config(cls, cfg: BenchConfig) -> Setup:
         plan = resolve(cfg.device, quiet=True)
-        process.set_matmul_precision(plan)
         name = bench_preset(cfg, plan)  # first: the default corpus is prepared on first use
         log.info(plan.reason)
         gpu = plan.device.type == "cuda"

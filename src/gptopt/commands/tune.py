@@ -32,8 +32,8 @@ from gptopt.bench.ladder import ALL, Bench, Rung, RungResult, StopHook, loss_mat
 from gptopt.config import BenchConfig, TrainConfig, TuneConfig
 from gptopt.data import loader as data
 from gptopt.outputs import lock_output
-from gptopt.runtime import memory_check
-from gptopt.runtime.device import cpu_has_fast_bf16, default_attention, environment
+from gptopt.runtime import memory_check, process
+from gptopt.runtime.device import cpu_has_fast_bf16, default_attention, environment, resolve
 from gptopt.train.optim import fused_available
 from gptopt.train.step import LOADER_FIELDS
 from gptopt.utils.errors import UserError
@@ -513,6 +513,7 @@ def _tune(cfg: TuneConfig, out: Path) -> int:
     from gptopt.utils.tables import to_json
 
     check_output_dir(out, cfg.overwrite)  # before the tuner builds or measures anything
+    process.set_matmul_precision(resolve(cfg.device, quiet=True))  # the process's switches, where it starts
     tuner = Tuner(cfg)
     log.info(f"tune: {tuner.bench.preset} at {tuner.bench.seq_len} tokens, global batch {tuner.global_batch} sequences "
              f"({tuner.global_batch * tuner.bench.seq_len:,} tokens); {cfg.warmup} warm-up + {cfg.steps} timed steps "
