@@ -454,6 +454,34 @@ def test_ctrl_c_keeps_the_rungs_measured_so_far(train_data: Path, tmp_path: Path
     assert status["sdpa"] == status["amp"] == ("skipped", ladder.STOPPED)
 
 
+def test_sigterm_stops_the_ladder_as_ctrl_c_does_and_exits_143(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scheduler's SIGTERM mid-ladder: the report of the rungs measured so far is written, and the exit code says
+    which signal stopped it."""
+    import os
+    import signal
+    import time
+
+    def unhandled(signum: int, frame: Any) -> None:
+        raise AssertionError("SIGTERM reached the test's own handler: bench did not handle it")
+
+    signal.signal(signal.SIGTERM, unhandled)  # the test runner's process outlives a bench that does not handle it
+    real = Bench.run_rung
+
+    def term_at_sdpa(self: Bench, rung: ladder.Rung) -> ladder.RungResult:
+        if rung.name == "sdpa":
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler runs at the next bytecode, well within this
+        return real(self, rung)
+
+    monkeypatch.setattr(Bench, "run_rung", term_at_sdpa)
+    out = tmp_path / "b"
+    assert cli.main(bench_args(train_data, out, "eager,sdpa,amp")) == 143
+    status = {r["name"]: r["status"] for r in json.loads((out / "results.json").read_text())["rungs"]}
+    assert status == {"eager": "ok", "sdpa": "skipped", "amp": "skipped"}
+
+
 def test_building_a_ladder_sets_no_process_switch(train_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """TF32 is the command's to set where it starts (bench/main.py, tune): a ladder built in a notebook or by tune
     leaves torch's matmul precision as its caller had it, even on a device whose plan chooses TF32."""

@@ -14,6 +14,7 @@ from pathlib import Path
 from gptopt.bench.report import check_output_dir
 from gptopt.config import BenchConfig
 from gptopt.outputs import lock_output
+from gptopt.runtime import signals
 
 
 def main(cfg: BenchConfig) -> int:
@@ -33,6 +34,15 @@ def _ladder(cfg: BenchConfig) -> int:
     from gptopt.runtime.device import resolve
 
     process.set_matmul_precision(resolve(cfg.device, quiet=True))
+    # SIGTERM (a scheduler's time limit, kill) stops a ladder as Ctrl-C does: it reports what it measured, then
+    # exits 128 + the signal
+    stop = signals.Interrupt()
+    with signals.handling(stop):
+        code = _run_ladder(cfg)
+    return stop.exit_code() if code == signals.CTRL_C_EXIT else code
+
+
+def _run_ladder(cfg: BenchConfig) -> int:
     # imported by mode: one ladder's dependencies (the inference ladder's ONNX, quantisation) stay unloaded for the
     # other
     if cfg.mode == "infer":

@@ -9,6 +9,8 @@
   had come back when the block ends.
 - install, ignore: handlers for the rest of the process. A child process its parent stops ignores the signals
   the parent acts on (DataLoader workers, serve's engine process and its Ctrl-C).
+- Interrupt: a stop at once, as Ctrl-C stops (KeyboardInterrupt), for either signal: bench reports what it measured
+  and exits 128 + the signal that came.
 - interruptible: a long call in native code, which would hold Python's handlers back until it returns, run so
   that Ctrl-C is still taken at once.
 """
@@ -95,6 +97,22 @@ class StopRequest:
 
     def __bool__(self) -> bool:
         return self.signum is not None
+
+
+class Interrupt:
+    """The handler of a command that stops at once on either stop signal as it does on Ctrl-C: it raises
+    KeyboardInterrupt (which the command catches to report what it has done) and keeps the signal's number, so that
+    the command's exit code says which came (exit_code)."""
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+
+    def __call__(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+        raise KeyboardInterrupt
+
+    def exit_code(self, default: int = CTRL_C_EXIT) -> int:
+        return exit_code(self.signum) if self.signum is not None else default
 
 
 T = TypeVar("T")
