@@ -157,7 +157,10 @@ def test_a_server_stopped_while_its_engine_is_starting_leaves_no_engine_behind(m
         assert engine is not None and alive(engine)
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=30)
-        wait_for(lambda: not any(alive(pid) for pid in left), timeout=30)  # the engine, and the resource tracker
+        # the engine goes with its server (the kernel's parent-death signal, or its watch of the parent), not seconds
+        # later; multiprocessing's resource tracker follows once it finds its pipe closed
+        wait_for(lambda: not alive(engine), timeout=5)
+        wait_for(lambda: not any(alive(pid) for pid in left), timeout=30)
     finally:
         proc.kill()
         proc.wait()
