@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import io
 import json
 import signal
 import subprocess
 import sys
+import time
 import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -448,3 +450,32 @@ class LiveBytes(TorchDispatchMode):
             self.holders[key] += 1
             weakref.finalize(t, self._release, key, nbytes)
         return out
+
+def run_chat(argv: list[str], stdin: str, monkeypatch: pytest.MonkeyPatch,
+             capsys: pytest.CaptureFixture[str]) -> tuple[Any, str, str, list[list[int]]]:
+    """`gptopt generate --chat ARGV` with STDIN piped in: (exit status, stdout, stderr, each prompt's ids)."""
+    from gptopt.commands import generate
+
+    prompts, real_stream = [], generate.stream
+
+    def spy(gen: Any, ids: list[int], params: Any, stepper: Any = None) -> Iterator[int]:
+        prompts.append(list(ids))
+        return real_stream(gen, ids, params, stepper)
+
+    monkeypatch.setattr(generate, "stream", spy)
+    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
+    capsys.readouterr()
+    try:
+        rc = cli.main(["generate", "--chat", "--device", "cpu", "--temperature", "0", *argv])
+    except SystemExit as e:  # argparse's and the config's refusals
+        rc = e.code
+    out, err = capsys.readouterr()
+    return rc, out, err, prompts
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
+    """Poll instead of sleeping a fixed time: a loaded CI machine only makes this slower, not wrong."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.01)

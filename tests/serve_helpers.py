@@ -78,12 +78,6 @@ def assert_openai_error(r: httpx.Response, status: int, code: str | None = None)
     return err
 
 
-def wait_for(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "timed out waiting"
-        time.sleep(0.01)
-
 
 def byte_token(tokenizer: Any, b: int) -> int:
     """The id of the single-byte token for byte b in a byte-level BPE (GPT-2's byte -> character map)."""

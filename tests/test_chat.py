@@ -6,14 +6,13 @@
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import make_varied_model
+from conftest import make_varied_model, run_chat
 from tokenizers import Tokenizer
 
 from gptopt.infer import chat
@@ -304,7 +303,8 @@ def test_serve_refuses_a_bad_chat_template_before_loading_the_model(
     broken.write_text("{{ unclosed", encoding="utf-8")
     for template, problem in ((str(tmp_path / "missing.jinja"), "no such file"), (str(broken), "not valid Jinja")):
         capsys.readouterr()
-        assert cli.main(["serve", "--model", "/nonexistent/model", "--chat_template", template, "--port", "0"]) == 2
+        # a folder that holds no model: loading it would fail, so the template's refusal shows it came first
+        assert cli.main(["serve", "--model", str(tmp_path), "--chat_template", template, "--port", "0"]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and problem in err and err.startswith("gptopt serve: error: ")
 
@@ -312,27 +312,6 @@ def test_serve_refuses_a_bad_chat_template_before_loading_the_model(
 # -- gptopt generate --chat ---------------------------------------------------------------------------
 
 
-def run_chat(argv: list[str], stdin: str, monkeypatch: pytest.MonkeyPatch,
-             capsys: pytest.CaptureFixture[str]) -> tuple[Any, str, str, list[list[int]]]:
-    """`gptopt generate --chat ARGV` with STDIN piped in: (exit status, stdout, stderr, each prompt's ids)."""
-    from gptopt import cli
-    from gptopt.commands import generate
-
-    prompts, real_stream = [], generate.stream
-
-    def spy(gen: Any, ids: list[int], params: Any, stepper: Any = None) -> Iterator[int]:
-        prompts.append(list(ids))
-        return real_stream(gen, ids, params, stepper)
-
-    monkeypatch.setattr(generate, "stream", spy)
-    monkeypatch.setattr("sys.stdin", io.StringIO(stdin))
-    capsys.readouterr()
-    try:
-        rc = cli.main(["generate", "--chat", "--device", "cpu", "--temperature", "0", *argv])
-    except SystemExit as e:  # argparse's and the config's refusals
-        rc = e.code
-    out, err = capsys.readouterr()
-    return rc, out, err, prompts
 
 
 def test_generate_chat_answers_turns_and_keeps_the_conversation(

@@ -268,7 +268,7 @@ def test_generate_chat_on_a_chat_models_directory_sends_its_templates_tokens_and
         kind: str, debug_tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("jinja2")
-    from test_chat import run_chat
+    from conftest import run_chat
 
     d = chat_model_dir(kind, debug_tokenizer, tmp_path / kind)
     theirs = transformers.AutoTokenizer.from_pretrained(d)

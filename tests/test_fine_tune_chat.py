@@ -89,7 +89,7 @@ def test_a_chat_model_fine_tuned_resumed_and_exported_keeps_its_template_and_eve
     (the checkpoint it resumed from deleted by retention before the next save), serve's chat route ends a reply at
     the end of turn, and export --format hf writes a
     folder whose tokenizer transformers applies the template with, and whose configs name every eos id."""
-    from test_chat import run_chat
+    from conftest import run_chat
 
     src, data = source_and_data(kind, debug_tokenizer, tmp_path)
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))

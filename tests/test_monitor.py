@@ -9,24 +9,17 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
+from conftest import wait_for
 
 from gptopt.runtime.monitor import Monitor, format_summary, summarize
 
 GiB = 2**30
 
-
-def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    """Poll instead of sleeping a fixed time: a loaded CI machine only makes this slower, not wrong."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out waiting for the monitor"
-        time.sleep(0.02)
 
 
 class FakeNVML(types.ModuleType):

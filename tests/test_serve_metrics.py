@@ -11,11 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import wait_for
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
 
-from serve_helpers import completion, running, wait_for  # noqa: E402
+from serve_helpers import completion, running  # noqa: E402
 
 
 def families_of(url: str) -> dict[str, Any]:

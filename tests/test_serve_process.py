@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from conftest import wait_for
 
 pytest.importorskip("fastapi")
 httpx = pytest.importorskip("httpx")
@@ -32,7 +33,6 @@ from serve_helpers import (  # noqa: E402
     running_apart,
     sse,
     stream_through_a_sigterm,
-    wait_for,
 )
 
 from gptopt.config import ServeConfig, preset  # noqa: E402
