@@ -121,3 +121,48 @@ def test_a_chat_model_fine_tuned_resumed_and_exported_keeps_its_template_and_eve
     every_end = want[3][1]
     assert transformers.GenerationConfig.from_pretrained(export).eos_token_id == every_end
     assert json.loads((export / "config.json").read_text())["eos_token_id"] == every_end
+
+
+def on_a_fake_hub(name: str, repo: Path, cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The Hugging Face Hub, as huggingface_hub's snapshot_download serves it, holding `repo` as `name`: a snapshot
+    folder in `cache` of the repository's files that allow_patterns name, as a download leaves them."""
+    import fnmatch
+    import shutil
+
+    hub = pytest.importorskip("huggingface_hub")
+    snapshot = cache / f"models--{name.replace('/', '--')}" / "snapshots" / ("0" * 40)
+
+    def snapshot_download(repo_id: str, *, allow_patterns: list[str], local_files_only: bool = False,
+                          **kw: object) -> str:
+        assert repo_id == name
+        if not local_files_only:
+            snapshot.mkdir(parents=True, exist_ok=True)
+            for f in repo.iterdir():
+                if any(fnmatch.fnmatch(f.name, p) for p in allow_patterns):
+                    shutil.copy(f, snapshot / f.name)
+        assert snapshot.is_dir(), "not in the cache, and local_files_only"
+        return str(snapshot)
+
+    def try_to_load_from_cache(repo_id: str, filename: str, **kw: object) -> str | None:
+        return str(snapshot / filename) if (snapshot / filename).is_file() else None
+
+    monkeypatch.setattr(hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr(hub, "try_to_load_from_cache", try_to_load_from_cache)
+    monkeypatch.setattr("gptopt.models.hub._probe", lambda hub, name: None)  # the Hub has it
+
+
+def test_a_chat_model_fine_tuned_from_a_hub_name_keeps_its_template_and_every_end_id(
+        debug_tokenizer: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """train --init_from org/name: the model's tokenizer_config.json, chat template and generation_config.json are
+    fetched with its weights, and the checkpoint chats as the model does (its template, its end of turn and every
+    eos id of both configs), as one fine-tuned from a local copy of the folder does."""
+    src, data = source_and_data("qwen3", debug_tokenizer, tmp_path)
+    (src / hf_files.TEMPLATE_FILE).write_text(CHAT["qwen3"][0], encoding="utf-8")  # as newer transformers save it
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    want = how_it_chats(src, tok)
+    on_a_fake_hub("org/chat-model", src, tmp_path / "hub", monkeypatch)
+
+    out = tmp_path / "ft"
+    train(data, out, "--init_from", "org/chat-model", "--max_steps", "1")
+    assert how_it_chats(out, tok) == want
+    assert (checkpoint.latest_checkpoint(out) / hf_files.TEMPLATE_FILE).read_text(encoding="utf-8") == CHAT["qwen3"][0]

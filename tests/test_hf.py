@@ -301,6 +301,35 @@ def test_hub_name_offline_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.M
         hf.load_pretrained("gpt2")
 
 
+def test_a_hub_model_cached_with_its_weights_alone_loads_offline(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A snapshot cached by an earlier download of config.json and the weights only, whose repository also has a
+    tokenizer_config.json (now fetched with them): offline it still loads, with the same weights, although
+    huggingface_hub finds the snapshot incomplete for the files now asked for."""
+    import huggingface_hub.constants
+
+    tree = pytest.importorskip("huggingface_hub._tree_cache")
+    model = hf_model()
+    repo = save_hf(model, tmp_path / "repo")
+    storage = tmp_path / "cache" / "models--org--tiny"
+    sha = "0" * 40
+    (storage / "refs").mkdir(parents=True)
+    (storage / "refs" / "main").write_text(sha)
+    (storage / "snapshots" / sha).mkdir(parents=True)
+    for name in (hf.HF_CONFIG, hf.SAFETENSORS):
+        (storage / "snapshots" / sha / name).write_bytes((repo / name).read_bytes())
+    listing = {name: tree.TreeCacheEntry(size=1, blob_id="1" * 40)
+               for name in (hf.HF_CONFIG, hf.SAFETENSORS, "tokenizer_config.json")}
+    tree.write_tree_cache(str(storage), sha, listing)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    idx = tokens(TINY["vocab_size"])
+    with torch.no_grad():
+        got = hf.load_pretrained("org/tiny").eval()(idx)
+    assert (got - hf_logits(model, idx)).abs().max().item() <= 1e-5
+
+
 def test_missing_local_path_is_not_sent_to_the_hub(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no such model directory"):
         hf.load_pretrained(str(tmp_path / "nope"))

@@ -77,7 +77,7 @@ def test_a_typo_in_a_local_path_fails_at_once_without_asking_the_hub(
     def no_hub(*args: object, **kwargs: object) -> None:
         raise AssertionError("the Hub was asked")
 
-    monkeypatch.setattr(hf, "_download", no_hub)
+    monkeypatch.setattr(hf, "hub_folder", no_hub)
     monkeypatch.setattr(tokenizer_module, "_from_hub", no_hub)
     (tmp_path / "out").mkdir()
     monkeypatch.chdir(tmp_path)

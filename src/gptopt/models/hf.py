@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from gptopt.config import GPTConfig
 from gptopt.models.checkpoint import META, check_state, is_gptopt_dir, load_model
 from gptopt.models.gpt import GPT
-from gptopt.models.hf_files import GENERATION_CONFIG, HF_CONFIG, token_ids
+from gptopt.models.hf_files import CHAT_FILES, GENERATION_CONFIG, HF_CONFIG, token_ids
 from gptopt.models.hub import offline as hub_offline
 from gptopt.outputs import check_output, staged_dir
 from gptopt.utils.errors import UserError
@@ -482,22 +482,37 @@ def _load_gptopt_dir(directory: Path, overrides: dict[str, Any]) -> GPT:
     return _build(config, state)
 
 
-def _download(name: str) -> Path:
-    """Fetch config + weights of a hub model into the HF cache; safetensors, the .bin only if there is none."""
-    hub = require("huggingface_hub", "hf", f"downloading {name!r} from the Hugging Face Hub")
-    offline = hub_offline()
+# What a hub model's folder gives beside its weights: its config, and how it chats and ends its turns (the
+# generation config's eos ids, the chat files), which a model fine-tuned from it carries (hf_files.carried).
+# Small files; a repository without one of them simply has none.
+HUB_FILES = [HF_CONFIG, GENERATION_CONFIG, *CHAT_FILES]
 
-    def fetch(patterns: list[str]) -> Path:
-        return Path(
-            hub.snapshot_download(
-                name, allow_patterns=patterns, local_files_only=offline, library_name="gptopt"
-            )
-        )
+
+def hub_folder(name: str, *, fetched: bool = False) -> Path:
+    """The local folder of hub model `name` in the HF cache: HUB_FILES and the weights (safetensors; the .bin only
+    if there is none), downloaded unless `fetched` (a folder this process fetched already, found without asking the
+    Hub again) or HF_HUB_OFFLINE."""
+    hub = require("huggingface_hub", "hf", f"downloading {name!r} from the Hugging Face Hub")
+    from huggingface_hub import errors
+
+    offline = hub_offline()
+    # newer huggingface_hub refuses, offline, a cached snapshot that lacks a file the patterns name
+    incomplete = getattr(errors, "IncompleteSnapshotError", ())
+
+    def get(patterns: list[str]) -> Path:
+        return Path(hub.snapshot_download(name, allow_patterns=patterns, local_files_only=fetched or offline,
+                                          library_name="gptopt"))
+
+    def fetch(weights: list[str]) -> Path:
+        try:
+            return get(HUB_FILES + weights)
+        except incomplete:  # cached by a download of the config and weights alone: it loads, as it did
+            return get([HF_CONFIG, *weights])
 
     try:
-        folder = fetch([HF_CONFIG, SAFETENSORS, SAFETENSORS_INDEX, "model-*-of-*.safetensors"])
+        folder = fetch([SAFETENSORS, SAFETENSORS_INDEX, "model-*-of-*.safetensors"])
         if not any((folder / f).is_file() for f in (SAFETENSORS, SAFETENSORS_INDEX)):
-            folder = fetch([HF_CONFIG, PT_BIN, PT_BIN_INDEX, "pytorch_model-*-of-*.bin"])
+            folder = fetch([PT_BIN, PT_BIN_INDEX, "pytorch_model-*-of-*.bin"])
     except Exception as e:  # offline, unreachable, no such repo, gated: one clear message for all
         lines = str(e).strip().splitlines()
         cause = f"{type(e).__name__}: {lines[0] if lines else ''}"
@@ -533,7 +548,7 @@ def load_pretrained(name_or_path: str | os.PathLike[str], **overrides: Any) -> G
     name = str(name_or_path)
     if not _HUB_ID.fullmatch(name) or looks_local(name):
         raise UserError(f"{name}: no such model directory (and not a Hugging Face Hub name like 'gpt2')")
-    return load_hf_dir(_download(name), **overrides)
+    return load_hf_dir(hub_folder(name), **overrides)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -153,11 +153,13 @@ def build_model(cfg: TrainConfig, attention: str, data_vocab: int, resumed: Path
 
 def carried_files(cfg: TrainConfig, resumed: Path | None) -> dict[str, bytes]:
     """What the run's checkpoints keep of the model it starts from (hf_files.carried: its chat template, special
-    tokens and every end id), from the resumed checkpoint or --init_from's folders (those generate --model reads
-    them from), so that a fine-tuned chat model chats and ends its turns as its source did. None for a run from
-    scratch, or from a hub name (only its weights are fetched)."""
+    tokens and every end id), from the resumed checkpoint, --init_from's folders (those generate --model reads
+    them from), or a hub name's snapshot (build_model fetched it, with these files), so that a fine-tuned chat
+    model chats and ends its turns as its source did. None for a run from scratch."""
     if resumed is None and cfg.init_from == "scratch":
         return {}
+    if resumed is None and isinstance(source := model_source(cfg.init_from, "--init_from"), str):
+        return hf_files.carried([hf.hub_folder(source, fetched=True)])
     return hf_files.carried(chat.template_folders(str(resumed) if resumed is not None else cfg.init_from))
 
 
