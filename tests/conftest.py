@@ -479,3 +479,18 @@ def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def server(debug_tokenizer: Tokenizer) -> Iterator[tuple[str, Any]]:
+    """A live server of the debug model (4 slots, the plain chat template: the documented chat curl), one per test
+    module that asks for it: (its url, its app). Modules that need another define their own."""
+    from serve_helpers import running  # the serve extra: only modules that use a server import it
+
+    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def url(server: tuple[str, Any]) -> str:
+    return server[0]

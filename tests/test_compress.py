@@ -209,7 +209,9 @@ def test_an_output_that_exists_and_is_not_empty_is_never_overwritten(
 
 def test_the_output_is_checked_before_the_model_is_loaded(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
-    # No model at --model: an output error must come first, so no model loading was needed to reach it.
+    # No model at --model (a folder that holds none): an output error must come first, so no model loading was
+    # needed to reach it.
+    (tmp_path / "no-model").mkdir()
     (tmp_path / "file").write_text("x")
     assert cli.main(compress_cli(tmp_path / "no-model", None, tmp_path / "file", "--quantize", "int8-dynamic")) == 2
     assert "--output_dir" in (err := capsys.readouterr().err) and "is a file" in err
@@ -224,6 +226,7 @@ def test_the_output_is_checked_before_the_model_is_loaded(
 def test_output_still_names_the_output_dir_and_errors_name_output_dir(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # --output is --output_dir's old name: command lines written for it still run, and are told the new name
+    (tmp_path / "no-model").mkdir()
     (tmp_path / "file").write_text("x")
     argv = ["compress", "--model", str(tmp_path / "no-model"), "--output", str(tmp_path / "file"),
             "--quantize", "int8-dynamic", "--device", "cpu"]

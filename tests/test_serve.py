@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import shutil
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,16 +42,7 @@ from gptopt.serve.app import create_app  # noqa: E402
 from gptopt.serve.server import serve_in_thread  # noqa: E402
 from gptopt.utils.errors import UserError  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def server(debug_tokenizer: Any) -> Iterator[tuple[str, Any]]:
-    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:  # plain: the documented chat curl
-        yield s
-
-
-@pytest.fixture(scope="module")
-def url(server: tuple[str, Any]) -> str:
-    return server[0]
+# server, url: conftest.py's (a server of the debug model, plain chat template), one per module
 
 
 # -- endpoints -------------------------------------------------------------------------------------

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,16 +30,7 @@ from serve_helpers import (  # noqa: E402
 from gptopt.data.tokenizer import eot_id  # noqa: E402
 from gptopt.serve.blocklist import Blocklist, CheckTimeout, TextFilter, load_blocklist  # noqa: E402
 
-
-@pytest.fixture(scope="module")
-def server(debug_tokenizer: Any) -> Iterator[tuple[str, Any]]:
-    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:  # plain: the documented chat curl
-        yield s
-
-
-@pytest.fixture(scope="module")
-def url(server: tuple[str, Any]) -> str:
-    return server[0]
+# server, url: conftest.py's (a server of the debug model, plain chat template), one per module
 
 
 # -- auth, CORS ------------------------------------------------------------------------------------

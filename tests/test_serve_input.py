@@ -38,15 +38,7 @@ from gptopt.serve.protocol import EXAMPLE_BODY, MAX_PROMPTS, MAX_STOP, MAX_STOP_
 COMMANDS_DOC = Path(__file__).resolve().parents[1] / "docs" / "commands.md"
 
 
-@pytest.fixture(scope="module")
-def server(debug_tokenizer: Any) -> Iterator[tuple[str, Any]]:
-    with running(debug_tokenizer, max_batch_size=4, chat_template="plain") as s:  # plain: the documented chat curl
-        yield s
-
-
-@pytest.fixture(scope="module")
-def url(server: tuple[str, Any]) -> str:
-    return server[0]
+# server, url: conftest.py's (a server of the debug model, plain chat template), one per module
 
 
 # -- bad input: 4xx with OpenAI's error body, never a 5xx ------------------------------------------
@@ -297,11 +289,13 @@ def test_schemathesis_finds_no_server_errors(hostile_server: str, examples: int)
 
 
 def serve_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """The one error line of `gptopt serve ARGV`, which must exit 2 before loading --model (it does not exist)."""
+    """The one error line of `gptopt serve ARGV`, which must exit 2 before loading --model (a folder that holds no
+    model: loading it would be refused with another message)."""
     from gptopt import cli
 
     capsys.readouterr()
-    assert cli.main(["serve", "--model", "/nonexistent/model", "--device", "cpu", *argv]) == 2
+    no_model = str(Path(__file__).resolve().parent)
+    assert cli.main(["serve", "--model", no_model, "--device", "cpu", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("gptopt serve: error: "), err
     return err
