@@ -553,3 +553,24 @@ def test_batch_sizes_choose_the_sweep_and_batch_1_is_always_in_it(train_data: Pa
     with pytest.raises(SystemExit):
         cli.main(["bench", "--batch_sizes", "1,8"])  # the training ladder has no sweep
     assert "--mode infer" in capsys.readouterr().err
+
+
+def test_a_reference_that_fails_leaves_the_matmul_precision_as_it_was(
+    train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ladder computes its reference in exact fp32; a reference that fails (out of memory, Ctrl-C) still gives
+    the command back its own setting (TF32 where the device plan chose it)."""
+
+    def out_of_memory(self: GptoptRunner, prompt: list[int]) -> torch.Tensor:
+        raise torch.OutOfMemoryError("no room for the reference")
+
+    monkeypatch.setattr(GptoptRunner, "last_logits", out_of_memory)
+    had = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            InferBench(BenchConfig(mode="infer", preset="debug", seq_len=32, batch_size=2, warmup=1, device="cpu",
+                                   data_dir=str(train_data), output_dir=str(tmp_path / "o")))
+        assert torch.get_float32_matmul_precision() == "high"
+    finally:
+        torch.set_float32_matmul_precision(had)

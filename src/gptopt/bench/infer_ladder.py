@@ -142,9 +142,11 @@ class InferBench:
         self.init_state = {k: v.detach().to("cpu", copy=True) for k, v in init.state_dict().items()}
         precision = torch.get_float32_matmul_precision()
         torch.set_float32_matmul_precision("highest")  # the reference in true fp32, not TF32
-        ref = GptoptRunner(self._model(torch.float32), self.plan, self.max_len, compile=False)
-        self.ref_logits = ref.last_logits(self.prompts[0]).cpu()
-        torch.set_float32_matmul_precision(precision)
+        try:  # the command's own setting back, however the reference ends (out of memory, Ctrl-C)
+            ref = GptoptRunner(self._model(torch.float32), self.plan, self.max_len, compile=False)
+            self.ref_logits = ref.last_logits(self.prompts[0]).cpu()
+        finally:
+            torch.set_float32_matmul_precision(precision)
         self.peak_bandwidth, self.bandwidth_source = memory_bandwidth(self.plan)
         self.results: list[InferResult] = []
         self.stopped = False  # Ctrl-C ended the ladder early
