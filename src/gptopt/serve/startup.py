@@ -24,7 +24,7 @@ from gptopt.infer.constrain import Grammars
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
 from gptopt.runtime import memory_check, process
-from gptopt.runtime.device import DevicePlan, resolve
+from gptopt.runtime.device import resolve
 from gptopt.serve.blocklist import load_blocklist
 from gptopt.serve.engine import Engine
 from gptopt.serve.metrics import ServeMetrics
@@ -34,15 +34,12 @@ from gptopt.utils.extras import has
 log = logging.getLogger(__name__)
 
 
-def set_process_switches(cfg: ServeConfig) -> DevicePlan:
+def set_process_switches(cfg: ServeConfig) -> None:
     """The process-wide torch settings of a process that runs a serving engine, set where it starts: TF32 for
-    fp32 matmuls where the device plan chose it, and with --compile dynamo's room for a graph per batch bucket.
-    The device plan they follow."""
-    plan = resolve(cfg.device, quiet=True)
-    process.set_matmul_precision(plan)
+    fp32 matmuls where the device plan chose it, and with --compile dynamo's room for a graph per batch bucket."""
+    process.set_matmul_precision(resolve(cfg.device, quiet=True))
     if cfg.compile:
         process.allow_recompiles()
-    return plan
 
 
 def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,

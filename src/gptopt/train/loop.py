@@ -182,9 +182,10 @@ class Trainer:
     def _auto_batch_size(self) -> None:
         """--auto_batch_size: the run takes the search's micro-batch and accumulation (the global batch kept)."""
         cfg = self.cfg
-        choice = auto_batch.search(self.raw, self.plan, cfg, self.seq_len,
-                                   lambda b, loss: memory_check.shortfall(self._memory_estimate(b, loss),
-                                                                    self.plan.device) is None)
+        def fits(batch: int, loss: str) -> bool:
+            return memory_check.shortfall(self._memory_estimate(batch, loss), self.plan.device) is None
+
+        choice = auto_batch.search(self.raw, self.plan, cfg, self.seq_len, fits)
         if choice.batch_size != cfg.batch_size:
             self.cfg = dataclasses.replace(cfg, batch_size=choice.batch_size,
                                            gradient_accumulation_steps=choice.accumulation)
