@@ -97,6 +97,18 @@ def settled_heap(*, give_back: bool = True) -> Iterator[None]:
                 gc.unfreeze()
 
 
+@contextlib.contextmanager
+def thread_count_kept() -> Iterator[None]:
+    """The calling thread's torch thread count as it was when the block began, however the block ends: the engine
+    switches it around its own forwards (Engine._use_threads), and its caller keeps its own."""
+    had = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        if torch.get_num_threads() != had:
+            torch.set_num_threads(had)
+
+
 @dataclass(eq=False)
 class Request:
     """One sequence to generate. The client side may call cancel(); the rest is the engine's."""
@@ -270,8 +282,8 @@ class Engine:
         (each compiled bucket's graph, or its CUDA graph, is built now): the first requests are not slow,
         and a configuration whose activations do not fit fails at start-up, not on a user. Seconds taken."""
         g, t0 = self.generator, time.perf_counter()
-        had = torch.get_num_threads()  # the caller's (a test, a notebook, the engine process's main thread)
-        with torch.inference_mode():
+        # the caller's thread (a test, a notebook, the engine process's main thread) gets its count back
+        with torch.inference_mode(), thread_count_kept():
             self._use_threads(rows=0)
             g.prefill(0, [0] * max(1, g.max_len - 1))
             g.free(0)
@@ -285,9 +297,7 @@ class Engine:
                         g.decode(slots, [0] * rows, [min(g.max_len - 1, 1)] * rows)
                     for s in slots:
                         g.free(s)
-            finally:  # the caller's thread gets its count back as it was; the engine's thread sets its own
-                if torch.get_num_threads() != had:
-                    torch.set_num_threads(had)
+            finally:
                 g.forget_prefixes()  # the warm-up's prompts are no request's
         seconds = time.perf_counter() - t0
         if g.bucketed:
@@ -331,12 +341,10 @@ class Engine:
             self._started = True
 
     def _run(self) -> None:
-        had = torch.get_num_threads()
         try:
-            self._loop()
+            with thread_count_kept():  # whatever this thread runs next has its count as it was
+                self._loop()
         finally:
-            if torch.get_num_threads() != had:  # whatever this thread runs next has its count as it was
-                torch.set_num_threads(had)
             self._done.set()
 
     def begin_drain(self) -> None:
