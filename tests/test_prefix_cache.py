@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 from conftest import make_varied_model
-
-from gptopt.infer.generator import Generator, complete
 from gptopt.infer.prefix_cache import MIN_COPY
+
+from gptopt.infer.generator import Generator
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import complete
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve
 
