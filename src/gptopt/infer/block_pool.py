@@ -53,6 +53,9 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks + 1))
         self._key: dict[int, Key] = {}  # registered block -> its key
         self._blocks: dict[Key, int] = {}  # key -> registered block
+        # A full block whose key another block had already (a prefix computed twice at once) -> that block: the
+        # keys of the blocks after it name the registered one, so a lookup follows one chain.
+        self._same: dict[int, int] = {}
         # A scored prompt's entries (prompt_logprobs) of the positions a block holds, with their k alternatives:
         # a later prompt that asks for them takes them with the block (lm-evaluation-harness's choices).
         self.scores: dict[int, tuple[int, list[Any]]] = {}
@@ -114,22 +117,34 @@ class BlockPool:
 
     # -- prefix caching ----------------------------------------------------------------------
     def _parent(self, blocks: Sequence[int], i: int) -> tuple[int, int]:
-        return (NULL_BLOCK, 0) if i == 0 else (blocks[i - 1], self.generation[blocks[i - 1]])
+        if i == 0:
+            return NULL_BLOCK, 0
+        b = self._same.get(blocks[i - 1], blocks[i - 1])
+        return b, self.generation[b]
 
     def register(self, blocks: Sequence[int], tokens: Sequence[int], start: int) -> None:
         """Blocks start.. of a sequence's table (`blocks`), each full of its tokens (tokens[i * block_size:]), are
         cached under their keys. A key some other block holds already keeps that block: a prefix computed twice at
-        once is cached once (the second copy is freed as a plain block)."""
+        once is cached once (the second copy is freed as a plain block), and the blocks after it chain on."""
         if not self.caching:
             return
         bs = self.block_size
         for i in range(start, len(tokens) // bs):
             b = blocks[i]
-            if b in self._key:
+            if b in self._key or b in self._same:
                 continue
             key = (*self._parent(blocks, i), tuple(tokens[i * bs : (i + 1) * bs]))
-            if key not in self._blocks:
+            if key in self._blocks:
+                self._same[b] = self._blocks[key]
+            else:
                 self._blocks[key], self._key[b] = b, key
+
+    def score(self, block: int, k: int, entries: list[Any]) -> None:
+        """A scored prompt's entries of the positions `block` holds, with k alternatives, kept with the block (or
+        the registered block of the same tokens) where it has none with as many."""
+        b = self._same.get(block, block)
+        if b in self._key and (b not in self.scores or self.scores[b][0] < k):
+            self.scores[b] = (k, entries)
 
     def lookup(self, tokens: Sequence[int]) -> list[int]:
         """The registered blocks that hold tokens' longest prefix of whole blocks, in order (no reference taken)."""
@@ -147,9 +162,11 @@ class BlockPool:
         """Every registration dropped (a warm-up's prompts are no one's)."""
         self._key.clear()
         self._blocks.clear()
+        self._same.clear()
         self.scores.clear()
 
     def _unregister(self, b: int) -> None:
+        self._same.pop(b, None)
         key = self._key.pop(b, None)
         if key is not None:
             del self._blocks[key]

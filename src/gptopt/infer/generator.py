@@ -331,7 +331,7 @@ class Generator:
             for i in range(start, full):
                 entries = seq.prompt_logprobs[i * bs : (i + 1) * bs]
                 if len(entries) == bs:
-                    self.pool.scores[self.blocks[slot][i]] = (k, entries)
+                    self.pool.score(self.blocks[slot][i], k, entries)
                 else:  # its last entry comes with the next chunk: registered then
                     full = i
                     break
