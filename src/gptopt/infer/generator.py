@@ -502,19 +502,21 @@ class Generator:
         else:
             # Attend over the longest row's positions only, not a whole table's.
             logits = self._decode(self._tensor(tokens).view(B, 1), self._tensor(positions).view(B, 1),
-                                  self._tensor(slots), max(positions) + 1)
+                                  self._tensor(slots), max(positions) + 1, in_place=True)
         for s, t, p in zip(slots, tokens, positions, strict=True):
             self._wrote(s, p, (t,))
         return logits
 
-    def _decode(self, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | slice, length: int) -> torch.Tensor:
+    def _decode(self, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | slice, length: int, *,
+                in_place: bool = False) -> torch.Tensor:
         """The decode forward of these slots' rows, every index computed on the device from the block tables (a
-        compiled graph or a CUDA graph replays it as it is)."""
+        compiled graph or a CUDA graph replays it as it is). in_place: the eager step, whose attention may read the
+        blocks where they lie (paged_attention.py; a compiled graph gathers them, which inductor can fuse)."""
         bs = self.block_size
         tables = self.tables[rows]  # (B, max_blocks)
         write = tables.gather(1, pos // bs).view(-1) * bs + pos.view(-1) % bs
         W = (length + bs - 1) // bs
-        kv = self.cache.layers(write, tables[:, :W], length)
+        kv = self.cache.layers(write, tables[:, :W], length, lengths=pos.view(-1) + 1 if in_place else None)
         logits = self.model(tok, pos=pos, kv_cache=kv, attn_mask=self.cache.mask(pos, length))
         return logits[:, -1].float()
 

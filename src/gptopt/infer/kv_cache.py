@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from gptopt.config import GPTConfig
+from gptopt.infer import paged_attention
 from gptopt.models.gpt import KVCacheLayer
 
 __all__ = ["PagedKVCache"]
@@ -24,16 +25,30 @@ class _LayerView:
     """One layer of the pool as one forward sees it: new keys written at `write`, and `read`'s blocks attended."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, write: torch.Tensor, read: torch.Tensor | None,
-                 length: int) -> None:
-        """read: the rows' block tables flattened, (B x W,), or None."""
+                 length: int, tables: torch.Tensor | None = None, lengths: torch.Tensor | None = None) -> None:
+        """read: the rows' block tables flattened, (B x W,), or None. tables, lengths: a decode step's (B, W) block
+        tables and (B,) keys per row, for the attention that reads the blocks in place (paged_attention.py)."""
         self.k, self.v, self.write, self.read, self.length = k, v, write, read, length
+        self.tables, self.lengths = tables, lengths
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+        """A decode step's attention over the blocks where they lie, after writing k and v; None where the kernel
+        does not serve (not a decode step, not a CPU, not built): the model then calls update and SDPA."""
+        if self.lengths is None or q.shape[2] != 1 or paged_attention.kernel() is None:
+            return None
+        self._write(k, v)
+        assert self.tables is not None
+        return paged_attention.decode_attention(q, self.k, self.v, self.tables, self.lengths)
+
+    def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        B, nkv, T, hs = k.shape
+        # one index_copy_ per pool: the tokens' rows of (blocks x block_size, nkv, hs)
+        self.k.view(-1, nkv, hs).index_copy_(0, self.write, k.transpose(1, 2).reshape(B * T, nkv, hs).to(self.k.dtype))
+        self.v.view(-1, nkv, hs).index_copy_(0, self.write, v.transpose(1, 2).reshape(B * T, nkv, hs).to(self.v.dtype))
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         B, nkv, T, hs = k.shape  # (B, nkv, T, hs)
-        flat_k, flat_v = self.k.view(-1, nkv, hs), self.v.view(-1, nkv, hs)
-        # one index_copy_ per pool: the tokens' rows of (blocks x block_size, nkv, hs)
-        flat_k.index_copy_(0, self.write, k.transpose(1, 2).reshape(B * T, nkv, hs).to(self.k.dtype))
-        flat_v.index_copy_(0, self.write, v.transpose(1, 2).reshape(B * T, nkv, hs).to(self.v.dtype))
+        self._write(k, v)
         if self.read is None:  # a prompt from position 0 alone: it attends to its own keys, as computed
             return k, v
         # each row's blocks in table order, a whole block per copy (index_select copies contiguous slices, where
@@ -65,12 +80,15 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def layers(self, write: torch.Tensor, read: torch.Tensor | None, length: int) -> list[KVCacheLayer]:
+    def layers(self, write: torch.Tensor, read: torch.Tensor | None, length: int, *,
+               lengths: torch.Tensor | None = None) -> list[KVCacheLayer]:
         """Per-layer views for one forward. write: (B x T,) the pool row (block x block_size + offset) of each
         token's keys, row-major over (B, T). read: (B, W) each row's block table, W x block_size >= length, or
-        None for a forward that attends to its own keys alone. length: keys attended per row."""
+        None for a forward that attends to its own keys alone. length: keys attended per row. lengths: for a
+        decode step, (B,) keys each row attends, so its attention may read the blocks in place."""
         flat = None if read is None else read.reshape(-1)  # (B x W,): read once for every layer
-        return [_LayerView(k, v, write, flat, length) for k, v in zip(self.k, self.v, strict=True)]
+        tables = None if lengths is None or read is None else read.contiguous()
+        return [_LayerView(k, v, write, flat, length, tables, lengths) for k, v in zip(self.k, self.v, strict=True)]
 
     @staticmethod
     def mask(positions: torch.Tensor, length: int) -> torch.Tensor:

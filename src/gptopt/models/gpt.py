@@ -30,7 +30,9 @@ CAUSAL_SPLIT_MIN = 64
 
 
 class KVCacheLayer(Protocol):
-    """One layer's key/value cache: stores the new keys/values and returns all the layer may attend to."""
+    """One layer's key/value cache: stores the new keys/values and returns all the layer may attend to. A cache
+    may also attend by itself (an `attend(q, k, v)` method: it stores k and v and returns the attention's output
+    (B, nh, T, hs), or None to leave the attention to the model), as a paged cache reads its blocks in place."""
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
 
@@ -105,6 +107,10 @@ class CausalSelfAttention(nn.Module):
         if rope is not None:
             q, k = _rotate(q, *rope), _rotate(k, *rope)
         if kv_cache is not None:
+            attend = getattr(kv_cache, "attend", None)
+            y = attend(q, k, v) if attend is not None else None
+            if y is not None:
+                return self.resid_dropout(self.c_proj(y.transpose(1, 2).reshape(B, T, nh * hs)))
             k, v = kv_cache.update(k, v)  # (B, nkv, S, hs), S >= T
         S = k.size(2)
         # Without a mask the T queries are the last T of S positions. SDPA's is_causal aligns the
