@@ -31,6 +31,7 @@ from gptopt.runtime.device import resolve
 from gptopt.runtime.memory_check import Estimate
 from gptopt.train import step_memory
 from gptopt.train.step_memory import train_step_bytes
+from gptopt.utils.errors import UserError
 
 ABSURD = 10_000_000  # sequences: terabytes for any preset
 BIG = 4096  # within every static limit (config.MAX_BATCH, MAX_SLOTS): only the memory check refuses it
@@ -365,31 +366,103 @@ def test_profile_refuses_before_it_allocates(train_data: Path, tmp_path: Path, c
         assert "Traceback" not in err
 
 
-def test_serve_refuses_kv_cache_slots_that_cannot_fit(model_dir: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
+@pytest.mark.parametrize("flags,told", [
+    (["--kv_cache_memory", "1"], "a KV cache of 1.00 GiB (--kv_cache_memory 1) and the largest forward's"),
+    (["--kv_cache_memory", "0.00001"], "fewer than one sequence of --max_len 64 needs"),
+    ([], "one sequence of --max_len 64 tokens needs")])
+def test_serve_refuses_a_kv_cache_that_cannot_fit_with_the_numbers(
+        model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str],
+        told: str) -> None:
+    """Exit 2 before the pool is allocated: a budget beyond the free memory, one too small for a sequence of
+    --max_len (the model's context, 64 tokens), and a machine whose free memory cannot hold even that."""
+    free = 1 if not flags else SMALL_RAM
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "available RAM"))
     pytest.importorskip("fastapi")
     # in this process: the check runs where the engine is built, and the stand-in free memory is this process's
-    args = ["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--max_batch_size", str(BIG),
-            "--no-engine_process"]
+    args = ["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--no-engine_process", *flags]
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert f"--max_batch_size {BIG} KV-cache slots of 64 tokens will not fit in memory" in err
-    assert "KV cache" in err and "lower --max_batch_size" in err
+    assert told in err and "Traceback" not in err
+    assert re.search(r"\d\.\d\d GiB", err)  # the figures, not only words
 
 
-def test_a_servers_default_slots_are_what_fits_in_half_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """serve without --max_batch_size: the device's cap where memory is plenty, fewer where it is not,
-    and never a cache the start-up check then refuses."""
-    cfg, cpu = preset("gpt2"), torch.device("cpu")
-    per_slot = (generator_memory.inference_bytes(cfg, 2, 1024).total
-                - generator_memory.inference_bytes(cfg, 1, 1024).total)
-    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (10**13, "test RAM"))
-    assert generator_memory.auto_slots(cfg, 1024, cpu) == generator_memory.AUTO_SLOTS["cpu"]
-    free = 20 * per_slot
+# -- the KV cache's block pool within a memory budget (generator_memory.plan_kv) ----------------------------
+
+
+def _plan(monkeypatch: pytest.MonkeyPatch, free: int, *, name: str = "debug", max_len: int = 256,
+          kv_cache_memory: float | None = None, **overrides: object) -> generator_memory.KVPlan:
+    """The pool a server of the preset gets with `free` bytes available (the RAM the plan sees, stood in)."""
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "test RAM"))
-    slots = generator_memory.auto_slots(cfg, 1024, cpu)
-    assert 5 <= slots < 10  # about half of the 20 slots' worth that is free
-    assert memory_check.shortfall(generator_memory.inference_bytes(cfg, slots, 1024).without("weights"), cpu) is None
-    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (1, "test RAM"))
-    assert generator_memory.auto_slots(cfg, 1024, cpu) == 1  # the start-up check then refuses, naming the figures
+    with torch.device("meta"):  # the shapes only
+        model = GPT(preset(name, **overrides))
+    return generator_memory.plan_kv(model, torch.device("cpu"), max_len=max_len, max_batch_size=8,
+                                    prefill_chunk=64, block_size=16, kv_cache_memory=kv_cache_memory,
+                                    dtype=torch.float32)
+
+
+def test_a_cpu_servers_default_kv_cache_is_4_gib_where_ram_is_plenty(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = _plan(monkeypatch, 10**13)
+    assert kv.bytes <= 4 * 2**30 < kv.bytes + kv.block_bytes  # vLLM's CPU default, in whole blocks
+    assert kv.tokens == kv.num_blocks * 16 and "default: 4 GiB" in kv.line()
+
+
+def test_a_cpu_servers_default_kv_cache_is_half_the_free_ram_where_that_is_less(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    per_token = generator_memory.kv_bytes_per_token(preset("debug"), torch.float32)
+    free = 4000 * 256 * per_token  # room for 4,000 sequences of 256 tokens: half of it is less than 4 GiB
+    kv = _plan(monkeypatch, free)
+    room = memory_check.REFUSE_ABOVE * free - kv.forward
+    assert 0.49 * room <= kv.bytes <= 0.5 * room
+
+
+def test_the_default_is_raised_to_hold_one_sequence_of_max_len_where_that_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-0.6B's 40,960 tokens take more than 4 GiB of fp32 keys and values: the default holds one of them,
+    not a pool that would refuse the model's own context."""
+    name, max_len = "qwen3-0.6b", 40960
+    one = max_len * generator_memory.kv_bytes_per_token(preset(name), torch.float32)
+    assert one > 4 * 2**30
+    kv = _plan(monkeypatch, 3 * one, name=name, max_len=max_len)
+    assert kv.tokens == max_len and "one sequence of --max_len" in kv.line()
+
+
+def test_a_default_that_cannot_hold_one_sequence_is_refused_with_the_max_len_that_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    name, max_len = "qwen3-0.6b", 40960
+    one = max_len * generator_memory.kv_bytes_per_token(preset(name), torch.float32)
+    with pytest.raises(UserError) as e:
+        _plan(monkeypatch, one // 2, name=name, max_len=max_len)
+    text = str(e.value)
+    assert "one sequence of --max_len 40,960 tokens needs" in text and "test RAM" in text
+    fits = int(re.search(r"lower --max_len to ([\d,]+)", text).group(1).replace(",", ""))
+    assert 0 < fits < max_len
+    assert _plan(monkeypatch, one // 2, name=name, max_len=fits).tokens >= fits  # the fix it names fits
+
+
+def test_a_kv_cache_memory_too_small_for_max_len_is_refused_as_vllm_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    per_block = 16 * generator_memory.kv_bytes_per_token(preset("debug"), torch.float32)
+    gib = 10 * per_block / 2**30  # ten blocks: 160 tokens, fewer than --max_len 256
+    with pytest.raises(UserError) as e:
+        _plan(monkeypatch, 10**13, kv_cache_memory=gib)
+    text = str(e.value)
+    assert "holds 160 tokens (10 blocks of 16), fewer than one sequence of --max_len 256" in text
+    assert "lower --max_len to 160 or less" in text and "raise --kv_cache_memory to" in text
+    assert _plan(monkeypatch, 10**13, kv_cache_memory=gib, max_len=160).num_blocks == 10
+
+
+def test_a_kv_cache_memory_beyond_the_free_memory_is_refused_with_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UserError) as e:
+        _plan(monkeypatch, 2**30, kv_cache_memory=4.0)
+    text = str(e.value)
+    assert "a KV cache of 4.00 GiB (--kv_cache_memory 4) and the largest forward's" in text
+    assert "1.00 GiB is test RAM" in text
+    most = float(re.search(r"lower --kv_cache_memory to ([\d.]+)", text).group(1))
+    assert _plan(monkeypatch, 2**30, kv_cache_memory=most).bytes <= most * 2**30
+
+
+def test_the_start_up_line_says_memory_tokens_blocks_and_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    per_block = 16 * generator_memory.kv_bytes_per_token(preset("debug"), torch.float32)
+    kv = _plan(monkeypatch, 10**13, kv_cache_memory=875 * per_block / 2**30)
+    assert kv.line() == (f"KV cache: {875 * per_block / 2**30:.2f} GiB (--kv_cache_memory "
+                         f"{875 * per_block / 2**30:g}), 14,000 tokens in 875 blocks of 16; up to 8 requests at "
+                         "once, each up to 256 tokens")
