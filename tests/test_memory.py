@@ -390,29 +390,34 @@ def test_serve_refuses_a_kv_cache_that_cannot_fit_with_the_numbers(
 
 
 def _plan(monkeypatch: pytest.MonkeyPatch, free: int, *, name: str = "debug", max_len: int = 256,
-          kv_cache_memory: float | None = None, **overrides: object) -> generator_memory.KVPlan:
+          max_batch_size: int = 8, kv_cache_memory: float | None = None) -> generator_memory.KVPlan:
     """The pool a server of the preset gets with `free` bytes available (the RAM the plan sees, stood in)."""
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "test RAM"))
     with torch.device("meta"):  # the shapes only
-        model = GPT(preset(name, **overrides))
-    return generator_memory.plan_kv(model, torch.device("cpu"), max_len=max_len, max_batch_size=8,
+        model = GPT(preset(name))
+    return generator_memory.plan_kv(model, torch.device("cpu"), max_len=max_len, max_batch_size=max_batch_size,
                                     prefill_chunk=64, block_size=16, kv_cache_memory=kv_cache_memory,
                                     dtype=torch.float32)
 
 
 def test_a_cpu_servers_default_kv_cache_is_4_gib_where_ram_is_plenty(monkeypatch: pytest.MonkeyPatch) -> None:
-    kv = _plan(monkeypatch, 10**13)
+    kv = _plan(monkeypatch, 10**13, name="smollm2-135m", max_len=8192, max_batch_size=64)
     assert kv.bytes <= 4 * 2**30 < kv.bytes + kv.block_bytes  # vLLM's CPU default, in whole blocks
     assert kv.tokens == kv.num_blocks * 16 and "default: 4 GiB" in kv.line()
 
 
 def test_a_cpu_servers_default_kv_cache_is_half_the_free_ram_where_that_is_less(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    per_token = generator_memory.kv_bytes_per_token(preset("debug"), torch.float32)
-    free = 4000 * 256 * per_token  # room for 4,000 sequences of 256 tokens: half of it is less than 4 GiB
-    kv = _plan(monkeypatch, free)
+    free = 4 * 2**30
+    kv = _plan(monkeypatch, free, name="smollm2-135m", max_len=8192, max_batch_size=64)
     room = memory_check.REFUSE_ABOVE * free - kv.forward
     assert 0.49 * room <= kv.bytes <= 0.5 * room
+
+
+def test_the_default_holds_no_more_than_max_batch_size_sequences_of_max_len(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model's 4 GiB would be millions of tokens that only finished prefixes could fill."""
+    kv = _plan(monkeypatch, 10**13, max_len=256, max_batch_size=8)
+    assert kv.tokens == 8 * 256 and kv.bytes < 2**30
 
 
 def test_the_default_is_raised_to_hold_one_sequence_of_max_len_where_that_fits(

@@ -121,7 +121,8 @@ class ServeConfig:
                                         "--block_size tokens; default: on CPUs the least of 4 GiB and half the RAM "
                                         "free after the weights load, raised to one --max_len sequence where that "
                                         "fits; on GPUs what is left of 0.9 of the device's memory after the weights "
-                                        "and a measured warm-up forward (docs/troubleshooting.md)",
+                                        "and a measured warm-up forward; never more than --max_batch_size sequences "
+                                        "of --max_len fill (docs/troubleshooting.md)",
                                         gt=0.0, le=MAX_KV_GIB)
     block_size: int = opt(16, "tokens one KV-cache block holds: a request takes a block at a time, and a cached "
                           "prefix is shared in whole blocks (vLLM's default too)", ge=1, le=MAX_BLOCK_SIZE)

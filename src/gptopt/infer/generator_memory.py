@@ -13,7 +13,9 @@ and SGLang's engines do:
   other work, so a bounded share, not all of it;
 - on a GPU, what is left of GPU_MEMORY_UTILIZATION of the device's memory (vLLM's gpu_memory_utilization;
   SGLang's mem_fraction_static is the same share of the total) after the weights, what else holds the device
-  and a warm-up forward's measured peak: the device serves nothing else.
+  and a warm-up forward's measured peak: the device serves nothing else;
+- either way never more than max_batch_size sequences of max_len fill: blocks past those could only keep
+  finished requests' prefixes (a small model's 4 GiB would be millions of tokens, zeroed at start-up).
 
 A budget whose pool cannot hold one sequence of max_len is refused with the fix, as vLLM refuses a
 max_model_len larger than its KV cache: max_len is a promise to each request, not to be broken silently.
@@ -242,6 +244,8 @@ def plan_kv(model: nn.Module, device: torch.device, *, max_len: int, max_batch_s
         room = limit - forward(max(0, limit) // kv_bytes_per_token(config, dtype))
         budget, source = _default_budget(device, room, measured)
         blocks = max(0, budget) // per_block
+        if blocks > max_batch_size * one_sequence:  # more could only keep finished requests' prefixes
+            blocks, source = max_batch_size * one_sequence, "default: --max_batch_size sequences of --max_len"
         if blocks < one_sequence:
             if one_sequence * per_block <= room:  # the default's share is raised to one whole sequence
                 blocks, source = one_sequence, "default: one sequence of --max_len"
