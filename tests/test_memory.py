@@ -471,3 +471,52 @@ def test_the_start_up_line_says_memory_tokens_blocks_and_requests(monkeypatch: p
     assert kv.line() == (f"KV cache: {875 * per_block / 2**30:.2f} GiB (--kv_cache_memory "
                          f"{875 * per_block / 2**30:g}), 14,000 tokens in 875 blocks of 16; up to 8 requests at "
                          "once, each up to 256 tokens")
+
+
+# A fresh process serving a preset's shape with random weights as serve loads it (fp32, the CPU layout with its
+# packed copies, the heap given back), its resident memory sampled every millisecond: the growth over the
+# interpreter and torch, against the plan's weights, packed copies, pool and largest forward.
+SERVE_RSS = """
+import json, sys, threading, time, psutil, torch
+from gptopt.config import preset
+from gptopt.infer import generator_memory
+from gptopt.infer.cpu_layout import inference_layout
+from gptopt.infer.generator import Generator, generate
+from gptopt.infer.sampling import SamplingParams
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import give_back_host_memory, resolve
+name, max_len, rows, chunk, gib = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+proc = psutil.Process()
+rss0 = proc.memory_info().rss
+peak, done = [rss0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.001)
+sampler = threading.Thread(target=sample)
+sampler.start()
+torch.manual_seed(0)
+with torch.no_grad():
+    model = inference_layout(GPT(preset(name)).eval(), "cpu")
+give_back_host_memory()
+plan = resolve("cpu", quiet=True)
+kv = generator_memory.plan_kv(model, plan.device, max_len=max_len, max_batch_size=rows, prefill_chunk=chunk,
+                              block_size=16, kv_cache_memory=gib)
+gen = Generator(model, plan, max_batch_size=rows, max_len=max_len, kv_blocks=kv.num_blocks, block_size=16)
+prompts = [[(7 * i + j) % 1000 + 1 for j in range(chunk // rows)] for i in range(rows)]
+generate(gen, prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
+done.set()
+sampler.join()
+print(json.dumps({"grown": peak[0] - rss0, "plan": generator_memory.model_bytes(model).total + kv.bytes + kv.forward}))
+"""
+
+
+@pytest.mark.slow
+def test_the_serving_plan_is_within_10_percent_of_the_resident_memory_it_takes() -> None:
+    """SmolLM2-135M's shape on a CPU: the weights, their oneDNN-packed copies (as much again), a pool of 0.25 GiB
+    and the largest forward, against the process's RSS (qwen3-0.6b's shape holds the same; it takes 6 GiB)."""
+    env = {"PYTHONPATH": str(Path(memory_check.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
+    out = subprocess.run([sys.executable, "-c", SERVE_RSS, "smollm2-135m", "1024", "8", "512", "0.25"],
+                         capture_output=True, text=True, env=env, timeout=300, check=True).stdout
+    figures = json.loads(out.splitlines()[-1])
+    assert 0.9 * figures["grown"] <= figures["plan"] <= 1.1 * figures["grown"], figures
