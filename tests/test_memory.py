@@ -520,3 +520,23 @@ def test_the_serving_plan_is_within_10_percent_of_the_resident_memory_it_takes()
                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     figures = json.loads(out.splitlines()[-1])
     assert 0.9 * figures["grown"] <= figures["plan"] <= 1.1 * figures["grown"], figures
+
+
+@pytest.mark.cuda
+def test_a_gpu_servers_default_pool_fills_0_9_of_the_device_and_then_runs() -> None:
+    """What is left of 0.9 of the device after the weights and a measured forward, most of it taken (a batch
+    large enough that the cap of --max_batch_size sequences does not bind); the pool allocated beside a
+    forward of the chunk then runs without running out."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT(preset("smollm2-135m")).to(device, torch.bfloat16).eval()
+    kv = generator_memory.plan_kv(model, device, max_len=8192, max_batch_size=4096, prefill_chunk=512,
+                                  block_size=16)
+    total = torch.cuda.mem_get_info(device)[1]
+    held = torch.cuda.memory_allocated(device) + kv.bytes + kv.forward
+    assert 0.9 * total - 2 * 2**30 <= held <= 0.9 * total, (held, total, kv.line())
+    pool = torch.empty(kv.bytes, dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        model(torch.zeros(1, 512, dtype=torch.long, device=device))
+    torch.cuda.synchronize(device)
+    del pool
