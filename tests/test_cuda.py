@@ -18,9 +18,10 @@ from conftest import make_varied_model
 
 from gptopt.config import TrainConfig, preset
 from gptopt.infer.decode_graphs import GraphedDecode
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
 from gptopt.infer.load import optimize_for_inference
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, gpu_spec, measured_matmul_flops, peak_flops, resolve
 from gptopt.runtime.monitor import Monitor

@@ -23,9 +23,10 @@ from gptopt import cli
 from gptopt.commands import export
 from gptopt.config import preset
 from gptopt.infer import onnx_decoder
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
 from gptopt.infer.onnx_decoder import OrtDecoder, export_onnx
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models import hf
 from gptopt.models.checkpoint import save_model
 from gptopt.models.gpt import GPT

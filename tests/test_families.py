@@ -181,8 +181,9 @@ def test_bench_trains_a_llama_shaped_preset_against_its_transformers_model(train
 def test_a_llama_shaped_model_exports_to_a_folder_transformers_loads_and_generates_from_alike(
     qwen: bool, tmp_path: Path
 ) -> None:
-    from gptopt.infer.generator import Generator, generate
+    from gptopt.infer.generator import Generator
     from gptopt.infer.sampling import SamplingParams
+    from gptopt.infer.scheduler import generate
     from gptopt.runtime.device import resolve
 
     torch.manual_seed(0)
@@ -203,9 +204,10 @@ def test_a_llama_shaped_model_exports_to_a_folder_transformers_loads_and_generat
 
 def greedy_text(directory: Path, ids: list[int], n: int, stop: tuple[int, ...] = ()) -> str:
     """The Generator's greedy text after ids, from the directory as inference loads it: what the server must send."""
-    from gptopt.infer.generator import Generator, generate
+    from gptopt.infer.generator import Generator
     from gptopt.infer.load import load_for_inference
     from gptopt.infer.sampling import SamplingParams
+    from gptopt.infer.scheduler import generate
     from gptopt.runtime.device import resolve
 
     plan = resolve("cpu", "fp32", quiet=True)

@@ -19,8 +19,9 @@ import torch
 from conftest import GREEDY, PROMPTS
 
 from gptopt.infer.decode_graphs import GraphedDecode
-from gptopt.infer.generator import Generator, complete, generate, stream
+from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
+from gptopt.infer.scheduler import complete, generate, stream
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve

@@ -22,8 +22,9 @@ from tokenizers import Tokenizer
 from gptopt import cli
 from gptopt.commands import generate as gen_mod
 from gptopt.config import GenerateConfig
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
+from gptopt.infer.scheduler import generate
 from gptopt.infer.stop import StopChecker
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT

@@ -30,8 +30,9 @@ from serve_helpers import (  # noqa: E402
 
 from gptopt.config import ServeConfig, preset  # noqa: E402
 from gptopt.data.tokenizer import eot_id  # noqa: E402
-from gptopt.infer.generator import Generator, complete  # noqa: E402
+from gptopt.infer.generator import Generator  # noqa: E402
 from gptopt.infer.sampling import SamplingParams, TokenLogprob  # noqa: E402
+from gptopt.infer.scheduler import complete  # noqa: E402
 from gptopt.models.gpt import GPT  # noqa: E402
 from gptopt.runtime.device import resolve  # noqa: E402
 from gptopt.serve.app import create_app  # noqa: E402

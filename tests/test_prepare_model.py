@@ -18,8 +18,9 @@ from conftest import graph_ops, make_varied_model
 from gptopt.config import preset
 from gptopt.infer.cpu_layout import GEMV_MAX_ROWS, CpuLinear, gemv_linears, inference_layout, packed_products
 from gptopt.infer.decode_graphs import compile_decode
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT
 from gptopt.runtime.compile import compile_model

@@ -23,9 +23,10 @@ import torch.nn as nn
 from gptopt.config import parse_prune
 from gptopt.data.tokenizer import TOKENIZER
 from gptopt.infer import quantize as q
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models import checkpoint, hf
 from gptopt.models import compressed as fmt
 from gptopt.models.gpt import GPT

@@ -19,8 +19,9 @@ from conftest import GREEDY, PROMPTS, assert_draws_follow, exact_distribution
 from gptopt.config import GenerateConfig
 from gptopt.data.tokenizer import eot_id
 from gptopt.infer.decoding import Decoding
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve
 

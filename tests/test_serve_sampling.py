@@ -19,8 +19,9 @@ httpx = pytest.importorskip("httpx")
 from serve_helpers import PROMPT, assert_openai_error, completion, running, sse  # noqa: E402
 
 from gptopt.infer.constrain import Grammars, grammar_for  # noqa: E402
-from gptopt.infer.generator import Generator, complete  # noqa: E402
+from gptopt.infer.generator import Generator  # noqa: E402
 from gptopt.infer.sampling import NO_TOKEN, SamplingParams  # noqa: E402
+from gptopt.infer.scheduler import complete  # noqa: E402
 from gptopt.runtime.device import resolve  # noqa: E402
 
 

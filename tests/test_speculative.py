@@ -22,8 +22,9 @@ from conftest import family_config, make_varied_model
 
 from gptopt import cli
 from gptopt.infer import sampling
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.infer.speculative import ModelDrafter, NgramDrafter, Speculator
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import resolve

@@ -20,8 +20,9 @@ from gptopt import cli
 from gptopt.commands import train as train_cmd
 from gptopt.config import GPTConfig, TrainConfig, preset
 from gptopt.data.loader import load_tokenizer
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models import checkpoint
 from gptopt.models.flops import flops_per_token
 from gptopt.models.gpt import GPT

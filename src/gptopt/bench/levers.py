@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from gptopt.infer.generator import Generator
-from gptopt.infer.kv_cache import KVCache
+from gptopt.infer.kv_cache import PagedKVCache
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import KVCacheLayer
 from gptopt.utils.extras import require
@@ -83,18 +83,17 @@ class _RepeatedLayer:
         return k.repeat_interleave(self.groups, dim=1), v.repeat_interleave(self.groups, dim=1)  # (B, nh, S, hs)
 
 
-class RepeatedKVCache(KVCache):
-    """A KVCache whose layers hand each forward its keys and values repeated to every query head: a copy of the
+class RepeatedKVCache(PagedKVCache):
+    """A PagedKVCache whose layers hand each forward its keys and values repeated to every query head: a copy of the
     attended cache per layer and step, which gptopt's grouped-query attention does without."""
 
     def __init__(self, *args: Any, groups: int, **kwargs: Any) -> None:
-        """KVCache's arguments; groups: the query heads of each key/value head."""
+        """PagedKVCache's arguments; groups: the query heads of each key/value head."""
         super().__init__(*args, **kwargs)
         self.groups = groups
 
-    def layers(self, rows: torch.Tensor | slice, positions: torch.Tensor,
-               length: int | None = None) -> list[KVCacheLayer]:
-        return [_RepeatedLayer(layer, self.groups) for layer in super().layers(rows, positions, length)]
+    def layers(self, write: torch.Tensor, read: torch.Tensor | None, length: int) -> list[KVCacheLayer]:
+        return [_RepeatedLayer(layer, self.groups) for layer in super().layers(write, read, length)]
 
 
 class RepeatedKVGenerator(Generator):
@@ -104,7 +103,7 @@ class RepeatedKVGenerator(Generator):
         super().__init__(*args, **kwargs)
         assert not self.bucketed, "the kv-repeat-kv rung times the eager decode"
         cfg, c = self.model.config, self.cache
-        shape = dict(slots=c.slots, max_len=c.max_len, device=c.device, dtype=c.k[0].dtype)
+        shape = dict(blocks=c.blocks, block_size=c.block_size, device=c.device, dtype=c.k[0].dtype)
         del self.cache, c  # the plain cache's memory goes before the repeated one's is allocated
-        self.cache = RepeatedKVCache(cfg, shape["slots"], shape["max_len"], device=shape["device"],
+        self.cache = RepeatedKVCache(cfg, shape["blocks"], shape["block_size"], device=shape["device"],
                                      dtype=shape["dtype"], groups=cfg.n_head // cfg.kv_heads)

@@ -27,9 +27,10 @@ from tqdm import tqdm
 from gptopt.config import GenerateConfig
 from gptopt.data.tokenizer import eot_id
 from gptopt.infer import chat, speculative
-from gptopt.infer.generator import Generator, Stepper, complete, stream
+from gptopt.infer.generator import Generator, Stepper
 from gptopt.infer.load import load_for_inference, model_source
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import complete, stream
 from gptopt.infer.stop import StopChecker
 from gptopt.outputs import check_writable, lock_output, staged_file
 from gptopt.runtime import process

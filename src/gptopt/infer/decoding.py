@@ -1,5 +1,6 @@
-"""One sequence from its prefill to its end (Decoding): its cache slot, its tokens, and the one end-of-sequence
-rule; Generator.begin makes one, decode_next and sample_next advance a batch of them, end frees the slot.
+"""One sequence from its prefill to its end (Decoding): its slot, its tokens, and the one end-of-sequence rule;
+Generator.new makes one, admit gives it a slot and blocks, decode_next and sample_next advance a batch of them, end
+frees them, and preempt takes them back for a recompute later.
 
     python -c "from gptopt.infer.decoding import Decoding; help(Decoding.add)"
 """
@@ -22,21 +23,22 @@ Finish = Literal["stop", "length", "incomplete"]
 
 @dataclass(eq=False)
 class Decoding:
-    """One sequence in one cache slot, from its prefill to its end; `add` is the one end-of-sequence rule.
+    """One sequence from its prefill to its end; `add` is the one end-of-sequence rule.
 
-    Generator.begin makes one, Generator.decode_next and sample_next advance a batch of them, and
-    Generator.end frees the slot: the CLI's token generators and the server's engine all use these.
+    Generator.new makes one, the Scheduler admits, prefills, decodes, preempts and ends them: the CLI's token
+    generators and the server's engine all use these.
     """
 
-    slot: int
+    slot: int  # its row in the Generator's batch (its block table), -1 while it holds none
     params: SamplingParams
     prompt_len: int
     budget: int  # new tokens it may take: max_new_tokens, capped so prompt + new tokens fit the cache
     rng: torch.Generator | None  # Generator.rng(params.seed)
     ids: list[int]  # the prompt, then the new tokens (the repetition penalty's history)
     finish: Finish | None = None
-    cached: int = 0  # prompt tokens in the cache so far: prefill_step runs the rest, a chunk at a time
-    reused: int = 0  # prompt tokens a cached prefix gave it (prefix_cache.py), never computed for it
+    cached: int = 0  # tokens in the cache so far: prefill_step runs the rest up to `target`, a chunk at a time
+    reused: int = 0  # prompt tokens cached blocks gave it at admission (block_pool.py), never computed for it
+    preemptions: int = 0  # times it was preempted: its blocks freed, its tokens recomputed when admitted again
     # With params.logprobs: one entry per new token, the stop token that ends it included (OpenAI's
     # legacy completions list it, and lm-eval reads it). With params.prompt_logprobs: one per prompt
     # token after the first (the first has no context to be predicted from), filled as prefill_step runs.
@@ -47,8 +49,25 @@ class Decoding:
     stop_token: int | None = None  # the stop token id that ended it
 
     @property
+    def resumed(self) -> bool:
+        """Preempted after its first token: its prefill recomputes its tokens so far, and samples nothing."""
+        return self.preemptions > 0 and self.n_new > 0
+
+    @property
+    def target(self) -> int:
+        """Tokens its prefill puts in the cache: the prompt, or once resumed every token but the last (the next
+        decode step feeds that one, as it would have without the preemption)."""
+        return len(self.ids) - 1 if self.resumed else self.prompt_len
+
+    @property
     def prefilled(self) -> bool:
-        return self.cached >= self.prompt_len
+        return self.cached >= self.target
+
+    def preempt(self) -> None:
+        """Its slot and blocks were taken back (Generator.preempt): it starts again from admission. Its tokens, its
+        random generator and its grammar's state stay, so it goes on as it would have."""
+        self.slot, self.cached, self.reused = -1, 0, 0
+        self.preemptions += 1
 
     @property
     def tokens(self) -> list[int]:

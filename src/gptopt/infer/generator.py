@@ -1,67 +1,76 @@
-"""Generation: prefill + decode over a preallocated KV cache, one token generator.
+"""The model runner: a model over a paged KV cache, and each running sequence's row (its slot) and block table.
 
-`gptopt generate`, the bench inference rungs, train's eval sample and the server's continuous-batching
-engine all drive one `Generator`: `prefill` a prompt into a cache slot, `decode` one token for several
-slots at their own positions, `sample` the next tokens, `free` the slot. `begin` / `decode_next` /
-`sample_next` / `end` do the same for `Decoding`s (decoding.py), which hold each sequence's slot and
-tokens and decide when it ends. Shaped after gpt-fast's generate.py. Its parts: kv_cache.py (the cache),
-sampling.py (the sampler), stop.py (tokens -> text that ends at a stop string); loading a model for it:
-load.py; the command: commands/generate.py.
+`gptopt generate`, the bench inference rungs, train's eval sample and the server's engine all drive one
+`Generator`, through scheduler.py's Scheduler (which sequences run, admission by free blocks, chunked prefill,
+preemption) or directly: `prefill` a prompt into a slot, `extend` several slots by a chunk each, `decode` one
+token for several slots at their own positions, `sample` the next tokens, `free` the slot. Its parts:
+block_pool.py (which block is free, shared or cached), kv_cache.py (the blocks' keys and values), sampling.py
+(the sampler), decode_graphs.py (the compiled or CUDA-graphed decode). Shaped after gpt-fast's generate.py and
+vLLM's model runner.
 
     python -c "from gptopt.infer.generator import Generator; help(Generator)"
+
+A slot is a row of the running batch: its block table (tables[slot]), its length, its tokens. Slots are handed
+out lowest first, so the running rows stay packed at the front and a bucketed decode (compiled, or a CUDA graph)
+runs the first `bucket` rows; a row it runs that is not asked for writes at its next position, which is in a
+block of its own or, past its blocks, in NULL_BLOCK, and is overwritten before it is attended.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from gptopt.infer import sampling
+from gptopt.infer.block_pool import NULL_BLOCK, BlockPool
 from gptopt.infer.decode_graphs import GraphedDecode, compile_decode
-from gptopt.infer.decoding import Decoding, Finish
-from gptopt.infer.kv_cache import KVCache
-from gptopt.infer.prefix_cache import MIN_COPY, SlotPrefixes, common_prefix
+from gptopt.infer.decoding import Decoding
+from gptopt.infer.kv_cache import PagedKVCache
 from gptopt.infer.sampling import SamplingParams, TokenLogprob
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.runtime.torch_private import maybe_mark_dynamic
 from gptopt.utils.errors import UserError
 
-__all__ = ["Generator", "Stepper", "complete", "generate", "stream"]
+__all__ = ["BLOCK_SIZE", "Generator", "Stepper"]
 
 log = logging.getLogger("gptopt")
+
+# Tokens a KV block holds (vLLM's default too): the unit of memory a sequence takes and of prefix reuse.
+BLOCK_SIZE = 16
 
 
 class Stepper(Protocol):
     """A decode step that may make several tokens a sequence (speculative.Speculator)."""
+
+    lookahead: int  # tokens past a sequence's own a step may write (its draft): blocks the scheduler reserves
 
     def step(self, gen: Generator, seqs: Sequence[Decoding]) -> list[list[int]]: ...
 
     def release(self, seq: Decoding) -> None: ...
 
 
-
 class Generator:
-    """Owns the model and one KVCache with max_batch_size slots; the single token generator behind CLI, bench
-    and server.
+    """The model and its paged KV cache: up to max_batch_size sequences at once, each up to max_len tokens, in
+    kv_blocks blocks of block_size tokens.
 
     Runs in the weights' dtype (inference.load_for_inference casts them once), so there is no autocast here.
     Not thread-safe: one thread (the server's engine thread) drives it.
     """
 
     def __init__(self, model: GPT, plan: DevicePlan, *, max_batch_size: int = 8, max_len: int | None = None,
-                 compile: bool = False, cuda_graphs: bool = False, grammars: Any = None,
-                 prefix_cache: bool = False) -> None:
-        """compile: the decode step compiled (inference.compile_decode). cuda_graphs: on CUDA without
-        compile, the eager decode step recorded as a CUDA graph per bucket (inference.GraphedDecode);
-        ignored elsewhere, and with compile (whose reduce-overhead mode records its own). grammars: the
-        constrain.Grammars of the model's tokenizer, for sequences whose params name a grammar.
-        prefix_cache: a prompt starts from the longest prefix of it some slot holds (prefix_cache.py); off
-        where a prefill is what is measured (bench, profile)."""
+                 kv_blocks: int | None = None, block_size: int = BLOCK_SIZE, compile: bool = False,
+                 cuda_graphs: bool = False, grammars: Any = None, prefix_cache: bool = False) -> None:
+        """kv_blocks: the pool's blocks (default: max_batch_size sequences of max_len tokens). compile: the decode
+        step compiled (decode_graphs.compile_decode). cuda_graphs: on CUDA without compile, the eager decode step
+        recorded as a CUDA graph per bucket (decode_graphs.GraphedDecode); ignored elsewhere, and with compile
+        (whose reduce-overhead mode records its own). grammars: the constrain.Grammars of the model's tokenizer,
+        for sequences whose params name a grammar. prefix_cache: full blocks stay registered after their sequence
+        ends, and a prompt starts after the longest run of them it begins with (block_pool.py); off where a
+        prefill is what is measured (bench, profile)."""
         self.grammars = grammars
         cfg = model.config
         self.max_len = cfg.block_size if max_len is None else max_len
@@ -69,21 +78,35 @@ class Generator:
             raise UserError(f"max_len must be in 2..{cfg.block_size} (the model's context), got {self.max_len}")
         if max_batch_size < 1:
             raise UserError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        if block_size < 1:
+            raise UserError(f"block_size must be >= 1 token, got {block_size}")
         self.model = model.eval().to(plan.device)
         self.plan, self.device = plan, plan.device
-        self.max_batch_size, self.vocab_size = max_batch_size, cfg.vocab_size
+        self.max_batch_size, self.vocab_size, self.block_size = max_batch_size, cfg.vocab_size, block_size
+        self.max_blocks = -(-self.max_len // block_size)  # a table's width: one sequence of max_len tokens
+        kv_blocks = max_batch_size * self.max_blocks if kv_blocks is None else kv_blocks
+        if kv_blocks < self.max_blocks:
+            raise UserError(f"{kv_blocks} KV blocks of {block_size} tokens hold fewer than one sequence of max_len "
+                            f"{self.max_len} tokens ({self.max_blocks} blocks): give more KV-cache memory or a "
+                            "lower max_len")
+        self.pool = BlockPool(kv_blocks, block_size, caching=prefix_cache)
         dtype = model.transformer.wte.weight.dtype
-        self.cache = KVCache(cfg, max_batch_size, self.max_len, device=plan.device, dtype=dtype)
-        self.lengths = [0] * max_batch_size  # tokens cached per slot: where an idle row of a static decode writes
+        self.cache = PagedKVCache(cfg, kv_blocks + 1, block_size, device=plan.device, dtype=dtype)  # + NULL_BLOCK
+        # Each slot's block table, on the host and on the device (a decode step reads the device's, compiled
+        # graphs included: its address never changes); entries past a slot's blocks are NULL_BLOCK.
+        self.blocks: list[list[int]] = [[] for _ in range(max_batch_size)]
+        self.tables = torch.full((max_batch_size, self.max_blocks), NULL_BLOCK, dtype=torch.long, device=plan.device)
+        self.lengths = [0] * max_batch_size  # tokens cached per slot: where an idle row of a bucketed decode writes
+        self.tokens: list[list[int]] = [[] for _ in range(max_batch_size)]  # those tokens (prefix registration)
+        self.registered = [0] * max_batch_size  # leading blocks of each slot already registered in the pool
         self._used: set[int] = set()
-        self.prefixes = SlotPrefixes(max_batch_size, self.max_len) if prefix_cache else None
         # The row counts a compiled decode runs: powers of two below max_batch_size, and max_batch_size.
         self.buckets = [2**i for i in range(max_batch_size.bit_length()) if 2**i < max_batch_size] + [max_batch_size]
         self._step: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         self._keys = torch.empty(self.max_len, device=plan.device)  # _decode_rows' length, as a size
         if compile:  # the last inference transform (load.py's step 5): it needs this cache
-            self._step = compile_decode(self._decode_rows, self.model, self.cache.k + self.cache.v, self.device,
-                                        max_batch_size)
+            self._step = compile_decode(self._decode_rows, self.model, [*self.cache.tensors, self.tables],
+                                        self.device, max_batch_size)
         elif cuda_graphs and self.device.type == "cuda":
             self._step = GraphedDecode(self._decode_rows, max_batch_size, self.device)
 
@@ -96,56 +119,135 @@ class Generator:
         """The decode runs whole buckets (compiled, or recorded as CUDA graphs): each is built on its first step."""
         return self._step is not None
 
-    # slots ------------------------------------------------------------------------------------
+    @property
+    def prefix_cache(self) -> bool:
+        return self.pool.caching
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def kv_usage(self) -> float:
+        """The share of KV blocks sequences hold, 0..1."""
+        return self.pool.usage()
+
+    # slots and blocks -------------------------------------------------------------------------
     def alloc(self) -> int:
-        """The lowest free slot (an engine may track slots itself and only call prefill/free)."""
+        """The lowest free slot, holding no block yet (an engine may track slots itself)."""
         free = sorted(set(range(self.max_batch_size)) - self._used)
         if not free:
-            raise RuntimeError(f"all {self.max_batch_size} cache slots are in use")
+            raise RuntimeError(f"all {self.max_batch_size} sequence slots are in use")
         self._used.add(free[0])
         return free[0]
 
     def free(self, slot: int) -> None:
+        """The slot and its blocks given back. With the prefix cache its full blocks stay registered, for later
+        prompts, until their memory is needed."""
         self._check_slot(slot)
         self._used.discard(slot)
-        if self.prefixes is None:
-            self.lengths[slot] = 0  # nothing to clear on the device: positions past a sequence are masked
-        else:  # what it holds stays for later prompts (the rows of a bucketed step write past it)
-            self.prefixes.touch(slot)
+        blocks = self.blocks[slot]
+        self.pool.register(blocks, self.tokens[slot][: self.lengths[slot]], self.registered[slot])
+        self.pool.release(blocks)
+        self.blocks[slot] = []
+        if blocks:
+            self.tables[slot, : len(blocks)] = NULL_BLOCK
+        self.lengths[slot], self.tokens[slot], self.registered[slot] = 0, [], 0
 
     def rewind(self, slot: int, n: int) -> None:
         """Only the slot's first n positions hold its sequence: what a forward wrote after them (draft tokens the
-        model did not keep) is left to be overwritten."""
+        model did not keep) is left to be overwritten, in the slot's own blocks."""
         self.lengths[slot] = min(self.lengths[slot], n)
-        if self.prefixes is not None:
-            self.prefixes.keep(slot, n)
-
-    def forget_prefixes(self) -> None:
-        """Every slot's cached prefix dropped (a warm-up's prompts are no one's)."""
-        if self.prefixes is not None:
-            self.prefixes.clear()
+        del self.tokens[slot][n:]
 
     @property
     def free_slots(self) -> int:
         return self.max_batch_size - len(self._used)
 
-    def open(self, prompt: list[int], params: SamplingParams) -> Decoding:
-        """A Decoding of `prompt` in the lowest free slot, nothing cached yet: prefill_step runs its prompt."""
+    def blocks_short(self, slot: int, upto: int) -> int:
+        """Blocks the slot needs beyond those it holds for positions 0..upto - 1."""
+        return max(0, self.pool.blocks_for(upto) - len(self.blocks[slot]))
+
+    def reserve(self, slot: int, upto: int) -> None:
+        """Blocks for the slot's positions 0..upto - 1 (NoFreeBlocks where the pool has too few)."""
+        short = self.blocks_short(slot, upto)
+        if short:
+            new = self.pool.allocate(short)
+            have = len(self.blocks[slot])
+            self.blocks[slot] += new
+            self.tables[slot, have : have + short] = torch.tensor(new, dtype=torch.long)
+
+    def forget_prefixes(self) -> None:
+        """Every cached prefix dropped (a warm-up's prompts are no one's)."""
+        self.pool.forget()
+
+    def new(self, prompt: list[int], params: SamplingParams) -> Decoding:
+        """A Decoding of `prompt`, holding no slot yet: `admit` gives it one, prefill_step runs its prompt."""
         self.check_prompt(prompt)
-        slot = self.alloc()
-        if self.prefixes is not None:  # what the slot holds moves to the least recently used free slot
-            moved = self.prefixes.relocate(slot, sorted(set(range(self.max_batch_size)) - self._used), prompt)
-            if moved is not None:
-                self.cache.copy(slot, *moved)
-                self.lengths[moved[0]] = moved[1]
         budget = min(params.max_new_tokens, self.max_len - len(prompt))
-        try:
-            matcher = None if params.grammar is None else self._grammars().matcher(params.grammar)
-        except BaseException:
-            self.free(slot)
-            raise
-        return Decoding(slot=slot, params=params, prompt_len=len(prompt), budget=budget, rng=self.rng(params.seed),
+        matcher = None if params.grammar is None else self._grammars().matcher(params.grammar)
+        return Decoding(slot=-1, params=params, prompt_len=len(prompt), budget=budget, rng=self.rng(params.seed),
                         ids=list(prompt), matcher=matcher)
+
+    def cached_prefix(self, seq: Decoding) -> list[int]:
+        """The cached blocks `seq` would start from: the longest run of registered full blocks its tokens to
+        prefill begin with, leaving at least its last prompt token to compute (its logits are sampled) unless
+        it resumes after a preemption. A prompt that scores itself (prompt_logprobs) takes only blocks scored with
+        as many alternatives, whose entries reach its next token."""
+        if not self.pool.caching:
+            return []
+        want = seq.target if seq.resumed else seq.target - 1
+        hit = self.pool.lookup(seq.ids[:want])
+        k = seq.params.prompt_logprobs
+        if k is not None and not seq.resumed:
+            for i, b in enumerate(hit):
+                scored = self.pool.scores.get(b)
+                if scored is None or scored[0] < k:
+                    del hit[i:]
+                    break
+            # the last block's last entry scores the token after it: it must be this prompt's
+            while hit and self.pool.scores[hit[-1]][1][-1].token != seq.ids[len(hit) * self.block_size]:
+                hit.pop()
+        return hit
+
+    def admit(self, seq: Decoding, *, spare: int = 0) -> bool:
+        """Give `seq` the lowest free slot, the cached blocks its prompt begins with (shared: a reference each) and
+        blocks for the rest of what it must prefill, leaving at least `spare` blocks free; False, holding
+        nothing, where there is no free slot or too few blocks."""
+        if not self.free_slots:
+            return False
+        hit = self.cached_prefix(seq)
+        fresh = [b for b in hit if self.pool.refs[b] == 0]  # cached blocks nobody holds count against the free ones
+        need = self.pool.blocks_for(seq.target) - len(hit)
+        if need + len(fresh) + spare > self.pool.free:
+            return False
+        slot = self.alloc()
+        self.pool.take(hit)
+        n = len(hit) * self.block_size
+        self.blocks[slot] = list(hit)
+        if hit:
+            self.tables[slot, : len(hit)] = torch.tensor(hit, dtype=torch.long)
+        self.reserve(slot, seq.target)
+        self.lengths[slot], self.tokens[slot], self.registered[slot] = n, seq.ids[:n], len(hit)
+        seq.slot, seq.cached, seq.reused = slot, n, n
+        k = seq.params.prompt_logprobs
+        if k is not None and hit and not seq.resumed:
+            seq.prompt_logprobs = [sampling.top_of(e, k) for b in hit for e in self.pool.scores[b][1]]
+        return True
+
+    def open(self, prompt: list[int], params: SamplingParams) -> Decoding:
+        """A Decoding of `prompt`, admitted now (UserError where no slot or too few blocks are free)."""
+        seq = self.new(prompt, params)
+        if not self.admit(seq):
+            raise UserError(f"no room for a prompt of {len(prompt)} tokens: {self.free_slots} free slots, "
+                            f"{self.pool.free} free KV blocks of {self.block_size} tokens")
+        return seq
+
+    def preempt(self, seq: Decoding) -> None:
+        """Free `seq`'s slot and blocks, its full blocks cached: it is recomputed later from its tokens so far
+        (admit, prefill_step), most of them found in the cache when nothing else took their blocks."""
+        if seq.slot >= 0:
+            self.free(seq.slot)
+        seq.preempt()
 
     def _grammars(self) -> Any:
         if self.grammars is None:
@@ -180,27 +282,26 @@ class Generator:
         return seqs, torch.stack([logits[id(s)] for s in seqs])
 
     def prefill_step(self, seqs: Sequence[Decoding], budget: int) -> tuple[list[Decoding], torch.Tensor]:
-        """One forward over the next chunk of each sequence's prompt, taken in order while rows x the
-        longest chunk stay within `budget` tokens (the first always runs, cut to `budget`): a long
+        """One forward over the next chunk of each admitted sequence's tokens to prefill, taken in order while
+        rows x the longest chunk stay within `budget` tokens (the first always runs, cut to `budget`): a long
         prompt is prefilled over several calls, so the decodes between them wait one chunk at most.
 
-        The sequences whose prompt is now complete, and logits (k, V) of their last prompt token."""
+        The sequences whose prefill is now complete, and logits (k, V) of their last token (a resumed sequence's
+        row is there too: its caller does not sample it)."""
         if budget < 1:
             raise UserError(f"the prefill budget must be >= 1 token, got {budget}")
         rows: list[Decoding] = []
         width = 0
         for s in seqs:
-            if s.prefilled:
-                raise UserError(f"slot {s.slot}'s prompt is already prefilled")
-            if s.cached == 0 and self.prefixes is not None and self._reuse(s, rows):
-                continue
-            w = min(budget, max(width, s.prompt_len - s.cached))
+            if s.prefilled or s.slot < 0:
+                raise UserError(f"slot {s.slot}'s sequence is already prefilled, or not admitted")
+            w = min(budget, max(width, s.target - s.cached))
             if rows and w * (len(rows) + 1) > budget:
                 break
             rows.append(s)
             width = w
-        chunks = [s.ids[s.cached : s.cached + width] for s in rows]
-        scored = [i for i, s in enumerate(rows) if s.params.prompt_logprobs is not None]
+        chunks = [s.ids[s.cached : min(s.cached + width, s.target)] for s in rows]
+        scored = [i for i, s in enumerate(rows) if s.params.prompt_logprobs is not None and not s.resumed]
         if not scored:
             logits = self.extend([s.slot for s in rows], chunks, [s.cached for s in rows])
         else:  # every position's logits: (B, T, V), each row's chunk at its end (left-padded)
@@ -209,41 +310,32 @@ class Generator:
             logits = every[:, -1].float()
         for s, c in zip(rows, chunks, strict=True):
             s.cached += len(c)
-            if self.prefixes is not None and s.prefilled and s.params.prompt_logprobs is not None:
-                self.prefixes.score(s.slot, s.prompt_logprobs, s.params.prompt_logprobs)
+            self._register(s)
         done = [i for i, s in enumerate(rows) if s.prefilled]
         return [rows[i] for i in done], logits[done]
 
-    def _reuse(self, seq: Decoding, writing: Sequence[Decoding]) -> bool:
-        """Start `seq`'s prefill after the longest prefix of its prompt a slot holds (copied into its own slot,
-        unless it is its own), with its prompt's log-probabilities where it asks for them; True to wait a forward
-        instead, where a row of this one (`writing`) writes a longer prefix of it from scratch (n samples of one
-        prompt, lm-eval's choices of one context)."""
-        p = self.prefixes
-        assert p is not None
-        prompt, k = seq.ids[: seq.prompt_len], seq.params.prompt_logprobs
-        src, n = p.best(prompt, k)
-        if any(common_prefix(prompt, w.ids[: w.prompt_len]) >= n + MIN_COPY
-               and (k is None or (w.params.prompt_logprobs is not None and w.params.prompt_logprobs >= k))
-               for w in writing):
-            return True
-        own = p.reusable(seq.slot, prompt, k)
-        if n < own + MIN_COPY:  # what its own slot holds, where it lies: no copy
-            src, n = seq.slot, own
-        # tokens 1..n's entries: token n's too, which is the prompt's own (reusable's rule)
-        entries = p.scores[src][:n] if k is not None else []
-        if src != seq.slot:
-            self.cache.copy(src, seq.slot, n)
-            p.set(seq.slot, prompt[:n], entries, p.score_k[src])
-        else:
-            p.keep(seq.slot, n)
-        if n:
-            p.touch(src)
-            if k is not None:
-                seq.prompt_logprobs = [sampling.top_of(e, k) for e in entries]
-        self.lengths[seq.slot] = n
-        seq.cached = seq.reused = n
-        return False
+    def _register(self, seq: Decoding) -> None:
+        """The sequence's full prompt blocks, now written, registered for later prompts; a scored prompt's with
+        their entries (entry j scores token j + 1, so a block's entries need the prompt's token after it)."""
+        slot = seq.slot
+        if not self.pool.caching:
+            return
+        full = min(seq.cached, self.lengths[slot]) // self.block_size
+        start = self.registered[slot]
+        if full <= start:
+            return
+        self.pool.register(self.blocks[slot], self.tokens[slot][: full * self.block_size], start)
+        k = seq.params.prompt_logprobs
+        if k is not None and not seq.resumed:
+            bs = self.block_size
+            for i in range(start, full):
+                entries = seq.prompt_logprobs[i * bs : (i + 1) * bs]
+                if len(entries) == bs:
+                    self.pool.score(self.blocks[slot][i], k, entries)
+                else:  # its last entry comes with the next chunk: registered then
+                    full = i
+                    break
+        self.registered[slot] = full
 
     def _score_prompts(self, seqs: list[Decoding], chunks: list[list[int]], logits: torch.Tensor) -> None:
         """Each prompt token's TokenLogprob from the logits of the position before it, for the chunk being
@@ -281,8 +373,10 @@ class Generator:
         return tokens
 
     def end(self, seq: Decoding) -> None:
-        """Free the sequence's slot, however it ended."""
-        self.free(seq.slot)
+        """Free the sequence's slot and blocks, however it ended (nothing where it holds none)."""
+        if seq.slot >= 0:
+            self.free(seq.slot)
+            seq.slot = -1
 
     def sample(self, logits: torch.Tensor, params: list[SamplingParams], histories: list[list[int]],
                generators: list[torch.Generator | None], *, prompt_lens: Sequence[int] | None = None,
@@ -317,28 +411,38 @@ class Generator:
         if not 0 <= slot < self.max_batch_size:
             raise UserError(f"slot {slot} is outside 0..{self.max_batch_size - 1}")
 
-    def _tensor(self, values: Sequence[float], dtype: torch.dtype = torch.long) -> torch.Tensor:
+    def _tensor(self, values: Sequence[float] | Sequence[Sequence[int]], dtype: torch.dtype = torch.long
+                ) -> torch.Tensor:
         # From pinned memory the copy is asynchronous: the host does not wait for the GPU to catch up.
         pinned = self.device.type == "cuda"
         return torch.tensor(values, dtype=dtype, pin_memory=pinned).to(self.device, non_blocking=pinned)
 
     # forward ----------------------------------------------------------------------------------
+    def _wrote(self, slot: int, start: int, tokens: Sequence[int]) -> None:
+        self._used.add(slot)
+        self.lengths[slot] = start + len(tokens)
+        held = self.tokens[slot]
+        del held[start:]
+        held.extend(tokens)
+
+    def _row_of(self, slot: int, p: int) -> int:
+        """The pool row (block x block_size + offset) of the slot's position p."""
+        return self.blocks[slot][p // self.block_size] * self.block_size + p % self.block_size
+
     @torch.no_grad()
     def prefill(self, slot: int, tokens: list[int], *, every: bool = False) -> torch.Tensor:
-        """Run the prompt in one forward into the slot's cache (positions 0..L-1); logits (V,) of its last
+        """Run the prompt in one forward into the slot's blocks (positions 0..L-1); logits (V,) of its last
         token, or with `every` (L, V) of every position, in the weights' dtype."""
         self._check_slot(slot)
         self.check_prompt(tokens)
         L = len(tokens)
+        self.reserve(slot, L)
         idx = self._tensor(tokens).view(1, L)
         pos = torch.arange(L, device=self.device).view(1, L)
-        kv = self.cache.layers(slice(slot, slot + 1), pos, length=L)
+        kv = self.cache.layers(self._tensor([self._row_of(slot, p) for p in range(L)]), None, L)
         # No mask: with S == T the model takes SDPA's causal path (flash kernels where available).
         logits = self.model(idx, pos=pos, kv_cache=kv, last_only=not every)
-        self._used.add(slot)
-        self.lengths[slot] = L
-        if self.prefixes is not None:
-            self.prefixes.wrote(slot, 0, tokens)
+        self._wrote(slot, 0, tokens)
         return logits[0] if every else logits[0, -1].float()
 
     @torch.no_grad()
@@ -348,9 +452,8 @@ class Generator:
         every slot in one forward; logits (B, V) of each slot's last token, or with `every` (B, T, V) of
         every position (the weights' dtype; a shorter chunk's logits at the end of its row).
 
-        Shorter chunks are padded on the left, so every row's last position is a real token. The
-        padding writes at the cache's last position, which holds no prompt token (a prompt leaves room
-        for one new token) and which a sequence only reaches by writing its own token there first."""
+        Shorter chunks are padded on the left, so every row's last position is a real token; the padding
+        writes in NULL_BLOCK."""
         B = len(slots)
         if not B == len(chunks) == len(starts) > 0 or len(set(slots)) != B or not all(chunks):
             raise UserError(f"extend needs distinct slots, each with tokens and a start: {slots}, {starts}")
@@ -359,21 +462,25 @@ class Generator:
         for s, c, p in zip(slots, chunks, starts, strict=True):
             self._check_slot(s)
             self._check_ids(c)
-            if p < 0 or p + len(c) > self.max_len - 1:
+            if p < 0 or p + len(c) > self.max_len - 1 or p > self.lengths[s]:
                 raise UserError(f"slot {s}: positions {p}..{p + len(c) - 1} leave no room for a new token "
-                                 f"in the cache's {self.max_len}")
-        T, pad = max(len(c) for c in chunks), self.max_len - 1
-        tokens = [[0] * (T - len(c)) + c for c in chunks]
-        positions = [[pad] * (T - len(c)) + list(range(p, p + len(c))) for c, p in zip(chunks, starts, strict=True)]
-        length = max(p + len(c) for c, p in zip(chunks, starts, strict=True))
-        logits = self._forward(self._tensor(tokens).view(B, T), self._tensor(positions).view(B, T), self._rows(slots),
-                               length, last_only=not every)
+                                 f"in max_len {self.max_len}, or leave a gap after its {self.lengths[s]} tokens")
         for s, c, p in zip(slots, chunks, starts, strict=True):
-            self._used.add(s)
-            self.lengths[s] = p + len(c)
-            if self.prefixes is not None:
-                self.prefixes.wrote(s, p, c)
-        return logits
+            self.reserve(s, p + len(c))
+        T = max(len(c) for c in chunks)
+        tokens = [[0] * (T - len(c)) + c for c in chunks]
+        positions = [[0] * (T - len(c)) + list(range(p, p + len(c))) for c, p in zip(chunks, starts, strict=True)]
+        write = [r for s, c, p in zip(slots, chunks, starts, strict=True)
+                 for r in [NULL_BLOCK] * (T - len(c)) + [self._row_of(s, q) for q in range(p, p + len(c))]]
+        length = max(p + len(c) for c, p in zip(chunks, starts, strict=True))
+        W = -(-length // self.block_size)
+        pos = self._tensor(positions).view(B, T)
+        kv = self.cache.layers(self._tensor(write), self.tables[self._tensor(slots), :W], length)
+        logits = self.model(self._tensor(tokens).view(B, T), pos=pos, kv_cache=kv,
+                            attn_mask=self.cache.mask(pos, length), last_only=not every)
+        for s, c, p in zip(slots, chunks, starts, strict=True):
+            self._wrote(s, p, c)
+        return logits[:, -1].float() if not every else logits
 
     @torch.no_grad()
     def decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -382,39 +489,39 @@ class Generator:
         if not B == len(tokens) == len(positions) > 0 or len(set(slots)) != B:
             raise UserError(f"decode needs distinct slots, each with one token and one position: "
                              f"{slots}, {tokens}, {positions}")
-        for s in slots:
+        for s, p in zip(slots, positions, strict=True):
             self._check_slot(s)
-        if min(positions) < 0 or max(positions) >= self.max_len:
-            raise UserError(f"positions must be in 0..{self.max_len - 1} (the cache's max_len), got {positions}")
+            if not 0 <= p <= min(self.lengths[s], self.max_len - 1):
+                raise UserError(f"slot {s}: position {p} is outside 0..{self.max_len - 1} (max_len) or past its "
+                                 f"{self.lengths[s]} cached tokens")
         self._check_ids(tokens)
+        for s, p in zip(slots, positions, strict=True):
+            self.reserve(s, p + 1)
         if self._step is not None:
             logits = self._decode_static(slots, tokens, positions)
         else:
-            # Attend over the longest row's positions only, not the whole cache.
-            logits = self._forward(self._tensor(tokens).view(B, 1), self._tensor(positions).view(B, 1),
-                                   self._rows(slots), max(positions) + 1)
+            # Attend over the longest row's positions only, not a whole table's.
+            logits = self._decode(self._tensor(tokens).view(B, 1), self._tensor(positions).view(B, 1),
+                                  self._tensor(slots), max(positions) + 1)
         for s, t, p in zip(slots, tokens, positions, strict=True):
-            self.lengths[s] = p + 1
-            if self.prefixes is not None:
-                self.prefixes.wrote(s, p, (t,))
+            self._wrote(s, p, (t,))
         return logits
 
-    def _rows(self, slots: list[int]) -> torch.Tensor | slice:
-        """The cache rows of these slots: a slice when they are consecutive (views, no gather copy)."""
-        B = len(slots)
-        return slice(slots[0], slots[0] + B) if slots == list(range(slots[0], slots[0] + B)) else self._tensor(slots)
-
-    def _forward(self, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | slice, length: int,
-                 last_only: bool = True) -> torch.Tensor:
-        kv = self.cache.layers(rows, pos, length)
-        mask = self.cache.mask(pos, length)
-        logits = self.model(tok, pos=pos, kv_cache=kv, attn_mask=mask, last_only=last_only)
-        return logits[:, -1].float() if last_only else logits
+    def _decode(self, tok: torch.Tensor, pos: torch.Tensor, rows: torch.Tensor | slice, length: int) -> torch.Tensor:
+        """The decode forward of these slots' rows, every index computed on the device from the block tables (a
+        compiled graph or a CUDA graph replays it as it is)."""
+        bs = self.block_size
+        tables = self.tables[rows]  # (B, max_blocks)
+        write = tables.gather(1, pos // bs).view(-1) * bs + pos.view(-1) % bs
+        W = (length + bs - 1) // bs
+        kv = self.cache.layers(write, tables[:, :W], length)
+        logits = self.model(tok, pos=pos, kv_cache=kv, attn_mask=self.cache.mask(pos, length))
+        return logits[:, -1].float()
 
     def _decode_rows(self, tok: torch.Tensor, pos: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-        # The first B cache rows (B = tok's rows: a bucket) over the first len(keys) positions. `keys` only
-        # carries that length as a size a compiled graph keeps symbolic (a Python int would be a constant).
-        return self._forward(tok, pos, slice(0, tok.shape[0]), keys.shape[0])
+        # The first B slots (B = tok's rows: a bucket) over the first len(keys) positions. `keys` only carries that
+        # length as a size a compiled graph keeps symbolic (a Python int would be a constant).
+        return self._decode(tok, pos, slice(0, tok.shape[0]), keys.shape[0])
 
     def step_rows(self, slots: Sequence[int]) -> int:
         """The rows a decode step of these slots computes: their whole bucket when it runs compiled or
@@ -428,9 +535,9 @@ class Generator:
         return next(b for b in self.buckets if b >= top)
 
     def _decode_static(self, slots: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        # The first `bucket` slots run, so each compiled graph (and CUDA graph) sees one shape only.
-        # A row not asked for writes at its slot's next free position, which that slot overwrites
-        # before it ever attends to it (a full slot cannot decode again), so no cache is harmed.
+        # The first `bucket` slots run, so each compiled graph (and CUDA graph) sees one shape only. A row not asked
+        # for writes at its slot's next position: in a block of its own that it overwrites before it attends to it,
+        # or past its blocks in NULL_BLOCK.
         rows = self.bucket(slots)
         tok_all = [0] * rows
         pos_all = [min(n, self.max_len - 1) for n in self.lengths[:rows]]
@@ -438,9 +545,9 @@ class Generator:
             tok_all[s], pos_all[s] = t, p
         if self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
-            keys = self._keys  # a CUDA graph per length would be recorded every step: the whole cache
-        else:  # the asked rows' positions only, as the eager decode: faster at many rows than the whole cache (an
-            # idle row still writes in the full cache; its output, over fewer keys, is discarded)
+            keys = self._keys  # a CUDA graph per length would be recorded every step: every table's whole width
+        else:  # the asked rows' positions only, as the eager decode (an idle row's output, over fewer keys, is
+            # discarded)
             keys = self._keys[: max(positions) + 1]
             maybe_mark_dynamic(keys, 0)
         assert self._step is not None
@@ -448,97 +555,3 @@ class Generator:
         if slots == list(range(rows)):
             return logits.clone()  # a copy: CUDA graphs reuse their output buffer next step
         return logits[self._tensor(slots)]
-
-# ----------------------------------------------------------------------------------------------
-# Token generators on top of Generator
-
-
-def _run(gen: Generator, prompts: list[list[int]], params: SamplingParams, finished: set[int],
-         stepper: Stepper | None = None) -> Iterator[tuple[int, int | None, Finish | None]]:
-    """Decode prompts together: yields (row, token, finish) as tokens come. finish is None while the
-    row goes on, "length" on its last token, "stop" with token None for a stop token id ("incomplete" with
-    token None where its grammar allowed no token). Rows the caller adds to `finished` end after their
-    current token. A stepper (speculative decoding) may make several tokens a row a step. Slots are freed
-    however this ends."""
-    if len(prompts) > gen.max_batch_size:
-        raise UserError(f"{len(prompts)} prompts exceed the {gen.max_batch_size} cache slots")
-    for p in prompts:
-        gen.check_prompt(p)
-    seqs, logits = gen.begin_many(prompts, params)  # one forward for all the prompts
-    try:
-        active = [i for i, s in enumerate(seqs) if s.budget > 0]
-        for i in sorted(set(range(len(seqs))) - set(active)):  # max_new_tokens 0: the prompt only
-            seqs[i].finish = "length"
-            yield i, None, "length"
-        news = [[t] for t in gen.sample_next(logits[active], [seqs[i] for i in active])] if active else []
-        while active:
-            going = []
-            for i, tokens in zip(active, news, strict=True):
-                for t in tokens:
-                    finish = seqs[i].add(t)
-                    yield i, None if finish in ("stop", "incomplete") else t, finish
-                    if finish is not None or i in finished:
-                        break
-                else:
-                    going.append(i)
-            active = going
-            if active:
-                run = [seqs[i] for i in active]
-                news = stepper.step(gen, run) if stepper is not None else [
-                    [t] for t in gen.sample_next(gen.decode_next(run), run)]
-    finally:
-        for seq in seqs:
-            if stepper is not None:
-                stepper.release(seq)
-            gen.end(seq)
-
-
-def complete(gen: Generator, prompts: list[list[int]], params: SamplingParams,
-             on_token: Callable[[int, int], bool] | None = None,
-             stepper: Stepper | None = None) -> list[tuple[list[int], Finish]]:
-    """(new token ids, finish reason "stop" | "length") per prompt, decoded in groups of gen.max_batch_size.
-
-    on_token(row, token) is called for every new token; returning True ends that row ("stop"), e.g.
-    when its StopChecker found a stop string. Stop token ids end a row and are not returned. stepper: a
-    speculative.Speculator, which may make several tokens a row a step.
-    """
-    for p in prompts:
-        gen.check_prompt(p)  # every prompt, before any work
-    out: list[list[int]] = [[] for _ in prompts]
-    reasons: list[Finish] = ["length"] * len(prompts)
-    for start in range(0, len(prompts), gen.max_batch_size):
-        finished: set[int] = set()
-        for row, token, finish in _run(gen, prompts[start : start + gen.max_batch_size], params, finished,
-                                         stepper):
-            r = start + row
-            if token is not None:
-                out[r].append(token)
-                if on_token is not None and on_token(r, token):
-                    finished.add(row)
-                    reasons[r] = "stop"
-                    continue
-            if finish is not None:
-                reasons[r] = finish
-    return list(zip(out, reasons, strict=True))
-
-
-def generate(gen: Generator, prompts: list[list[int]], params: SamplingParams,
-             stepper: Stepper | None = None) -> list[list[int]]:
-    """New token ids for each prompt (prompts of any lengths, batched); stop_token_ids end a sequence."""
-    return [ids for ids, _ in complete(gen, prompts, params, stepper=stepper)]
-
-
-def stream(gen: Generator, prompt: list[int], params: SamplingParams,
-           stepper: Stepper | None = None) -> Iterator[int]:
-    """The new token ids of one prompt, one at a time; leaving the loop early frees the slot."""
-    gen.check_prompt(prompt)  # now, not at the first next()
-
-    def tokens() -> Iterator[int]:
-        with contextlib.closing(_run(gen, [prompt], params, set(), stepper)) as steps:
-            for _, token, _ in steps:
-                if token is not None:
-                    yield token
-
-    return tokens()
-
-

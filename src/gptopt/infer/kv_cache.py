@@ -1,7 +1,13 @@
-"""The KV cache: preallocated keys and values of every layer for a fixed number of slots, each row written at
-its own positions, so that sequences of different lengths share one forward.
+"""The paged KV cache: keys and values of every layer in one pool of fixed-size blocks, written through a slot
+mapping and read through block tables, so sequences of different lengths, sharing blocks or not, run in one
+forward.
 
-    python -c "from gptopt.infer.kv_cache import KVCache; help(KVCache)"
+    python -c "from gptopt.infer.kv_cache import PagedKVCache; help(PagedKVCache)"
+
+Which block holds what is block_pool.py's; this holds the tensors. A forward's attention gathers each row's
+blocks, in its table's order, into the (B, kv_heads, S, head_dim) keys and values the model's attention takes
+(models/gpt.py's KVCacheLayer), and masks every key past the row's own position: table entries beyond a row's
+blocks point at NULL_BLOCK, which is masked like any key not yet written.
 """
 
 from __future__ import annotations
@@ -11,63 +17,60 @@ import torch
 from gptopt.config import GPTConfig
 from gptopt.models.gpt import KVCacheLayer
 
+__all__ = ["PagedKVCache"]
+
 
 class _LayerView:
-    """One layer of a KVCache as one forward sees it: these rows, writing at these positions."""
+    """One layer of the pool as one forward sees it: new keys written at `write`, and `read`'s blocks attended."""
 
-    def __init__(self, k: torch.Tensor, v: torch.Tensor, rows: torch.Tensor | slice, flat: torch.Tensor,
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, write: torch.Tensor, read: torch.Tensor | None,
                  length: int) -> None:
-        self.k, self.v, self.rows, self.flat, self.length = k, v, rows, flat, length
+        self.k, self.v, self.write, self.read, self.length = k, v, write, read, length
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Each row writes at its own positions: rows at different lengths share one forward. One
-        # index_copy_ into the cache seen as rows of head_dim: faster on a CPU than the equivalent
-        # cache[rows, :, positions] = ..., whose indexing around a slice takes a general scatter
-        # (benchmarks/2026-12-04-serving-vs-transformers.md, "Where an engine iteration's time goes").
-        hs = k.size(-1)
-        self.k.view(-1, hs).index_copy_(0, self.flat, k.reshape(-1, hs).to(self.k.dtype))  # k: (B, nh, T, hs)
-        self.v.view(-1, hs).index_copy_(0, self.flat, v.reshape(-1, hs).to(self.v.dtype))
-        return self.k[self.rows, :, : self.length], self.v[self.rows, :, : self.length]  # (B, nh, S, hs)
+        B, nkv, T, hs = k.shape  # (B, nkv, T, hs)
+        flat_k, flat_v = self.k.view(-1, nkv, hs), self.v.view(-1, nkv, hs)
+        # one index_copy_ per pool: the tokens' rows of (blocks x block_size, nkv, hs)
+        flat_k.index_copy_(0, self.write, k.transpose(1, 2).reshape(B * T, nkv, hs).to(self.k.dtype))
+        flat_v.index_copy_(0, self.write, v.transpose(1, 2).reshape(B * T, nkv, hs).to(self.v.dtype))
+        if self.read is None:  # a prompt from position 0 alone: it attends to its own keys, as computed
+            return k, v
+        W = self.read.shape[1]
+        bs = self.k.shape[1]
+        keys = self.k[self.read].view(B, W * bs, nkv, hs)[:, : self.length]  # gathered in table order
+        values = self.v[self.read].view(B, W * bs, nkv, hs)[:, : self.length]
+        return keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, S, hs)
 
 
-class KVCache:
-    """Preallocated keys/values for `slots` sequences of up to `max_len` tokens, every layer:
-    (slots, n_kv_head, max_len, hs), n_kv_head the model's key/value heads (fewer than its query heads under
-    grouped-query attention)."""
+class PagedKVCache:
+    """Keys and values of `blocks` blocks of `block_size` tokens, every layer: (blocks, block_size, kv_heads,
+    head_dim) each, kv_heads the model's key/value heads (fewer than its query heads under grouped-query
+    attention). Block 0 is block_pool.NULL_BLOCK."""
 
-    def __init__(self, config: GPTConfig, slots: int, max_len: int, *, device: torch.device | str,
+    def __init__(self, config: GPTConfig, blocks: int, block_size: int, *, device: torch.device | str,
                  dtype: torch.dtype) -> None:
-        shape = (slots, config.kv_heads, max_len, config.head_dim)  # grouped-query attention keeps fewer heads
+        shape = (blocks, block_size, config.kv_heads, config.head_dim)
+        # zeros, not empty: a masked key's value still enters the weighted sum (times zero), and NaN garbage would
+        # not vanish. Large zeroed allocations are lazily mapped pages on a CPU: no time spent filling them.
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.slots, self.max_len, self.n_kv_head, self.device = slots, max_len, config.kv_heads, torch.device(device)
+        self.blocks, self.block_size, self.device = blocks, block_size, torch.device(device)
 
-    def layers(self, rows: torch.Tensor | slice, positions: torch.Tensor,
-               length: int | None = None) -> list[KVCacheLayer]:
-        """Per-layer views for one forward. rows: (B,) slot indices, or a slice of consecutive slots (the
-        layers then return views of the cache, no gather copy). positions: (B, T) being written.
-        length: return only the first `length` positions (more than any written), so fewer keys are attended."""
-        if isinstance(rows, slice):
-            # not rows.indices(): it would make a compiled decode's row count a constant (one graph per count)
-            assert rows.step in (None, 1), "a slice of rows must be consecutive"
-            start, stop = rows.start or 0, self.slots if rows.stop is None else rows.stop
-            index = torch.arange(start, stop, device=self.device)
-        else:
-            index = rows
-        # (B, nh, T): the row of each written key in the cache viewed as (slots * nh * max_len, hs)
-        heads = torch.arange(self.n_kv_head, device=self.device)
-        flat = ((index[:, None, None] * self.n_kv_head + heads[None, :, None]) * self.max_len + positions[:, None, :])
-        flat = flat.reshape(-1)
-        length = self.max_len if length is None else length
-        return [_LayerView(k, v, rows, flat, length) for k, v in zip(self.k, self.v, strict=True)]
+    @property
+    def tensors(self) -> list[torch.Tensor]:
+        return self.k + self.v
 
-    def copy(self, src: int, dst: int, n: int) -> None:
-        """Slot `dst`'s first n positions become `src`'s, every layer (a cached prefix taken over)."""
-        for k, v in zip(self.k, self.v, strict=True):
-            k[dst, :, :n].copy_(k[src, :, :n])
-            v[dst, :, :n].copy_(v[src, :, :n])
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
 
-    def mask(self, positions: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    def layers(self, write: torch.Tensor, read: torch.Tensor | None, length: int) -> list[KVCacheLayer]:
+        """Per-layer views for one forward. write: (B x T,) the pool row (block x block_size + offset) of each
+        token's keys, row-major over (B, T). read: (B, W) each row's block table, W x block_size >= length, or
+        None for a forward that attends to its own keys alone. length: keys attended per row."""
+        return [_LayerView(k, v, write, read, length) for k, v in zip(self.k, self.v, strict=True)]
+
+    @staticmethod
+    def mask(positions: torch.Tensor, length: int) -> torch.Tensor:
         """(B, 1, T, length) bool, True where the key's position <= the query's: each row sees its own past only."""
-        keys = torch.arange(self.max_len if length is None else length, device=positions.device)
+        keys = torch.arange(length, device=positions.device)
         return (keys <= positions[..., None]).unsqueeze(1)

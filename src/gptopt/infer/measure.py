@@ -15,8 +15,9 @@ import torch
 import torch.nn as nn
 
 from gptopt.config.sampling import describe
-from gptopt.infer.generator import Generator, Stepper, generate
+from gptopt.infer.generator import Generator, Stepper
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.runtime.torch_private import inner_tensors

@@ -59,7 +59,7 @@ class ExportCheckError(RuntimeError):
 class _ConcatLayer:
     """One layer's cache in the ONNX signature: the past comes in as tensors, past + new goes out.
 
-    The same update() the model calls on infer/kv_cache.py's preallocated cache, so models/gpt.py needs no
+    The same update() the model calls on infer/kv_cache.py's paged cache, so models/gpt.py needs no
     export branch.
     """
 

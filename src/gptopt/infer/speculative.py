@@ -98,9 +98,9 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """A smaller model of the same tokenizer, drafting over its own Generator, whose slots mirror the model's: a
-    sequence's draft keys and values live in the draft's slot of the same number, brought up to date (its prompt,
-    then the tokens kept since) before each proposal."""
+    """A smaller model of the same tokenizer, drafting over its own Generator (its own KV blocks), whose slots
+    mirror the model's: a sequence's draft keys and values live in the draft's slot of the same number, brought up
+    to date (its prompt, then the tokens kept since) before each proposal."""
 
     def __init__(self, draft: Generator) -> None:
         self.gen = draft
@@ -158,9 +158,11 @@ class ModelDrafter:
             self._held[seq.slot] = (seq, min(entry[1], valid))
 
     def release(self, seq: Decoding) -> None:
+        """The sequence ended or was preempted: the draft's slot of its number and its blocks are free."""
         entry = self._held.get(seq.slot)
         if entry is not None and entry[0] is seq:
             del self._held[seq.slot]
+            self.gen.free(seq.slot)
 
 
 @dataclasses.dataclass
@@ -175,6 +177,11 @@ class Speculator:
     def __post_init__(self) -> None:
         if self.k < 1:
             raise UserError(f"--num_speculative_tokens must be >= 1, got {self.k}")
+
+    @property
+    def lookahead(self) -> int:
+        """Positions past a sequence's own a step may write: its draft's (the scheduler reserves their blocks)."""
+        return self.k
 
     @property
     def acceptance(self) -> float | None:

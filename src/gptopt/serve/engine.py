@@ -1,16 +1,14 @@
-"""Continuous batching: one thread owns the model and its KV-cache slots; requests meet it through queues.
+"""Continuous batching: one thread owns the model, its KV cache and the scheduler; requests meet it through queues.
 
     pytest -q tests/test_serve_engine.py -k batching
 
-Every iteration of the engine thread: drop cancelled and timed-out requests, admit waiting requests
-into free slots, run ONE prefill forward over the admitted prompts (at most `prefill_chunk` tokens:
-requests that arrive together are prefilled together, and a long prompt goes a chunk per
-iteration, so it never stalls the running decodes for more than a chunk), run ONE decode step for
-all running requests together, sample, hand each request's new text to its client, and retire the
-finished ones, so a slot is free again within one iteration. Requests join and leave the batch at
-token granularity: a short request never waits for a long one to finish, and N requests share
-each forward pass. The events of a prefill and of a decode step go out together after it: one
-wake-up of each client event loop per forward, not one per token.
+Every iteration of the engine thread: drop cancelled and timed-out requests, hand the new ones to the scheduler
+(infer/scheduler.py: admission by free slots and KV blocks, chunked prefill, preemption), run ONE prefill forward
+over the admitted prompts and ONE decode step for all running requests together, hand each request's new text to
+its client, and retire the finished ones, so their blocks are free again within one iteration. Requests join and
+leave the batch at token granularity: a short request never waits for a long one to finish, and N requests share
+each forward pass. The events of a prefill and of a decode step go out together after it: one wake-up of each
+client event loop per forward, not one per token.
 
 On a CPU a decode step of one request alone computes with `solo_threads` torch threads (serve's start-up,
 startup.build_engine, decides them: by default every core but one; the engine only switches to them around its
@@ -48,6 +46,7 @@ import torch
 from gptopt.infer.decoding import Decoding
 from gptopt.infer.generator import Generator, Stepper
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import PREFILL_CHUNK, Scheduler
 from gptopt.infer.stop import StopChecker
 from gptopt.models.flops import flops_per_token
 from gptopt.serve.blocklist import Blocklist, TextFilter
@@ -57,10 +56,6 @@ from gptopt.utils.errors import UserError
 
 log = logging.getLogger(__name__)
 
-
-# Prompt tokens one prefill forward takes (Engine's prefill_chunk): 16 clients' 32-token prompts in
-# one forward, and a prompt of the whole 1,024-token context in two.
-PREFILL_CHUNK = 512
 
 # A forward's FLOPs per token (2 x parameters) under which a CPU engine runs every forward on solo_threads: a
 # model this small gains from every core, and tiny and larger ones lose
@@ -121,7 +116,7 @@ class Request:
     submitted: float = field(default_factory=time.perf_counter)
     cancelled: bool = False  # set from the client thread; a plain bool store is atomic
     # engine state
-    seq: Decoding | None = None  # its slot, tokens and end-of-sequence rule, from admission on
+    seq: Decoding | None = None  # its tokens, slot and end-of-sequence rule, from the scheduler's hand-off on
     admitted: float = 0.0
     last_token: float = 0.0
     text: StopChecker | None = None  # incremental detokenizer: whole characters, stop strings
@@ -131,7 +126,7 @@ class Request:
     prompt_logprobs_sent: bool = False
 
     def cancel(self) -> None:
-        """Ask the engine to drop this request; its slot is free after the engine's next iteration."""
+        """Ask the engine to drop this request; its blocks are free after the engine's next iteration."""
         self.cancelled = True
         if self.engine is not None:
             self.engine.wake()
@@ -142,7 +137,7 @@ class Request:
 
 
 class Engine:
-    """Continuous-batching scheduler around a Generator; see the module docstring. An EngineClient."""
+    """Continuous batching around a Generator and its Scheduler; see the module docstring. An EngineClient."""
 
     def __init__(self, generator: Generator, tokenizer: Any, *, max_queue: int = 64,
                  request_timeout: float = 120.0, prefill_chunk: int = PREFILL_CHUNK,
@@ -155,8 +150,6 @@ class Engine:
         the engine sets them around its own forwards only. speculator: speculative decoding
         (infer.speculative.Speculator), for decode steps of at most `speculate_max_batch` requests: a larger batch
         already keeps the arithmetic busy, and decodes plainly."""
-        if prefill_chunk < 1:
-            raise UserError(f"prefill_chunk must be >= 1 token, got {prefill_chunk}")
         if solo_threads is not None and solo_threads < 1:
             raise UserError(f"solo_threads must be >= 1, got {solo_threads}")
         self.generator = generator
@@ -172,20 +165,21 @@ class Engine:
                         "a one-request step on more threads than cores only contends with itself",
                         self._solo_threads, self._all_threads)
         self.prefill_chunk = prefill_chunk
-        self.speculator, self.speculate_max_batch = speculator, speculate_max_batch
+        self.speculator = speculator
+        self.scheduler = Scheduler(generator, prefill_chunk=prefill_chunk, stepper=speculator,
+                                   speculate_max_batch=speculate_max_batch,
+                                   on_forward=lambda rows: self._use_threads(rows=rows))
         self.tokenizer = tokenizer
         self.max_queue = max_queue
         self.request_timeout = request_timeout
         self.blocklist = blocklist or Blocklist()
         self.metrics = metrics  # serve.metrics.ServeMetrics or None
         self._cv = threading.Condition()
-        self._waiting: collections.deque[Request] = collections.deque()
-        # engine thread only; the generator tracks their slots. Admitted requests prefill (a chunk an
-        # iteration) until their first token, then decode.
-        self._prefilling: list[Request] = []
-        self._running: list[Request] = []
+        self._waiting: collections.deque[Request] = collections.deque()  # submitted, not yet the scheduler's
+        self._held: dict[int, Request] = {}  # engine thread only: the scheduler's requests, by id(seq)
         self._outbox: list[tuple[Sink, Event]] = []  # this iteration's events, delivered at its end
-        self._n_running = 0  # mirror of len(_prefilling) + len(_running), read under the lock by stats()
+        self._n_running = 0  # mirror of len(_held), read under the lock by stats()
+        self._n_queued = 0  # mirror of the scheduler's waiting sequences (preempted ones included)
         self._draining = False
         self._stop = False
         self._thread: threading.Thread | None = None  # start()'s, or the thread that called run()
@@ -213,7 +207,7 @@ class Engine:
         return req
 
     def _busy(self) -> bool:
-        """Requests waiting or running (under the lock: _n_running mirrors the engine thread's lists)."""
+        """Requests waiting or running (under the lock: _n_running mirrors the engine thread's requests)."""
         return bool(self._waiting or self._n_running)
 
     def stalled(self, seconds: float) -> bool:
@@ -225,16 +219,26 @@ class Engine:
 
     @property
     def capacity(self) -> int:
-        """Sequences the engine holds at once: free slots absorb requests, beyond them max_queue may wait."""
+        """Sequences the engine holds at once: max_batch_size run, beyond them max_queue may wait."""
         return self.generator.max_batch_size + self.max_queue
 
     def retry_after(self) -> int:
-        """Seconds until a slot is likely free: queue depth times the mean latency per slot."""
-        return self._retry.seconds(len(self._waiting), self.generator.max_batch_size)
+        """Seconds until a request is likely done: queue depth times the mean latency per running request."""
+        return self._retry.seconds(len(self._waiting) + self._n_queued, self.generator.max_batch_size)
 
     def stats(self) -> dict[str, int]:
+        """Requests running (admitted: holding a slot and KV blocks) and waiting (submitted or preempted)."""
         with self._cv:
-            return {"running": self._n_running, "waiting": len(self._waiting)}
+            return {"running": self._n_running - self._n_queued, "waiting": len(self._waiting) + self._n_queued}
+
+    @property
+    def preemptions(self) -> int:
+        """Sequences preempted so far (their blocks were needed by older ones), each recomputed later."""
+        return self.scheduler.preemptions
+
+    def kv_usage(self) -> float:
+        """The share of KV blocks running sequences hold, 0..1."""
+        return self.generator.kv_usage()
 
     @property
     def max_batch_size(self) -> int:
@@ -278,25 +282,37 @@ class Engine:
     # -- lifecycle --------------------------------------------------------------------------
 
     def warmup(self) -> float:
-        """Before serving, the longest prefill and a decode step of every batch shape the decode runs
-        (each compiled bucket's graph, or its CUDA graph, is built now): the first requests are not slow,
-        and a configuration whose activations do not fit fails at start-up, not on a user. Seconds taken."""
+        """Before serving, what serving runs: the largest prefill forward (one chunk) and a decode step of every
+        batch shape the decode runs (each compiled bucket's graph, or its CUDA graph, is built now), each logged:
+        the first requests are not slow, and a configuration whose forwards do not fit fails at start-up, not on a
+        user. Seconds taken."""
         g, t0 = self.generator, time.perf_counter()
         # the caller's thread (a test, a notebook, the engine process's main thread) gets its count back
         with torch.inference_mode(), thread_count_kept():
+            chunk = max(1, min(self.prefill_chunk, g.max_len - 1))
+            log.info("warm-up: a prefill of %d tokens", chunk)
             self._use_threads(rows=0)
-            g.prefill(0, [0] * max(1, g.max_len - 1))
-            g.free(0)
+            slot = g.alloc()
+            try:
+                g.prefill(slot, [0] * chunk)
+            finally:
+                g.free(slot)
             # reduce-overhead's CUDA graphs: a shape's first calls warm up, a later one records its graph
             repeats = 3 if g.compiled and g.device.type == "cuda" else 1
+            shapes = g.buckets if g.bucketed else [g.max_batch_size]
             try:
-                for rows in g.buckets if g.bucketed else [g.max_batch_size]:
-                    slots = list(range(rows))
-                    self._use_threads(rows=rows)
-                    for _ in range(repeats):
-                        g.decode(slots, [0] * rows, [min(g.max_len - 1, 1)] * rows)
-                    for s in slots:
-                        g.free(s)
+                for i, rows in enumerate(shapes):
+                    log.info("warm-up: a decode step of %d rows (%d of %d)", rows, i + 1, len(shapes))
+                    slots = [g.alloc() for _ in range(rows)]
+                    try:
+                        self._use_threads(rows=0)
+                        g.extend(slots, [[0]] * rows, [0] * rows)
+                        self._use_threads(rows=rows)
+                        for _ in range(repeats):
+                            g.decode(slots, [0] * rows, [1] * rows)
+                    finally:
+                        for s in slots:
+                            g.free(s)
             finally:
                 g.forget_prefixes()  # the warm-up's prompts are no request's
         seconds = time.perf_counter() - t0
@@ -383,13 +399,13 @@ class Engine:
                             break
                     except Exception as e:  # a bug in one step must not leave clients waiting forever
                         log.exception("engine iteration failed; ending the running requests")
-                        for r in self._prefilling + self._running:
+                        for r in list(self._held.values()):
                             self._finish(r, "error", error=f"{type(e).__name__}: {e}")
                     finally:
                         self._deliver()
         finally:  # whatever ended the loop, no client may wait forever
             with self._cv:
-                left = self._prefilling + self._running + list(self._waiting)
+                left = list(self._held.values()) + list(self._waiting)
                 self._waiting.clear()
             for req in left:
                 self._finish(req, "cancelled")
@@ -397,7 +413,7 @@ class Engine:
 
     def _iterate(self) -> bool:
         with self._cv:
-            while not (self._waiting or self._prefilling or self._running or self._stop):
+            while not (self._waiting or self._held or self._stop):
                 # Timed: a signal's Python handler (the engine process's SIGTERM drain) runs on the main
                 # thread, and one the kernel hands to another thread does not interrupt this wait.
                 self._cv.wait(0.5)
@@ -405,102 +421,94 @@ class Engine:
             if self._stop:
                 return False
             now = time.perf_counter()
-            dead = [r for r in self._waiting if r.cancelled or now - r.submitted > r.timeout]
-            for r in dead:
-                self._waiting.remove(r)
-        for r in dead:
-            self._finish(r, "cancelled" if r.cancelled else "timeout")
-        for r in [r for r in self._prefilling + self._running if r.cancelled or now - r.submitted > r.timeout]:
+            new = list(self._waiting)
+            self._waiting.clear()
+            self._n_running += len(new)
+        for r in new:
+            self._hand_over(r)
+        for r in [r for r in self._held.values() if r.cancelled or now - r.submitted > r.timeout]:
             self._finish(r, "cancelled" if r.cancelled else "timeout")
         self._admit()
-        if self._prefilling:
+        if self.scheduler.running:
             self._prefill()
             self._deliver()  # the first tokens go out now, not after the decode step
-        if self._running:
             self._decode()
+        with self._cv:
+            self._n_queued = len(self.scheduler.waiting)
         return True
 
     def _deliver(self) -> None:
         outbox, self._outbox = self._outbox, []
         deliver(outbox)
 
-    def _admit(self) -> None:
-        """Waiting requests into free slots, in arrival order; their prompts wait for _prefill."""
-        while self.generator.free_slots:
+    def _hand_over(self, req: Request) -> None:
+        """A submitted request to the scheduler, as a sequence of its own (refused here if its prompt is bad)."""
+        req.text = StopChecker(self.tokenizer, req.params.stop)
+        req.filter = TextFilter(self.blocklist) if self.blocklist else None
+        try:
+            req.seq = self.generator.new(req.prompt, req.params)
+        except Exception as e:  # one bad request must not take the server down
+            log.exception("admission failed")
             with self._cv:
-                if not self._waiting:
-                    return
-                req = self._waiting.popleft()
-                self._n_running += 1
-            self._prefilling.append(req)
+                self._n_running -= 1
+                self._cv.notify_all()
+            self._finish(req, "error", error=f"{type(e).__name__}: {e}")
+            return
+        self._held[id(req.seq)] = req
+        self.scheduler.add(req.seq)
+
+    def _admit(self) -> None:
+        """The scheduler's waiting sequences into the batch, as slots and blocks allow."""
+        for seq in self.scheduler.admit():
+            req = self._held[id(seq)]
+            if seq.preemptions:
+                continue
             req.admitted = time.perf_counter()
             if self.metrics is not None:
                 self.metrics.queue_time.observe(req.admitted - req.submitted)
                 self.metrics.prompt_tokens.inc(len(req.prompt))
-            req.text = StopChecker(self.tokenizer, req.params.stop)
-            req.filter = TextFilter(self.blocklist) if self.blocklist else None
-            try:
-                req.seq = self.generator.open(req.prompt, req.params)
-            except Exception as e:  # one bad request must not take the server down
-                log.exception("admission failed")
-                self._finish(req, "error", error=f"{type(e).__name__}: {e}")
 
     def _prefill(self) -> None:
-        """One prefill forward: the next chunk of the admitted prompts, oldest first (Generator.prefill_step).
-        Those whose prompt is complete take their first token and decode from now on."""
-        by_seq = {id(r.seq): r for r in self._prefilling}
-        self._use_threads(rows=0)
+        """One prefill forward: the next chunk of the admitted prompts, oldest first. Those whose prompt is
+        complete take their first token and decode from now on."""
         try:
-            done, logits = self.generator.prefill_step([r.seq for r in self._prefilling if r.seq is not None],
-                                                       self.prefill_chunk)
-            scored = [s for s in done if s.budget == 0]  # max_new_tokens 0: the prompt's logprobs only
-            keep = [i for i, s in enumerate(done) if s.budget > 0]
-            done = [done[i] for i in keep]
-            tokens = self.generator.sample_next(logits[keep] if scored else logits, done) if done else []
+            done = self.scheduler.prefill()
         except Exception as e:  # e.g. out of memory: these requests fail, the server goes on
             log.exception("prefill failed")
-            for r in list(self._prefilling):
-                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            for seq in [s for s in self.scheduler.running if not s.prefilled]:
+                self._finish(self._held[id(seq)], "error", error=f"{type(e).__name__}: {e}")
             return
-        if self.metrics is not None and self.generator.prefixes is not None:
-            for seq in scored + done:
+        for seq, token in done:
+            if self.metrics is not None and self.generator.prefix_cache and not seq.preemptions:
                 self.metrics.prefix_queries.inc(seq.prompt_len)
                 self.metrics.prefix_hits.inc(seq.reused)
-        for seq in scored:
-            self._finish(by_seq[id(seq)], "length")
-        for seq, token in zip(done, tokens, strict=True):
-            req = by_seq[id(seq)]
-            self._prefilling.remove(req)
-            self._running.append(req)
-            self._accept(req, token)
+            req = self._held[id(seq)]
+            if token is None:  # max_new_tokens 0: the prompt's logprobs only
+                self._finish(req, "length")
+            else:
+                self._accept(req, token)
 
     def _decode(self) -> None:
-        reqs = list(self._running)
-        seqs = [r.seq for r in reqs if r.seq is not None]
-        spec = self.speculator if len(seqs) <= self.speculate_max_batch else None
-        # by the rows the step computes: a compiled step runs a whole bucket, whose graph's thread count must
-        # not change (dynamo guards on it: another count would recompile the graph mid-serving). A speculative
-        # step keeps the rule: with no draft to verify it is that very decode step.
-        self._use_threads(rows=self.generator.step_rows([s.slot for s in seqs]) if seqs else 0)
+        spec = self.speculator
+        before = (spec.proposed, spec.accepted) if spec is not None else (0, 0)
         try:
-            if spec is not None:
-                before = (spec.proposed, spec.accepted)
-                tokens = spec.step(self.generator, seqs)
-                if self.metrics is not None:
-                    self.metrics.draft_tokens.inc(spec.proposed - before[0])
-                    self.metrics.accepted_tokens.inc(spec.accepted - before[1])
-            else:
-                tokens = [[t] for t in self.generator.sample_next(self.generator.decode_next(seqs), seqs)]
+            made = self.scheduler.decode()
         except Exception as e:
             log.exception("decode step failed")
-            for r in reqs:
-                self._finish(r, "error", error=f"{type(e).__name__}: {e}")
+            for seq in [s for s in self.scheduler.running if s.prefilled]:
+                self._finish(self._held[id(seq)], "error", error=f"{type(e).__name__}: {e}")
             return
+        if not made:
+            return
+        if spec is not None and self.metrics is not None:
+            self.metrics.draft_tokens.inc(spec.proposed - before[0])
+            self.metrics.accepted_tokens.inc(spec.accepted - before[1])
         self.steps += 1
-        for r, made in zip(reqs, tokens, strict=True):
-            for t in made:
-                self._accept(r, t)
-                if r not in self._running:  # it ended: the rest of its tokens are not its
+        for seq, tokens in made:
+            req = self._held[id(seq)]
+            for t in tokens:
+                self._accept(req, t)
+                if id(seq) not in self._held:  # it ended: the rest of its tokens are not its
                     break
 
     def _accept(self, req: Request, token: int) -> None:
@@ -545,17 +553,12 @@ class Engine:
         return ev
 
     def _finish(self, req: Request, reason: FinishReason, *, text: str = "", error: str | None = None) -> None:
-        """Free the request's slot (if it has one) and send its last event."""
-        for admitted in (self._prefilling, self._running):
-            if req in admitted:
-                admitted.remove(req)
-                if req.seq is not None:  # None: it was refused at admission, before it had a slot
-                    if self.speculator is not None:
-                        self.speculator.release(req.seq)
-                    self.generator.end(req.seq)
-                with self._cv:
-                    self._n_running -= 1
-                    self._cv.notify_all()  # shutdown() waits for the engine to empty
+        """Free the request's slot and blocks (if the scheduler has it) and send its last event."""
+        if req.seq is not None and self._held.pop(id(req.seq), None) is not None:
+            self.scheduler.finish(req.seq)
+            with self._cv:
+                self._n_running -= 1
+                self._cv.notify_all()  # shutdown() waits for the engine to empty
         latency = time.perf_counter() - req.submitted
         if self.metrics is not None:
             self.metrics.finished.labels(reason).inc()

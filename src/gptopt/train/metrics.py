@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
 from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan
 from gptopt.utils.errors import UserError
