@@ -144,27 +144,34 @@ def test_the_training_estimate_of_each_family_is_within_15_percent_of_what_its_s
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_inference_estimate_of_each_family_is_within_15_percent_of_the_tensors_a_generator_takes(
+def test_the_plan_of_each_family_is_the_pool_a_generator_allocates_and_within_15_percent_of_its_forwards(
         family: str, attention: str, dtype: torch.dtype) -> None:
-    """The weights and the KV cache exactly; the forward (a prefill of the whole context, then a decode step of
-    every slot over its cache, the slots apart: a gather) within 15% of the tensors it allocates at its peak."""
+    """The pool exactly; the largest forwards within 15% of the tensors they allocate at their peak: a prefill
+    chunk of several rows, one at the end of a long prompt (every row reads its blocks to that one's length),
+    and a decode step of every row, one of them max_len long."""
     from conftest import LiveBytes
 
     config = dataclasses.replace(FAMILIES[family], attention=attention)
     torch.manual_seed(0)
     model = GPT(config).eval().to(dtype)
-    slots, T = 4, 128
-    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2 * slots, max_len=T)
-    rows = list(range(0, 2 * slots, 2))  # not consecutive: the decode gathers their keys and values
-    with torch.no_grad(), LiveBytes() as live:
-        gen.prefill(rows[0], list(range(1, T)))
-        for row in rows[1:]:
-            gen.prefill(row, [1, 2])
-        gen.decode(rows, [1] * slots, [T - 1] + [2] * (slots - 1))
-    est = inference_bytes(config, slots, T, dtype=dtype)
-    assert est.parts["weights"] == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert est.parts["KV cache"] * 2 == sum(t.numel() * t.element_size() for t in gen.cache.k + gen.cache.v)
-    assert 0.85 * live.peak <= est.parts["forward"] <= 1.15 * live.peak, (est.parts["forward"], live.peak)
+    rows, T, chunk, bs = 4, 128, 32, 16
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=rows, max_len=T, kv_blocks=rows * T // bs,
+                    block_size=bs)
+    assert gen.cache.nbytes() == generator_memory.pool_bytes(config, gen.num_blocks, bs, dtype)
+    slots = [gen.alloc() for _ in range(rows)]
+    width = chunk // rows
+    with torch.no_grad():
+        gen.prefill(slots[0], list(range(1, T - width)))
+        for slot in slots[1:]:
+            gen.prefill(slot, [1, 2])
+        with LiveBytes() as prefill:
+            gen.extend(slots, [[3] * width] * rows, [T - width - 1] + [2] * (rows - 1))
+        with LiveBytes() as decode:
+            gen.decode(slots, [1] * rows, [T - 1] + [2 + width] * (rows - 1))
+    planned = generator_memory.prefill_bytes(config, chunk, T, rows=rows, dtype=dtype)
+    assert 0.85 * prefill.peak <= planned <= 1.15 * prefill.peak, (planned, prefill.peak)
+    planned = generator_memory.decode_bytes(config, rows, T, dtype=dtype)
+    assert 0.85 * decode.peak <= planned <= 1.15 * decode.peak, (planned, decode.peak)
 
 
 def test_each_suggested_fix_makes_the_step_smaller() -> None:
@@ -204,15 +211,15 @@ def test_inference_counts_the_kv_cache_per_slot() -> None:
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b"])
-def test_the_kv_cache_estimate_is_the_generators_cache_of_the_key_value_heads(name: str) -> None:
+def test_the_pool_estimate_is_the_generators_cache_of_the_key_value_heads(name: str) -> None:
     """Grouped-query attention caches its key/value heads only (SmolLM2: 3 of 9), each head_dim wide (Qwen3: not
-    the width over the heads): what serve sizes its slots by is what the Generator allocates."""
-    from gptopt.infer.kv_cache import KVCache
+    the width over the heads), in blocks and the null block: what serve budgets is what the Generator allocates."""
+    from gptopt.infer.kv_cache import PagedKVCache
 
     cfg = preset(name)
-    cache = KVCache(cfg, 2, 512, device="meta", dtype=torch.bfloat16)
-    allocated = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
-    assert inference_bytes(cfg, 2, 512, dtype=torch.bfloat16).parts["KV cache"] == allocated
+    cache = PagedKVCache(cfg, 64 + 1, 16, device="meta", dtype=torch.bfloat16)
+    assert generator_memory.pool_bytes(cfg, 64, 16, torch.bfloat16) == cache.nbytes()
+    assert generator_memory.kv_bytes_per_token(cfg, torch.bfloat16) * 16 * 65 == cache.nbytes()
 
 
 # -- what the device has free ------------------------------------------------------------------
@@ -390,7 +397,7 @@ def test_serve_refuses_a_kv_cache_that_cannot_fit_with_the_numbers(
 
 
 def _plan(monkeypatch: pytest.MonkeyPatch, free: int, *, name: str = "debug", max_len: int = 256,
-          max_batch_size: int = 8, kv_cache_memory: float | None = None) -> generator_memory.KVPlan:
+          max_batch_size: int | None = 8, kv_cache_memory: float | None = None) -> generator_memory.KVPlan:
     """The pool a server of the preset gets with `free` bytes available (the RAM the plan sees, stood in)."""
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "test RAM"))
     with torch.device("meta"):  # the shapes only
@@ -409,7 +416,7 @@ def test_a_cpu_servers_default_kv_cache_is_4_gib_where_ram_is_plenty(monkeypatch
 def test_a_cpu_servers_default_kv_cache_is_half_the_free_ram_where_that_is_less(
         monkeypatch: pytest.MonkeyPatch) -> None:
     free = 4 * 2**30
-    kv = _plan(monkeypatch, free, name="smollm2-135m", max_len=8192, max_batch_size=64)
+    kv = _plan(monkeypatch, free, name="smollm2-135m", max_len=8192, max_batch_size=8)
     room = memory_check.REFUSE_ABOVE * free - kv.forward
     assert 0.49 * room <= kv.bytes <= 0.5 * room
 
@@ -431,6 +438,23 @@ def test_the_default_is_raised_to_hold_one_sequence_of_max_len_where_that_fits(
     assert kv.tokens == max_len and "one sequence of --max_len" in kv.line()
 
 
+def test_the_default_max_batch_size_is_lowered_to_the_most_requests_whose_forwards_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row of a step is read to its longest row's length: 64 rows of Qwen3-0.6B's 40,960-token context do
+    not fit 20 GiB beside one sequence's blocks, so the default decodes fewer together, and says so; asked for
+    explicitly, 64 are refused with the numbers."""
+    name, max_len, free = "qwen3-0.6b", 40960, 20 * 2**30
+    kv = _plan(monkeypatch, free, name=name, max_len=max_len, max_batch_size=None)
+    assert 1 <= kv.max_batch_size < 64 and "the most whose forwards fit the memory" in kv.line()
+    one = generator_memory.pool_bytes(preset(name), max_len // 16, 16, torch.float32)
+    more = generator_memory.forward_bytes(preset(name), prefill_chunk=64, max_batch_size=kv.max_batch_size + 1,
+                                          max_len=max_len, dtype=torch.float32)
+    assert more + one > memory_check.REFUSE_ABOVE * free  # one more request's step would not fit
+    assert kv.bytes + kv.forward <= memory_check.REFUSE_ABOVE * free
+    with pytest.raises(UserError, match=r"a step of 64 requests.*lower --max_batch_size"):
+        _plan(monkeypatch, free, name=name, max_len=max_len, max_batch_size=64)
+
+
 def test_a_default_that_cannot_hold_one_sequence_is_refused_with_the_max_len_that_fits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     name, max_len = "qwen3-0.6b", 40960
@@ -446,7 +470,7 @@ def test_a_default_that_cannot_hold_one_sequence_is_refused_with_the_max_len_tha
 
 def test_a_kv_cache_memory_too_small_for_max_len_is_refused_as_vllm_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
     per_block = 16 * generator_memory.kv_bytes_per_token(preset("debug"), torch.float32)
-    gib = 10 * per_block / 2**30  # ten blocks: 160 tokens, fewer than --max_len 256
+    gib = 11 * per_block / 2**30  # ten blocks and the null block: 160 tokens, fewer than --max_len 256
     with pytest.raises(UserError) as e:
         _plan(monkeypatch, 10**13, kv_cache_memory=gib)
     text = str(e.value)
@@ -467,10 +491,10 @@ def test_a_kv_cache_memory_beyond_the_free_memory_is_refused_with_what_fits(monk
 
 def test_the_start_up_line_says_memory_tokens_blocks_and_requests(monkeypatch: pytest.MonkeyPatch) -> None:
     per_block = 16 * generator_memory.kv_bytes_per_token(preset("debug"), torch.float32)
-    kv = _plan(monkeypatch, 10**13, kv_cache_memory=875 * per_block / 2**30)
-    assert kv.line() == (f"KV cache: {875 * per_block / 2**30:.2f} GiB (--kv_cache_memory "
-                         f"{875 * per_block / 2**30:g}), 14,000 tokens in 875 blocks of 16; up to 8 requests at "
-                         "once, each up to 256 tokens")
+    gib = 876 * per_block / 2**30  # 875 blocks and the null block
+    kv = _plan(monkeypatch, 10**13, kv_cache_memory=gib)
+    assert kv.line() == (f"KV cache: {gib:.2f} GiB (--kv_cache_memory {gib:g}), 14,000 tokens in 875 blocks of 16; "
+                         "up to 8 requests at once, each up to 256 tokens")
 
 
 # A fresh process serving a preset's shape with random weights as serve loads it (fp32, the CPU layout with its

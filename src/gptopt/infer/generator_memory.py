@@ -79,41 +79,62 @@ def _rotary(config: GPTConfig, w: int) -> int:
     return F32 * (A + (K if config.qk_norm else 0)) if config.positions == "rope" and w < F32 else 0
 
 
-def prefill_bytes(config: GPTConfig, tokens: int, attended: int, *, dtype: torch.dtype | None = None) -> int:
-    """Peak bytes of a forward of `tokens` prompt tokens whose queries attend to `attended` positions (a chunk
-    of a longer prompt attends to what came before it too): one layer's widths (live_widths), its keys and values
-    read over the whole attended length, and under eager attention its scores and the softmax beside them."""
+def prefill_bytes(config: GPTConfig, tokens: int, attended: int, *, rows: int = 1,
+                  dtype: torch.dtype | None = None) -> int:
+    """Peak bytes of a prefill forward of `tokens` prompt tokens in all, over `rows` sequences whose queries attend
+    to up to `attended` positions (a chunk of a longer prompt attends to what came before it too): one layer's
+    widths (live_widths); where earlier positions are cached, each row's keys and values gathered from its blocks
+    over the longest row's length (infer/kv_cache.py), repeated to every query head under grouped-query attention,
+    and the mask; under eager attention the scores and the softmax beside them."""
     w, K, H = itemsize(dtype), config.kv_heads * config.head_dim, config.n_head
+    A = H * config.head_dim
     base, attention, mlp = live_widths(config)
     eager = config.attention == "eager"
     # three quarters of the scores from CAUSAL_SPLIT_MIN tokens on: the two query blocks
     scores = 2 * w * H * tokens * attended * (3 / 4 if tokens >= CAUSAL_SPLIT_MIN else 1) if eager else 0
-    keys = 2 * w * K * max(0, attended - tokens)  # the earlier positions, beside the chunk's own
-    return tokens * w * base + max(tokens * (w * attention + _rotary(config, w)) + keys + int(scores),
-                                   tokens * w * mlp)
+    if attended <= tokens:  # a prompt from its start: it attends to its own keys, as computed
+        widths = tokens * (w * attention + _rotary(config, w))
+    else:  # a chunk after cached positions: every row's keys and values read from the pool, and the bool mask
+        repeated = config.kv_heads != config.n_head and not eager
+        # eager attention's products take a contiguous copy of the gathered keys or values
+        copies = 2 * K + (2 * A if repeated else 0) + (K if eager else 0)
+        # of the chunk's own widths, only its queries and the attention's output outlive the gather
+        widths = tokens * w * 2 * A + rows * attended * w * copies + tokens * attended
+    return tokens * w * base + max(widths + int(scores), tokens * w * mlp)
 
 
 def decode_bytes(config: GPTConfig, rows: int, attended: int, *, dtype: torch.dtype | None = None) -> int:
-    """Peak bytes of a decode step of `rows` sequences attending to `attended` positions in all (their lengths
-    summed): per row the widths (live_widths) and fp32 logits, and one layer's keys and values read for every
-    row's positions (a gather: the rows' blocks are not consecutive), with eager attention's scores."""
+    """Peak bytes of a decode step of `rows` sequences, the longest attending to `attended` positions: per row the
+    widths (live_widths) and fp32 logits, and one layer's keys and values gathered for every row over the longest
+    row's length (infer/kv_cache.py: a row's table is read to that width), with eager attention's scores."""
     w, K, H, V = itemsize(dtype), config.kv_heads * config.head_dim, config.n_head, config.vocab_size
     base, _, mlp = live_widths(config)
     _, row_widths, _ = live_widths(config, decode=True)
     eager = config.attention == "eager"
-    gathered = attended * (2 * w * K + (2 * w * H if eager else 0))
+    # eager attention: its scores and softmax, and a contiguous copy of the gathered keys or values
+    gathered = rows * attended * (2 * w * K + (w * K + 2 * w * H if eager else 0))
     return rows * (w * base + F32 * V) + max(rows * (w * row_widths + _rotary(config, w)) + gathered,
                                              rows * w * mlp)
 
 
-def forward_bytes(config: GPTConfig, *, prefill_chunk: int, max_batch_size: int, max_len: int, pool_tokens: int,
+def forward_bytes(config: GPTConfig, *, prefill_chunk: int, max_batch_size: int, max_len: int,
                   dtype: torch.dtype | None = None) -> int:
-    """The largest forward a generator runs: a prefill chunk of `prefill_chunk` tokens at the end of a max_len
-    sequence, or a decode step of max_batch_size rows over all they may attend to (their max_len each, and never
-    more than the pool holds)."""
+    """The largest forward a generator runs: a prefill chunk of `prefill_chunk` tokens (as many rows as it may
+    hold) with a row at the end of a max_len sequence, or a decode step of max_batch_size rows, one of them
+    max_len long: every row is read to the longest one's length."""
     chunk = min(prefill_chunk, max_len)
-    return max(prefill_bytes(config, chunk, max_len, dtype=dtype),
-               decode_bytes(config, max_batch_size, min(max_batch_size * max_len, pool_tokens), dtype=dtype))
+    return max(prefill_bytes(config, chunk, max_len, rows=min(chunk, max_batch_size), dtype=dtype),
+               decode_bytes(config, max_batch_size, max_len, dtype=dtype))
+
+
+def _blocks(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)
+
+
+def pool_bytes(config: GPTConfig, blocks: int, block_size: int, dtype: torch.dtype | None) -> int:
+    """Bytes of a pool of `blocks` blocks: theirs and the null block's (infer/block_pool.NULL_BLOCK, where every
+    table's unused entries point)."""
+    return (blocks + 1) * block_size * kv_bytes_per_token(config, dtype)
 
 
 def packed_bytes(model: nn.Module) -> int:
@@ -145,7 +166,7 @@ def inference_bytes(config: GPTConfig, slots: int, max_len: int, *, dtype: torch
         "weights": param_count(config) * w,
         "KV cache": slots * max_len * kv_bytes_per_token(config, dtype),
         "forward": max(prefill_bytes(config, max_len, max_len, dtype=dtype),
-                       decode_bytes(config, slots, slots * max_len, dtype=dtype)),
+                       decode_bytes(config, slots, max_len, dtype=dtype)),
     })
 
 
@@ -160,6 +181,7 @@ class KVPlan:
     max_len: int
     forward: int  # bytes of the largest forward, beside the pool
     source: str  # where the budget came from: the option, or the default and its reason
+    batch_note: str = ""  # why max_batch_size is below the device's default, if it is
 
     @property
     def tokens(self) -> int:
@@ -167,17 +189,14 @@ class KVPlan:
 
     @property
     def bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
+        """The pool's tensors: its blocks and the null block."""
+        return (self.num_blocks + 1) * self.block_bytes
 
     def line(self) -> str:
         """The start-up line: memory, tokens and blocks, and the requests it decodes at once."""
         return (f"KV cache: {self.bytes / GIB:.2f} GiB ({self.source}), {self.tokens:,} tokens in "
-                f"{self.num_blocks:,} blocks of {self.block_size}; up to {self.max_batch_size} requests at once, "
-                f"each up to {self.max_len:,} tokens")
-
-
-def _blocks(tokens: int, block_size: int) -> int:
-    return math.ceil(tokens / block_size)
+                f"{self.num_blocks:,} blocks of {self.block_size}; up to {self.max_batch_size} requests at once"
+                f"{self.batch_note}, each up to {self.max_len:,} tokens")
 
 
 def measure_forward_peak(model: nn.Module, device: torch.device, tokens: int) -> int:
@@ -198,7 +217,7 @@ def measure_forward_peak(model: nn.Module, device: torch.device, tokens: int) ->
 
 def _default_budget(device: torch.device, room: int, measured: Callable[[], int]) -> tuple[int, str]:
     """The default pool's bytes on the device, and the reason the start-up line gives. room: what the pool may
-    take at most (what is free, less the forward's share)."""
+    take at most (what is free, less the largest forward)."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         # the device's memory less what torch does not hold (the CUDA context, other processes): not the pool's
@@ -212,57 +231,74 @@ def _default_budget(device: torch.device, room: int, measured: Callable[[], int]
     return share, f"default: {CPU_KV_SHARE:g} of the free RAM"
 
 
-def plan_kv(model: nn.Module, device: torch.device, *, max_len: int, max_batch_size: int, prefill_chunk: int,
+def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest n in lo..hi with fits(n) (fits shrinks as n grows), or lo - 1 if none."""
+    lo -= 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    return lo
+
+
+def plan_kv(model: nn.Module, device: torch.device, *, max_len: int, max_batch_size: int | None, prefill_chunk: int,
             block_size: int, kv_cache_memory: float | None = None, dtype: torch.dtype | None = None) -> KVPlan:
     """The block pool of a loaded model's server: kv_cache_memory GiB (None: the device's default, module
-    docstring), checked against what the device has free beside the largest forward. Raises UserError (exit 2)
-    with the numbers and the fix for a budget that does not fit, or whose pool cannot hold one sequence of
-    max_len."""
+    docstring), checked against what the device has free beside the largest forward. max_batch_size None: the
+    device's default (default_max_batch), lowered to the most rows whose largest forward fits beside a pool of one
+    max_len sequence. Raises UserError (exit 2) with the numbers and the fix for a budget that does not fit, or
+    whose pool cannot hold one sequence of max_len."""
     config = model.config
     dtype = dtype or next(model.parameters()).dtype
     per_block = block_size * kv_bytes_per_token(config, dtype)
-    one_sequence = _blocks(max_len, block_size)
     free, where = memory_check.available_bytes(device)
-
-    def forward(pool_tokens: int) -> int:
-        return forward_bytes(config, prefill_chunk=prefill_chunk, max_batch_size=max_batch_size, max_len=max_len,
-                             pool_tokens=pool_tokens, dtype=dtype)
-
     limit = int(REFUSE_ABOVE * free)
+
+    def forward(rows: int, length: int = max_len) -> int:
+        return forward_bytes(config, prefill_chunk=prefill_chunk, max_batch_size=rows, max_len=length, dtype=dtype)
+
+    def pool(blocks: int) -> int:
+        return pool_bytes(config, blocks, block_size, dtype)
+
+    one_sequence = _blocks(max_len, block_size)
+    rows, batch_note = max_batch_size or default_max_batch(device), ""
+    if max_batch_size is None:  # a step reads every row's keys to the longest row's length: rows cost memory
+        most = _largest(lambda r: forward(r) + pool(one_sequence) <= limit, 1, rows)
+        if 1 <= most < rows:
+            rows, batch_note = most, " (the most whose forwards fit the memory)"
+    fwd = forward(rows)
     if kv_cache_memory is not None:
-        blocks, source = int(kv_cache_memory * GIB) // per_block, f"--kv_cache_memory {kv_cache_memory:g}"
+        blocks, source = max(0, int(kv_cache_memory * GIB) // per_block - 1), f"--kv_cache_memory {kv_cache_memory:g}"
         if blocks < one_sequence:
-            fits = blocks * block_size
+            need = math.ceil(pool(one_sequence) / GIB * 100) / 100
             raise UserError(
-                f"--kv_cache_memory {kv_cache_memory:g} GiB holds {fits:,} tokens ({blocks:,} blocks of "
-                f"{block_size}), fewer than one sequence of --max_len {max_len:,} needs "
-                f"({one_sequence * per_block / GIB:.2f} GiB); raise --kv_cache_memory to "
-                f"{math.ceil(one_sequence * per_block / GIB * 100) / 100:g} or more, or lower --max_len to "
-                f"{fits:,} or less")
+                f"--kv_cache_memory {kv_cache_memory:g} GiB holds {blocks * block_size:,} tokens ({blocks:,} blocks "
+                f"of {block_size}), fewer than one sequence of --max_len {max_len:,} needs ({need:g} GiB); raise "
+                f"--kv_cache_memory to {need:g} or more, or lower --max_len to {blocks * block_size:,} or less")
     else:
-        measured = lambda: measure_forward_peak(model, device, min(prefill_chunk, max_len))  # noqa: E731
-        room = limit - forward(max(0, limit) // kv_bytes_per_token(config, dtype))
-        budget, source = _default_budget(device, room, measured)
-        blocks = max(0, budget) // per_block
-        if blocks > max_batch_size * one_sequence:  # more could only keep finished requests' prefixes
-            blocks, source = max_batch_size * one_sequence, "default: --max_batch_size sequences of --max_len"
+        room = limit - fwd
+        budget, source = _default_budget(
+            device, room, lambda: measure_forward_peak(model, device, min(prefill_chunk, max_len)))
+        blocks = max(0, budget // per_block - 1)
+        if blocks > rows * one_sequence:  # more could only keep finished requests' prefixes
+            blocks, source = rows * one_sequence, "default: --max_batch_size sequences of --max_len"
         if blocks < one_sequence:
-            if one_sequence * per_block <= room:  # the default's share is raised to one whole sequence
+            if pool(one_sequence) <= room:  # the default's share is raised to one whole sequence
                 blocks, source = one_sequence, "default: one sequence of --max_len"
             else:
-                fits = max(0, room) // per_block * block_size
+                fits = _largest(lambda n: pool(_blocks(n, block_size)) + forward(rows, n) <= limit, 2, max_len)
+                lower = f"lower --max_len to {fits:,} or less" if fits >= 2 else "free memory"
                 raise UserError(
-                    f"one sequence of --max_len {max_len:,} tokens needs {gib(one_sequence * per_block)} of KV "
-                    f"cache, more than this machine can give it: {gib(free)} is {where}, of which the largest "
-                    f"forward takes {gib(forward(fits))}; lower --max_len to {max(0, fits):,} or less, or use "
-                    f"--dtype bf16, or free memory")
-    plan = KVPlan(num_blocks=blocks, block_size=block_size, block_bytes=per_block, max_batch_size=max_batch_size,
-                  max_len=max_len, forward=forward(blocks * block_size), source=source)
+                    f"one sequence of --max_len {max_len:,} tokens needs {gib(pool(one_sequence))} of KV cache, "
+                    f"more than this machine can give it: {gib(free)} is {where}, and the largest forward (a step of "
+                    f"{rows} requests, each read to the longest one's length) takes {gib(fwd)} of it; {lower}, or "
+                    f"lower --max_batch_size, or "
+                    f"use --dtype bf16")
+    plan = KVPlan(num_blocks=blocks, block_size=block_size, block_bytes=per_block, max_batch_size=rows,
+                  max_len=max_len, forward=fwd, source=source, batch_note=batch_note)
     if plan.bytes + plan.forward > limit:
-        most = max(0, limit - plan.forward) // per_block * per_block
+        most = math.floor(max(0, limit - plan.forward) / GIB * 100) / 100
         raise UserError(
             f"a KV cache of {gib(plan.bytes)} ({source}) and the largest forward's {gib(plan.forward)} will not "
-            f"fit in memory: {gib(free)} is {where}; lower --kv_cache_memory to {math.floor(most / GIB * 100) / 100:g} "
-            f"or less, or "
+            f"fit in memory: {gib(free)} is {where}; lower --kv_cache_memory to {most:g} or less, or "
             f"--max_batch_size or --prefill_chunk (the forward), or use --dtype bf16")
     return plan

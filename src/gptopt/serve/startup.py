@@ -61,14 +61,13 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
         raise UserError(f"--max_len {cfg.max_len} exceeds the model's context of {context} tokens: its position "
                         f"embeddings (or rotary training) end there; use --max_len {context} or less")
     context = cfg.max_len or context
-    max_batch_size = cfg.max_batch_size or generator_memory.default_max_batch(plan.device)
     give_back_host_memory()  # loading's freed copies of the weights, so that what is free is counted right
     # the block pool within its budget, checked with the largest forward before it is allocated (the weights are)
-    kv = generator_memory.plan_kv(model, plan.device, max_len=context, max_batch_size=max_batch_size,
+    kv = generator_memory.plan_kv(model, plan.device, max_len=context, max_batch_size=cfg.max_batch_size,
                                   prefill_chunk=cfg.prefill_chunk, block_size=cfg.block_size,
                                   kv_cache_memory=cfg.kv_cache_memory, dtype=dtype)
     log.info("%s", kv.line())
-    generator = Generator(model, plan, max_batch_size=max_batch_size, max_len=context, kv_blocks=kv.num_blocks,
+    generator = Generator(model, plan, max_batch_size=kv.max_batch_size, max_len=context, kv_blocks=kv.num_blocks,
                           block_size=kv.block_size, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
                           grammars=_grammars(tokenizer, model.config.vocab_size), prefix_cache=cfg.prefix_cache)
     every_core = torch.get_num_threads()
@@ -85,7 +84,7 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
                          "--quantize int8-weight") from None
     metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
     metrics.bind_engine_up(lambda: engine.alive)
-    metrics.bind_kv_cache(generator.kv_usage, lambda: generator.preemptions)
+    metrics.bind_kv_cache(generator.kv_usage, lambda: engine.preemptions)
     metrics.bind_device_memory(plan.device)  # CUDA only
     return engine
 
