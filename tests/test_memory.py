@@ -505,7 +505,8 @@ import json, sys, threading, time, psutil, torch
 from gptopt.config import preset
 from gptopt.infer import generator_memory
 from gptopt.infer.cpu_layout import inference_layout
-from gptopt.infer.generator import Generator, generate
+from gptopt.infer.generator import Generator
+from gptopt.infer.scheduler import generate
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import give_back_host_memory, resolve

@@ -112,7 +112,8 @@ class ServeConfig:
     port: int = opt(8000, "port (0 picks a free one)", ge=0, le=65535)
     max_batch_size: int | None = opt(None, "the most requests decoded together (vLLM's max_num_seqs): more wait in "
                                      "the queue; memory does not limit it, the KV cache's blocks do (a request holds "
-                                     "only the blocks its tokens fill); default: 64 on CPUs, 256 on GPUs",
+                                     "only the blocks its tokens fill); default: 64 on CPUs, 256 on GPUs, fewer where "
+                                     "a step of that many long requests would not fit the memory (the log says so)",
                                      ge=1, le=MAX_SLOTS)
     max_len: int | None = opt(None, "the longest sequence a request may have, prompt and completion together; it "
                               "reserves nothing, but the KV cache must hold at least one sequence this long; "
