@@ -19,6 +19,10 @@ and SGLang's engines do:
 
 A budget whose pool cannot hold one sequence of max_len is refused with the fix, as vLLM refuses a
 max_model_len larger than its KV cache: max_len is a promise to each request, not to be broken silently.
+
+The largest forward is counted as the engine runs it: a step reads every row's keys and values from the pool to
+its longest row's length (infer/kv_cache.py), so rows x max_len of them per layer. Where that does not fit, a
+default max_batch_size is lowered to the most rows that do (and the start-up line says so); one given is refused.
 """
 
 from __future__ import annotations
