@@ -41,29 +41,34 @@ def test_a_hugging_face_model_of_the_family_loads_with_its_logits(kind: str, tmp
 def test_cached_decoding_gives_the_full_forwards_logits(kind: str, attention: str, tmp_path: Path) -> None:
     """Rotary positions and grouped key/value heads through the KV cache: a prompt, then one token at a time, on
     both attention paths (each attends a decode step's grouped queries over the key/value heads as stored)."""
-    from gptopt.infer.kv_cache import KVCache
+    from gptopt.infer.kv_cache import PagedKVCache
 
     hf_family_model(kind).save_pretrained(tmp_path / kind)
     model = hf.load_pretrained(tmp_path / kind, attention=attention).eval()
     assert model.config.attention == attention
     x = torch.randint(0, 300, (1, 12), generator=torch.Generator().manual_seed(2))
-    cache = KVCache(model.config, 1, 32, device="cpu", dtype=torch.float32)
-    assert cache.k[0].shape[1] == model.config.kv_heads  # the cache holds the key/value heads only
-    rows = torch.tensor([0])
+    cache = PagedKVCache(model.config, 5, 4, device="cpu", dtype=torch.float32)  # 4-token blocks
+    assert cache.k[0].shape[2] == model.config.kv_heads  # the cache holds the key/value heads only
+    table = torch.tensor([[3, 1, 4]])  # the sequence's blocks, in no particular order in the pool
+
+    def at(p: torch.Tensor) -> list:  # the layers writing positions p (1, T), attending to 0..max(p)
+        return cache.layers(table[0, p[0] // 4] * 4 + p[0] % 4, table, int(p.max()) + 1)
+
     with torch.no_grad():
         full = model(x)
-        steps = [model(x[:, :8], pos=torch.arange(8)[None], kv_cache=cache.layers(rows, torch.arange(8)[None]),
-                       attn_mask=cache.mask(torch.arange(8)[None]))]
+        p = torch.arange(8)[None]
+        steps = [model(x[:, :8], pos=p, kv_cache=at(p), attn_mask=cache.mask(p, 8))]
         for t in range(8, 12):
             p = torch.tensor([[t]])
-            steps.append(model(x[:, t:t + 1], pos=p, kv_cache=cache.layers(rows, p), attn_mask=cache.mask(p)))
+            steps.append(model(x[:, t:t + 1], pos=p, kv_cache=at(p), attn_mask=cache.mask(p, t + 1)))
     torch.testing.assert_close(torch.cat(steps, dim=1), full, rtol=0, atol=1e-4)
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 def test_a_grouped_query_decode_step_reads_the_cache_as_stored(attention: str) -> None:
     """Under grouped-query attention a decode step never repeats the cached keys and values to every query head:
-    what it allocates stays under one such copy (the copy is the step's largest tensor where it is made)."""
+    beside the keys and values it gathers from its blocks, what it allocates stays under one such copy (the copy
+    is the step's largest tensor where it is made)."""
     from conftest import LiveBytes
 
     from gptopt.infer.generator import Generator
@@ -72,14 +77,15 @@ def test_a_grouped_query_decode_step_reads_the_cache_as_stored(attention: str) -
     config = GPTConfig(n_layer=1, n_head=6, n_kv_head=2, n_embd=192, block_size=512, vocab_size=64, bias=False,
                        positions="rope", norm="rmsnorm", mlp="swiglu", intermediate_size=256, attention=attention)
     gen = Generator(GPT(config).eval(), resolve("cpu", quiet=True), max_batch_size=4, max_len=512)
-    S, rows = 256, [0, 1, 2, 3]  # consecutive rows: the cache is read through views, no gather
+    S, rows = 256, [0, 1, 2, 3]
     with torch.no_grad():
         for row in rows:
             gen.prefill(row, [1] * (S - 1))
         with LiveBytes() as live:
             gen.decode(rows, [1] * len(rows), [S - 1] * len(rows))
     repeated = len(rows) * config.n_head * S * config.head_dim * 4  # fp32 keys of every query head
-    assert live.peak < repeated, (live.peak, repeated)
+    gathered = 2 * len(rows) * config.kv_heads * S * config.head_dim * 4  # each row's blocks' keys and values
+    assert live.peak < gathered + repeated, (live.peak, gathered, repeated)
 
 
 def test_what_gptopt_cannot_represent_is_refused_with_the_reason(tmp_path: Path) -> None:

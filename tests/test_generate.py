@@ -130,7 +130,7 @@ def test_prompts_that_do_not_fit_are_refused(varied_model: GPT) -> None:
     assert len(generate(gen, [[1] * 15], GREEDY)[0]) == 1  # the context ends the sequence
     with pytest.raises(ValueError, match="max_len must be in 2..64"):
         Generator(varied_model, CPU, max_len=65)
-    with pytest.raises(ValueError, match="positions must be in 0..15"):
+    with pytest.raises(ValueError, match=r"position 16 is outside 0..15"):
         gen.decode([0], [1], [16])
 
 

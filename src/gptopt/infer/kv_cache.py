@@ -25,6 +25,7 @@ class _LayerView:
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, write: torch.Tensor, read: torch.Tensor | None,
                  length: int) -> None:
+        """read: the rows' block tables flattened, (B x W,), or None."""
         self.k, self.v, self.write, self.read, self.length = k, v, write, read, length
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -35,10 +36,11 @@ class _LayerView:
         flat_v.index_copy_(0, self.write, v.transpose(1, 2).reshape(B * T, nkv, hs).to(self.v.dtype))
         if self.read is None:  # a prompt from position 0 alone: it attends to its own keys, as computed
             return k, v
-        W = self.read.shape[1]
-        bs = self.k.shape[1]
-        keys = self.k[self.read].view(B, W * bs, nkv, hs)[:, : self.length]  # gathered in table order
-        values = self.v[self.read].view(B, W * bs, nkv, hs)[:, : self.length]
+        # each row's blocks in table order, a whole block per copy (index_select copies contiguous slices, where
+        # indexing with the (B, W) table copies element by element)
+        S = self.read.numel() // B * self.k.shape[1]
+        keys = torch.index_select(self.k, 0, self.read).view(B, S, nkv, hs)[:, : self.length]
+        values = torch.index_select(self.v, 0, self.read).view(B, S, nkv, hs)[:, : self.length]
         return keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, S, hs)
 
 
@@ -67,7 +69,8 @@ class PagedKVCache:
         """Per-layer views for one forward. write: (B x T,) the pool row (block x block_size + offset) of each
         token's keys, row-major over (B, T). read: (B, W) each row's block table, W x block_size >= length, or
         None for a forward that attends to its own keys alone. length: keys attended per row."""
-        return [_LayerView(k, v, write, read, length) for k, v in zip(self.k, self.v, strict=True)]
+        flat = None if read is None else read.reshape(-1)  # (B x W,): read once for every layer
+        return [_LayerView(k, v, write, flat, length) for k, v in zip(self.k, self.v, strict=True)]
 
     @staticmethod
     def mask(positions: torch.Tensor, length: int) -> torch.Tensor:
