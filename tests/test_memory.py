@@ -83,7 +83,7 @@ print(json.dumps(peak[0] - rss0))
 def test_the_estimate_is_within_a_small_factor_of_the_measured_peak(
     B: int, T: int, amp: str, attention: str, ckpt: bool
 ) -> None:
-    env = {"PYTHONPATH": str(Path(memory_check.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(Path(memory_check.__file__).parents[2]), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", MEASURE, str(B), str(T), amp, attention, str(int(ckpt))],
                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     grown = json.loads(out.splitlines()[-1])
@@ -540,10 +540,11 @@ print(json.dumps({"grown": peak[0] - rss0, "plan": generator_memory.model_bytes(
 def test_the_serving_plan_is_within_10_percent_of_the_resident_memory_it_takes() -> None:
     """SmolLM2-135M's shape on a CPU: the weights, their oneDNN-packed copies (as much again), a pool of 0.25 GiB
     and the largest forward, against the process's RSS (qwen3-0.6b's shape holds the same; it takes 6 GiB)."""
-    env = {"PYTHONPATH": str(Path(memory_check.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
-    out = subprocess.run([sys.executable, "-c", SERVE_RSS, "smollm2-135m", "1024", "8", "512", "0.25"],
-                         capture_output=True, text=True, env=env, timeout=300, check=True).stdout
-    figures = json.loads(out.splitlines()[-1])
+    env = {"PYTHONPATH": str(Path(memory_check.__file__).parents[2]), "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-c", SERVE_RSS, "smollm2-135m", "1024", "8", "512", "0.25"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(run.stdout.splitlines()[-1])
     assert 0.9 * figures["grown"] <= figures["plan"] <= 1.1 * figures["grown"], figures
 
 
