@@ -172,6 +172,7 @@ EXPECTED_OPTIONS = {
     },
     "serve": {
         "api_key",
+        "block_size",
         "blocklist",
         "chat_template",
         "compile",
@@ -182,6 +183,7 @@ EXPECTED_OPTIONS = {
         "dtype",
         "engine_process",
         "host",
+        "kv_cache_memory",
         "max_batch_size",
         "max_len",
         "max_logprobs",

@@ -31,6 +31,7 @@ from gptopt.runtime.device import resolve
 from gptopt.runtime.memory_check import Estimate
 from gptopt.train import step_memory
 from gptopt.train.step_memory import train_step_bytes
+from gptopt.utils.errors import UserError
 
 ABSURD = 10_000_000  # sequences: terabytes for any preset
 BIG = 4096  # within every static limit (config.MAX_BATCH, MAX_SLOTS): only the memory check refuses it
@@ -82,7 +83,7 @@ print(json.dumps(peak[0] - rss0))
 def test_the_estimate_is_within_a_small_factor_of_the_measured_peak(
     B: int, T: int, amp: str, attention: str, ckpt: bool
 ) -> None:
-    env = {"PYTHONPATH": str(Path(memory_check.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
+    env = {"PYTHONPATH": str(Path(memory_check.__file__).parents[2]), "PATH": "/usr/bin:/bin"}
     out = subprocess.run([sys.executable, "-c", MEASURE, str(B), str(T), amp, attention, str(int(ckpt))],
                          capture_output=True, text=True, env=env, timeout=300, check=True).stdout
     grown = json.loads(out.splitlines()[-1])
@@ -143,27 +144,34 @@ def test_the_training_estimate_of_each_family_is_within_15_percent_of_what_its_s
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_inference_estimate_of_each_family_is_within_15_percent_of_the_tensors_a_generator_takes(
+def test_the_plan_of_each_family_is_the_pool_a_generator_allocates_and_within_15_percent_of_its_forwards(
         family: str, attention: str, dtype: torch.dtype) -> None:
-    """The weights and the KV cache exactly; the forward (a prefill of the whole context, then a decode step of
-    every slot over its cache, the slots apart: a gather) within 15% of the tensors it allocates at its peak."""
+    """The pool exactly; the largest forwards within 15% of the tensors they allocate at their peak: a prefill
+    chunk of several rows, one at the end of a long prompt (every row reads its blocks to that one's length),
+    and a decode step of every row, one of them max_len long."""
     from conftest import LiveBytes
 
     config = dataclasses.replace(FAMILIES[family], attention=attention)
     torch.manual_seed(0)
     model = GPT(config).eval().to(dtype)
-    slots, T = 4, 128
-    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=2 * slots, max_len=T)
-    rows = list(range(0, 2 * slots, 2))  # not consecutive: the decode gathers their keys and values
-    with torch.no_grad(), LiveBytes() as live:
-        gen.prefill(rows[0], list(range(1, T)))
-        for row in rows[1:]:
-            gen.prefill(row, [1, 2])
-        gen.decode(rows, [1] * slots, [T - 1] + [2] * (slots - 1))
-    est = inference_bytes(config, slots, T, dtype=dtype)
-    assert est.parts["weights"] == sum(p.numel() * p.element_size() for p in model.parameters())
-    assert est.parts["KV cache"] * 2 == sum(t.numel() * t.element_size() for t in gen.cache.k + gen.cache.v)
-    assert 0.85 * live.peak <= est.parts["forward"] <= 1.15 * live.peak, (est.parts["forward"], live.peak)
+    rows, T, chunk, bs = 4, 128, 32, 16
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=rows, max_len=T, kv_blocks=rows * T // bs,
+                    block_size=bs)
+    assert gen.cache.nbytes() == generator_memory.pool_bytes(config, gen.num_blocks, bs, dtype)
+    slots = [gen.alloc() for _ in range(rows)]
+    width = chunk // rows
+    with torch.no_grad():
+        gen.prefill(slots[0], list(range(1, T - width)))
+        for slot in slots[1:]:
+            gen.prefill(slot, [1, 2])
+        with LiveBytes() as prefill:
+            gen.extend(slots, [[3] * width] * rows, [T - width - 1] + [2] * (rows - 1))
+        with LiveBytes() as decode:
+            gen.decode(slots, [1] * rows, [T - 1] + [2 + width] * (rows - 1))
+    planned = generator_memory.prefill_bytes(config, chunk, T, rows=rows, dtype=dtype)
+    assert 0.85 * prefill.peak <= planned <= 1.15 * prefill.peak, (planned, prefill.peak)
+    planned = generator_memory.decode_bytes(config, rows, T, dtype=dtype)
+    assert 0.85 * decode.peak <= planned <= 1.15 * decode.peak, (planned, decode.peak)
 
 
 def test_each_suggested_fix_makes_the_step_smaller() -> None:
@@ -203,15 +211,15 @@ def test_inference_counts_the_kv_cache_per_slot() -> None:
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3-0.6b"])
-def test_the_kv_cache_estimate_is_the_generators_cache_of_the_key_value_heads(name: str) -> None:
+def test_the_pool_estimate_is_the_generators_cache_of_the_key_value_heads(name: str) -> None:
     """Grouped-query attention caches its key/value heads only (SmolLM2: 3 of 9), each head_dim wide (Qwen3: not
-    the width over the heads): what serve sizes its slots by is what the Generator allocates."""
-    from gptopt.infer.kv_cache import KVCache
+    the width over the heads), in blocks and the null block: what serve budgets is what the Generator allocates."""
+    from gptopt.infer.kv_cache import PagedKVCache
 
     cfg = preset(name)
-    cache = KVCache(cfg, 2, 512, device="meta", dtype=torch.bfloat16)
-    allocated = sum(t.numel() * t.element_size() for t in cache.k + cache.v)
-    assert inference_bytes(cfg, 2, 512, dtype=torch.bfloat16).parts["KV cache"] == allocated
+    cache = PagedKVCache(cfg, 64 + 1, 16, device="meta", dtype=torch.bfloat16)
+    assert generator_memory.pool_bytes(cfg, 64, 16, torch.bfloat16) == cache.nbytes()
+    assert generator_memory.kv_bytes_per_token(cfg, torch.bfloat16) * 16 * 65 == cache.nbytes()
 
 
 # -- what the device has free ------------------------------------------------------------------
@@ -365,31 +373,196 @@ def test_profile_refuses_before_it_allocates(train_data: Path, tmp_path: Path, c
         assert "Traceback" not in err
 
 
-def test_serve_refuses_kv_cache_slots_that_cannot_fit(model_dir: Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (SMALL_RAM, "available RAM"))
+@pytest.mark.parametrize("flags,told", [
+    (["--kv_cache_memory", "1"], "a KV cache of 1.00 GiB (--kv_cache_memory 1) and the largest forward's"),
+    (["--kv_cache_memory", "0.00001"], "fewer than one sequence of --max_len 64 needs"),
+    ([], "one sequence of --max_len 64 tokens needs")])
+def test_serve_refuses_a_kv_cache_that_cannot_fit_with_the_numbers(
+        model_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, flags: list[str],
+        told: str) -> None:
+    """Exit 2 before the pool is allocated: a budget beyond the free memory, one too small for a sequence of
+    --max_len (the model's context, 64 tokens), and a machine whose free memory cannot hold even that."""
+    free = 1 if not flags else SMALL_RAM
+    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "available RAM"))
     pytest.importorskip("fastapi")
     # in this process: the check runs where the engine is built, and the stand-in free memory is this process's
-    args = ["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--max_batch_size", str(BIG),
-            "--no-engine_process"]
+    args = ["serve", "--model", str(model_dir), "--device", "cpu", "--port", "0", "--no-engine_process", *flags]
     assert cli.main(args) == 2
     err = capsys.readouterr().err
-    assert f"--max_batch_size {BIG} KV-cache slots of 64 tokens will not fit in memory" in err
-    assert "KV cache" in err and "lower --max_batch_size" in err
+    assert told in err and "Traceback" not in err
+    assert re.search(r"\d\.\d\d GiB", err)  # the figures, not only words
 
 
-def test_a_servers_default_slots_are_what_fits_in_half_the_free_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    """serve without --max_batch_size: the device's cap where memory is plenty, fewer where it is not,
-    and never a cache the start-up check then refuses."""
-    cfg, cpu = preset("gpt2"), torch.device("cpu")
-    per_slot = (generator_memory.inference_bytes(cfg, 2, 1024).total
-                - generator_memory.inference_bytes(cfg, 1, 1024).total)
-    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (10**13, "test RAM"))
-    assert generator_memory.auto_slots(cfg, 1024, cpu) == generator_memory.AUTO_SLOTS["cpu"]
-    free = 20 * per_slot
+# -- the KV cache's block pool within a memory budget (generator_memory.plan_kv) ----------------------------
+
+
+def _plan(monkeypatch: pytest.MonkeyPatch, free: int, *, name: str = "debug", max_len: int = 256,
+          max_batch_size: int | None = 8, kv_cache_memory: float | None = None) -> generator_memory.KVPlan:
+    """The pool a server of the preset gets with `free` bytes available (the RAM the plan sees, stood in)."""
     monkeypatch.setattr(memory_check, "available_bytes", lambda device: (free, "test RAM"))
-    slots = generator_memory.auto_slots(cfg, 1024, cpu)
-    assert 5 <= slots < 10  # about half of the 20 slots' worth that is free
-    assert memory_check.shortfall(generator_memory.inference_bytes(cfg, slots, 1024).without("weights"), cpu) is None
-    monkeypatch.setattr(memory_check, "available_bytes", lambda device: (1, "test RAM"))
-    assert generator_memory.auto_slots(cfg, 1024, cpu) == 1  # the start-up check then refuses, naming the figures
+    with torch.device("meta"):  # the shapes only
+        model = GPT(preset(name))
+    return generator_memory.plan_kv(model, torch.device("cpu"), max_len=max_len, max_batch_size=max_batch_size,
+                                    prefill_chunk=64, block_size=16, kv_cache_memory=kv_cache_memory,
+                                    dtype=torch.float32)
+
+
+def test_a_cpu_servers_default_kv_cache_is_4_gib_where_ram_is_plenty(monkeypatch: pytest.MonkeyPatch) -> None:
+    kv = _plan(monkeypatch, 10**13, name="smollm2-135m", max_len=8192, max_batch_size=64)
+    assert kv.bytes <= 4 * 2**30 < kv.bytes + kv.block_bytes  # vLLM's CPU default, in whole blocks
+    assert kv.tokens == kv.num_blocks * 16 and "default: 4 GiB" in kv.line()
+
+
+def test_a_cpu_servers_default_kv_cache_is_half_the_free_ram_where_that_is_less(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    free = 4 * 2**30
+    kv = _plan(monkeypatch, free, name="smollm2-135m", max_len=8192, max_batch_size=8)
+    room = memory_check.REFUSE_ABOVE * free - kv.forward
+    assert 0.49 * room <= kv.bytes <= 0.5 * room
+
+
+def test_the_default_holds_no_more_than_max_batch_size_sequences_of_max_len(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A small model's 4 GiB would be millions of tokens that only finished prefixes could fill."""
+    kv = _plan(monkeypatch, 10**13, max_len=256, max_batch_size=8)
+    assert kv.tokens == 8 * 256 and kv.bytes < 2**30
+
+
+def test_the_default_is_raised_to_hold_one_sequence_of_max_len_where_that_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen3-0.6B's 40,960 tokens take more than 4 GiB of fp32 keys and values: the default holds one of them,
+    not a pool that would refuse the model's own context."""
+    name, max_len = "qwen3-0.6b", 40960
+    one = max_len * generator_memory.kv_bytes_per_token(preset(name), torch.float32)
+    assert one > 4 * 2**30
+    kv = _plan(monkeypatch, 3 * one, name=name, max_len=max_len)
+    assert kv.tokens == max_len and "one sequence of --max_len" in kv.line()
+
+
+def test_the_default_max_batch_size_is_lowered_to_the_most_requests_whose_forwards_fit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every row of a step is read to its longest row's length: 64 rows of Qwen3-0.6B's 40,960-token context do
+    not fit 20 GiB beside one sequence's blocks, so the default decodes fewer together, and says so; asked for
+    explicitly, 64 are refused with the numbers."""
+    name, max_len, free = "qwen3-0.6b", 40960, 20 * 2**30
+    kv = _plan(monkeypatch, free, name=name, max_len=max_len, max_batch_size=None)
+    assert 1 <= kv.max_batch_size < 64 and "the most whose forwards fit the memory" in kv.line()
+    one = generator_memory.pool_bytes(preset(name), max_len // 16, 16, torch.float32)
+    more = generator_memory.forward_bytes(preset(name), prefill_chunk=64, max_batch_size=kv.max_batch_size + 1,
+                                          max_len=max_len, dtype=torch.float32)
+    assert more + one > memory_check.REFUSE_ABOVE * free  # one more request's step would not fit
+    assert kv.bytes + kv.forward <= memory_check.REFUSE_ABOVE * free
+    with pytest.raises(UserError, match=r"a step of 64 requests.*lower --max_batch_size"):
+        _plan(monkeypatch, free, name=name, max_len=max_len, max_batch_size=64)
+
+
+def test_a_default_that_cannot_hold_one_sequence_is_refused_with_the_max_len_that_fits(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    name, max_len = "qwen3-0.6b", 40960
+    one = max_len * generator_memory.kv_bytes_per_token(preset(name), torch.float32)
+    with pytest.raises(UserError) as e:
+        _plan(monkeypatch, one // 2, name=name, max_len=max_len)
+    text = str(e.value)
+    assert "one sequence of --max_len 40,960 tokens needs" in text and "test RAM" in text
+    fits = int(re.search(r"lower --max_len to ([\d,]+)", text).group(1).replace(",", ""))
+    assert 0 < fits < max_len
+    assert _plan(monkeypatch, one // 2, name=name, max_len=fits).tokens >= fits  # the fix it names fits
+
+
+def test_a_kv_cache_memory_too_small_for_max_len_is_refused_as_vllm_refuses(monkeypatch: pytest.MonkeyPatch) -> None:
+    per_block = 16 * generator_memory.kv_bytes_per_token(preset("debug"), torch.float32)
+    gib = 11 * per_block / 2**30  # ten blocks and the null block: 160 tokens, fewer than --max_len 256
+    with pytest.raises(UserError) as e:
+        _plan(monkeypatch, 10**13, kv_cache_memory=gib)
+    text = str(e.value)
+    assert "holds 160 tokens (10 blocks of 16), fewer than one sequence of --max_len 256" in text
+    assert "lower --max_len to 160 or less" in text and "raise --kv_cache_memory to" in text
+    assert _plan(monkeypatch, 10**13, kv_cache_memory=gib, max_len=160).num_blocks == 10
+
+
+def test_a_kv_cache_memory_beyond_the_free_memory_is_refused_with_what_fits(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(UserError) as e:
+        _plan(monkeypatch, 2**30, kv_cache_memory=4.0)
+    text = str(e.value)
+    assert "a KV cache of 4.00 GiB (--kv_cache_memory 4) and the largest forward's" in text
+    assert "1.00 GiB is test RAM" in text
+    most = float(re.search(r"lower --kv_cache_memory to ([\d.]+)", text).group(1))
+    assert _plan(monkeypatch, 2**30, kv_cache_memory=most).bytes <= most * 2**30
+
+
+def test_the_start_up_line_says_memory_tokens_blocks_and_requests(monkeypatch: pytest.MonkeyPatch) -> None:
+    per_block = 16 * generator_memory.kv_bytes_per_token(preset("debug"), torch.float32)
+    gib = 876 * per_block / 2**30  # 875 blocks and the null block
+    kv = _plan(monkeypatch, 10**13, kv_cache_memory=gib)
+    assert kv.line() == (f"KV cache: {gib:.2f} GiB (--kv_cache_memory {gib:g}), 14,000 tokens in 875 blocks of 16; "
+                         "up to 8 requests at once, each up to 256 tokens")
+
+
+# A fresh process serving a preset's shape with random weights as serve loads it (fp32, the CPU layout with its
+# packed copies, the heap given back), its resident memory sampled every millisecond: the growth over the
+# interpreter and torch, against the plan's weights, packed copies, pool and largest forward.
+SERVE_RSS = """
+import json, sys, threading, time, psutil, torch
+from gptopt.config import preset
+from gptopt.infer import generator_memory
+from gptopt.infer.cpu_layout import inference_layout
+from gptopt.infer.generator import Generator
+from gptopt.infer.scheduler import generate
+from gptopt.infer.sampling import SamplingParams
+from gptopt.models.gpt import GPT
+from gptopt.runtime.device import give_back_host_memory, resolve
+name, max_len, rows, chunk, gib = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
+proc = psutil.Process()
+rss0 = proc.memory_info().rss
+peak, done = [rss0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.001)
+sampler = threading.Thread(target=sample)
+sampler.start()
+torch.manual_seed(0)
+with torch.no_grad():
+    model = inference_layout(GPT(preset(name)).eval(), "cpu")
+give_back_host_memory()
+plan = resolve("cpu", quiet=True)
+kv = generator_memory.plan_kv(model, plan.device, max_len=max_len, max_batch_size=rows, prefill_chunk=chunk,
+                              block_size=16, kv_cache_memory=gib)
+gen = Generator(model, plan, max_batch_size=rows, max_len=max_len, kv_blocks=kv.num_blocks, block_size=16)
+prompts = [[(7 * i + j) % 1000 + 1 for j in range(chunk // rows)] for i in range(rows)]
+generate(gen, prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
+done.set()
+sampler.join()
+print(json.dumps({"grown": peak[0] - rss0, "plan": generator_memory.model_bytes(model).total + kv.bytes + kv.forward}))
+"""
+
+
+@pytest.mark.slow
+def test_the_serving_plan_is_within_10_percent_of_the_resident_memory_it_takes() -> None:
+    """SmolLM2-135M's shape on a CPU: the weights, their oneDNN-packed copies (as much again), a pool of 0.25 GiB
+    and the largest forward, against the process's RSS (qwen3-0.6b's shape holds the same; it takes 6 GiB)."""
+    env = {"PYTHONPATH": str(Path(memory_check.__file__).parents[2]), "PATH": "/usr/bin:/bin"}
+    run = subprocess.run([sys.executable, "-c", SERVE_RSS, "smollm2-135m", "1024", "8", "512", "0.25"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr
+    figures = json.loads(run.stdout.splitlines()[-1])
+    assert 0.9 * figures["grown"] <= figures["plan"] <= 1.1 * figures["grown"], figures
+
+
+@pytest.mark.cuda
+def test_a_gpu_servers_default_pool_fills_0_9_of_the_device_and_then_runs() -> None:
+    """What is left of 0.9 of the device after the weights and a measured forward, most of it taken (a batch
+    large enough that the cap of --max_batch_size sequences does not bind); the pool allocated beside a
+    forward of the chunk then runs without running out."""
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    model = GPT(preset("smollm2-135m")).to(device, torch.bfloat16).eval()
+    kv = generator_memory.plan_kv(model, device, max_len=8192, max_batch_size=4096, prefill_chunk=512,
+                                  block_size=16)
+    total = torch.cuda.mem_get_info(device)[1]
+    held = torch.cuda.memory_allocated(device) + kv.bytes + kv.forward
+    assert 0.9 * total - 2 * 2**30 <= held <= 0.9 * total, (held, total, kv.line())
+    pool = torch.empty(kv.bytes, dtype=torch.uint8, device=device)
+    with torch.no_grad():
+        model(torch.zeros(1, 512, dtype=torch.long, device=device))
+    torch.cuda.synchronize(device)
+    del pool

@@ -133,11 +133,12 @@ def test_batched_greedy_completions_equal_the_generators(server: tuple[str, Any]
 
 
 def test_max_len_bounds_every_request_and_sizes_the_kv_cache(debug_tokenizer: Any) -> None:
-    # --max_len: a long-context model served for shorter requests; a request is held to it, and a block table
-    # spans it.
+    # --max_len: a long-context model served for shorter requests; a request is held to it, a block table spans
+    # it, and the default pool holds --max_batch_size sequences of it (2 x 2 blocks of 16 for 24 tokens).
     with running(debug_tokenizer, max_batch_size=2, max_len=24) as (url, app):
         gen = app.state.engine.generator
         assert gen.max_len == 24 and gen.tables.shape[1] * gen.block_size < gen.model.config.block_size
+        assert gen.num_blocks == 2 * 2
         assert httpx.get(f"{url}/v1/models").json()["data"][0]["max_model_len"] == 24
         n = len(debug_tokenizer.encode(PROMPT).ids)
         r = completion(url, max_tokens=None, temperature=0, stop=None).json()

@@ -410,7 +410,7 @@ def test_a_model_that_does_not_fit_fails_at_start_up(debug_tokenizer: Any, monke
 
     monkeypatch.setattr(engine_module.Engine, "warmup", oom)
     model = GPT(preset("debug", vocab_size=debug_tokenizer.get_vocab_size()))
-    with pytest.raises(ValueError, match="lower --max_batch_size"):
+    with pytest.raises(ValueError, match="lower --kv_cache_memory, --max_batch_size or --prefill_chunk"):
         create_app(ServeConfig(model="debug", device="cpu"), model=model, tokenizer=debug_tokenizer)
 
 

@@ -94,3 +94,45 @@ def test_device_memory_gauges_are_read_at_scrape_time_on_cuda_only(monkeypatch: 
     now["allocated"] = 150  # the figure of the moment, not the one at start-up
     assert scrape(gpu)["gptopt_device_memory_allocated_bytes"] == 150
     assert seen == [torch.device("cuda", 1)] * 2  # the server's own device
+
+
+def test_kv_cache_usage_and_preemptions_are_the_generators_named_as_vllm_names_them(
+        debug_tokenizer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """vllm:kv_cache_usage_perc and vllm:num_preemptions, with our prefix; and the start-up line says the pool the
+    Generator was given: the debug model's 64-token context, two requests at once, blocks of 16."""
+    import logging
+    import re
+
+    with caplog.at_level(logging.INFO, logger="gptopt.serve.startup"), \
+            running(debug_tokenizer, max_batch_size=2) as (url, app):
+        assert completion(url, max_tokens=4, temperature=0).status_code == 200
+        families = families_of(url)
+        generator = app.state.engine.generator
+    line = re.search(r"KV cache: \d+\.\d\d GiB \((.+)\), ([\d,]+) tokens in ([\d,]+) blocks of 16; up to 2 requests "
+                     r"at once, each up to 64 tokens", caplog.text)
+    assert line, caplog.text
+    tokens, blocks = (int(g.replace(",", "")) for g in line.groups()[1:])
+    assert blocks == generator.num_blocks and tokens == 16 * blocks == 2 * 64  # two sequences of the context
+    usage, preemptions = families["gptopt_kv_cache_usage_perc"], families["gptopt_num_preemptions"]
+    assert usage.type == "gauge" and usage.samples[0].value == 0  # the request has ended: it holds no block
+    assert preemptions.type == "counter" and preemptions.samples[0].name == "gptopt_num_preemptions_total"
+    assert preemptions.samples[0].value == 0
+
+
+def test_kv_cache_series_are_read_at_scrape_time() -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from gptopt.serve.metrics import ServeMetrics
+
+    now = {"usage": 0.25, "preemptions": 3}
+    metrics = ServeMetrics(http=False)
+    metrics.bind_kv_cache(lambda: now["usage"], lambda: now["preemptions"])
+
+    def scrape() -> tuple[float, float]:
+        families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+        return (families["gptopt_kv_cache_usage_perc"].samples[0].value,
+                families["gptopt_num_preemptions"].samples[0].value)
+
+    assert scrape() == (0.25, 3)
+    now.update(usage=0.5, preemptions=4)  # the engine's figures of the moment, not those at start-up
+    assert scrape() == (0.5, 4)

@@ -209,6 +209,9 @@ def test_an_engine_process_serves_what_an_engine_in_the_server_does(model_dir: P
         assert families["process_resident_memory_bytes"].samples[0].value > 0  # the engine's process
         assert families["gptopt_http_process_resident_memory_bytes"].samples[0].value > 0  # the HTTP side's
         assert families["gptopt_engine_up"].samples[0].value == 1  # the engine's series are here
+        # the child's KV cache, read in the child at scrape time: no request holds a block now
+        assert families["gptopt_kv_cache_usage_perc"].samples[0].value == 0
+        assert families["gptopt_num_preemptions"].samples[0].value == 0
     assert not alive(pid)
 
 

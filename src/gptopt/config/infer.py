@@ -27,6 +27,11 @@ from gptopt.utils.errors import UserError
 INFER_QUANTIZE = ("none", "int8-weight", "int4-weight")
 
 
+# --kv_cache_memory: 64 TiB, past any one machine's memory (a larger figure is a typo of units)
+MAX_KV_GIB = float(1 << 16)
+# --block_size: vLLM takes 1 to 256 tokens; a larger block wastes most of a short request's last one
+MAX_BLOCK_SIZE = 256
+
 # Speculative decoding's options, the same for generate and serve (each config declares them with these)
 SPECULATE = ("none", "ngram", "draft")
 MAX_SPECULATIVE_TOKENS = 64  # a step's drafts: beyond a few the chance that all are kept is nil
@@ -105,12 +110,23 @@ class ServeConfig:
     model_name: str | None = opt(None, "the model id /v1/models reports and requests may name; default: the dir name")
     host: str = opt("127.0.0.1", "address to listen on (0.0.0.0 for every interface)")
     port: int = opt(8000, "port (0 picks a free one)", ge=0, le=65535)
-    max_batch_size: int | None = opt(None, "KV-cache slots: requests decoded together (1 = one request at a time); "
-                                     "default: as many as fit in half the free memory, up to 64 on CPUs, 256 on GPUs",
+    max_batch_size: int | None = opt(None, "the most requests decoded together (vLLM's max_num_seqs): more wait in "
+                                     "the queue; memory does not limit it, the KV cache's blocks do (a request holds "
+                                     "only the blocks its tokens fill); default: 64 on CPUs, 256 on GPUs, fewer where "
+                                     "a step of that many long requests would not fit the memory (the log says so)",
                                      ge=1, le=MAX_SLOTS)
-    max_len: int | None = opt(None, "the longest sequence a request may have, prompt and completion together "
-                              "(each KV-cache slot's length): a long-context model's full context makes every "
-                              "slot large, so fewer fit; default: the model's context", ge=2, le=MAX_SEQ_LEN)
+    max_len: int | None = opt(None, "the longest sequence a request may have, prompt and completion together; it "
+                              "reserves nothing, but the KV cache must hold at least one sequence this long; "
+                              "default: the model's context", ge=2, le=MAX_SEQ_LEN)
+    kv_cache_memory: float | None = opt(None, "GiB of the KV cache, shared by all requests in blocks of "
+                                        "--block_size tokens; default: on CPUs the least of 4 GiB and half the RAM "
+                                        "free after the weights load, raised to one --max_len sequence where that "
+                                        "fits; on GPUs what is left of 0.9 of the device's memory after the weights "
+                                        "and a measured warm-up forward; never more than --max_batch_size sequences "
+                                        "of --max_len fill (docs/troubleshooting.md)",
+                                        gt=0.0, le=MAX_KV_GIB)
+    block_size: int = opt(16, "tokens one KV-cache block holds: a request takes a block at a time, and a cached "
+                          "prefix is shared in whole blocks (vLLM's default too)", ge=1, le=MAX_BLOCK_SIZE)
     prefill_chunk: int = opt(512, "prompt tokens one prefill forward takes: prompts that arrive together share "
                              "it, a longer prompt is prefilled in chunks between decode steps", ge=1, le=MAX_SEQ_LEN)
     # a queue of a million waiting requests is a client bug, not a workload
@@ -135,8 +151,9 @@ class ServeConfig:
                         "int4-weight, torchao int4 weight-only (NVIDIA GPUs, compute capability 8.0+, bf16)",
                         choices=INFER_QUANTIZE)
     prefix_cache: bool = opt(True, "a prompt prefills only what follows the longest beginning of it the KV cache "
-                             "still holds (a shared system prompt, earlier chat turns, other samples of one prompt); "
-                             "finished requests' tokens stay in their slots until the least recently used is needed")
+                             "still holds (a shared system prompt, earlier chat turns, other samples of one prompt), "
+                             "shared by reference: the full blocks of finished requests stay cached until the pool "
+                             "needs them, the least recently used first")
     speculate: str = _speculate()
     draft_model: str | None = _draft_model()
     num_speculative_tokens: int = _num_speculative_tokens()

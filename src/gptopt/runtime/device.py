@@ -284,17 +284,32 @@ def reuse_host_memory(enable: bool = True) -> bool:
     of it when this is turned off again). Returns whether the setting was applied (False on other C
     libraries, where nothing changes).
     """
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
+    libc = _glibc()
+    if libc is None:
         return False
     values = {_M_TRIM_THRESHOLD: 2**30, _M_MMAP_MAX: 0} if enable else _GLIBC_DEFAULTS
     ok = all(libc.mallopt(param, value) == 1 for param, value in values.items())
     if not enable:
         libc.malloc_trim(0)  # the kept free memory goes back now, not at some later free
     return ok
+
+
+def give_back_host_memory() -> None:
+    """Return the host heap's free memory to the kernel now (glibc's malloc_trim; elsewhere nothing). Loading a
+    model frees its first copies of the weights (a cast, the CPU layout's reordering) into the heap, which glibc
+    keeps: counted in the RSS and missing from what is free, though nothing holds it."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return None
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:
+        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Prometheus metrics of the server: latency histograms, load gauges, token and request counters, whether the
-engine answered (gptopt_engine_up), and on CUDA the device memory (allocated, reserved, peak allocated), read at
-scrape time.
+engine answered (gptopt_engine_up), the KV cache's usage and preemptions (as vLLM's vllm:kv_cache_usage_perc and
+vllm:num_preemptions), and on CUDA the device memory (allocated, reserved, peak allocated), read at scrape time.
 
     curl -s http://127.0.0.1:8000/metrics | grep gptopt_
 
@@ -10,7 +10,7 @@ one process (tests build several), and /metrics should show this server's figure
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -18,6 +18,8 @@ from gptopt.utils.extras import require
 
 prometheus_client = require("prometheus_client", "serve", "gptopt serve")
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector  # noqa: E402
+from prometheus_client.core import CounterMetricFamily  # noqa: E402
+from prometheus_client.registry import Collector  # noqa: E402
 
 # Latency buckets from a tiny CPU model's token steps up to long generations on a busy GPU.
 TOKEN_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -87,6 +89,16 @@ class ServeMetrics:
         if self.http:
             self.engine_up.set_function(lambda: float(up()))
 
+    def bind_kv_cache(self, usage: Callable[[], float], preemptions: Callable[[], int]) -> None:
+        """The KV cache's usage (0 to 1: the share of the pool's blocks that requests hold) and the preemptions
+        so far, read from the generator at scrape time, named as vLLM names them (vllm:kv_cache_usage_perc, a
+        share despite its name, and vllm:num_preemptions)."""
+        Gauge("gptopt_kv_cache_usage_perc", "share of the KV cache's blocks held by requests, 0 to 1 (cached "
+              "prefixes no request holds are free to reuse and not counted)", registry=self.registry
+              ).set_function(usage)
+        self.registry.register(_CountRead("gptopt_num_preemptions", "requests preempted (their blocks freed when "
+                                          "a decode step found none free; recomputed later)", preemptions))
+
     def bind_device_memory(self, device: torch.device) -> None:
         """On CUDA, gauges of the device's memory read from torch's caching allocator at scrape time:
         what `gptopt loadtest` samples beside the RSS (on a GPU the memory that runs out is the device's).
@@ -106,3 +118,14 @@ class ServeMetrics:
 
     def render(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)
+
+
+class _CountRead(Collector):
+    """A counter whose value is read at scrape time from what owns it (prometheus_client's Counter can only be
+    incremented here, and the count lives in the engine)."""
+
+    def __init__(self, name: str, documentation: str, read: Callable[[], int]) -> None:
+        self.name, self.documentation, self.read = name, documentation, read
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, value=float(self.read()))

@@ -1,5 +1,6 @@
 """How a serving process starts: the process-wide torch switches it sets first (set_process_switches), and the
-engine it builds (build_engine: the model in a Generator, in a warmed-up Engine, not started yet).
+engine it builds (build_engine: the model in a Generator whose KV cache's block pool fits the memory budget
+(infer/generator_memory.plan_kv), in a warmed-up Engine, not started yet).
 
     python -c "from gptopt.config import ServeConfig; from gptopt.serve.startup import set_process_switches; \
 set_process_switches(ServeConfig(device='cpu'))"
@@ -23,8 +24,8 @@ from gptopt.infer import generator_memory, speculative
 from gptopt.infer.constrain import Grammars
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
-from gptopt.runtime import memory_check, process
-from gptopt.runtime.device import resolve
+from gptopt.runtime import process
+from gptopt.runtime.device import give_back_host_memory, resolve
 from gptopt.serve.blocklist import load_blocklist
 from gptopt.serve.engine import Engine
 from gptopt.serve.metrics import ServeMetrics
@@ -60,13 +61,14 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
         raise UserError(f"--max_len {cfg.max_len} exceeds the model's context of {context} tokens: its position "
                         f"embeddings (or rotary training) end there; use --max_len {context} or less")
     context = cfg.max_len or context
-    slots = cfg.max_batch_size or generator_memory.auto_slots(model.config, context, plan.device, dtype=dtype)
-    # the KV cache and the warm-up's forwards, checked before the cache is allocated (the weights are loaded)
-    cache = generator_memory.inference_bytes(model.config, slots, context, dtype=dtype).without("weights")
-    memory_check.require(cache, plan.device, f"--max_batch_size {slots} KV-cache slots of {context} tokens",
-                         "lower --max_batch_size or --max_len, or use --dtype bf16")
-    generator = Generator(model, plan, max_batch_size=slots, max_len=context, compile=cfg.compile,
-                          cuda_graphs=cfg.cuda_graphs,
+    give_back_host_memory()  # loading's freed copies of the weights, so that what is free is counted right
+    # the block pool within its budget, checked with the largest forward before it is allocated (the weights are)
+    kv = generator_memory.plan_kv(model, plan.device, max_len=context, max_batch_size=cfg.max_batch_size,
+                                  prefill_chunk=cfg.prefill_chunk, block_size=cfg.block_size,
+                                  kv_cache_memory=cfg.kv_cache_memory, dtype=dtype)
+    log.info("%s", kv.line())
+    generator = Generator(model, plan, max_batch_size=kv.max_batch_size, max_len=context, kv_blocks=kv.num_blocks,
+                          block_size=kv.block_size, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
                           grammars=_grammars(tokenizer, model.config.vocab_size), prefix_cache=cfg.prefix_cache)
     every_core = torch.get_num_threads()
     engine = Engine(generator, tokenizer, max_queue=cfg.max_queue, request_timeout=cfg.request_timeout,
@@ -78,9 +80,11 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
         engine.warmup()
     except RuntimeError as e:  # out of memory (torch.OutOfMemoryError is a RuntimeError) or a bad kernel
         raise UserError(f"the model does not run with these settings ({type(e).__name__}: {e}); "
-                         "lower --max_batch_size, or use --dtype bf16 or --quantize int8-weight") from None
+                         "lower --kv_cache_memory, --max_batch_size or --prefill_chunk, or use --dtype bf16 or "
+                         "--quantize int8-weight") from None
     metrics.bind_load(lambda: engine.stats()["running"], lambda: engine.stats()["waiting"])
     metrics.bind_engine_up(lambda: engine.alive)
+    metrics.bind_kv_cache(generator.kv_usage, lambda: engine.preemptions)
     metrics.bind_device_memory(plan.device)  # CUDA only
     return engine
 
