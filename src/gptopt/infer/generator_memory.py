@@ -20,8 +20,9 @@ and SGLang's engines do:
 A budget whose pool cannot hold one sequence of max_len is refused with the fix, as vLLM refuses a
 max_model_len larger than its KV cache: max_len is a promise to each request, not to be broken silently.
 
-The largest forward is counted as the engine runs it: a step reads every row's keys and values from the pool to
-its longest row's length (infer/kv_cache.py), so rows x max_len of them per layer. Where that does not fit, a
+The largest forward is counted as the engine runs it: a prefill chunk gathers its rows' keys and values from the
+pool to its longest row's length (infer/kv_cache.py), and so does a decode step of rows x max_len, unless its
+attention reads the blocks in place (infer/paged_attention.py: a CPU's eager decode). Where that does not fit, a
 default max_batch_size is lowered to the most rows that do (and the start-up line says so); one given is refused.
 """
 
@@ -107,28 +108,31 @@ def prefill_bytes(config: GPTConfig, tokens: int, attended: int, *, rows: int = 
     return tokens * w * base + max(widths + int(scores), tokens * w * mlp)
 
 
-def decode_bytes(config: GPTConfig, rows: int, attended: int, *, dtype: torch.dtype | None = None) -> int:
+def decode_bytes(config: GPTConfig, rows: int, attended: int, *, dtype: torch.dtype | None = None,
+                 in_place: bool = False) -> int:
     """Peak bytes of a decode step of `rows` sequences, the longest attending to `attended` positions: per row the
     widths (live_widths) and fp32 logits, and one layer's keys and values gathered for every row over the longest
-    row's length (infer/kv_cache.py: a row's table is read to that width), with eager attention's scores."""
+    row's length (infer/kv_cache.py: a row's table is read to that width), with eager attention's scores.
+    in_place: the attention reads the blocks where they lie (infer/paged_attention.py): nothing is gathered, and
+    what its tasks hold (a row's scores) is small beside the widths."""
     w, K, H, V = itemsize(dtype), config.kv_heads * config.head_dim, config.n_head, config.vocab_size
     base, _, mlp = live_widths(config)
     _, row_widths, _ = live_widths(config, decode=True)
     eager = config.attention == "eager"
     # eager attention: its scores and softmax, and a contiguous copy of the gathered keys or values
-    gathered = rows * attended * (2 * w * K + (w * K + 2 * w * H if eager else 0))
+    gathered = 0 if in_place else rows * attended * (2 * w * K + (w * K + 2 * w * H if eager else 0))
     return rows * (w * base + F32 * V) + max(rows * (w * row_widths + _rotary(config, w)) + gathered,
                                              rows * w * mlp)
 
 
 def forward_bytes(config: GPTConfig, *, prefill_chunk: int, max_batch_size: int, max_len: int,
-                  dtype: torch.dtype | None = None) -> int:
+                  dtype: torch.dtype | None = None, in_place: bool = False) -> int:
     """The largest forward a generator runs: a prefill chunk of `prefill_chunk` tokens (as many rows as it may
     hold) with a row at the end of a max_len sequence, or a decode step of max_batch_size rows, one of them
-    max_len long: every row is read to the longest one's length."""
+    max_len long: every row is read to the longest one's length (gathered, unless in_place: decode_bytes)."""
     chunk = min(prefill_chunk, max_len)
     return max(prefill_bytes(config, chunk, max_len, rows=min(chunk, max_batch_size), dtype=dtype),
-               decode_bytes(config, max_batch_size, max_len, dtype=dtype))
+               decode_bytes(config, max_batch_size, max_len, dtype=dtype, in_place=in_place))
 
 
 def _blocks(tokens: int, block_size: int) -> int:
@@ -245,12 +249,14 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int:
 
 
 def plan_kv(model: nn.Module, device: torch.device, *, max_len: int, max_batch_size: int | None, prefill_chunk: int,
-            block_size: int, kv_cache_memory: float | None = None, dtype: torch.dtype | None = None) -> KVPlan:
+            block_size: int, kv_cache_memory: float | None = None, dtype: torch.dtype | None = None,
+            in_place: bool = False) -> KVPlan:
     """The block pool of a loaded model's server: kv_cache_memory GiB (None: the device's default, module
     docstring), checked against what the device has free beside the largest forward. max_batch_size None: the
     device's default (default_max_batch), lowered to the most rows whose largest forward fits beside a pool of one
     max_len sequence. Raises UserError (exit 2) with the numbers and the fix for a budget that does not fit, or
-    whose pool cannot hold one sequence of max_len."""
+    whose pool cannot hold one sequence of max_len. in_place: the decode's attention reads the blocks where they
+    lie (decode_bytes)."""
     config = model.config
     dtype = dtype or next(model.parameters()).dtype
     per_block = block_size * kv_bytes_per_token(config, dtype)
@@ -258,7 +264,8 @@ def plan_kv(model: nn.Module, device: torch.device, *, max_len: int, max_batch_s
     limit = int(REFUSE_ABOVE * free)
 
     def forward(rows: int, length: int = max_len) -> int:
-        return forward_bytes(config, prefill_chunk=prefill_chunk, max_batch_size=rows, max_len=length, dtype=dtype)
+        return forward_bytes(config, prefill_chunk=prefill_chunk, max_batch_size=rows, max_len=length, dtype=dtype,
+                             in_place=in_place)
 
     def pool(blocks: int) -> int:
         return pool_bytes(config, blocks, block_size, dtype)

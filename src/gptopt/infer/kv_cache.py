@@ -68,7 +68,7 @@ class PagedKVCache:
                  dtype: torch.dtype) -> None:
         shape = (blocks, block_size, config.kv_heads, config.head_dim)
         # zeros, not empty: a masked key's value still enters the weighted sum (times zero), and NaN garbage would
-        # not vanish. Large zeroed allocations are lazily mapped pages on a CPU: no time spent filling them.
+        # not vanish
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
         self.blocks, self.block_size, self.device = blocks, block_size, torch.device(device)

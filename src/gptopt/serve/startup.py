@@ -20,7 +20,7 @@ import torch
 
 from gptopt.config import ServeConfig
 from gptopt.data.tokenizer import Tokenizer, eot_id
-from gptopt.infer import generator_memory, speculative
+from gptopt.infer import generator_memory, paged_attention, speculative
 from gptopt.infer.constrain import Grammars
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference
@@ -65,7 +65,9 @@ def build_engine(cfg: ServeConfig, model: Any = None, tokenizer: Any = None, *,
     # the block pool within its budget, checked with the largest forward before it is allocated (the weights are)
     kv = generator_memory.plan_kv(model, plan.device, max_len=context, max_batch_size=cfg.max_batch_size,
                                   prefill_chunk=cfg.prefill_chunk, block_size=cfg.block_size,
-                                  kv_cache_memory=cfg.kv_cache_memory, dtype=dtype)
+                                  kv_cache_memory=cfg.kv_cache_memory, dtype=dtype,
+                                  in_place=plan.device.type == "cpu" and not cfg.compile
+                                  and paged_attention.kernel() is not None)
     log.info("%s", kv.line())
     generator = Generator(model, plan, max_batch_size=kv.max_batch_size, max_len=context, kv_blocks=kv.num_blocks,
                           block_size=kv.block_size, compile=cfg.compile, cuda_graphs=cfg.cuda_graphs,
