@@ -28,7 +28,7 @@ from serve_helpers import (  # noqa: E402
     stream_through_a_sigterm,
 )
 
-from gptopt.config import ServeConfig, preset  # noqa: E402
+from gptopt.config import GPTConfig, ServeConfig, preset  # noqa: E402
 from gptopt.infer.generator import Generator  # noqa: E402
 from gptopt.infer.sampling import SamplingParams  # noqa: E402
 from gptopt.infer.scheduler import complete  # noqa: E402
@@ -447,3 +447,31 @@ def test_a_stalled_engine_is_reported_and_its_waiting_requests_end_with_a_503(
         finally:
             release.set()
         wait_for(lambda: httpx.get(f"{url}/health").status_code == 200, timeout=10)  # going again: healthy
+
+
+def test_the_warm_up_runs_what_serving_runs_never_a_prefill_of_the_whole_context(
+        debug_tokenizer: Any, caplog: pytest.LogCaptureFixture) -> None:
+    """A long-context model warms up with one prefill chunk and a decode step of each batch shape, each logged: its
+    start-up does not grow with the context."""
+    from gptopt.serve.engine import Engine
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=32768, vocab_size=512)).eval()
+    gen = Generator(model, resolve("cpu", quiet=True), max_batch_size=4, kv_blocks=2048 + 8)
+    widths: list[int] = []
+    extend, prefill = gen.extend, gen.prefill
+
+    def spy_extend(slots: list[int], chunks: list[list[int]], *args: Any, **kw: Any) -> torch.Tensor:
+        widths.append(sum(len(c) for c in chunks))
+        return extend(slots, chunks, *args, **kw)
+
+    def spy_prefill(slot: int, tokens: list[int], **kw: Any) -> torch.Tensor:
+        widths.append(len(tokens))
+        return prefill(slot, tokens, **kw)
+
+    gen.extend, gen.prefill = spy_extend, spy_prefill  # type: ignore[method-assign]
+    with caplog.at_level("INFO", logger="gptopt.serve.engine"):
+        Engine(gen, debug_tokenizer, prefill_chunk=256).warmup()
+    assert max(widths) == 256
+    assert "warm-up: a prefill of 256 tokens" in caplog.text and "warm-up: a decode step of 4 rows" in caplog.text
+    gen.pool.check_idle()
