@@ -424,8 +424,7 @@ def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(de
     engine.begin_drain()
     inbox, outbox = multiprocessing.Pipe(duplex=False)
     pipe = EventPipe(outbox, engine)
-    submit = threading.Thread(target=pipe.submit, args=(7, [1, 2, 3], SamplingParams(max_new_tokens=4), 0),
-                              daemon=True)
+    submit = threading.Thread(target=pipe.submit, args=(7, [1, 2, 3], SamplingParams(max_new_tokens=4)), daemon=True)
     submit.start()
     submit.join(10)
     assert not submit.is_alive()  # answered, not stuck on its own lock
