@@ -171,7 +171,7 @@ class Engine:
         self.scheduler = Scheduler(generator, prefill_chunk=prefill_chunk, stepper=speculator,
                                    speculate_max_batch=speculate_max_batch,
                                    on_forward=lambda rows: self._use_threads(rows=rows))
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the front end's (EngineClient): this engine's thread makes no text
         self.max_queue = max_queue
         self.request_timeout = request_timeout
         self.blocklist = blocklist or Blocklist()
