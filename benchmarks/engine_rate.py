@@ -25,7 +25,7 @@ from typing import Any
 from gptopt.config import ServeConfig
 from gptopt.infer.sampling import SamplingParams
 from gptopt.serve.engine import Engine
-from gptopt.serve.events import Event
+from gptopt.serve.events import TokenEvent
 from gptopt.serve.startup import build_engine, set_process_switches
 
 
@@ -66,7 +66,7 @@ def rate(engine: Engine, *, clients: int, requests: int, max_tokens: int, prompt
         prompt = [rng.randrange(gen.vocab_size) for _ in range(prompt_tokens)]
         engine.submit(prompt, params, sink)
 
-    def sink(ev: Event) -> None:  # on the engine's thread: the next request goes in at once
+    def sink(ev: TokenEvent) -> None:  # on the engine's thread: the next request goes in at once
         if ev.finish_reason is None:
             return
         with lock:

@@ -404,12 +404,13 @@ def test_lm_eval_runs_a_generation_task_with_its_usual_batch_and_stop_list(debug
         "  temperature: 0\nmetric_list:\n  - metric: exact_match\n")
     model = scripted_model(debug_tokenizer, " x\n# a\nif b:\ndef c():\nclass D:\nprint(e)\n")
     app = create_app(ServeConfig(model="debug", device="cpu", max_batch_size=4), model=model, tokenizer=debug_tokenizer)
-    engine, batches = app.state.engine, {}  # each request's stop strings, one entry per sequence, by its sink
+    # each request's stop strings, one entry per sequence, by the client its sequences' text goes to
+    engine, batches = app.state.engine, {}
     submit = engine.submit
 
-    def recording_submit(prompt: list[int], params: SamplingParams, sink: Any, *, index: int = 0) -> Any:
-        batches.setdefault(id(sink), (sink, []))[1].append(params.stop)  # the sink kept: its id stays unique
-        return submit(prompt, params, sink, index=index)
+    def recording_submit(prompt: list[int], params: SamplingParams, sink: Any) -> Any:
+        batches.setdefault(id(sink.client), (sink.client, []))[1].append(params.stop)  # kept: its id stays unique
+        return submit(prompt, params, sink)
 
     monkeypatch.setattr(engine, "submit", recording_submit)
     with serve_in_thread(app) as server:

@@ -248,6 +248,28 @@ def test_metrics_of_an_engine_that_does_not_answer_say_so_and_keep_the_http_side
         assert "gptopt_generation_tokens" in scrape(url)
 
 
+def test_a_stop_string_ends_the_reply_in_the_http_process_and_frees_the_engine_processs_request(
+        model_dir: Path) -> None:
+    """The child sends token ids only; the HTTP side finds the stop string, ends the reply, and has the child drop
+    the request: it decodes far fewer tokens than its budget, and its metrics count it as stopped."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    max_tokens = 40  # with the prompt, within the model's 64 tokens
+    with running_apart(model_dir, slow_decode) as (url, app):
+        full = completion(url, max_tokens=max_tokens, temperature=0, ignore_eos=True).json()
+        text = full["choices"][0]["text"]
+        assert full["usage"]["completion_tokens"] == max_tokens
+        stop = next(text[i : i + 3] for i in range(4, len(text) - 3) if text[i : i + 3].strip())
+        r = completion(url, max_tokens=max_tokens, temperature=0, ignore_eos=True, stop=[stop]).json()
+        assert (r["choices"][0]["text"], r["choices"][0]["finish_reason"]) == (text[: text.find(stop)], "stop")
+        wait_for(lambda: app.state.engine.stats() == {"running": 0, "waiting": 0})
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)}
+        assert families["gptopt_generation_tokens"].samples[0].value < 2 * max_tokens - 1
+        finished = {s.labels["reason"]: s.value for s in families["gptopt_finished_sequences"].samples
+                    if s.name.endswith("_total")}
+        assert finished == {"length": 1, "stop": 1}
+
+
 def forwards_on_the_main_thread_only(engine: Any) -> None:
     """EngineProcess setup: a prefill or decode forward off the child's main thread fails its requests."""
     gen = engine.generator
@@ -427,8 +449,7 @@ def test_an_engine_process_told_to_stop_on_its_own_refuses_what_still_arrives(de
     engine.begin_drain()
     inbox, outbox = multiprocessing.Pipe(duplex=False)
     pipe = EventPipe(outbox, engine)
-    submit = threading.Thread(target=pipe.submit, args=(7, [1, 2, 3], SamplingParams(max_new_tokens=4), 0),
-                              daemon=True)
+    submit = threading.Thread(target=pipe.submit, args=(7, [1, 2, 3], SamplingParams(max_new_tokens=4)), daemon=True)
     submit.start()
     submit.join(10)
     assert not submit.is_alive()  # answered, not stuck on its own lock

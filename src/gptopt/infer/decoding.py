@@ -103,8 +103,8 @@ class Decoding:
                 self.finish = "length"
         return self.finish
 
-    def stop(self) -> Finish:
-        """End it after its last token: its text reached a stop string (StopChecker). "incomplete" where that cut
-        a constrained document short, else "stop"."""
-        self.finish = "incomplete" if self.matcher is not None and not self.matcher.is_complete() else "stop"
-        return self.finish
+    @property
+    def stop_reason(self) -> Finish:
+        """How it ends if its text reaches a stop string (StopChecker) after its last token: "incomplete" where that
+        cuts a constrained document short, else "stop"."""
+        return "incomplete" if self.matcher is not None and not self.matcher.is_complete() else "stop"

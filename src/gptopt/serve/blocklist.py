@@ -43,7 +43,7 @@ log = logging.getLogger(__name__)
 
 REGEX_PREFIX = "re:"
 # A prompt check is off the event loop (app.py), so it may take a while before it refuses; a check of
-# new output runs on the engine thread between decode steps, where every running request waits for it.
+# new output runs on the event loop as the text arrives (output.py), where every stream of that loop waits for it.
 PROMPT_CHECK_SECONDS = 1.0
 OUTPUT_CHECK_SECONDS = 0.05
 # Characters a rule's match may span, with what its assertions read past it. Held-back output reaches the

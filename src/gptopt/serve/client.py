@@ -1,6 +1,6 @@
 """What the HTTP side sees of an engine (EngineClient, a Protocol that Engine in process and EngineProcess both
-satisfy), the handle a client cancels with (Submitted), and the admission policy's answers: QueueFull (429,
-with RetryAfter's seconds) and Draining (503).
+satisfy: token ids out, output.py makes their text), the handle a client cancels with (Submitted), and the
+admission policy's answers: QueueFull (429, with RetryAfter's seconds) and Draining (503).
 
     python -c "from gptopt.serve.client import RetryAfter; print(RetryAfter().seconds(4, 2))"
 """
@@ -16,7 +16,7 @@ from gptopt.serve.blocklist import Blocklist
 if TYPE_CHECKING:  # a type only: the engine itself never needs prometheus_client
     from gptopt.serve.metrics import ServeMetrics
 
-from gptopt.serve.events import Sink
+from gptopt.serve.events import FinishReason, TokenSink
 
 
 class RetryAfter:
@@ -49,7 +49,10 @@ class Draining(Exception):
 class Submitted(Protocol):
     """What submit returns: the handle a client cancels its sequence with (Request, or the engine process's)."""
 
-    def cancel(self) -> None: ...
+    def cancel(self, reason: FinishReason = "cancelled") -> None:
+        """Have the engine drop the sequence: "cancelled", or why the front end ended it (a stop string's "stop",
+        blocked content's "content_filter"), which the engine's metrics count it as."""
+        ...
 
 
 @runtime_checkable
@@ -77,8 +80,9 @@ class EngineClient(Protocol):
     @property
     def capacity(self) -> int: ...
 
-    # requests in, events out (to the sink), each sequence cancelled through its handle
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> Submitted: ...
+    # requests in, token events out (to the sink: output.TextSink makes their text), each sequence cancelled
+    # through its handle
+    def submit(self, prompt: list[int], params: SamplingParams, sink: TokenSink) -> Submitted: ...
 
     # the probes and /metrics
     @property

@@ -4,8 +4,10 @@
 
 Every iteration of the engine thread: drop cancelled and timed-out requests, hand the new ones to the scheduler
 (infer/scheduler.py: admission by free slots and KV blocks, chunked prefill, preemption), run ONE prefill forward
-over the admitted prompts and ONE decode step for all running requests together, hand each request's new text to
-its client, and retire the finished ones, so their blocks are free again within one iteration. Requests join and
+over the admitted prompts and ONE decode step for all running requests together, hand each request's new token ids
+to its client, and retire the finished ones, so their blocks are free again within one iteration. The engine makes
+token ids only: the front end (output.py, on the HTTP process's event loop) makes their text, and drops a request
+here (Request.cancel) when a stop string or the blocklist ends it. Requests join and
 leave the batch at token granularity: a short request never waits for a long one to finish, and N requests share
 each forward pass. The events of a prefill and of a decode step go out together after it: one wake-up of each
 client event loop per forward, not one per token.
@@ -13,7 +15,7 @@ client event loop per forward, not one per token.
 On a CPU a decode step of one request alone computes with `solo_threads` torch threads (serve's start-up,
 startup.build_engine, decides them: by default every core but one; the engine only switches to them around its
 own forwards, and gives its caller's thread its count back): its arithmetic is so small that the HTTP event
-loop, the detokenizing and local clients are as busy as the model, and the spare core keeps them from
+loop (which detokenizes) and local clients are as busy as the model, and the spare core keeps them from
 preempting the decode's threads. A decode step of several requests, and every prefill, take every core: there
 the model is the work, and a core fewer delays every client's next token and a new request's first (both measured:
 benchmarks/2026-12-04-serving-vs-transformers.md, "A fourth comparison: a core left to the HTTP side").
@@ -25,7 +27,7 @@ were compiled under (dynamo guards on it: a step under another count would recom
 compiles each under the count its steps run with.
 
 Only this thread touches the model; other threads (the HTTP event loop) only submit, cancel and
-read stats, under one lock. Text goes back through a `sink` (events.py); the HTTP side sees the engine
+read stats, under one lock. Token ids go back through a `sink` (events.py); the HTTP side sees the engine
 through client.EngineClient alone.
 """
 
@@ -47,11 +49,10 @@ from gptopt.infer.decoding import Decoding
 from gptopt.infer.generator import Generator, Stepper
 from gptopt.infer.sampling import SamplingParams
 from gptopt.infer.scheduler import PREFILL_CHUNK, Scheduler
-from gptopt.infer.stop import StopChecker
 from gptopt.models.flops import flops_per_token
-from gptopt.serve.blocklist import Blocklist, TextFilter
+from gptopt.serve.blocklist import Blocklist
 from gptopt.serve.client import Draining, QueueFull, RetryAfter
-from gptopt.serve.events import COMPLETED, Event, FinishReason, Sink, deliver
+from gptopt.serve.events import COMPLETED, FinishReason, TokenEvent, TokenSink, deliver
 from gptopt.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -110,24 +111,25 @@ class Request:
 
     prompt: list[int]
     params: SamplingParams
-    sink: Sink
-    index: int = 0
+    sink: TokenSink
     timeout: float = 120.0
     submitted: float = field(default_factory=time.perf_counter)
-    cancelled: bool = False  # set from the client thread; a plain bool store is atomic
+    # Set from the client thread (a plain store is atomic): why the client side ended it, "cancelled" or what its
+    # text ended it with (output.py: a stop string's "stop", blocked content's "content_filter").
+    cancelled: FinishReason | None = None
     # engine state
     seq: Decoding | None = None  # its tokens, slot and end-of-sequence rule, from the scheduler's hand-off on
     admitted: float = 0.0
     last_token: float = 0.0
-    text: StopChecker | None = None  # incremental detokenizer: whole characters, stop strings
-    filter: TextFilter | None = None
     engine: Engine | None = None
     logprobs_sent: int = 0  # seq.logprobs handed out in events so far
     prompt_logprobs_sent: bool = False
 
-    def cancel(self) -> None:
-        """Ask the engine to drop this request; its blocks are free after the engine's next iteration."""
-        self.cancelled = True
+    def cancel(self, reason: FinishReason = "cancelled") -> None:
+        """Ask the engine to drop this request, ended for `reason` (the first one given counts); its blocks are free
+        after the engine's next iteration."""
+        if self.cancelled is None:
+            self.cancelled = reason
         if self.engine is not None:
             self.engine.wake()
 
@@ -169,7 +171,7 @@ class Engine:
         self.scheduler = Scheduler(generator, prefill_chunk=prefill_chunk, stepper=speculator,
                                    speculate_max_batch=speculate_max_batch,
                                    on_forward=lambda rows: self._use_threads(rows=rows))
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer  # the front end's (EngineClient): this engine's thread makes no text
         self.max_queue = max_queue
         self.request_timeout = request_timeout
         self.blocklist = blocklist or Blocklist()
@@ -177,7 +179,7 @@ class Engine:
         self._cv = threading.Condition()
         self._waiting: collections.deque[Request] = collections.deque()  # submitted, not yet the scheduler's
         self._held: dict[int, Request] = {}  # engine thread only: the scheduler's requests, by id(seq)
-        self._outbox: list[tuple[Sink, Event]] = []  # this iteration's events, delivered at its end
+        self._outbox: list[tuple[TokenSink, TokenEvent]] = []  # this iteration's events, delivered at its end
         self._n_running = 0  # mirror of len(_held), read under the lock by stats()
         self._n_queued = 0  # mirror of the scheduler's waiting sequences (preempted ones included)
         self._draining = False
@@ -191,9 +193,10 @@ class Engine:
 
     # -- client side (any thread) -----------------------------------------------------------
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> Request:
-        """Queue a request; raises QueueFull beyond max_queue waiting, Draining when shutting down."""
-        req = Request(prompt=list(prompt), params=params, sink=sink, index=index, timeout=self.request_timeout)
+    def submit(self, prompt: list[int], params: SamplingParams, sink: TokenSink) -> Request:
+        """Queue a request, whose TokenEvents go to `sink`; raises QueueFull beyond max_queue waiting, Draining when
+        shutting down."""
+        req = Request(prompt=list(prompt), params=params, sink=sink, timeout=self.request_timeout)
         req.engine = self
         with self._cv:
             if self._draining or self._stop or self._done.is_set():
@@ -427,7 +430,7 @@ class Engine:
         for r in new:
             self._hand_over(r)
         for r in [r for r in self._held.values() if r.cancelled or now - r.submitted > r.timeout]:
-            self._finish(r, "cancelled" if r.cancelled else "timeout")
+            self._finish(r, r.cancelled or "timeout")
         self._admit()
         if self.scheduler.running:
             self._prefill()
@@ -443,8 +446,6 @@ class Engine:
 
     def _hand_over(self, req: Request) -> None:
         """A submitted request to the scheduler, as a sequence of its own (refused here if its prompt is bad)."""
-        req.text = StopChecker(self.tokenizer, req.params.stop)
-        req.filter = TextFilter(self.blocklist) if self.blocklist else None
         try:
             req.seq = self.generator.new(req.prompt, req.params)
         except Exception as e:  # one bad request must not take the server down
@@ -486,7 +487,7 @@ class Engine:
             if token is None:  # max_new_tokens 0: the prompt's logprobs only
                 self._finish(req, "length")
             else:
-                self._accept(req, token)
+                self._accept(req, [token])
 
     def _decode(self) -> None:
         spec = self.speculator
@@ -505,44 +506,36 @@ class Engine:
             self.metrics.accepted_tokens.inc(spec.accepted - before[1])
         self.steps += 1
         for seq, tokens in made:
-            req = self._held[id(seq)]
-            for t in tokens:
-                self._accept(req, t)
-                if id(seq) not in self._held:  # it ended: the rest of its tokens are not its
-                    break
+            self._accept(self._held[id(seq)], tokens)
 
-    def _accept(self, req: Request, token: int) -> None:
-        """Record one sampled token: send its text, and finish the request if it is done."""
-        seq, checker = req.seq, req.text
-        assert seq is not None and checker is not None
-        now = time.perf_counter()
-        if self.metrics is not None:
-            self.metrics.generated_tokens.inc()
-            if seq.n_new:
-                self.metrics.itl.observe(now - req.last_token)
-            else:
-                self.metrics.ttft.observe(now - req.submitted)
-        req.last_token = now
-        reason: FinishReason | None = seq.add(token)
-        # A stop token id (end-of-text) has no text of its own, but what the checker holds back (a
-        # possible stop string's start, a split character) and the filter's holdback end the reply.
-        text = "" if reason in ("stop", "incomplete") else checker.add(token)
-        if checker.stopped:
-            reason = seq.stop()
+    def _accept(self, req: Request, tokens: list[int]) -> None:
+        """Record one forward's sampled tokens of a request (several after a speculative step; those after one that
+        ends it are not its) and send them in one event, its last if it is done."""
+        seq = req.seq
+        assert seq is not None
+        before, reason = len(seq.ids), None
+        for token in tokens:
+            now = time.perf_counter()
+            if self.metrics is not None:
+                self.metrics.generated_tokens.inc()
+                if seq.n_new:
+                    self.metrics.itl.observe(now - req.last_token)
+                else:
+                    self.metrics.ttft.observe(now - req.submitted)
+            req.last_token = now
+            reason = seq.add(token)
+            if reason is not None:
+                break
+        # the tokens it kept (not a stop token id, nor one its grammar refused) are its text; a stop string in them
+        # ends it as stop_reason says, asked of its grammar only where it has stop strings
+        ev = TokenEvent(seq.ids[before:], stop_reason=seq.stop_reason if seq.params.stop else "stop")
         if reason is not None:
-            text += checker.finish()  # "" after a stop string
-        if req.filter is not None:
-            text, matched = req.filter.push(text, final=reason is not None)
-            if matched:
-                reason = "content_filter"
-        if reason is not None:
-            return self._finish(req, reason, text=text)
-        if text:
-            self._outbox.append((req.sink, self._logprobs(req, Event(req.index, text,
-                                                                     completion_tokens=req.completion_tokens))))
+            return self._finish(req, reason, ev)
+        ev.completion_tokens = req.completion_tokens
+        self._outbox.append((req.sink, self._logprobs(req, ev)))
 
     @staticmethod
-    def _logprobs(req: Request, ev: Event) -> Event:
+    def _logprobs(req: Request, ev: TokenEvent) -> TokenEvent:
         """The event with the log-probabilities not yet sent, for a request that asks for them."""
         seq = req.seq
         if seq is None or (seq.params.logprobs is None and seq.params.prompt_logprobs is None):
@@ -552,8 +545,10 @@ class Engine:
             ev.prompt_logprobs, req.prompt_logprobs_sent = list(seq.prompt_logprobs), True
         return ev
 
-    def _finish(self, req: Request, reason: FinishReason, *, text: str = "", error: str | None = None) -> None:
-        """Free the request's slot and blocks (if the scheduler has it) and send its last event."""
+    def _finish(self, req: Request, reason: FinishReason, ev: TokenEvent | None = None, *,
+                error: str | None = None) -> None:
+        """Free the request's slot and blocks (if the scheduler has it) and send its last event (`ev`, with its last
+        tokens)."""
         if req.seq is not None and self._held.pop(id(req.seq), None) is not None:
             self.scheduler.finish(req.seq)
             with self._cv:
@@ -566,5 +561,6 @@ class Engine:
                 self.metrics.e2e.observe(latency)
         if reason in COMPLETED:
             self._retry.observe(latency)
-        self._outbox.append((req.sink, self._logprobs(req, Event(req.index, text, reason, len(req.prompt),
-                                                                 req.completion_tokens, error))))
+        ev = ev or TokenEvent([])
+        ev.finish_reason, ev.completion_tokens, ev.error = reason, req.completion_tokens, error
+        self._outbox.append((req.sink, self._logprobs(req, ev)))

@@ -5,8 +5,8 @@ its main thread, and carries out its parent's commands on another.
 
 engine_entry.run, the child's first code, ties its life to its parent's, then runs main here. The engine runs on
 the main thread, the one that loaded the model and warmed it up; the parent's commands are read on another that
-does no torch work (why: engine_process.py). Each engine iteration's events go back to the parent in one message
-(EventPipe). The child drains when the parent tells it
+does no torch work (why: engine_process.py). Each engine iteration's events, token ids and no text (the parent
+makes it), go back to the parent in one message (EventPipe). The child drains when the parent tells it
 to, or on a SIGTERM of its own, and exits when the parent's end of the pipe closes, and when its engine ends
 unasked (the parent then answers /health with 503 "failed").
 """
@@ -27,7 +27,7 @@ from gptopt.infer.sampling import SamplingParams
 from gptopt.runtime import signals
 from gptopt.serve.client import Draining
 from gptopt.serve.engine import Engine, settled_heap
-from gptopt.serve.events import Channel, ChannelSink, Event, FinishReason
+from gptopt.serve.events import Channel, ChannelSink, FinishReason, TokenEvent
 from gptopt.serve.metrics import ServeMetrics
 from gptopt.serve.startup import build_engine, set_process_switches
 from gptopt.utils.logs import setup_logging
@@ -46,25 +46,25 @@ class EventPipe(Channel):
         self.requests: dict[int, Any] = {}
         self.requests_lock = threading.Lock()
 
-    def submit(self, key: int, prompt: list[int], params: SamplingParams, index: int) -> None:
+    def submit(self, key: int, prompt: list[int], params: SamplingParams) -> None:
         assert self.engine is not None
         refused: Exception | None = None
         with self.requests_lock:
             try:
-                self.requests[key] = self.engine.submit(prompt, params, ChannelSink(self, key), index=index)
+                self.requests[key] = self.engine.submit(prompt, params, ChannelSink(self, key))
             except Exception as e:  # the parent counts first: a drain of the child's own, or a bug
                 refused = e
         if refused is not None:  # send() takes requests_lock: after it is released. Draining is a 503
             reason: FinishReason = "cancelled" if isinstance(refused, Draining) else "error"
-            self.send([(key, Event(index, "", reason, error=f"{type(refused).__name__}: {refused}"))])
+            self.send([(key, TokenEvent([], reason, error=f"{type(refused).__name__}: {refused}"))])
 
-    def cancel(self, key: int) -> None:
+    def cancel(self, key: int, reason: FinishReason) -> None:
         with self.requests_lock:
             req = self.requests.get(key)
         if req is not None:
-            req.cancel()
+            req.cancel(reason)
 
-    def send(self, items: list[tuple[int, Event]]) -> None:
+    def send(self, items: list[tuple[int, TokenEvent]]) -> None:
         with self.requests_lock:
             for key, event in items:
                 if event.finish_reason is not None:
@@ -151,7 +151,7 @@ def _command(engine: Engine, pipe: EventPipe, msg: tuple[Any, ...], stopping: th
         if kind == "submit":
             pipe.submit(*msg[1:])
         elif kind == "cancel":
-            pipe.cancel(msg[1])
+            pipe.cancel(msg[1], msg[2])
         elif kind == "metrics":
             pipe.message(("metrics", msg[1], engine.render_metrics()))
         elif kind == "shutdown" and stopping is None:

@@ -5,9 +5,9 @@
 `gptopt serve` builds its engine (engine.py: the model, the KV cache, the continuous-batching thread)
 with startup.build_engine. By default it runs it in a child process (`EngineProcess`, this module: the
 parent's side; engine_entry.py and engine_child.py: the child's), as vLLM's API server does, and talks
-to it over two pipes: requests and cancels go in, each engine iteration's events come back in one
-message. The HTTP process keeps the tokenizer, the request checks and the streams; the child keeps the
-model.
+to it over two pipes: requests and cancels go in, each engine iteration's events (token ids: the HTTP side makes
+their text, output.py) come back in one message. The HTTP process keeps the tokenizer, the request checks, the
+detokenizing and the streams; the child keeps the model.
 
 Why: the engine thread calls its kernels from Python and takes the GIL back after each one, so in one
 process it waits whenever the event loop runs Python, and the event loop waits for it. Apart, neither
@@ -53,7 +53,7 @@ from gptopt.serve import engine_entry
 from gptopt.serve.blocklist import Blocklist, load_blocklist
 from gptopt.serve.client import Draining, QueueFull, RetryAfter
 from gptopt.serve.engine import Engine
-from gptopt.serve.events import COMPLETED, Event, Sink, deliver
+from gptopt.serve.events import COMPLETED, FinishReason, TokenEvent, TokenSink, deliver
 from gptopt.serve.metrics import ServeMetrics
 from gptopt.utils.errors import UserError
 
@@ -84,8 +84,8 @@ class RemoteRequest:
     def __init__(self, engine: EngineProcess, key: int) -> None:
         self.engine, self.key = engine, key
 
-    def cancel(self) -> None:
-        self.engine.cancel(self.key)
+    def cancel(self, reason: FinishReason = "cancelled") -> None:
+        self.engine.cancel(self.key, reason)
 
 
 class EngineProcess:
@@ -99,7 +99,7 @@ class EngineProcess:
         """Start the child and wait until its engine is warmed up (or raise what stopped it). setup: called
         with the engine in the child before it starts (a module-level function: it crosses by name)."""
         self.max_queue, self.request_timeout = cfg.max_queue, cfg.request_timeout
-        self.blocklist: Blocklist = load_blocklist(cfg.blocklist)  # prompts are checked here, output there
+        self.blocklist: Blocklist = load_blocklist(cfg.blocklist)  # prompts and output are checked here
         self.metrics = ServeMetrics(engine=False)  # the HTTP side's; the engine's are the child's
         ctx = multiprocessing.get_context("spawn")
         commands, self._commands = ctx.Pipe(duplex=False)
@@ -116,7 +116,7 @@ class EngineProcess:
         self._send_lock, self._lock = threading.Lock(), threading.Lock()
         self._pending: list[bytes] = []  # pickled commands not yet written (_send)
         self._flush_loop: asyncio.AbstractEventLoop | None = None  # the loop whose _flush is due
-        self._sinks: dict[int, tuple[Sink, float, int]] = {}  # key -> (sink, submitted, index), until its last event
+        self._sinks: dict[int, tuple[TokenSink, float]] = {}  # key -> (sink, submitted), until its last event
         self._keys = itertools.count()
         self._stats = {"running": 0, "waiting": 0}
         self._metrics_replies: dict[int, tuple[threading.Event, list[bytes]]] = {}
@@ -199,7 +199,7 @@ class EngineProcess:
             busy = bool(self._sinks)
         return busy and time.monotonic() - max(self._heard_at, self._submitted_at) > seconds
 
-    def submit(self, prompt: list[int], params: SamplingParams, sink: Sink, *, index: int = 0) -> RemoteRequest:
+    def submit(self, prompt: list[int], params: SamplingParams, sink: TokenSink) -> RemoteRequest:
         with self._lock:
             if self._draining:
                 raise Draining("the server is shutting down")
@@ -211,18 +211,20 @@ class EngineProcess:
             key = next(self._keys)
             if not self._sinks:  # work arrives at an idle engine: its silence counts from now
                 self._submitted_at = time.monotonic()
-            self._sinks[key] = (sink, time.perf_counter(), index)
+            self._sinks[key] = (sink, time.perf_counter())
         try:
-            self._send(("submit", key, list(prompt), params, index))
+            self._send(("submit", key, list(prompt), params))
         except BaseException:  # not sent: it must not hold a place
             with self._lock:
                 self._sinks.pop(key, None)
             raise
         return RemoteRequest(self, key)
 
-    def cancel(self, key: int) -> None:
+    def cancel(self, key: int, reason: FinishReason = "cancelled") -> None:
+        """Have the child drop the sequence (Submitted.cancel). It stays counted until the child's last event
+        for it: until then it holds the child's place."""
         if key in self._sinks:  # a finished one is not the child's concern any more
-            self._send(("cancel", key))
+            self._send(("cancel", key, reason))
 
     def begin_drain(self) -> None:
         """Refuse new requests (503) from now on. Only a flag: uvicorn calls this from its signal handler,
@@ -319,8 +321,8 @@ class EngineProcess:
         finally:  # however it ended, no request may wait for events that will never come
             self._close()
 
-    def _dispatch(self, items: list[tuple[int, Event]], stats: dict[str, int]) -> None:
-        outbox: list[tuple[Sink, Event]] = []
+    def _dispatch(self, items: list[tuple[int, TokenEvent]], stats: dict[str, int]) -> None:
+        outbox: list[tuple[TokenSink, TokenEvent]] = []
         with self._lock:
             now = time.perf_counter()
             for key, event in items:
@@ -347,7 +349,7 @@ class EngineProcess:
             self._process.join(5)  # its exitcode is None until it is reaped: the pipe closes first
         reason, error = ("cancelled", None) if self._draining else (
             "failed", f"the engine process {_how_it_ended(self._process.exitcode)}")
-        deliver([(sink, Event(index, "", reason, error=error)) for sink, _, index in left.values()])
+        deliver([(sink, TokenEvent([], reason, error=error)) for sink, _ in left.values()])
         if not self._stop_requested:
             log.error("the engine process %s; ended its %d open requests; restart the server",
                       _how_it_ended(self._process.exitcode), len(left))

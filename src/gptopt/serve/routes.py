@@ -33,6 +33,7 @@ from gptopt.serve.events import COMPLETED, Event, asyncio_sink  # noqa: E402
 from gptopt.serve.guard import MAX_BODY_BYTES, PAGE, api_key  # noqa: E402
 from gptopt.serve.logprobs import ChatChoice, CompletionChoice, Vocab  # noqa: E402
 from gptopt.serve.metrics import CONTENT_TYPE  # noqa: E402
+from gptopt.serve.output import OutputProcessor  # noqa: E402
 from gptopt.serve.protocol import (  # noqa: E402
     APIError,
     ChatRequest,
@@ -158,6 +159,7 @@ class Routes:
         self.chat_stop_ids = tuple(dict.fromkeys(
             (*self.stop_ids, *(self.chat.stop_token_ids(self.tokenizer) if self.chat is not None else ()))))
         self.vocab = Vocab(self.tokenizer)  # token texts and bytes for logprobs
+        self.output = OutputProcessor(self.tokenizer, engine.blocklist)  # the engine's token ids -> text
         self._stall_said = False
 
     def add_routes(self, app: FastAPI) -> None:
@@ -297,13 +299,14 @@ class Routes:
     def submit(self, prompts: list[list[int]],
                params: list[SamplingParams]) -> tuple[asyncio.Queue[Event], list[Submitted]]:
         """Every sequence into the engine, or none of them: 429 when it is busy, 503 when it is draining,
-        400 when the request is larger than the engine ever holds (check_capacity)."""
+        400 when the request is larger than the engine ever holds (check_capacity). The queue gets each
+        sequence's text (output.py makes it of the engine's token ids)."""
         self.check_capacity(len(prompts))
         queue: asyncio.Queue[Event] = asyncio.Queue()
         sink, reqs = asyncio_sink(queue), []
         try:
             for i, (ids, p) in enumerate(zip(prompts, params, strict=True)):
-                reqs.append(self.engine.submit(ids, p, sink, index=i))
+                reqs.append(self.output.submit(self.engine, ids, p, sink, index=i))
         except (QueueFull, Draining) as e:
             for r in reqs:
                 r.cancel()
