@@ -1,6 +1,7 @@
 """GPU checks: device policy, table peak, bf16 step, flash attention; fp16 loss scaling, DDP and FSDP2
 over NCCL, activation checkpointing, auto batch size under a real CUDA OOM, CUDA-graph decode (compiled and eager),
-torchao int8 weight-only, NVML monitoring. Small models only, one torch.compile in all.
+the paged KV cache through preemption and prefix hits against the CPU, torchao int8 weight-only, NVML monitoring.
+Small models only, one torch.compile in all.
 
     pytest -q -m cuda tests/test_cuda.py     # skipped without an NVIDIA GPU
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import random
 import time
 from collections.abc import Iterator
 
@@ -17,11 +19,12 @@ import torch
 from conftest import make_varied_model
 
 from gptopt.config import TrainConfig, preset
+from gptopt.infer import paged_attention
 from gptopt.infer.decode_graphs import GraphedDecode
 from gptopt.infer.generator import Generator
 from gptopt.infer.load import optimize_for_inference
 from gptopt.infer.sampling import SamplingParams
-from gptopt.infer.scheduler import generate
+from gptopt.infer.scheduler import Scheduler, generate
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, gpu_spec, measured_matmul_flops, peak_flops, resolve
 from gptopt.runtime.monitor import Monitor
@@ -313,6 +316,66 @@ def test_eager_cuda_graphs_give_the_eager_decodes_greedy_tokens_one_graph_per_bu
     assert got == want
     assert got_one == want[:1]
     assert isinstance(gen._step, GraphedDecode) and sorted(gen._step.graphs) == [1, 4]  # recorded once each
+
+
+def _paged_run(gen: Generator, prompts: list[list[int]],
+               params: SamplingParams) -> tuple[list[list[int]], int, list[int]]:
+    """Every prompt through a Scheduler over `gen`, as serve's engine steps it: the new tokens of each, the
+    preemptions, and the prompt tokens each took from the prefix cache when first admitted."""
+    sched = Scheduler(gen)
+    seqs = [gen.new(p, params) for p in prompts]
+    for s in seqs:
+        sched.add(s)
+    reused: dict[int, int] = {}
+    while sched.busy:
+        for s in sched.admit():
+            reused.setdefault(id(s), s.reused)
+        for step in (sched.prefill, sched.decode):
+            for seq, tokens in step():
+                for t in [tokens] if isinstance(tokens, int) else tokens or []:
+                    if seq.add(t) is not None:
+                        sched.finish(seq)
+                        break
+                if tokens is None:
+                    sched.finish(seq)
+    sched.check_idle()  # every block back in the pool
+    return [s.tokens for s in seqs], sched.preemptions, [reused[id(s)] for s in seqs]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "cuda_graphs"])
+def test_the_paged_kv_cache_on_cuda_decodes_the_cpus_greedy_tokens_through_preemption_and_prefix_hits(
+        graphs: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The paged engine on a GPU (block tables and slot mapping on the device; serve's default records the eager
+    decode as a CUDA graph per bucket over them): four requests sharing a two-block prefix in a pool too small
+    for them all, so the newest are preempted and recomputed, and the later ones take the prefix's blocks by
+    reference. Each request's greedy tokens are those the CPU decodes for it alone in a roomy cache. fp32
+    without TF32 on both sides."""
+    plan, cpu = resolve(), resolve("cpu", quiet=True)
+    model = make_varied_model(512)
+    rng = random.Random(5)
+    prefix = [rng.randrange(512) for _ in range(16)]
+    prompts = [prefix + [rng.randrange(512) for _ in range(n)] for n in (7, 3, 9, 5)]
+    greedy = SamplingParams(max_new_tokens=20, temperature=0, top_k=None)
+    # the CPU's gather path: building its in-place kernel would spend the GPU check's time on a compiler
+    # (tests/test_paged_attention.py holds the two CPU paths to the same tokens)
+    monkeypatch.setattr(paged_attention, "kernel", lambda: None)
+    want = [generate(Generator(model, cpu, max_batch_size=1, max_len=48), [p], greedy)[0] for p in prompts]
+    precision = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        # 10 blocks of 8 tokens: one 45-token sequence needs 6, the four together about 22
+        gen = Generator(copy.deepcopy(model), plan, max_batch_size=4, max_len=48, kv_blocks=10, block_size=8,
+                        prefix_cache=True, cuda_graphs=graphs)
+        got, preemptions, reused = _paged_run(gen, prompts, greedy)
+    finally:
+        torch.set_float32_matmul_precision(precision)
+    assert len(set(want[0])) > 3  # varied text, so equal tokens are a real comparison
+    assert got == want
+    assert preemptions > 0
+    assert max(reused[1:]) == len(prefix)  # the shared prefix's two blocks, taken by reference
+    assert gen.cache.k[0].device.type == "cuda"
+    if graphs:
+        assert isinstance(gen._step, GraphedDecode) and gen._step.graphs  # the decode replayed its graphs
 
 
 def test_logprobs_on_cuda_graphs_equal_a_direct_forward() -> None:
