@@ -3,7 +3,7 @@
     pytest -q tests/test_gpu_check.py -k figures
     python3 .ci/gpu_check.py run DIR --only bench   # the runner reads a step's figures when it ends
 
-Only the commands' own outputs (--json, run.json's summary, metrics.jsonl, the logs), never gptopt's
+Only the commands' own outputs (--json, run.json's summary, metrics.jsonl, the logs, serve's /metrics), never gptopt's
 internals: the check runs before gptopt is installed. FIGURES names each step's reader.
 """
 
@@ -199,6 +199,63 @@ def fig_profile(out: Path, _log: str) -> dict[str, Any]:
 # serve's log line after its warm-up (serve/engine.py): "compiled the decode for batches of 1, 2, 4 in S s",
 # or without --compile on a GPU "recorded CUDA graphs of the decode for batches of ..."
 DECODE_GRAPHS = re.compile(r"(?:compiled|recorded CUDA graphs of) the decode for batches of ([\d, ]+) in ([\d.]+) s")
+
+
+# serve's start-up line (infer/generator_memory.KVPlan.line): the KV cache's memory, where it came from, its tokens
+# and blocks, the requests decoded at once (and why fewer than the default, if so), the longest sequence
+KV_LINE = re.compile(r"KV cache: ([\d.]+) GiB \((.*?)\), ([\d,]+) tokens in ([\d,]+) blocks of (\d+); up to (\d+) "
+                     r"requests at once(.*?), each up to ([\d,]+) tokens")
+
+
+def kv_plan(log: str) -> dict[str, Any]:
+    """The KV cache serve planned, from its start-up line ({} where the log has none)."""
+    m = KV_LINE.search(log)
+    if not m:
+        return {}
+    n = [int(x.replace(",", "")) for x in (m[3], m[4], m[5], m[6], m[8])]
+    out: dict[str, Any] = {"gib": float(m[1]), "source": m[2], "tokens": n[0], "blocks": n[1], "block_size": n[2],
+                           "max_batch_size": n[3], "max_len": n[4]}
+    if m[7].strip():
+        out["batch_note"] = m[7].strip(" ()")
+    return out
+
+
+def metric_samples(text: str) -> dict[str, float]:
+    """Prometheus text (serve's /metrics): each unlabelled sample's value by its name. (loadtest reads its figures
+    with its own parser; the check imports nothing of gptopt's: it runs before the install.)"""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name and not name.startswith("#") and "{" not in name:
+            try:
+                out[name] = float(value)
+            except ValueError:
+                continue
+    return out
+
+
+def kv_metrics(now: dict[str, float], before: dict[str, float] | None = None,
+               peak: float | None = None) -> dict[str, Any]:
+    """The paged KV cache's figures from two scrapes of serve's /metrics (names as vLLM's, gptopt_ for vllm:):
+    its usage now, or at its peak where it was sampled between them; the preemptions and the share of prompt
+    tokens the prefix cache served, since `before` (or since the start)."""
+    before = before or {}
+
+    def since(name: str) -> float | None:
+        return now[name] - before.get(name, 0.0) if name in now else None
+
+    out: dict[str, Any] = {}
+    if peak is not None:
+        out["kv_cache_usage_peak"] = round(peak, 3)
+    elif "gptopt_kv_cache_usage_perc" in now:
+        out["kv_cache_usage"] = round(now["gptopt_kv_cache_usage_perc"], 3)
+    preempted = since("gptopt_num_preemptions_total")
+    if preempted is not None:
+        out["preemptions"] = int(preempted)
+    queries, hits = since("gptopt_prefix_cache_queries_total"), since("gptopt_prefix_cache_hits_total")
+    if queries and hits is not None:
+        out["prefix_cache_hit_share"] = round(hits / queries, 3)
+    return out
 
 
 def decode_rates(doc: Any, rung: str) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import shlex
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,12 @@ class Sizes:
     # QK-norm (on a CPU llama-tiny stands in for both)
     llama: str
     qwen: str
+    # serve_preempt: a KV cache too small for its clients' sequences (GiB; gpt2 in bf16 keeps 36 KiB a token, so
+    # 0.045 GiB is 80 blocks of 16, five of its 16 clients' 256 tokens; the debug preset in fp32 1 KiB, so 3.5e-5
+    # GiB is 8 blocks of 4, two of its 4 clients' 16 tokens), its blocks' tokens and the clients of its loadtests
+    preempt_kv_gib: float
+    preempt_block: int
+    preempt_clients: int
 
 
 SIZES = {
@@ -58,11 +65,12 @@ SIZES = {
                  bench_warmup=2, infer_batches="1,64", infer_seq=256, new_tokens=128, eval_tokens=16384,
                  clients=(1, 16, 64, 256), prompt_tokens=128, serve_tokens=128, peer_clients=(16, 64),
                  decode_rung="graphs", larger=("gpt2-medium", "gpt2-large", "gpt2-xl"), llama="smollm2-135m",
-                 qwen="qwen3-0.6b"),
+                 qwen="qwen3-0.6b", preempt_kv_gib=0.045, preempt_block=16, preempt_clients=16),
     "cpu": Sizes(model="debug", large="debug", seq=64, batch=4, train_steps=4, few_steps=2,
                  bench_warmup=1, infer_batches="1,2", infer_seq=64, new_tokens=16, eval_tokens=1024,
                  clients=(1, 2, 4), prompt_tokens=8, serve_tokens=8, peer_clients=(1, 2), decode_rung="kv",
-                 larger=("debug",), llama="llama-tiny", qwen="llama-tiny"),
+                 larger=("debug",), llama="llama-tiny", qwen="llama-tiny", preempt_kv_gib=3.5e-5,
+                 preempt_block=4, preempt_clients=4),
 }
 
 
@@ -84,6 +92,11 @@ class Step:
     # its training checkpoints (DIR/<name>/ckpt-*) are deleted once its figures are read: the larger models' weights
     # and AdamW state would fill the machine's disk
     drop_checkpoints: bool = False
+    # serve: its own loadtests (the name of each one's figures, its argv with URL and MODEL to fill in) instead of
+    # loadtests() at the sizes' client counts
+    loads: list[tuple[str, list[str]]] | None = None
+    # serve: what its figures must show, else the step fails: the reason, or None
+    check: Callable[[dict[str, Any]], str | None] | None = None
 
 
 @dataclasses.dataclass
@@ -118,6 +131,7 @@ def larger_step(model: str) -> str:
 def plan(ctx: Ctx) -> list[Step]:
     """Every step, in order. The limits add up to under BUDGET_S (a test holds them to it)."""
     s, g, p = ctx.sizes, ctx.gptopt, ctx.path
+    c = s.preempt_clients
     data = ("--data_dir", p("data"))
     # --overwrite everywhere: a rerun into the same DIR (after a fix) replaces what the last run wrote there
     def at(model: str) -> tuple[object, ...]:  # a training run of this preset, at the sizes' length
@@ -152,24 +166,24 @@ def plan(ctx: Ctx) -> list[Step]:
              "MFU against the table peak", g("train", *train, "--batch_size", s.batch, "--use_amp", "--compile",
                                             "--max_steps", s.train_steps, "--log_interval", 10, "--output_dir",
                                             p("train"))),
-        Step("train_fp16", 30, "fp16 autocast + GradScaler (loss_scale logged)",
+        Step("train_fp16", 25, "fp16 autocast + GradScaler (loss_scale logged)",
              g("train", *few, "--amp_dtype", "fp16", "--output_dir", p("train_fp16"), "--log_interval", 1),
              cpu=False, group="paths"),
-        Step("train_ckpt", 30, "--gradient_checkpointing",
+        Step("train_ckpt", 25, "--gradient_checkpointing",
              g("train", *few, "--gradient_checkpointing", "--output_dir", p("train_ckpt")), group="paths"),
-        Step("train_auto_batch", 30, "--auto_batch_size: the largest micro-batch that fits, accumulation to match",
+        Step("train_auto_batch", 25, "--auto_batch_size: the largest micro-batch that fits, accumulation to match",
              g("train", *few, "--auto_batch_size", "--gradient_accumulation_steps", 4,
                "--output_dir", p("train_auto_batch")), group="paths"),
-        Step("train_ddp", 30, "torchrun, one process: NCCL process group, distributed sampler, rank-0 saves",
+        Step("train_ddp", 25, "torchrun, one process: NCCL process group, distributed sampler, rank-0 saves",
              [*torchrun, "train", *map(str, few), "--output_dir", p("train_ddp")], group="paths"),
-        Step("train_fsdp", 30, "torchrun --fsdp, one process: FSDP2 sharding, mixed-precision policy, sharded save",
+        Step("train_fsdp", 25, "torchrun --fsdp, one process: FSDP2 sharding, mixed-precision policy, sharded save",
              [*torchrun, "train", *map(str, few), "--fsdp", "--output_dir", p("train_fsdp")], group="paths"),
         # CPU work, so it starts with the path checks: the Hugging Face folder transformers serve needs
-        Step("serve_export", 30, "export --format hf: the served checkpoint as a Hugging Face folder for the serve "
+        Step("serve_export", 25, "export --format hf: the served checkpoint as a Hugging Face folder for the serve "
              "step's transformers serve, its logits checked against transformers'",
              g("export", "--model", "MODEL", "--format", "hf", "--output_dir", p("serve_hf"), "--overwrite"),
              model=True, group="paths"),
-        Step("bench", 80, f"bench: the default ladder on {s.model} at {s.seq} tokens, each rung against the HF "
+        Step("bench", 70, f"bench: the default ladder on {s.model} at {s.seq} tokens, each rung against the HF "
              "baseline",
              g("bench", "--preset", s.model, *data, "--batch_size", s.batch, "--seq_len", s.seq, "--steps",
                10, "--warmup", s.bench_warmup, "--output_dir", p("bench"), "--json", "--overwrite"),
@@ -198,7 +212,7 @@ def plan(ctx: Ctx) -> list[Step]:
         # start and loadtests. The peer comes last and is what a short limit cuts: its figures are a comparison,
         # gptopt's are the step's. In the whole run the limits add up to the budget and the peer gets what the
         # steps before leave unused; a call of the serving steps alone (--only train,serve) leaves it the budget.
-        Step("serve", 69, f"serve on a free port with its defaults but --max_batch_size {max(s.clients)} (on the GPU "
+        Step("serve", 59, f"serve on a free port with its defaults but --max_batch_size {max(s.clients)} (on the GPU "
              "the eager decode recorded as a CUDA graph per batch bucket before /ready), loadtest at "
              f"{', '.join(map(str, s.clients))} clients, {s.prompt_tokens}-token prompts, {s.serve_tokens} new "
              f"tokens: start to /ready, TTFT, TPOT, output tokens/s, errors, memory; each beside bench's "
@@ -214,6 +228,19 @@ def plan(ctx: Ctx) -> list[Step]:
                       "--overwrite"),
              peer=[ctx.python, "-m", "transformers.cli.transformers", "serve", "--continuous-batching", "--dtype",
                    "bfloat16", "--host", "127.0.0.1", "--port", "PORT", p("serve_hf")]),
+        # issue 55's paged engine where its KV cache runs out: a budget of a few sequences, more clients than fit;
+        # a path check (its figures say that it preempts and completes, not how fast)
+        Step("serve_preempt", 25, f"serve with --kv_cache_memory {s.preempt_kv_gib:g} (blocks of "
+             f"{s.preempt_block} tokens, fewer than its clients' sequences need), loadtest at {c} clients, then at "
+             f"{c} with a {s.prompt_tokens}-token shared prefix: the start-up line, preemptions and prefix-cache "
+             "hits from /metrics, KV usage at its peak, every request completed",
+             g("serve", "--model", "MODEL", "--host", "127.0.0.1", "--port", "PORT", "--kv_cache_memory",
+               s.preempt_kv_gib, "--block_size", s.preempt_block, "--max_len", 2 * s.prompt_tokens + s.serve_tokens,
+               "--max_batch_size", c), model=True, serve=True, check=preempted_and_completed,
+             loads=[(f"{key}_{c}", g("loadtest", "--url", "URL", "--concurrency", c, "--requests", 2 * c,
+                                     "--tokenizer", "MODEL", "--prompt_tokens", s.prompt_tokens, *shared,
+                                     "--max_tokens", s.serve_tokens, "--json"))
+                    for key, shared in (("clients", ()), ("shared_prefix", ("--shared_prefix", s.prompt_tokens)))]),
         Step("profile", 25, f"profile --preset {s.model} --use_amp: where the time goes, and the fix",
              g("profile", "--preset", s.model, "--use_amp", *data, "--output_dir", p("profile"), "--json",
                "--overwrite"),
@@ -292,6 +319,24 @@ def loadtests(ctx: Ctx, url: str, clients: tuple[int, ...] | None = None,
                            "--json")) for c in (clients or s.clients)]
 
 
+def step_loadtests(ctx: Ctx, step: Step, url: str, model: str = "MODEL") -> list[tuple[str, list[str]]]:
+    """A serve step's loadtests, each with the name of its figures: the step's own (URL and MODEL filled in), or
+    loadtests() at the sizes' client counts."""
+    if step.loads is None:
+        return [(f"clients_{c}", argv) for c, argv in loadtests(ctx, url, model=model)]
+    return [(key, [url if a == "URL" else model if a == "MODEL" else a for a in argv]) for key, argv in step.loads]
+
+
+def preempted_and_completed(figures: dict[str, Any]) -> str | None:
+    """serve_preempt's check: every loadtest sent all its requests, none failed, and the server preempted."""
+    rows = {k: v for k, v in figures.items() if isinstance(v, dict) and "requests" in v}
+    if bad := [k for k, v in rows.items() if v.get("errors") or v.get("completed") != v.get("requests")]:
+        return f"requests failed in {', '.join(bad)}"
+    if not sum(v.get("preemptions") or 0 for v in rows.values()):
+        return "no request was preempted: the KV cache held every client's sequence"
+    return None
+
+
 def phases(steps: list[Step]) -> list[list[Step]]:
     """Consecutive steps of one group form one phase; every other step is a phase of its own."""
     out: list[list[Step]] = []
@@ -318,7 +363,7 @@ def planned(step: Step, ctx: Ctx) -> dict[str, Any]:
     if step.decode:
         res["decode"] = shlex.join(step.decode)
     if step.serve:
-        res["loadtests"] = [shlex.join(a) for _, a in loadtests(ctx, "http://127.0.0.1:PORT")]
+        res["loadtests"] = [shlex.join(a) for _, a in step_loadtests(ctx, step, "http://127.0.0.1:PORT")]
     if step.peer:
         res["peer"] = shlex.join(step.peer)
         res["peer_loadtests"] = [shlex.join(a) for _, a in loadtests(ctx, "http://127.0.0.1:PORT",

@@ -5,8 +5,8 @@
 
 A step past its limit gets SIGINT, then SIGTERM and SIGKILL to its group (GRACE_S apart); time a step
 leaves unused goes to the later ones; a SIGTERM to the runner (a lease ending) stops every running step,
-marks it `cut off`, and saves. The serve step is driven here: bench's decode, gptopt serve under
-loadtest, then transformers serve alike.
+marks it `cut off`, and saves. The serve steps are driven here: bench's decode, gptopt serve under
+loadtest (its /metrics scraped while each runs), then transformers serve alike.
 """
 
 from __future__ import annotations
@@ -20,13 +20,37 @@ import shlex
 import shutil
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from gpu_check_figures import DECODE_GRAPHS, FIGURES, _gib, _json, _r, compared, decode_rates
-from gpu_check_plan import CPU_LIMIT_S, MODEL_FROM, RANDOM_WEIGHTS, ROOT, Ctx, Step, loadtests, phases, planned, resolve
+from gpu_check_figures import (
+    DECODE_GRAPHS,
+    FIGURES,
+    _gib,
+    _json,
+    _r,
+    compared,
+    decode_rates,
+    kv_metrics,
+    kv_plan,
+    metric_samples,
+)
+from gpu_check_plan import (
+    CPU_LIMIT_S,
+    MODEL_FROM,
+    RANDOM_WEIGHTS,
+    ROOT,
+    Ctx,
+    Step,
+    loadtests,
+    phases,
+    planned,
+    resolve,
+    step_loadtests,
+)
 from gpu_check_procs import _env, _free_port, _get, _gone, _killpg, _start, _stop, _tail
 from gpu_check_record import summary_text, write_atomic
 
@@ -206,8 +230,8 @@ class Runner:
         deadline = start + limit
         figures: dict[str, Any] = {}
         res["figures"] = figures
-        for name in ("serve.log", "serve_loadtest.log", "serve_decode.log", "serve_peer.log"):
-            (self.ctx.out / name).unlink(missing_ok=True)
+        for name in ("", "_loadtest", "_decode", "_peer"):
+            (self.ctx.out / f"{step.name}{name}.log").unlink(missing_ok=True)
         _say(f"== {step.name} (limit {limit:.0f}s)")
         status, note, rc = "ok", "", None
         try:
@@ -280,19 +304,27 @@ class Runner:
                 time.sleep(0.25)
             else:
                 figures["ready_s"] = round(time.monotonic() - start, 1)
-                graphs = DECODE_GRAPHS.search(log.read_text(errors="replace")) if log.exists() else None
+                text = log.read_text(errors="replace") if log.exists() else ""
+                if plan := kv_plan(text):  # the start-up line: the KV cache's memory, tokens and blocks
+                    figures["kv_cache"] = plan
+                graphs = DECODE_GRAPHS.search(text)
                 if graphs:  # the engine's warm-up line: the compiled decode's buckets and their build time
                     figures["decode_buckets"], figures["decode_graphs_s"] = graphs[1], float(graphs[2])
                 figures["memory_at_ready"] = _server_memory(url)
-                for clients, lt in loadtests(self.ctx, url, model=res.get("model") or "MODEL"):
+                for key, lt in step_loadtests(self.ctx, step, url, res.get("model") or "MODEL"):
                     left = deadline - time.monotonic()
                     if left < 3:
-                        status, note = "timeout", f"no time left for {clients} clients"
+                        status, note = "timeout", f"no time left for {key}"
                         break
-                    figures[f"clients_{clients}"] = self._loadtest(lt, left, clients)
-                    if figures[f"clients_{clients}"].get("status") != "ok":
+                    with _KVWatch(url) as kv:  # the KV cache's usage at its peak, preemptions and prefix hits
+                        row = self._loadtest(lt, left, key, log=step.name)
+                    figures[key] = {**row, **kv.figures}
+                    if row.get("status") != "ok":
                         status = "failed"
                 figures["memory_at_end"] = _server_memory(url)
+                figures["kv_at_end"] = kv_metrics(_scrape(url))
+                if status == "ok" and step.check and (why := step.check(figures)):
+                    status, note = "failed", why
         except BaseException:
             _killpg(server.pid, signal.SIGKILL)
             raise
@@ -355,14 +387,17 @@ class Runner:
                 server.wait(10)
             _gone(server.pid)
 
-    def _loadtest(self, argv: list[str], limit: float, clients: int, server: str = "gptopt serve") -> dict[str, Any]:
-        _say(f"   loadtest {clients} clients ({server}): {shlex.join(argv)}")
+    def _loadtest(self, argv: list[str], limit: float, clients: int | str, server: str = "gptopt serve",
+                  log: str = "serve") -> dict[str, Any]:
+        """One loadtest's figures (status "failed" where it exited non-zero: its summary kept, if it printed one)."""
+        label = f"{clients} clients" if isinstance(clients, int) else clients
+        _say(f"   loadtest {label} ({server}): {shlex.join(argv)}")
         try:
             done = subprocess.run(argv, cwd=ROOT, env=_env(), capture_output=True, timeout=limit)
         except subprocess.TimeoutExpired:
             return {"status": "timeout"}
-        with open(self.ctx.out / "serve_loadtest.log", "ab") as f:
-            f.write(b"\n--- loadtest %d clients, %s\n" % (clients, server.encode()) + done.stderr + done.stdout)
+        with open(self.ctx.out / f"{log}_loadtest.log", "ab") as f:
+            f.write(b"\n--- loadtest %s, %s\n" % (label.encode(), server.encode()) + done.stderr + done.stdout)
         summary = None
         for line in reversed(done.stdout.decode(errors="replace").splitlines()):
             try:
@@ -370,11 +405,11 @@ class Runner:
                 break
             except ValueError:
                 continue
-        if done.returncode != 0 or not isinstance(summary, dict):
+        if not isinstance(summary, dict):
             return {"status": "failed", "rc": done.returncode, "tail": done.stderr.decode(errors="replace")[-400:]}
-        keep = ("requests", "errors", "output_tokens", "requests_per_s", "output_tokens_per_s", "ttft_s", "tpot_s",
-                "server_memory", "server_device_memory")
-        row: dict[str, Any] = {"status": "ok"}
+        keep = ("requests", "completed", "errors", "output_tokens", "requests_per_s", "output_tokens_per_s", "ttft_s",
+                "tpot_s", "server_memory", "server_device_memory")
+        row: dict[str, Any] = {"status": "ok"} if done.returncode == 0 else {"status": "failed", "rc": done.returncode}
         for k in keep:
             v = summary.get(k)
             if isinstance(v, dict) and k.startswith("server_"):  # bytes -> GiB
@@ -491,20 +526,49 @@ def _peer_exit(rc: int | None, tail: str) -> dict[str, Any]:
     return {"status": "failed", "note": f"exited with {rc} before /v1/models answered", "tail": tail[-400:]}
 
 
-def _server_memory(url: str) -> dict[str, Any]:
-    """The server's resident memory and, on a GPU, its device memory, from /metrics. (loadtest reads the
-    same figures with its own parser; this runner imports nothing of gptopt's: it runs before the install.)"""
+def _scrape(url: str) -> dict[str, float]:
+    """The server's /metrics, each unlabelled sample by name ({} where it cannot be read)."""
     try:
         with urllib.request.urlopen(f"{url}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except Exception as e:
-        return {"unreadable": str(e)[:100]}
-    out: dict[str, Any] = {}
-    for line in text.splitlines():
-        name, _, value = line.partition(" ")
-        if name == "process_resident_memory_bytes" or name.startswith("gptopt_device_memory"):
-            try:
-                out[name.removesuffix("_bytes") + "_gib"] = _gib(float(value))
-            except ValueError:
-                continue
-    return out
+            return metric_samples(r.read().decode())
+    except Exception:
+        return {}
+
+
+def _server_memory(url: str) -> dict[str, Any]:
+    """The server's resident memory and, on a GPU, its device memory, from /metrics."""
+    samples = _scrape(url)
+    if not samples:
+        return {"unreadable": f"no /metrics at {url}"}
+    return {name.removesuffix("_bytes") + "_gib": _gib(v) for name, v in samples.items()
+            if name == "process_resident_memory_bytes" or name.startswith("gptopt_device_memory")}
+
+
+class _KVWatch:
+    """/metrics scraped while a loadtest runs: the KV cache's usage at its peak (the gauge reads the blocks requests
+    hold now, and they are freed when the load ends), and the preemptions and prefix-cache hits it caused."""
+
+    # a scrape is a small request beside the load's: a few a second cannot move its figures (a load shorter than
+    # this may end between two, and its peak reads 0)
+    EVERY_S = 0.2
+
+    def __init__(self, url: str) -> None:
+        self.url, self.peak, self.figures = url, None, {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> _KVWatch:
+        self.before = _scrape(self.url)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.EVERY_S):
+            usage = _scrape(self.url).get("gptopt_kv_cache_usage_perc")
+            if usage is not None:
+                self.peak = max(self.peak or 0.0, usage)
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+        self.figures = kv_metrics(_scrape(self.url), self.before, self.peak)

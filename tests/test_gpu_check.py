@@ -116,8 +116,8 @@ def test_every_gptopt_command_of_the_plan_parses(target: str, tmp_path: Path) ->
     for step in gc_plan.plan(ctx):
         argvs.append(gc_plan.resolve(step.argv, str(tmp_path / "model"), 8000))
         if step.serve:
-            argvs += [argv for _, argv in gc_plan.loadtests(ctx, "http://127.0.0.1:8000",
-                                                            model=str(tmp_path / "model"))]
+            argvs += [argv for _, argv in gc_plan.step_loadtests(ctx, step, "http://127.0.0.1:8000",
+                                                                 model=str(tmp_path / "model"))]
         argvs += [step.decode] if step.decode else []
     parsed = 0
     for argv in argvs:
