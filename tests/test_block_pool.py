@@ -81,3 +81,20 @@ def test_without_caching_nothing_is_found() -> None:
     blocks = pool.allocate(1)
     pool.register(blocks, [1, 2], 0)
     assert pool.lookup([1, 2, 3]) == [] and pool.cached == 0
+
+
+def test_blocks_chained_on_a_duplicate_are_not_found_once_its_registered_copy_holds_other_tokens() -> None:
+    """Two sequences computed P at once (the second copy chains on the first); the first copy is reclaimed for X:
+    the second sequence's next block, computed after P, must not be found after X."""
+    P, X, T = [1, 2, 3, 4], [9, 9, 9, 9], [5, 6, 7, 8]
+    pool = BlockPool(4, 4)
+    a = pool.allocate(1)
+    pool.register(a, P, 0)
+    b = pool.allocate(2)
+    pool.register(b, P, 0)  # a duplicate of a
+    pool.release(a)
+    pool.allocate(1)
+    assert pool.allocate(1) == a  # a, reclaimed
+    pool.register(a, X, 0)
+    pool.register(b, P + T, 1)
+    assert pool.lookup(X + T) == a

@@ -155,3 +155,36 @@ def test_mixed_workloads_leak_no_block(model: GPT) -> None:
             if i not in cancel:
                 assert got[i] == alone(model, [p], q)[0], (i, sched.preemptions)
     assert preempted > 0  # the workload did make the scheduler preempt
+
+
+def run_scored(gen: Generator, prompt: list[int], prefill_chunk: int = 512) -> Decoding:
+    """A prompt scored (prompt_logprobs 1, one new token) through a scheduler of its own: its Decoding."""
+    seq = gen.new(prompt, SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=1))
+    run(Scheduler(gen, prefill_chunk=prefill_chunk), [seq])
+    return seq
+
+
+def test_a_scored_prompt_preempted_while_prefilling_is_scored_once(model: GPT) -> None:
+    gen = Generator(model, CPU, max_batch_size=2, max_len=64, kv_blocks=8, block_size=8)
+    sched = Scheduler(gen, prefill_chunk=4)
+    first = gen.new(list(range(1, 16)), dataclasses.replace(GREEDY, max_new_tokens=40))
+    scored = gen.new(list(range(100, 140)), SamplingParams(temperature=0, max_new_tokens=1, prompt_logprobs=1))
+    run(sched, [first, scored])
+    assert scored.preemptions >= 1  # the older request's decode took its blocks mid-prefill
+    want = run_scored(Generator(model, CPU, max_batch_size=1, max_len=64, block_size=8), list(range(100, 140)))
+    assert [e.token for e in scored.prompt_logprobs] == [e.token for e in want.prompt_logprobs]
+
+
+def test_a_cached_blocks_entries_are_reused_only_where_the_token_after_it_is_the_prompts(model: GPT) -> None:
+    """X and Y share 8 tokens (2 blocks of 4), then differ: the entry of a block's last position scores the
+    token after it, X's, so Y does not take X's entries for it; Y's own second run reuses its own."""
+    context = [10, 11, 12, 13, 14, 15, 16, 17]
+    x, y = context + [35, 36, 37, 38, 39], context + [257, 258, 259, 260, 261]
+    gen = Generator(model, CPU, max_batch_size=2, max_len=32, block_size=4, prefix_cache=True)
+    run_scored(gen, x)
+    run_scored(gen, y)
+    again = run_scored(gen, y)
+    want = run_scored(Generator(model, CPU, max_batch_size=1, max_len=32, block_size=4), y)
+    assert again.reused > 0
+    for got, ref in zip(again.prompt_logprobs, want.prompt_logprobs, strict=True):
+        assert got.token == ref.token and got.logprob == pytest.approx(ref.logprob, abs=1e-4)

@@ -92,7 +92,9 @@ class RepeatedKVCache(PagedKVCache):
         super().__init__(*args, **kwargs)
         self.groups = groups
 
-    def layers(self, write: torch.Tensor, read: torch.Tensor | None, length: int) -> list[KVCacheLayer]:
+    def layers(self, write: torch.Tensor, read: torch.Tensor | None, length: int, *,
+               lengths: torch.Tensor | None = None) -> list[KVCacheLayer]:
+        # the gather path always: the rung times keys and values repeated to every query head
         return [_RepeatedLayer(layer, self.groups) for layer in super().layers(write, read, length)]
 
 

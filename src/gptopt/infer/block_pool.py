@@ -53,9 +53,10 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(1, num_blocks + 1))
         self._key: dict[int, Key] = {}  # registered block -> its key
         self._blocks: dict[Key, int] = {}  # key -> registered block
-        # A full block whose key another block had already (a prefix computed twice at once) -> that block: the
-        # keys of the blocks after it name the registered one, so a lookup follows one chain.
-        self._same: dict[int, int] = {}
+        # A full block whose key another block had already (a prefix computed twice at once) -> that block and its
+        # generation then: the keys of the blocks after it name the registered one, so a lookup follows one chain
+        # (and once that block is reclaimed for other tokens, its new generation matches no key made so).
+        self._same: dict[int, tuple[int, int]] = {}
         # A scored prompt's entries (prompt_logprobs) of the positions a block holds, with their k alternatives:
         # a later prompt that asks for them takes them with the block (lm-evaluation-harness's choices).
         self.scores: dict[int, tuple[int, list[Any]]] = {}
@@ -119,8 +120,8 @@ class BlockPool:
     def _parent(self, blocks: Sequence[int], i: int) -> tuple[int, int]:
         if i == 0:
             return NULL_BLOCK, 0
-        b = self._same.get(blocks[i - 1], blocks[i - 1])
-        return b, self.generation[b]
+        b = blocks[i - 1]
+        return self._same.get(b, (b, self.generation[b]))
 
     def register(self, blocks: Sequence[int], tokens: Sequence[int], start: int) -> None:
         """Blocks start.. of a sequence's table (`blocks`), each full of its tokens (tokens[i * block_size:]), are
@@ -135,14 +136,17 @@ class BlockPool:
                 continue
             key = (*self._parent(blocks, i), tuple(tokens[i * bs : (i + 1) * bs]))
             if key in self._blocks:
-                self._same[b] = self._blocks[key]
+                canon = self._blocks[key]
+                self._same[b] = (canon, self.generation[canon])
             else:
                 self._blocks[key], self._key[b] = b, key
 
     def score(self, block: int, k: int, entries: list[Any]) -> None:
         """A scored prompt's entries of the positions `block` holds, with k alternatives, kept with the block (or
         the registered block of the same tokens) where it has none with as many."""
-        b = self._same.get(block, block)
+        b, generation = self._same.get(block, (block, self.generation[block]))
+        if generation != self.generation[b]:  # the registered copy was reclaimed for other tokens
+            return
         if b in self._key and (b not in self.scores or self.scores[b][0] < k):
             self.scores[b] = (k, entries)
 

@@ -67,6 +67,8 @@ class Decoding:
         """Its slot and blocks were taken back (Generator.preempt): it starts again from admission. Its tokens, its
         random generator and its grammar's state stay, so it goes on as it would have."""
         self.slot, self.cached, self.reused = -1, 0, 0
+        if self.n_new == 0:  # its prompt is prefilled again from the start, and scored again
+            self.prompt_logprobs = []
         self.preemptions += 1
 
     @property

@@ -204,9 +204,11 @@ class Generator:
                 if scored is None or scored[0] < k:
                     del hit[i:]
                     break
-            # the last block's last entry scores the token after it: it must be this prompt's
-            while hit and self.pool.scores[hit[-1]][1][-1].token != seq.ids[len(hit) * self.block_size]:
-                hit.pop()
+            # a block's last entry scores the token after it, which its key does not hold: it must be this prompt's
+            for i, b in enumerate(hit):
+                if self.pool.scores[b][1][-1].token != seq.ids[(i + 1) * self.block_size]:
+                    del hit[i:]
+                    break
         return hit
 
     def admit(self, seq: Decoding, *, spare: int = 0) -> bool:

@@ -304,6 +304,8 @@ def plan_kv(model: nn.Module, device: torch.device, *, max_len: int, max_batch_s
                     f"{rows} requests, each read to the longest one's length) takes {gib(fwd)} of it; {lower}, or "
                     f"lower --max_batch_size, or "
                     f"use --dtype bf16")
+    if rows > blocks:  # a running request holds a block at least: more rows than blocks never run at once
+        rows, batch_note = blocks, " (one block each at least: the pool's blocks)"
     plan = KVPlan(num_blocks=blocks, block_size=block_size, block_bytes=per_block, max_batch_size=rows,
                   max_len=max_len, forward=fwd, source=source, batch_note=batch_note)
     if plan.bytes + plan.forward > limit:

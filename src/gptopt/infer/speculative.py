@@ -290,13 +290,20 @@ def build(cfg: Any, gen: Generator, tokenizer: Tokenizer, plan: DevicePlan) -> S
     same_tokenizer(tokenizer, draft_tok, f"--draft_model {cfg.draft_model}")
     max_len = min(draft.config.block_size, gen.max_len)
     dtype = draft.transformer.wte.weight.dtype
-    memory_check.require(generator_memory.inference_bytes(draft.config, gen.max_batch_size, max_len, dtype=dtype
-                                                ).without("weights"), plan.device,
-                   f"the draft's KV cache ({gen.max_batch_size} slots of {max_len} tokens)",
-                   "use a smaller --draft_model, or fewer --max_batch_size slots")
+    # The draft's own pool: a sequence's draft holds at most its tokens and the lookahead, and the model's pool
+    # bounds the running sequences' tokens, so as many blocks, and a lookahead's more for each sequence, suffice.
+    lookahead = -(-cfg.num_speculative_tokens // gen.block_size) + 1
+    blocks = gen.num_blocks + gen.max_batch_size * lookahead
+    need = memory_check.Estimate({
+        "KV cache": generator_memory.pool_bytes(draft.config, blocks, gen.block_size, dtype),
+        # a draft prefills a sequence's whole prompt in one forward (ModelDrafter.propose)
+        "forward": generator_memory.forward_bytes(draft.config, prefill_chunk=max_len,
+                                                  max_batch_size=gen.max_batch_size, max_len=max_len, dtype=dtype)})
+    memory_check.require(need, plan.device, f"the draft's KV cache ({blocks:,} blocks of {gen.block_size} tokens)",
+                         "use a smaller --draft_model, or a smaller --kv_cache_memory or --max_batch_size")
     log.info("drafting with %s (%.1f M parameters, context %d)", cfg.draft_model,
              sum(p.numel() for p in draft.parameters()) / 1e6, max_len)
     # --compile compiles the draft's decode too: a small model's step is mostly the overhead compiling removes
     drafter = ModelDrafter(Generator(draft, plan, max_batch_size=gen.max_batch_size, max_len=max_len,
-                                     compile=cfg.compile))
+                                     kv_blocks=blocks, block_size=gen.block_size, compile=cfg.compile))
     return Speculator(drafter, cfg.num_speculative_tokens)

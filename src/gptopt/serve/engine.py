@@ -302,7 +302,9 @@ class Engine:
                 g.free(slot)
             # reduce-overhead's CUDA graphs: a shape's first calls warm up, a later one records its graph
             repeats = 3 if g.compiled and g.device.type == "cuda" else 1
-            shapes = g.buckets if g.bucketed else [g.max_batch_size]
+            # no batch larger than the pool's blocks ever runs: a running request holds one at least
+            shapes = [b for b in g.buckets if b <= g.num_blocks] if g.bucketed else [min(g.max_batch_size,
+                                                                                       g.num_blocks)]
             try:
                 for i, rows in enumerate(shapes):
                     log.info("warm-up: a decode step of %d rows (%d of %d)", rows, i + 1, len(shapes))
