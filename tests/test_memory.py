@@ -21,7 +21,7 @@ import torch
 
 from gptopt import cli
 from gptopt.config import TrainConfig, preset
-from gptopt.infer import generator_memory
+from gptopt.infer import generator_memory, paged_attention
 from gptopt.infer.generator import Generator
 from gptopt.infer.generator_memory import inference_bytes
 from gptopt.models import flops
@@ -170,8 +170,10 @@ def test_the_plan_of_each_family_is_the_pool_a_generator_allocates_and_within_15
             gen.decode(slots, [1] * rows, [T - 1] + [2 + width] * (rows - 1))
     planned = generator_memory.prefill_bytes(config, chunk, T, rows=rows, dtype=dtype)
     assert 0.85 * prefill.peak <= planned <= 1.15 * prefill.peak, (planned, prefill.peak)
-    planned = generator_memory.decode_bytes(config, rows, T, dtype=dtype)
-    assert 0.85 * decode.peak <= planned <= 1.15 * decode.peak, (planned, decode.peak)
+    # on a CPU the decode's attention reads the blocks in place where the kernel is built (paged_attention.py)
+    in_place = paged_attention.kernel() is not None
+    planned = generator_memory.decode_bytes(config, rows, T, dtype=dtype, in_place=in_place)
+    assert 0.85 * decode.peak <= planned <= 1.15 * decode.peak, (planned, decode.peak, in_place)
 
 
 def test_each_suggested_fix_makes_the_step_smaller() -> None:

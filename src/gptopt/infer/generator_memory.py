@@ -120,7 +120,9 @@ def decode_bytes(config: GPTConfig, rows: int, attended: int, *, dtype: torch.dt
     _, row_widths, _ = live_widths(config, decode=True)
     eager = config.attention == "eager"
     # eager attention: its scores and softmax, and a contiguous copy of the gathered keys or values
-    gathered = 0 if in_place else rows * attended * (2 * w * K + (w * K + 2 * w * H if eager else 0))
+    if in_place:  # the peak is a layer's (its keys and values copied once to be written) or the logits after
+        return rows * (w * base + max(w * row_widths + _rotary(config, w) + 2 * w * K, w * mlp, F32 * V))
+    gathered = rows * attended * (2 * w * K + (w * K + 2 * w * H if eager else 0))
     return rows * (w * base + F32 * V) + max(rows * (w * row_widths + _rotary(config, w)) + gathered,
                                              rows * w * mlp)
 
