@@ -78,7 +78,11 @@ MATMUL_OPS = frozenset({
     "aten::addmv", "aten::dot", "aten::einsum", "aten::scaled_dot_product_attention",
     "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    # the CPU layout's products over oneDNN-packed weights (infer/cpu_layout.py)
+    "mkldnn::_linear_pointwise",
 })
+# The namespaces of the ops a CPU step runs: ATen's, and oneDNN's for the CPU layout's packed products
+OP_PREFIXES = ("aten::", "mkldnn::")
 FP32 = frozenset({"float", "float32", "torch.float32"})  # how record_shapes spells float32 input dtypes
 # Ops that only make a new view or an empty tensor: on a CPU they are not work units like kernels are.
 CPU_METADATA_OPS = frozenset({
@@ -322,8 +326,8 @@ def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
             p = p.cpu_parent
         return chain
 
-    aten = [e for e in cpu if e.name.startswith("aten::")]
-    parents = {id(e): [p for p in ancestors(e) if p.name.startswith("aten::")] for e in aten}
+    aten = [e for e in cpu if e.name.startswith(OP_PREFIXES)]
+    parents = {id(e): [p for p in ancestors(e) if p.name.startswith(OP_PREFIXES)] for e in aten}
     outer_matmul = {id(p) for e in aten if e.name in MATMUL_OPS for p in parents[id(e)] if p.name in MATMUL_OPS}
     gpu = any(e.device_type == DeviceType.CUDA for e in events)
     records = []
@@ -339,7 +343,7 @@ def trace_ops(events: Sequence[FunctionEvent]) -> list[OpRecord]:
                 continue
             copy = kind in ("gpu_memcpy", "gpu_memset") or e.name.startswith(("Memcpy", "Memset"))
             records.append(OpRecord(**base, kernel=not copy, busy=True))
-        elif e.device_type == DeviceType.CPU and e.name.startswith("aten::"):
+        elif e.device_type == DeviceType.CPU and e.name.startswith(OP_PREFIXES):
             top = not parents[id(e)]
             matmul = e.name in MATMUL_OPS and id(e) not in outer_matmul
             if gpu:  # the device's side of the story comes from its own events
