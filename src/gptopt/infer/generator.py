@@ -35,12 +35,17 @@ from gptopt.runtime.device import DevicePlan
 from gptopt.runtime.torch_private import maybe_mark_dynamic
 from gptopt.utils.errors import UserError
 
-__all__ = ["BLOCK_SIZE", "Generator", "Stepper"]
+__all__ = ["BLOCK_SIZE", "GATHER_CHUNKS", "Generator", "Stepper"]
 
 log = logging.getLogger("gptopt")
 
 # Tokens a KV block holds (vLLM's default too): the unit of memory a sequence takes and of prefix reuse.
 BLOCK_SIZE = 16
+
+# A prefill forward gathers every row's keys and values to its longest row's length: rows x that length is kept
+# within this many prefill budgets (the first row excepted), so one row deep into a long prompt does not make
+# every row of the forward gather its whole context.
+GATHER_CHUNKS = 8
 
 
 class Stepper(Protocol):
@@ -285,23 +290,26 @@ class Generator:
 
     def prefill_step(self, seqs: Sequence[Decoding], budget: int) -> tuple[list[Decoding], torch.Tensor]:
         """One forward over the next chunk of each admitted sequence's tokens to prefill, taken in order while
-        rows x the longest chunk stay within `budget` tokens (the first always runs, cut to `budget`): a long
-        prompt is prefilled over several calls, so the decodes between them wait one chunk at most.
+        rows x the longest chunk stay within `budget` tokens and rows x the longest row's attended positions
+        within GATHER_CHUNKS x `budget` (the first always runs, cut to `budget`): a long prompt is prefilled over
+        several calls, so the decodes between them wait one chunk at most, and a chunk deep into a long prompt
+        runs without rows whose tables would be gathered to its length.
 
         The sequences whose prefill is now complete, and logits (k, V) of their last token (a resumed sequence's
         row is there too: its caller does not sample it)."""
         if budget < 1:
             raise UserError(f"the prefill budget must be >= 1 token, got {budget}")
         rows: list[Decoding] = []
-        width = 0
+        width = reach = 0
         for s in seqs:
             if s.prefilled or s.slot < 0:
                 raise UserError(f"slot {s.slot}'s sequence is already prefilled, or not admitted")
             w = min(budget, max(width, s.target - s.cached))
-            if rows and w * (len(rows) + 1) > budget:
+            r = max(reach, s.cached + min(w, s.target - s.cached))  # the longest row's attended positions
+            if rows and (w * (len(rows) + 1) > budget or r * (len(rows) + 1) > GATHER_CHUNKS * budget):
                 break
             rows.append(s)
-            width = w
+            width, reach = w, r
         chunks = [s.ids[s.cached : min(s.cached + width, s.target)] for s in rows]
         scored = [i for i, s in enumerate(rows) if s.params.prompt_logprobs is not None and not s.resumed]
         if not scored:

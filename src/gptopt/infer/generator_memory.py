@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from gptopt.config import GPTConfig
+from gptopt.infer.generator import GATHER_CHUNKS
 from gptopt.models.flops import param_count
 from gptopt.models.gpt import CAUSAL_SPLIT_MIN
 from gptopt.runtime import memory_check
@@ -129,11 +130,15 @@ def decode_bytes(config: GPTConfig, rows: int, attended: int, *, dtype: torch.dt
 
 def forward_bytes(config: GPTConfig, *, prefill_chunk: int, max_batch_size: int, max_len: int,
                   dtype: torch.dtype | None = None, in_place: bool = False) -> int:
-    """The largest forward a generator runs: a prefill chunk of `prefill_chunk` tokens (as many rows as it may
-    hold) with a row at the end of a max_len sequence, or a decode step of max_batch_size rows, one of them
-    max_len long: every row is read to the longest one's length (gathered, unless in_place: decode_bytes)."""
+    """The largest forward a generator runs: a prefill chunk of `prefill_chunk` tokens, one row at the end of a
+    max_len sequence, or as many rows as it may hold, their gathered positions within GATHER_CHUNKS chunks
+    (Generator.prefill_step); or a decode step of max_batch_size rows, one of them max_len long: every row is read
+    to the longest one's length (gathered, unless in_place: decode_bytes)."""
     chunk = min(prefill_chunk, max_len)
-    return max(prefill_bytes(config, chunk, max_len, rows=min(chunk, max_batch_size), dtype=dtype),
+    rows = max(1, min(chunk, max_batch_size))
+    many = prefill_bytes(config, chunk, max(chunk, min(max_len, GATHER_CHUNKS * chunk // rows)), rows=rows,
+                         dtype=dtype)
+    return max(prefill_bytes(config, chunk, max_len, rows=1, dtype=dtype), many,
                decode_bytes(config, max_batch_size, max_len, dtype=dtype, in_place=in_place))
 
 
