@@ -530,6 +530,8 @@ plan = resolve("cpu", quiet=True)
 kv = generator_memory.plan_kv(model, plan.device, max_len=max_len, max_batch_size=rows, prefill_chunk=chunk,
                               block_size=16, kv_cache_memory=gib)
 gen = Generator(model, plan, max_batch_size=rows, max_len=max_len, kv_blocks=kv.num_blocks, block_size=16)
+for t in gen.cache.tensors:  # a pool's pages are mapped as its blocks are first written: all of them, as when full
+    t.fill_(0)
 prompts = [[(7 * i + j) % 1000 + 1 for j in range(chunk // rows)] for i in range(rows)]
 generate(gen, prompts, SamplingParams(max_new_tokens=4, temperature=0.0))
 done.set()
@@ -568,3 +570,17 @@ def test_a_gpu_servers_default_pool_fills_0_9_of_the_device_and_then_runs() -> N
         model(torch.zeros(1, 512, dtype=torch.long, device=device))
     torch.cuda.synchronize(device)
     del pool
+
+
+def test_a_cpu_pool_takes_its_memory_as_its_blocks_are_first_written() -> None:
+    """A CPU pool of gigabytes is ready at once: its pages are mapped as its blocks are first written, so a
+    long-context model's default pool does not hold its start-up for the seconds writing its zeros took."""
+    import psutil
+
+    from gptopt.infer.kv_cache import PagedKVCache
+
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    cache = PagedKVCache(preset("debug"), 1 << 16, 16, device="cpu", dtype=torch.float32)
+    assert cache.nbytes() >= 1 << 30 and proc.memory_info().rss - before < cache.nbytes() // 8
+    assert not cache.k[0][:64].any() and not cache.v[-1][-64:].any()  # zeros all the same

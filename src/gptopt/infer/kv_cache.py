@@ -12,6 +12,9 @@ blocks point at NULL_BLOCK, which is masked like any key not yet written.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 from gptopt.config import GPTConfig
@@ -59,6 +62,17 @@ class _LayerView:
         return keys.transpose(1, 2), values.transpose(1, 2)  # (B, nkv, S, hs)
 
 
+def _zeros(shape: tuple[int, ...], device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros, not empty: a masked key's value still enters the gathered attention's weighted sum (times zero), and
+    NaN garbage would not vanish. On a CPU from calloc (numpy's zeros), whose large allocations are pages the kernel
+    maps zeroed on first touch: a pool of gigabytes is ready at once, where writing its zeros took seconds, and
+    its memory is taken as blocks are first used."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, device=device, dtype=dtype)
+    raw = np.zeros(math.prod(shape) * dtype.itemsize, dtype=np.uint8)
+    return torch.from_numpy(raw).view(dtype).view(shape)
+
+
 class PagedKVCache:
     """Keys and values of `blocks` blocks of `block_size` tokens, every layer: (blocks, block_size, kv_heads,
     head_dim) each, kv_heads the model's key/value heads (fewer than its query heads under grouped-query
@@ -67,10 +81,8 @@ class PagedKVCache:
     def __init__(self, config: GPTConfig, blocks: int, block_size: int, *, device: torch.device | str,
                  dtype: torch.dtype) -> None:
         shape = (blocks, block_size, config.kv_heads, config.head_dim)
-        # zeros, not empty: a masked key's value still enters the weighted sum (times zero), and NaN garbage would
-        # not vanish
-        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.n_layer)]
+        self.k = [_zeros(shape, device, dtype) for _ in range(config.n_layer)]
+        self.v = [_zeros(shape, device, dtype) for _ in range(config.n_layer)]
         self.blocks, self.block_size, self.device = blocks, block_size, torch.device(device)
 
     @property
