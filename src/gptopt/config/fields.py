@@ -33,7 +33,7 @@ MAX_STEPS = 10**9  # optimizer or timed steps: GPT-2 trained for ~0.8M
 MAX_TOKENS = 10**15  # training tokens: 1000x GPT-3's 300B
 MAX_NEW_TOKENS = 1 << 20  # generated tokens per request or prompt: as long as the longest context
 MAX_THREADS = 4096  # torch threads of one process: past the cores of the largest servers sold
-MAX_SLOTS = 4096  # KV-cache slots of a server: far past where one GPU's decode step stops gaining throughput
+MAX_SLOTS = 4096  # requests a server runs at once: far past where one GPU's decode step stops gaining throughput
 # Worker processes or threads: beyond 4 per core they only contend for the cores and each costs memory.
 MAX_WORKERS = max(8, 4 * (os.cpu_count() or 1))
 MAX_SEED = 2**63 - 1  # numpy's and torch's generators accept seeds in [0, 2**63)

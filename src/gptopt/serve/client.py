@@ -20,7 +20,7 @@ from gptopt.serve.events import FinishReason, TokenSink
 
 
 class RetryAfter:
-    """Retry-After for a 429: the waiting requests per slot times a moving average of request latency."""
+    """Retry-After for a 429: the waiting requests per running place times a moving average of request latency."""
 
     def __init__(self) -> None:
         self.mean_latency = 1.0
@@ -30,7 +30,7 @@ class RetryAfter:
         self.mean_latency = 0.9 * self.mean_latency + 0.1 * latency
 
     def seconds(self, waiting: int, slots: int) -> int:
-        """Whole seconds until a slot is likely free for one more request, 1 to 60."""
+        """Whole seconds until a running place is likely free for one more request, 1 to 60."""
         return int(min(60, max(1, math.ceil((waiting + 1) / slots * self.mean_latency))))
 
 

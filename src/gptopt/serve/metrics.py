@@ -58,10 +58,12 @@ class ServeMetrics:
                              buckets=TOKEN_BUCKETS, registry=r)
         self.e2e = Histogram("gptopt_e2e_request_latency_seconds", "submit to last token of a request",
                              buckets=REQUEST_BUCKETS, registry=r)
-        self.queue_time = Histogram("gptopt_queue_time_seconds", "submit to admission into a KV-cache slot",
+        self.queue_time = Histogram("gptopt_queue_time_seconds", "submit to admission into the running batch",
                                     buckets=WAIT_BUCKETS, registry=r)
-        self.running = Gauge("gptopt_requests_running", "requests holding a KV-cache slot", registry=r)
-        self.waiting = Gauge("gptopt_requests_waiting", "requests queued for a slot", registry=r)
+        self.running = Gauge("gptopt_requests_running", "requests running: admitted, holding KV-cache blocks",
+                             registry=r)
+        self.waiting = Gauge("gptopt_requests_waiting", "requests waiting to be admitted (preempted ones included)",
+                             registry=r)
         self.prompt_tokens = Counter("gptopt_prompt_tokens", "prompt tokens of the requests admitted (prefilled, or "
                                      "taken from the prefix cache)", registry=r)
         # in tokens, as vLLM's vllm:prefix_cache_queries and vllm:prefix_cache_hits: hits / queries is the share of
