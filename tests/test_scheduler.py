@@ -188,3 +188,15 @@ def test_a_cached_blocks_entries_are_reused_only_where_the_token_after_it_is_the
     assert again.reused > 0
     for got, ref in zip(again.prompt_logprobs, want.prompt_logprobs, strict=True):
         assert got.token == ref.token and got.logprob == pytest.approx(ref.logprob, abs=1e-4)
+
+
+def test_a_chat_turn_reuses_the_blocks_of_the_turn_before_it_reply_included(model: GPT) -> None:
+    """A conversation resends its history: the next turn's prompt (the last prompt, its reply, a new message) starts
+    from the blocks the last turn wrote, its reply's tokens included, not only from its prompt's."""
+    gen = Generator(model, CPU, max_batch_size=2, max_len=64, block_size=8, prefix_cache=True)
+    first = [3 + i % 50 for i in range(13)]
+    (reply,) = generate(gen, [first], dataclasses.replace(GREEDY, max_new_tokens=20))
+    turn = gen.new(first + reply + [7, 8, 9], GREEDY)
+    run(Scheduler(gen), [turn])
+    written = len(first) + len(reply) - 1  # the reply's last token was sampled, never written
+    assert turn.reused == written // 8 * 8 > len(first)
