@@ -47,6 +47,20 @@ def test_param_count_is_the_models(name: str, overrides: dict[str, object]) -> N
     assert flops.param_count(cfg) == model.num_params()
 
 
+# A script's lines that sample its process's resident memory every millisecond from there on, into peak[0]
+# (rss0: the memory then), until done is set; the scripts below start them where what they measure begins.
+SAMPLE_RSS = """
+proc = psutil.Process()
+rss0 = proc.memory_info().rss
+peak, done = [rss0], threading.Event()
+def sample():
+    while not done.is_set():
+        peak[0] = max(peak[0], proc.memory_info().rss)
+        time.sleep(0.001)
+sampler = threading.Thread(target=sample)
+sampler.start()
+"""
+
 # A fresh process, its resident memory sampled every millisecond while it takes two steps (so that AdamW's
 # state exists at the second one's peak): the step's growth over the memory before it, with no earlier
 # test's memory in the way. Not ru_maxrss: importing torch can peak above the step and hide it.
@@ -62,16 +76,7 @@ plan = resolve("cpu", amp, quiet=True)
 model = GPT(cfg).train()
 step = TrainStep(model, model, plan, TrainConfig(preset="tiny"))
 x = torch.randint(0, cfg.vocab_size, (B, T))
-proc = psutil.Process()
-rss0 = proc.memory_info().rss
-peak, done = [rss0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.001)
-sampler = threading.Thread(target=sample)
-sampler.start()
-for i in range(2):
+""" + SAMPLE_RSS + """for i in range(2):
     step(i, lambda micro: (x, x))
 done.set()
 sampler.join()
@@ -513,16 +518,7 @@ from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import give_back_host_memory, resolve
 name, max_len, rows, chunk, gib = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-proc = psutil.Process()
-rss0 = proc.memory_info().rss
-peak, done = [rss0], threading.Event()
-def sample():
-    while not done.is_set():
-        peak[0] = max(peak[0], proc.memory_info().rss)
-        time.sleep(0.001)
-sampler = threading.Thread(target=sample)
-sampler.start()
-torch.manual_seed(0)
+""" + SAMPLE_RSS + """torch.manual_seed(0)
 with torch.no_grad():
     model = inference_layout(GPT(preset(name)).eval(), "cpu")
 give_back_host_memory()

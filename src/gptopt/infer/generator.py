@@ -435,9 +435,11 @@ class Generator:
         del held[start:]
         held.extend(tokens)
 
-    def _row_of(self, slot: int, p: int) -> int:
-        """The pool row (block x block_size + offset) of the slot's position p."""
-        return self.blocks[slot][p // self.block_size] * self.block_size + p % self.block_size
+    def _write_rows(self, tables: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """(B x T,) the pool row (block x block_size + offset) of each position of pos (B, T), each row's read from
+        its block table (B, max_blocks), on the device."""
+        bs = self.block_size
+        return (tables.gather(1, pos // bs) * bs + pos % bs).view(-1)
 
     @torch.no_grad()
     def prefill(self, slot: int, tokens: list[int], *, every: bool = False) -> torch.Tensor:
@@ -449,7 +451,7 @@ class Generator:
         self.reserve(slot, L)
         idx = self._tensor(tokens).view(1, L)
         pos = torch.arange(L, device=self.device).view(1, L)
-        kv = self.cache.layers(self._tensor([self._row_of(slot, p) for p in range(L)]), None, L)
+        kv = self.cache.layers(self._write_rows(self.tables[slot : slot + 1], pos), None, L)
         # No mask: with S == T the model takes SDPA's causal path (flash kernels where available).
         logits = self.model(idx, pos=pos, kv_cache=kv, last_only=not every)
         self._wrote(slot, 0, tokens)
@@ -480,12 +482,13 @@ class Generator:
         T = max(len(c) for c in chunks)
         tokens = [[0] * (T - len(c)) + c for c in chunks]
         positions = [[0] * (T - len(c)) + list(range(p, p + len(c))) for c, p in zip(chunks, starts, strict=True)]
-        write = [r for s, c, p in zip(slots, chunks, starts, strict=True)
-                 for r in [NULL_BLOCK] * (T - len(c)) + [self._row_of(s, q) for q in range(p, p + len(c))]]
         length = max(p + len(c) for c, p in zip(chunks, starts, strict=True))
         W = -(-length // self.block_size)
         pos = self._tensor(positions).view(B, T)
-        kv = self.cache.layers(self._tensor(write), self.tables[self._tensor(slots), :W], length)
+        tables = self.tables[self._tensor(slots)]
+        padding = torch.arange(T, device=self.device) < T - self._tensor([len(c) for c in chunks])[:, None]
+        write = self._write_rows(tables, pos).masked_fill(padding.view(-1), NULL_BLOCK)  # row 0 of NULL_BLOCK
+        kv = self.cache.layers(write, tables[:, :W], length)
         logits = self.model(self._tensor(tokens).view(B, T), pos=pos, kv_cache=kv,
                             attn_mask=self.cache.mask(pos, length), last_only=not every)
         for s, c, p in zip(slots, chunks, starts, strict=True):
@@ -522,11 +525,10 @@ class Generator:
         """The decode forward of these slots' rows, every index computed on the device from the block tables (a
         compiled graph or a CUDA graph replays it as it is). in_place: the eager step, whose attention may read the
         blocks where they lie (paged_attention.py; a compiled graph gathers them, which inductor can fuse)."""
-        bs = self.block_size
         tables = self.tables[rows]  # (B, max_blocks)
-        write = tables.gather(1, pos // bs).view(-1) * bs + pos.view(-1) % bs
-        W = (length + bs - 1) // bs
-        kv = self.cache.layers(write, tables[:, :W], length, lengths=pos.view(-1) + 1 if in_place else None)
+        W = (length + self.block_size - 1) // self.block_size
+        kv = self.cache.layers(self._write_rows(tables, pos), tables[:, :W], length,
+                               lengths=pos.view(-1) + 1 if in_place else None)
         logits = self.model(tok, pos=pos, kv_cache=kv, attn_mask=self.cache.mask(pos, length))
         return logits[:, -1].float()
 

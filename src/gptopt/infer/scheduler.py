@@ -159,7 +159,7 @@ class Scheduler:
         while True:
             seqs = [s for s in self.running if s.prefilled]
             spec = self.stepper is not None and len(seqs) <= self.speculate_max_batch
-            ahead = getattr(self.stepper, "lookahead", 0) if spec else 0
+            ahead = self.stepper.lookahead if spec and self.stepper is not None else 0
             gen = self.gen
             need = sum(gen.blocks_short(s.slot, min(len(s.ids) + ahead, gen.max_len)) for s in seqs)
             if need <= gen.pool.free or not self.running:
