@@ -1,7 +1,7 @@
 """The serving engine's own rate: closed-loop clients submitting straight to it, no HTTP, no streams.
 
     python benchmarks/engine_rate.py --model DIR [--clients 16] [--requests 256] [--max_tokens 32]
-        [--prompt_tokens 60] [--max_batch_size 64] [--compile] [--solo_threads N] [--thread]
+        [--prompt_tokens 60] [--max_batch_size 64] [--compile] [--solo_threads N] [--thread] [--dtype auto]
 
 The engine is built as `gptopt serve` builds it (serve.startup: the process switches, then build_engine: the
 same slots, warm-up and thread rule) and runs on this script's main thread, as in the engine process; --thread
@@ -118,11 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--solo_threads", type=int, default=None, help="as `gptopt serve --solo_threads`")
     ap.add_argument("--thread", action="store_true", help="the engine in a thread of its own (--no-engine_process)")
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto", help="as `gptopt serve --dtype`")
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds before an unfinished run is stopped")
     args = ap.parse_args(argv)
     try:
         check(args.clients, args.requests)  # before the model loads (and compiles, with --compile: slow)
-        cfg = ServeConfig(model=args.model, device=args.device, compile=args.compile,
+        cfg = ServeConfig(model=args.model, device=args.device, dtype=args.dtype, compile=args.compile,
                           max_batch_size=args.max_batch_size, solo_threads=args.solo_threads)
         set_process_switches(cfg)  # as serve's engine process does where it starts
         engine = build_engine(cfg)

@@ -29,13 +29,22 @@ from gptopt.infer.generator import Generator
 from gptopt.infer.measure import GREEDY, STOPPED, GptoptRunner, Sampling, weight_bytes
 from gptopt.infer.sampling import SamplingParams
 from gptopt.models.gpt import GPT
-from gptopt.runtime.device import resolve
+from gptopt.runtime.device import CPU_BF16_ENV, resolve
 from gptopt.utils import extras
 from gptopt.utils.errors import UserError
 
 CONTRACT = ("name", "prefill_s", "ttft_s", "decode_tokens_per_s", "batch_sweep", "bandwidth_gbs", "bandwidth_util",
             "tokens_match", "status", "note", "speedup_vs_baseline")
 RUNG = {r.name: r for r in RUNGS}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _fp32_policy() -> Iterator[None]:
+    # The rungs' agreement with the fp32 baseline, token for token and to 1e-3 in the logits, is fp32's: these
+    # tests run the CPU policy without native bf16 on every machine (kv-fp32's test sets the other itself).
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(CPU_BF16_ENV, "0")
+        yield
 
 
 @pytest.fixture(autouse=True)
@@ -64,7 +73,7 @@ def test_default_is_every_rung_and_unknown_names_list_the_valid_ones(
 ) -> None:
     assert [r.name for r in select_rungs("default")] == ["hf", "kv", "graphs", "compiled", "bf16", "int8", "int4",
                                                          "onnxruntime", "speculative"]
-    levers = ["kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights"]
+    levers = ["kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights", "kv-fp32", "kv-unstacked", "kv-unfused"]
     assert [r.name for r in select_rungs("levers")] == ["kv", *levers]  # each lever's gain is kv's rate over its rung's
     assert [r.name for r in select_rungs("all")] == [r.name for r in select_rungs("default")] + levers
     assert [r.name for r in select_rungs("kv,hf,kv")] == ["kv", "hf"]
@@ -131,13 +140,16 @@ def test_the_lever_rungs_decode_kvs_tokens_and_report_what_each_lever_buys(train
     assert cli.main(args) == 0
     results = json.loads((tmp_path / "b" / "infer_results.json").read_text())
     rungs = {r["name"]: r for r in results["rungs"]}
-    assert list(rungs) == ["kv", "kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights"]
+    assert list(rungs) == ["kv", "kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights", "kv-fp32", "kv-unstacked",
+                           "kv-unfused"]
     assert len(set(rungs["kv"]["tokens"])) > 3 and rungs["kv"]["lever_gain"] == []
-    for name in ("kv-repeat-kv", "kv-plain-weights"):
+    # fp32 already (this module's policy): nothing for bf16 weights to buy
+    assert rungs["kv-fp32"]["status"] == "skipped" and "float32 here already" in rungs["kv-fp32"]["note"]
+    for name in ("kv-repeat-kv", "kv-plain-weights", "kv-unstacked", "kv-unfused"):
         assert rungs[name]["tokens"] == rungs["kv"]["tokens"] and rungs[name]["max_logit_diff"] < 1e-3, rungs[name]
     kv = {p["batch_size"]: p["tokens_per_s"] for p in rungs["kv"]["batch_sweep"]}
     report_md = (tmp_path / "b" / "infer_report.md").read_text()
-    for name in ("kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights"):
+    for name in ("kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights", "kv-unstacked", "kv-unfused"):
         r = rungs[name]
         own = {p["batch_size"]: p["tokens_per_s"] for p in r["batch_sweep"]}
         assert r["status"] == "ok" and [g["batch_size"] for g in r["lever_gain"]] == [1, 2]
@@ -220,10 +232,26 @@ def test_a_lever_rung_that_has_nothing_to_take_away_here_says_why(train_data: Pa
     assert rungs["kv-repeat-kv"]["status"] == "skipped" and "key/value head per query head" in \
         rungs["kv-repeat-kv"]["note"]
     assert rungs["kv-plain-weights"]["status"] == "ok" and rungs["kv-plain-weights"]["lever_gain"]
+    for name in ("kv-unstacked", "kv-unfused"):  # GPT-2's blocks: no SwiGLU, no RMSNorm, no rotary
+        assert rungs[name]["status"] == "skipped" and "GPT-2's blocks have neither" in rungs[name]["note"]
     # without kv beside it a lever rung has no gain to give, and says how to get one
     assert cli.main(infer_args(train_data, tmp_path / "c", "kv-plain-weights")) == 0
     alone = json.loads((tmp_path / "c" / "infer_results.json").read_text())["rungs"][0]
     assert alone["status"] == "ok" and alone["lever_gain"] == [] and "--rungs levers" in alone["note"]
+
+
+def test_the_fp32_lever_rung_measures_bf16_weights_where_the_cpu_has_native_bf16(
+        train_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Where the CPU has native bf16, kv runs bf16 weights (generate's and serve's default) and kv-fp32 the fp32 ones
+    # it would run without: the same text on these wide random weights for the first tokens, and a gain to report.
+    monkeypatch.setenv(CPU_BF16_ENV, "1")
+    args = infer_args(train_data, tmp_path / "b", "kv,kv-fp32")
+    args[args.index("debug")] = "llama-tiny"
+    assert cli.main(args) == 0
+    kv, fp32 = json.loads((tmp_path / "b" / "infer_results.json").read_text())["rungs"]
+    assert (kv["dtype"], fp32["dtype"]) == ("bfloat16", "float32") and fp32["status"] == "ok"
+    assert fp32["max_logit_diff"] < 1e-3 < kv["max_logit_diff"] < 0.5  # bf16's rounding, and only that
+    assert [g["batch_size"] for g in fp32["lever_gain"]] == [1, 2]
 
 
 @pytest.mark.parametrize(("flags", "want", "label"), [

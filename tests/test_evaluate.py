@@ -186,7 +186,7 @@ def test_bits_per_byte_of_a_text_file_equal_a_plain_forward_of_its_windows(
     text = tmp_path / "held_out.txt"
     text.write_text(HELD_OUT, encoding="utf-8")
     res = run_json(["eval", "--task", "bpb", "--model", str(source), "--data", str(text), "--device", "cpu",
-                    "--batch_size", "2", "--json"], capsys)
+                    "--dtype", "fp32", "--batch_size", "2", "--json"], capsys)
     assert (res["task"], res["tokens"], res["bytes"]) == ("bpb", len(seq) - 1, nbytes)
     assert res["loss"] == pytest.approx(nll / (len(seq) - 1), rel=1e-5)
     assert res["bits_per_byte"] == pytest.approx(nll / math.log(2) / nbytes, rel=1e-5)

@@ -216,7 +216,7 @@ def greedy_text(directory: Path, ids: list[int], n: int, stop: tuple[int, ...] =
     from gptopt.infer.scheduler import generate
     from gptopt.runtime.device import resolve
 
-    plan = resolve("cpu", "fp32", quiet=True)
+    plan = resolve("cpu", quiet=True)  # the weights' default dtype, as generate and serve load them
     model, tok = load_for_inference(str(directory), tokenizer=None, plan=plan)
     out = generate(Generator(model, plan, max_batch_size=1), [ids],
                    SamplingParams(max_new_tokens=n, temperature=0.0, stop_token_ids=stop))

@@ -144,11 +144,11 @@ def test_leaving_a_stream_early_frees_its_slot(varied_model: GPT) -> None:
 
 def test_loaded_for_inference_on_cpu_in_the_fast_layout_with_the_same_tokens(model_dir: Path,
                                                                               varied_model: GPT) -> None:
-    model, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU)
+    model, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU, dtype="fp32")
     assert model.lm_head.weight.t().is_contiguous() and model.lm_head.weight is model.transformer.wte.weight
     plain = checkpoint.load_model(model_dir).eval()
     assert generate(Generator(model, CPU), PROMPTS[:2], GREEDY) == generate(Generator(plain, CPU), PROMPTS[:2], GREEDY)
-    kept, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU, layout=False)
+    kept, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU, dtype="fp32", layout=False)
     assert kept.lm_head.weight.is_contiguous()
 
 

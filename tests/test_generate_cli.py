@@ -111,7 +111,8 @@ def test_cli_prompt_argument_streams_the_completion(model_dir: Path, debug_token
     ids = debug_tokenizer.encode("def f(x):").ids
     eot = debug_tokenizer.token_to_id("<|endoftext|>")  # the CLI stops at the end of a document
     params = dataclasses.replace(GREEDY, max_new_tokens=12, stop_token_ids=(eot,))
-    expected = generate(Generator(varied_model, CPU), [ids], params)[0]
+    loaded, _ = load_for_inference(str(model_dir), tokenizer=None, plan=CPU)  # as the CLI loads it: its dtype
+    expected = generate(Generator(loaded, CPU), [ids], params)[0]
     assert out == debug_tokenizer.decode(expected) + "\n"
     assert "tokens/s" in err
 

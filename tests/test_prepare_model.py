@@ -16,7 +16,14 @@ import torch
 from conftest import graph_ops, make_varied_model
 
 from gptopt.config import preset
-from gptopt.infer.cpu_layout import GEMV_MAX_ROWS, CpuLinear, gemv_linears, inference_layout, packed_products
+from gptopt.infer.cpu_layout import (
+    GEMV_MAX_ROWS,
+    CpuLinear,
+    bf16_packs,
+    gemv_linears,
+    inference_layout,
+    packed_products,
+)
 from gptopt.infer.decode_graphs import compile_decode
 from gptopt.infer.generator import Generator
 from gptopt.infer.sampling import SamplingParams
@@ -97,10 +104,13 @@ def test_cpu_layout_applies_an_mlps_gelu_inside_its_packed_product() -> None:
         torch.testing.assert_close(got_one, ref(one))
 
 
-def test_half_precision_weights_are_not_packed() -> None:
+def test_fp16_weights_are_not_packed_and_bf16_ones_are_where_onednn_runs_bf16() -> None:
+    _, moved = _pair()
+    inference_layout(moved.to(torch.float16), "cpu")
+    assert not any(getattr(m, "packed", None) is not None for m in moved.modules())
     _, moved = _pair()
     inference_layout(moved.to(torch.bfloat16), "cpu")
-    assert not any(getattr(m, "packed", None) is not None for m in moved.modules())
+    assert packed_products(moved) == bf16_packs()
 
 
 def test_layout_saves_and_loads_like_any_model(tmp_path: Path) -> None:
@@ -167,10 +177,10 @@ def test_a_compiled_cpu_decode_keeps_row_major_weights_where_several_rows_use_th
 def test_a_compiled_cpu_decode_without_packed_copies_gets_the_gemm_layout_back() -> None:
     # bench --mode infer sweeps one model through batch 1, 2, 4...: batch 1's multiply-and-sum made
     # the weights row-major, and on them batch 2's compiled GEMMs ran slower than the eager decode
-    # (benchmarks/2026-12-02-inference-ladder.md). bf16 weights have no packed copy: their GEMMs read the
+    # (benchmarks/2026-12-02-inference-ladder.md). fp16 weights have no packed copy: their GEMMs read the
     # weights themselves.
     _, model = _pair()
-    model.to(torch.bfloat16)
+    model.to(torch.float16)
     inference_layout(model, "cpu")
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     assert not packed_products(model)

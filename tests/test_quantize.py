@@ -158,7 +158,7 @@ def test_every_method_writes_a_checkpoint_that_loads_and_generates(
     directory = write(varied_model, tmp_path / "c", record, tokenizer_file)
     assert json.loads((directory / checkpoint.META).read_text())["compression"]["quantize"] == method
     with caplog.at_level("WARNING", logger="gptopt"):
-        model, tok = load_for_inference(str(directory), tokenizer=None, plan=CPU)
+        model, tok = load_for_inference(str(directory), tokenizer=None, plan=CPU, dtype="fp32")
     assert tok.get_vocab_size() == varied_model.config.vocab_size
     out = generate(Generator(model, CPU), [PROMPT], GREEDY)[0]
     assert len(out) == GREEDY.max_new_tokens

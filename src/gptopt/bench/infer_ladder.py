@@ -194,8 +194,13 @@ class InferBench:
             return f"no native bf16 here, it would be emulated and slower ({self.plan.reason})"
         if rung.without == "gqa" and self.model_config.kv_heads == self.model_config.n_head:
             return "this model has a key/value head per query head: nothing is repeated (bench a grouped-query one)"
-        if rung.without == "layout" and self.plan.device.type != "cpu":
+        if rung.without in ("layout", "stack", "fuse") and self.plan.device.type != "cpu":
             return "GPUs keep the weights as loaded in every rung (their products read either layout at full speed)"
+        if rung.without == "bf16" and (self.plan.device.type != "cpu" or self.base_dtype != torch.bfloat16):
+            return f"the weights are {str(self.base_dtype).removeprefix('torch.')} here already: the lever is bf16 " \
+                   "weights on a CPU with native bf16"
+        if rung.without in ("stack", "fuse") and self.model_config.norm != "rmsnorm":
+            return "GPT-2's blocks have neither (a Llama- or Qwen3-shaped model's lever)"
         return None
 
     # -- one rung set up, then every rung side by side -----------------------------------------
@@ -203,7 +208,8 @@ class InferBench:
     def _set_up(self, rung: InferRung) -> tuple[InferResult, _Live | None]:
         """The rung's runner, built and checked (logits against fp32, greedy tokens), its prefill and TTFT
         timed at batch 1. The runner is returned alive for the sweep; none where it is skipped or failed."""
-        dtype = torch.bfloat16 if rung.bf16 or rung.int4 else self.base_dtype
+        dtype = torch.bfloat16 if rung.bf16 or rung.int4 else torch.float32 if rung.without == "bf16" else \
+            self.base_dtype
         label = "int8" if rung.int8 else "int4" if rung.int4 else str(dtype).removeprefix("torch.")
         res = InferResult(name=rung.name, what=rung.what, dtype=label)
         skip = self._skip(rung)
@@ -235,7 +241,8 @@ class InferBench:
         # The transforms generate and serve apply, in their order (dtype, int8 or int4, layout).
         quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
         model = optimize_for_inference(self._model(dtype), self.plan, dtype=dtype, quantize=quantize,
-                                       layout=rung.without != "layout")
+                                       layout=rung.without != "layout", stack=rung.without != "stack",
+                                       fuse=rung.without != "fuse")
         build = {"sampler": HFSamplingGenerator, "gqa": RepeatedKVGenerator}.get(rung.without or "", Generator)
         runner = GptoptRunner(model, self.plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs,
                               speculate=self._speculator(dtype) if rung.speculate else None, build=build)

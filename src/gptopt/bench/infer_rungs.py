@@ -26,8 +26,9 @@ from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 AGREE_TOKENS = 32  # tokens compared with the baseline's: greedy paths may part later on near-ties
-# What a lever rung does the textbook way (LEVERS): the sampler, the grouped-query attention, the CPU weight layout
-Lever = Literal["sampler", "gqa", "layout"]
+# What a lever rung does the textbook way (LEVERS): the sampler, the grouped-query attention, the CPU weight layout,
+# bf16 weights (fp32 instead, where the CPU has native bf16), gate and up stacked, the fused block kernels
+Lever = Literal["sampler", "gqa", "layout", "bf16", "stack", "fuse"]
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,13 @@ LEVERS: list[InferRung] = [
     InferRung("kv-repeat-kv", "kv with the cached keys and values repeated to every query head each step (the "
               "textbook repeat_kv): what attending a grouped-query cache as stored buys", without="gqa"),
     InferRung("kv-plain-weights", "kv with the weights in the layout they load in: what the CPU weight layouts "
-              "buy (column-major, fp32 ones also oneDNN-packed; CPUs only)", without="layout"),
+              "buy (oneDNN-packed products in fp32 and bf16, fp32 ones column-major; CPUs only)", without="layout"),
+    InferRung("kv-fp32", "kv with fp32 weights: what the default bf16 weights buy on a CPU with native bf16",
+              without="bf16"),
+    InferRung("kv-unstacked", "kv with a SwiGLU MLP's gate and up as two products: what stacking them as one "
+              "packed product buys (Llama/Qwen3 on CPUs)", without="stack"),
+    InferRung("kv-unfused", "kv with the blocks' RMSNorm, residual adds and rotary as aten calls: what the fused "
+              "kernels buy (Llama/Qwen3 on CPUs)", without="fuse"),
 ]
 GROUPS = {"default": [r.name for r in RUNGS], "levers": ["kv", *(r.name for r in LEVERS)],
           "all": [r.name for r in RUNGS + LEVERS]}

@@ -185,8 +185,11 @@ def _disk_bytes(source: Path | str, model: nn.Module) -> int:
 
 def measure(cfg: CompressConfig, plan: DevicePlan, data: TokenData, source: Path | str,
             directory: Path) -> dict[str, Any]:
-    """Load the original and the compressed checkpoint as generate does, and measure both."""
-    original, _ = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan)
+    """Load the original and the compressed checkpoint as generate does, and measure both. The original runs in the
+    compressed model's dtype (fp32 for quantised weights on a CPU, load.weights_dtype), so that the ratios are the
+    compression's and not a dtype's."""
+    dtype = "fp32" if plan.device.type == "cpu" and cfg.quantize != "none" else "auto"
+    original, _ = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=dtype)
     compressed, _ = load_for_inference(str(directory), tokenizer=None, plan=plan)
     c = original.config
     prompt_len = min(c.block_size // 2, 128)

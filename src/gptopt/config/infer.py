@@ -74,7 +74,8 @@ class GenerateConfig(SamplingConfig):
     overwrite: bool = opt(False, "replace an existing --output file (written whole: a failed run keeps the old one)")
     batch_size: int = opt(8, "batch mode: prompts decoded together", ge=1, le=MAX_SLOTS)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
+    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs and on CPUs with native bf16, else fp32), bf16, "
+                     "fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
     compile: bool = opt(False, "compile the decode step (reduce-overhead: CUDA graphs on GPUs)")
     cuda_graphs: bool = opt(True, "GPUs, without --compile: record the eager decode step as a CUDA graph per "
@@ -141,7 +142,8 @@ class ServeConfig:
                                "counts as stalled: /health answers 503 and its waiting requests 503 engine_stalled",
                                gt=0.0, le=MAX_SECONDS)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
+    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs and on CPUs with native bf16, else fp32), bf16, "
+                     "fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
     compile: bool = opt(False, "compile the decode step (reduce-overhead: CUDA graphs on GPUs), once per batch "
                         "bucket at start-up: a slower start for faster steps (docs/benchmarks.md, GPU)")
@@ -308,7 +310,8 @@ class EvalConfig:
     batch_size: int = opt(4, "examples per forward, each one row per ending (bpb: windows); memory grows with rows "
                           "x length x vocabulary", ge=1, le=MAX_BATCH)
     device: str = opt("auto", "auto (cuda > mps > cpu), cpu, cuda, cuda:N, mps")
-    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs, fp32 on CPUs), bf16, fp16, fp32",
+    dtype: str = opt("auto", "weights dtype: auto (bf16 on GPUs and on CPUs with native bf16, else fp32), bf16, "
+                     "fp16, fp32",
                      choices=("auto", "bf16", "fp16", "fp32"))
     output_dir: str | None = opt(None, "a directory to write results.json to (new, or empty)",
                                  aliases=("output",))  # the name it had before

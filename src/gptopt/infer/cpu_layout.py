@@ -1,6 +1,7 @@
 """The CPU inference weight layouts, as module types of their own: CpuLinear (an nn.Linear whose weight is
-stored in the layout its products read fastest, with a oneDNN-packed copy for products of several rows) and
-PackedGeluMLP (GPT-2's MLP with its GELU inside c_fc's packed product).
+stored in the layout its products read fastest, with a oneDNN-packed copy for products of several rows, or of
+any rows in bf16), PackedGeluMLP (GPT-2's MLP with its GELU inside c_fc's packed product) and PackedSwiGLU
+(Llama's and Qwen3's MLP with its gate and up projections packed as one product).
 
     python -c "from gptopt.infer.cpu_layout import inference_layout; help(inference_layout)"
 
@@ -15,8 +16,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from gptopt.infer.cpu_fused import fuse_blocks
 from gptopt.models.gpt import MLP, TanhGELU
 from gptopt.runtime.torch_private import onednn_linear, onednn_pack
+
+# The weight dtypes oneDNN's linear runs over a packed copy. bf16 only where its kernels run here (bf16_packs).
+_PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 # Up to this many rows a compiled CPU Linear is a multiply-and-sum (gemv_linears); from 2 rows the
 # GEMM. The sum loops over the rows outermost, so it reads the whole weight once per row, which a large
@@ -90,17 +95,17 @@ class CpuLinear(nn.Linear):
         return linear  # type: ignore[return-value]
 
     def pack(self) -> None:
-        """The oneDNN-packed copy, once (a layout change keeps the values it holds); fp32 weights only: half
-        precision keeps the BLAS (oneDNN's bf16 path depends on the CPU's bf16 support)."""
-        if self.packed is None and self.weight.dtype == torch.float32 and torch.backends.mkldnn.is_available():
+        """The oneDNN-packed copy, once (a layout change keeps the values it holds): fp32 weights, and bf16 ones
+        where oneDNN's bf16 linear runs (bf16_packs); fp16 keeps the BLAS."""
+        if self.packed is None and packable(self.weight.dtype):
             self.packed = _Packed(onednn_pack(self.weight.detach().contiguous()))
 
     def packed_for(self, x: torch.Tensor) -> torch.Tensor | None:
         """The packed weight if it still serves x; None without one, or for a model (or this layer) cast or
         moved since it was packed."""
         w = self.weight
-        if self.packed is None or x.dtype != torch.float32 or x.device.type != "cpu" or w.dtype != torch.float32 \
-                or w.device.type != "cpu":
+        if self.packed is None or x.dtype != w.dtype or x.device.type != "cpu" or w.device.type != "cpu" \
+                or self.packed.weight.dtype != w.dtype:
             return None
         return self.packed.weight
 
@@ -114,7 +119,10 @@ class CpuLinear(nn.Linear):
         # BLAS's product on them ran slower than oneDNN's on the copy with two threads, over shapes of
         # tiny's and gpt2's, and slower than on column-major weights too
         # (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
-        packed = None if one and not self.gemv else self.packed_for(x)
+        # bf16 rows of any number take the packed copy: oneDNN's bf16 kernels beat the BLAS's on either
+        # layout (benchmarks/2026-12-07-bf16-cpu-serving.md, "One projection").
+        bf16 = self.weight.dtype == torch.bfloat16
+        packed = None if one and not self.gemv and not bf16 else self.packed_for(x)
         if packed is None:
             return F.linear(x, self.weight, self.bias)
         if torch.compiler.is_compiling():
@@ -147,33 +155,96 @@ class PackedGeluMLP(MLP):
         return self.dropout(self.c_proj(h))
 
 
+class PackedSwiGLU(MLP):
+    """Llama's and Qwen3's MLP, c_proj(silu(c_gate(x)) * c_fc(x)), with c_gate's and c_fc's packed weights
+    stacked as one product (the gate's rows first): one pass over x and one kernel where there were two, as
+    the inference engines fuse them (vLLM's gate_up_proj). c_gate and c_fc keep their weights (state dict,
+    compiled steps, a layer cast or moved since: MLP.forward)."""
+
+    c_gate: CpuLinear
+    c_fc: CpuLinear
+    gate_up: _Packed
+
+    @classmethod
+    def convert(cls, mlp: MLP) -> PackedSwiGLU:
+        """`mlp`, in place, as a PackedSwiGLU: its c_gate and c_fc must be packed CpuLinears of one dtype."""
+        stacked = torch.cat([mlp.c_gate.weight.detach(), mlp.c_fc.weight.detach()]).contiguous()
+        mlp.__class__ = cls
+        mlp.gate_up = _Packed(onednn_pack(stacked))  # type: ignore[attr-defined]
+        return mlp  # type: ignore[return-value]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.c_fc.weight
+        if torch.compiler.is_compiling() or self.c_fc.packed_for(x) is None or self.gate_up.weight.dtype != w.dtype:
+            return super().forward(x)
+        bias = None if self.c_fc.bias is None else torch.cat([self.c_gate.bias, self.c_fc.bias])
+        gate, up = onednn_linear(x, self.gate_up.weight, bias).chunk(2, dim=-1)
+        return self.dropout(self.c_proj(F.silu(gate).mul_(up)))
+
+
+def bf16_packs() -> bool:
+    """Whether oneDNN's linear runs bf16 over a packed weight on this CPU: its bf16 kernels need AVX512 (native
+    bf16 or emulated); elsewhere, or where they fail, bf16 weights keep the BLAS. Checked once, on a tiny product."""
+    global _BF16_PACKS
+    if _BF16_PACKS is None:
+        try:
+            w = torch.eye(16, dtype=torch.bfloat16)
+            x = torch.arange(16, dtype=torch.bfloat16)[None]
+            _BF16_PACKS = bool(torch.backends.mkldnn.is_available()
+                               and torch.equal(onednn_linear(x, onednn_pack(w), None), x))
+        except RuntimeError:
+            _BF16_PACKS = False
+    return _BF16_PACKS
+
+
+_BF16_PACKS: bool | None = None
+
+
+def packable(dtype: torch.dtype) -> bool:
+    """Whether a weight of this dtype gets a oneDNN-packed copy here (CpuLinear.pack)."""
+    if dtype not in _PACKED_DTYPES or not torch.backends.mkldnn.is_available():
+        return False
+    return dtype == torch.float32 or bf16_packs()
+
+
 def _float_linears(model: nn.Module) -> list[nn.Linear]:
     """The Linear layers with plain floating-point weights: quantised ones (tensor subclasses, integers) excluded."""
     return [m for m in model.modules() if type(m) in (nn.Linear, CpuLinear) and type(m.weight.data) is torch.Tensor
             and m.weight.is_floating_point() and m.weight.dim() == 2]
 
 
-def inference_layout(model: nn.Module, device_type: str) -> nn.Module:
-    """CPU inference: each float Linear a CpuLinear, its weight column-major with a oneDNN-packed copy (fp32),
-    and each GPT-2 MLP whose c_fc is packed a PackedGeluMLP; in place. Same values, parameters and state dict.
+def inference_layout(model: nn.Module, device_type: str, *, stack: bool = True, fuse: bool = True) -> nn.Module:
+    """CPU inference: each float Linear a CpuLinear with a oneDNN-packed copy (fp32, and bf16 where bf16_packs),
+    its weight column-major unless a bf16 copy serves all its products (the BLAS's one-row products read it so),
+    each GPT-2 MLP whose c_fc is packed a PackedGeluMLP and each SwiGLU MLP whose projections are packed a
+    PackedSwiGLU; in place. Same values, parameters and state dict.
 
-    GPUs' GEMMs take either layout at full speed, so they are left alone. Quantised and half-precision
-    weights keep their layout (half precision gets no packed copy).
+    GPUs' GEMMs take either layout at full speed, so they are left alone. Quantised weights keep their layout;
+    fp16 ones get no packed copy.
+
+    stack: False keeps a SwiGLU MLP's gate and up products apart; fuse: False keeps the Llama/Qwen3 blocks'
+    elementwise steps as aten calls (cpu_fused.fuse_blocks otherwise): the bench's lever rungs measure each.
     """
     if device_type != "cpu":
         return model
     with torch.no_grad():
         for module in _float_linears(model):
             layer = CpuLinear.convert(module)
+            layer.pack()
             w = layer.weight
-            if not w.t().is_contiguous():
+            # bf16 with a packed copy multiplies every row count by it: its weight keeps the layout it loaded in
+            if not (layer.packed is not None and w.dtype == torch.bfloat16) and not w.t().is_contiguous():
                 w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
             layer.gemv = False  # a multiply-and-sum along this layout ran much slower (gemv_linears)
-            layer.pack()
     for mlp in model.modules():
-        if isinstance(mlp, MLP) and isinstance(mlp.gelu, TanhGELU) and getattr(mlp.c_fc, "packed", None) is not None:
+        if type(mlp) is not MLP or getattr(mlp.c_fc, "packed", None) is None:
+            continue
+        if isinstance(mlp.gelu, TanhGELU):
             PackedGeluMLP.convert(mlp)
-    return model
+        elif stack and mlp.kind == "swiglu" and getattr(mlp.c_gate, "packed", None) is not None \
+                and mlp.c_gate.weight.dtype == mlp.c_fc.weight.dtype:
+            PackedSwiGLU.convert(mlp)
+    return fuse_blocks(model) if fuse else model
 
 
 def gemv_linears(model: nn.Module) -> nn.Module:
@@ -181,10 +252,13 @@ def gemv_linears(model: nn.Module) -> nn.Module:
     the multiply-and-sum over its row-major weight, in place. Larger batches keep inference_layout's packed
     product (or F.linear), and so do eager one-row calls where there is a packed copy (F.linear otherwise). The
     weights go back to row-major (the sum runs along memory; inference_layout's column-major order made it much
-    slower). Quantised weights are left as they are; the parameters and state dict are unchanged."""
+    slower). Quantised weights are left as they are, and so are packed bf16 ones (oneDNN's bf16 product beats
+    the sum at one row too); the parameters and state dict are unchanged."""
     with torch.no_grad():
         for module in _float_linears(model):
             layer = CpuLinear.convert(module)
+            if layer.packed is not None and layer.weight.dtype == torch.bfloat16:
+                continue
             layer.weight.data = layer.weight.data.contiguous()  # a no-op if already row-major; ties hold
             layer.gemv = True
     return model
@@ -192,9 +266,9 @@ def gemv_linears(model: nn.Module) -> nn.Module:
 
 def packed_products(model: nn.Module) -> bool:
     """Whether every float Linear of `model` multiplies several rows by its oneDNN-packed copy
-    (inference_layout: fp32 weights, oneDNN present), so that its weight's own layout serves compiled
-    one-row products only."""
+    (inference_layout: fp32 weights, or bf16 where bf16_packs; oneDNN present), so that its weight's own layout
+    serves compiled one-row products only."""
     linears = _float_linears(model)
     return torch.backends.mkldnn.is_available() and bool(linears) and all(
-        getattr(m, "packed", None) is not None and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
-        for m in linears)
+        getattr(m, "packed", None) is not None and m.weight.dtype == m.packed.weight.dtype
+        and m.weight.device.type == "cpu" for m in linears)

@@ -16,7 +16,9 @@ compress and export. The order, and why it is this one:
         (quantize.restore, which needs the fp32 weights of step 3 to recover the stored integers);
      b. int8 or int4 weight-only (quantize_int8, quantize_int4): swaps weights for torchao tensors, so
         after the cast (int4 runs bf16 on sm_80+ CUDA only: refused before step 1 elsewhere);
-     c. weight layout (cpu_layout.inference_layout: CpuLinear): float weights only, so after int8.
+     c. weight layout (cpu_layout.inference_layout: CpuLinear, packed fp32 or bf16 products, gate and up stacked;
+        cpu_fused.fuse_blocks: the Llama/Qwen3 blocks' norms and rotary as fused kernels): float weights only, so
+        after int8.
   5. decode_graphs.compile_decode, once per Generator (it needs the KV cache, which the Generator owns):
      static cache addresses for CUDA graphs, or on CPUs the gemv Linears (cpu_layout.gemv_linears,
      which undo step c's layout: they read row-major weights), then torch.compile. Or, on CUDA without
@@ -142,10 +144,15 @@ def check_vocab(tok: Tokenizer, vocab_size: int, *, own: Tokenizer | None = None
                      f"(its {TOKENIZER}, or a folder holding it)")
 
 
-def weights_dtype(name: str, plan: DevicePlan) -> torch.dtype:
-    """auto: the plan's half precision on GPUs (bf16 from sm_80, else fp16), fp32 on CPUs (no autocast there)."""
+def weights_dtype(name: str, plan: DevicePlan, *, quantized: bool = False) -> torch.dtype:
+    """auto: the plan's half precision: on GPUs bf16 from sm_80, else fp16; on CPUs bf16 where they have native
+    bf16 (device.cpu_has_fast_bf16: oneDNN's bf16 products over packed weights run about twice as fast as fp32
+    there), else fp32 (bf16 would be emulated). quantized (int8 or int4 weights, asked for or stored): fp32 on
+    CPUs, where the int8 kernels take fp32 activations."""
     if name == "auto":
-        return torch.float32 if plan.device.type == "cpu" else (plan.amp_dtype or torch.float32)
+        if plan.device.type == "cpu" and quantized:
+            return torch.float32
+        return plan.amp_dtype or torch.float32
     if name not in _DTYPES:
         raise UserError(f"unknown dtype {name!r}; choose auto, {', '.join(_DTYPES)}")
     return _DTYPES[name]
@@ -164,11 +171,13 @@ def _check_quantize(quantize: str, plan: DevicePlan, dtype: torch.dtype) -> None
 
 
 def optimize_for_inference(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, quantize: str = "none",
-            compression: dict[str, Any] | None = None, layout: bool = True) -> GPT:
+            compression: dict[str, Any] | None = None, layout: bool = True, stack: bool = True,
+            fuse: bool = True) -> GPT:
     """Steps 4a-c of the module docstring, in place: the model in eval mode on plan.device, ready for a Generator.
 
     compression: a compressed checkpoint's record (it came back dequantised, in fp32), rebuilt for this
-    device. layout: False for a caller that transforms the weights further (gptopt compress)."""
+    device. layout: False for a caller that transforms the weights further (gptopt compress). stack, fuse:
+    inference_layout's (False: the bench's lever rungs without those fusions)."""
     _check_quantize(quantize, plan, dtype)
     assert not (compression and quantize != "none"), "a compressed model is not quantised again"
     model = restore(model, compression, plan, dtype) if compression else model.to(device=plan.device, dtype=dtype)
@@ -178,7 +187,7 @@ def optimize_for_inference(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, 
     elif quantize == "int4-weight":
         model = quantize_int4(model, plan, dtype, int4_group_size(model))
     if layout:
-        inference_layout(model, plan.device.type)  # CPU: the batch-1 linears' fast operand layout
+        inference_layout(model, plan.device.type, stack=stack, fuse=fuse)  # CPU: packed products, fused blocks
     return model
 
 
@@ -190,7 +199,7 @@ def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, d
     layout: store fp weights in the layout that runs inference fastest (cpu_layout.inference_layout);
     False for a caller that transforms the weights further (gptopt compress). option: the flag that named
     the model (--draft_model for a draft), which the errors name."""
-    dt = weights_dtype(dtype, plan)
+    dt = weights_dtype(dtype, plan, quantized=quantize != "none")
     _check_quantize(quantize, plan, dt)  # before any loading
     source = model_source(model, option)
     own = own_tokenizer(source)
@@ -202,6 +211,8 @@ def load_for_inference(model: str, *, tokenizer: str | None, plan: DevicePlan, d
     if record and quantize != "none":
         raise UserError(f"--model {source} is already compressed ({describe(record)}, by gptopt compress); "
                          "drop --quantize")
+    if record and record.get("quantize"):
+        dt = weights_dtype(dtype, plan, quantized=True)
     log.info("model %s: %.1fM parameters, %s weights on %s (generation runs in the weights' dtype, no autocast)",
              source, net.num_params() / 1e6, describe(record) if record else str(dt).removeprefix("torch."),
              plan.device)

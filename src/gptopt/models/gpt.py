@@ -97,15 +97,8 @@ class CausalSelfAttention(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         B, T, _ = x.shape
-        hs, nh, nkv = self.hs, self.n_head, self.n_kv
-        q, k, v = self.c_attn(x).split([nh * hs, nkv * hs, nkv * hs], dim=2)
-        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:
-            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        hs, nh = self.hs, self.n_head
+        q, k, v = self.qkv(x, rope)
         if kv_cache is not None:
             attend = getattr(kv_cache, "attend", None)
             y = attend(q, k, v) if attend is not None else None
@@ -135,6 +128,22 @@ class CausalSelfAttention(nn.Module):
             y = self._eager(q, k, v, _causal_mask(T, S, 0, x.device) if is_causal else attn_mask)
         y = y.transpose(1, 2).contiguous().view(B, T, nh * hs)
         return self.resid_dropout(self.c_proj(y))
+
+    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The queries (B, nh, T, hs), keys and values (B, nkv, T, hs) of x (B, T, C): one product, then the
+        qk-norm and the rotary positions where the family has them."""
+        B, T, _ = x.shape
+        hs, nh, nkv = self.hs, self.n_head, self.n_kv
+        q, k, v = self.c_attn(x).split([nh * hs, nkv * hs, nkv * hs], dim=2)
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, nkv, hs).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = _rotate(q, *rope), _rotate(k, *rope)
+        return q, k, v
 
     def _sdpa(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: torch.Tensor | None,
               dropout_p: float, is_causal: bool) -> torch.Tensor:
