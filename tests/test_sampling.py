@@ -289,3 +289,20 @@ def test_sampling_params_from_config_decodes_escapes() -> None:
     assert params.stop == ("\n\nclass",) and params.temperature == 0.0
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0.0)
+
+
+def test_a_plain_rows_draw_never_takes_a_token_of_weight_zero_first_or_last_included() -> None:
+    # a forbidden token's weight is exactly 0 (its logit -inf): the cumulative draw must never land on one, at the
+    # start of the vocabulary, between kept tokens, or past the last kept one
+    from gptopt.infer.sampling import inverse_cdf
+
+    weights = torch.tensor([0.0, 0.2, 0.0, 0.0, 0.5, 0.3, 0.0, 0.0])
+    torch.manual_seed(0)
+    counts = torch.zeros(len(weights))
+    for _ in range(20):
+        counts += torch.bincount(inverse_cdf(weights.repeat(1000, 1), [None] * 1000), minlength=len(weights)).float()
+    assert_draws_follow(counts, weights)
+    # a seeded row: its own generator's number, the same token alone and beside other rows
+    alone = inverse_cdf(weights[None], [torch.Generator().manual_seed(4)])
+    beside = inverse_cdf(torch.stack([weights.flip(0), weights]), [None, torch.Generator().manual_seed(4)])
+    assert alone.item() == beside[1].item()

@@ -185,26 +185,45 @@ def pick(logits: torch.Tensor, params: list[SamplingParams], histories: list[lis
 
 def _sampled(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
              ) -> torch.Tensor:
-    """Each sampled row's token, drawn from its own row alone by one exponential race (`race`): a plain row (no
-    top_k, top_p 1) over its whole vocabulary, a row with top_k or top_p over its kept candidates only
-    (_Truncated). Nothing is sorted unless a row's kept set is wider than its candidates (vLLM sorts every top-p
-    row). A seeded row's noise is its own generator's, drawn over the whole vocabulary and taken by token id, so
-    it draws the same token alone and in any batch, however its kept set is found. Greedy rows (temperature 0)
-    take their argmax."""
+    """Each sampled row's token, drawn from its own row alone: a plain row (no top_k, top_p 1) by one uniform draw
+    against its cumulative distribution (`inverse_cdf`), a row with top_k or top_p by an exponential race (`race`)
+    over its kept candidates only (_Truncated). Nothing is sorted unless a row's kept set is wider than its
+    candidates (vLLM sorts every top-p row). A seeded truncated row's noise is its own generator's, drawn over the
+    whole vocabulary and taken by token id, so it draws the same token alone and in any batch, however its kept set
+    is found; a seeded plain row's one number is its generator's too. Greedy rows (temperature 0) take their
+    argmax."""
     on_device = functools.partial(_tensor, logits.device)
     B, V = logits.shape
     x = _scaled(logits, params)
     plain = [i for i, p in enumerate(params) if p.temperature > 0 and not _truncates(p, V)]
     cut = [i for i, p in enumerate(params) if p.temperature > 0 and _truncates(p, V)]
     if len(plain) == B:
-        return race(x.softmax(dim=-1), generators)
+        return inverse_cdf(x.softmax(dim=-1), generators)
     greedy = len(plain) + len(cut) < B  # the greedy rows take their argmax
     tokens = logits.argmax(dim=-1) if greedy else torch.empty(B, dtype=torch.long, device=logits.device)
     if plain:
-        tokens[on_device(plain)] = race(x[plain].softmax(dim=-1), [generators[i] for i in plain])
+        tokens[on_device(plain)] = inverse_cdf(x[plain].softmax(dim=-1), [generators[i] for i in plain])
     if cut:
         tokens[on_device(cut)] = _Truncated(x, params, cut).draw([generators[i] for i in cut])
     return tokens
+
+
+def inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """(B,) one token drawn from each row of `probs` (B, V; any non-negative weights): the first token whose
+    cumulative weight reaches a uniform draw in (0, total]. One random number a row, where a race draws one a
+    token: over a whole vocabulary the noise, not the arithmetic, set a plain sampled row's cost. A token of weight 0
+    is never drawn (its cumulative weight equals the one before it, which reaches the draw first). A seeded row
+    draws its number from its own generator: the same token alone and in any batch."""
+    B = probs.shape[0]
+    cdf = probs.cumsum(dim=-1)
+    u = torch.empty(B, 1, device=probs.device)
+    if any(g is None for g in generators):
+        u.uniform_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i].uniform_(generator=g)
+    target = (1.0 - u).mul_(cdf[:, -1:])  # in (0, total]: never past the last token with any weight
+    return torch.searchsorted(cdf, target).view(B)
 
 
 def race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
