@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import make_varied_model
 
-from gptopt.infer import cpu_kernels
+from gptopt.infer import cpu_kernels, paged_attention
 from gptopt.infer.cpu_fused import FusedAttention, FusedNormBlock, FusedRMSNorm, fused_blocks
 from gptopt.infer.cpu_layout import CpuLinear, PackedSwiGLU, bf16_packs, inference_layout, packable
 from gptopt.infer.generator import Generator
@@ -64,13 +64,20 @@ def test_the_fused_blocks_give_the_aten_blocks_logits_and_leave_the_state_dict_a
 
 
 @needs_kernels
-def test_a_fused_model_decodes_the_tokens_of_the_aten_one() -> None:
-    plain, fused = _pair("qwen3", torch.float32, fuse=False)
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_a_fused_model_decodes_the_tokens_of_the_aten_one(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # its decode steps write their keys and values and attend straight from c_attn's output (attend_qkv), rows of
+    # different lengths in one step
+    plain, fused = _pair(family, torch.float32, fuse=False)
+    calls = []
+    direct = paged_attention.decode_attention_qkv
+    monkeypatch.setattr(paged_attention, "decode_attention_qkv", lambda *a: calls.append(1) or direct(*a))
     plan = resolve("cpu", "fp32", quiet=True)
     greedy = SamplingParams(max_new_tokens=12, temperature=0.0)
-    prompts = [[5, 9, 2, 7], [11, 3, 8, 1, 4, 6]]
+    prompts = [[5, 9, 2, 7], [11, 3, 8, 1, 4, 6, 13, 2, 9, 9, 1, 5, 7, 3, 2, 8, 4]]  # the second past a block
     outs = [generate(Generator(m, plan, max_batch_size=2, max_len=64), prompts, greedy) for m in (plain, fused)]
     assert outs[0] == outs[1] and len(set(outs[1][0])) > 3
+    assert len(calls) == 11 * fused.config.n_layer  # every decode step of every layer (the first token: prefill)
 
 
 @needs_kernels

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 from gptopt.infer import cpu_kernels
-from gptopt.models.gpt import Block, CausalSelfAttention, RMSNorm
+from gptopt.models.gpt import Block, CausalSelfAttention, KVCacheLayer, RMSNorm
 
 __all__ = ["FusedAttention", "FusedNormBlock", "FusedRMSNorm", "fuse_blocks", "fused_blocks"]
 
@@ -49,23 +49,45 @@ class FusedRMSNorm(RMSNorm):
 class FusedAttention(CausalSelfAttention):
     """The attention whose queries and keys are RMS-normed per head (Qwen3's qk-norm, where the model has it) and
     rotated in place on c_attn's output, one kernel: where the textbook rotate-half concatenates, negates and
-    multiplies each of them in several calls, in fp32 and cast back."""
+    multiplies each of them in several calls, in fp32 and cast back. A decode step over the paged cache then
+    writes its keys and values and attends in one more (kv_cache's attend_qkv)."""
 
-    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, kv_cache: KVCacheLayer | None = None, attn_mask: torch.Tensor | None = None,
+                rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        # A decode step over the paged cache: from c_attn's output to the attention's in two kernels (rotary, then
+        # the keys' and values' write with the attention), where the generic path splits, views and copies each.
+        # Its rows' lengths stand for the mask there, as in the cache's attend.
+        serves = getattr(kv_cache, "serves_qkv", None)
+        if serves is None or rope is None or x.shape[1] != 1 or self._kernels(x) is None:
+            return super().forward(x, kv_cache, attn_mask, rope)
+        qkv = self._rotated(x, rope)
+        if not serves(qkv):
+            return super().forward(x, kv_cache, attn_mask, rope)
+        y = kv_cache.attend_qkv(qkv, self.n_head, self.n_kv)  # type: ignore[union-attr]
+        return self.resid_dropout(self.c_proj(y))
+
+    def _kernels(self, x: torch.Tensor) -> object | None:
         # c_attn may be quantised (no weight tensor): its output is in x's dtype all the same
-        ext = _kernels(x, self.q_norm.weight if self.qk_norm else None)
-        if rope is None or ext is None:
-            return super().qkv(x, rope)
-        B, T, _ = x.shape
+        return _kernels(x, self.q_norm.weight if self.qk_norm else None)
+
+    def _rotated(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """c_attn's output (B, T, W), its queries and keys normed (qk-norm) and rotated in place."""
         hs, nh, nkv = self.hs, self.n_head, self.n_kv
         qkv = self.c_attn(x).contiguous()
         cos, sin = (t.reshape(-1, hs).contiguous() for t in rope)  # (T or B x T, hs): row n takes row n % M
         qw, kw, eps = _NONE, _NONE, 0.0
         if self.qk_norm:
             qw, kw, eps = self.q_norm.weight, self.k_norm.weight, _eps(self.q_norm)
-        ext.qk_rope_(qkv, cos, sin, qw, kw, nh, nkv, hs, eps)  # type: ignore[attr-defined]
-        q, k, v = qkv.split([nh * hs, nkv * hs, nkv * hs], dim=2)
+        cpu_kernels.extension().qk_rope_(qkv, cos, sin, qw, kw, nh, nkv, hs, eps)  # type: ignore[union-attr]
+        return qkv
+
+    def qkv(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if rope is None or self._kernels(x) is None:
+            return super().qkv(x, rope)
+        B, T, _ = x.shape
+        hs, nh, nkv = self.hs, self.n_head, self.n_kv
+        q, k, v = self._rotated(x, rope).split([nh * hs, nkv * hs, nkv * hs], dim=2)
         return (q.view(B, T, nh, hs).transpose(1, 2), k.view(B, T, nkv, hs).transpose(1, 2),
                 v.view(B, T, nkv, hs).transpose(1, 2))
 

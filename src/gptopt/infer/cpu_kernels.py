@@ -1,5 +1,6 @@
 """gptopt's C++ kernels for CPU inference, one extension built on first use with torch's cpp_extension and cached
-by CPU kind: the paged decode attention (paged_attention.py) and the fused elementwise steps of the Llama- and
+by CPU kind: the paged decode attention (paged_attention.py: from the model's queries, or straight from c_attn's
+output, the keys and values written to their blocks in the same call) and the fused elementwise steps of the Llama- and
 Qwen3-shaped blocks (cpu_fused.py).
 
     python -c "from gptopt.infer.cpu_kernels import extension; print(extension())"
@@ -130,6 +131,50 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_pool, torch::Tensor 
   return out;
 }
 
+template <typename T>
+static void split_qkv(const T* qkv, T* kp, T* vp, const int64_t* write, float* q, int64_t B, int64_t W, int64_t nh,
+                      int64_t nkv, int64_t hs) {
+  const int64_t row = nkv * hs;
+  for (int64_t b = 0; b < B; ++b) {
+    const T* x = qkv + b * W;
+    for (int64_t d = 0; d < nh * hs; ++d) q[b * nh * hs + d] = static_cast<float>(x[d]);
+    std::memcpy(kp + write[b] * row, x + nh * hs, row * sizeof(T));
+    std::memcpy(vp + write[b] * row, x + nh * hs + row, row * sizeof(T));
+  }
+}
+
+// A decode step straight from c_attn's output. qkv: (B, W) contiguous, one token a row, its first (nh + 2 nkv) hs
+// columns the (rotated) queries, keys and values; k_pool, v_pool: (blocks, bs, nkv, hs) of qkv's dtype; write: (B,)
+// int64, each row's pool row (block x bs + offset); tables, lengths: as paged_decode's, lengths counting the new
+// token. Writes each row's key and value, and returns the attention's output (B, nh x hs) in qkv's dtype.
+torch::Tensor paged_decode_qkv(torch::Tensor qkv, torch::Tensor k_pool, torch::Tensor v_pool, torch::Tensor write,
+                               torch::Tensor tables, torch::Tensor lengths, int64_t nh, int64_t nkv, double scale) {
+  TORCH_CHECK(qkv.is_contiguous() && k_pool.is_contiguous() && v_pool.is_contiguous() && write.is_contiguous()
+              && tables.is_contiguous() && lengths.is_contiguous(), "paged_decode_qkv takes contiguous tensors");
+  TORCH_CHECK(qkv.dim() == 2 && k_pool.scalar_type() == qkv.scalar_type() && v_pool.scalar_type() == qkv.scalar_type(),
+              "paged_decode_qkv: qkv (B, W) and pools of one dtype");
+  const int64_t B = qkv.size(0), W = qkv.size(1), bs = k_pool.size(1), hs = k_pool.size(3);
+  TORCH_CHECK(k_pool.size(2) == nkv && nh % nkv == 0 && W >= (nh + 2 * nkv) * hs && write.numel() == B,
+              "paged_decode_qkv: heads do not match");
+  auto q = torch::empty({B, nh, hs}, qkv.options().dtype(at::kFloat));
+  auto out = torch::empty({B, nh, hs}, q.options());
+  const int64_t* w = write.data_ptr<int64_t>();
+  if (qkv.scalar_type() == at::kFloat) {
+    split_qkv<float>(qkv.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), w, q.data_ptr<float>(),
+                     B, W, nh, nkv, hs);
+    dispatch<float>(q.data_ptr<float>(), k_pool.data_ptr<float>(), v_pool.data_ptr<float>(), tables.data_ptr<int64_t>(),
+                    lengths.data_ptr<int64_t>(), out.data_ptr<float>(), B, nh, nkv, hs, bs, tables.size(1), scale);
+    return out.view({B, nh * hs});
+  }
+  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "paged_decode_qkv takes float32 or bfloat16");
+  using B16 = c10::BFloat16;
+  split_qkv<B16>(qkv.data_ptr<B16>(), k_pool.data_ptr<B16>(), v_pool.data_ptr<B16>(), w, q.data_ptr<float>(), B, W,
+                 nh, nkv, hs);
+  dispatch<B16>(q.data_ptr<float>(), k_pool.data_ptr<B16>(), v_pool.data_ptr<B16>(), tables.data_ptr<int64_t>(),
+                lengths.data_ptr<int64_t>(), out.data_ptr<float>(), B, nh, nkv, hs, bs, tables.size(1), scale);
+  return out.view({B, nh * hs}).to(at::kBFloat16);
+}
+
 // ---- the fused elementwise steps of a Llama/Qwen3 block -----------------------------------------------------------
 // bf16 <-> fp32 by bits (round to nearest even, as c10::BFloat16 does), so that the compiler vectorises the loops.
 
@@ -254,7 +299,7 @@ void qk_rope_(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Te
 }
 """
 
-_FUNCTIONS = ["paged_decode", "add_rms_norm", "qk_rope_"]
+_FUNCTIONS = ["paged_decode", "paged_decode_qkv", "add_rms_norm", "qk_rope_"]
 
 # Flags the build is tuned with: the machine's own instruction set, so the build is cached per CPU kind (a build
 # for one CPU may not run on another: a copied cache, a home directory shared between machines).

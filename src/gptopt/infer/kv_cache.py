@@ -43,6 +43,19 @@ class _LayerView:
         assert self.tables is not None
         return paged_attention.decode_attention(q, self.k, self.v, self.tables, self.lengths)
 
+    def serves_qkv(self, qkv: torch.Tensor) -> bool:
+        """Whether attend_qkv serves this c_attn output: a decode step (one token a row) on the CPU kernel, in the
+        pool's dtype and contiguous."""
+        return self.lengths is not None and qkv.shape[1] == 1 and qkv.dtype == self.k.dtype and \
+            qkv.device.type == "cpu" and qkv.is_contiguous() and paged_attention.kernel() is not None
+
+    def attend_qkv(self, qkv: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
+        """A decode step's attention straight from c_attn's output (B, 1, W) (serves_qkv): the keys and values
+        written and the blocks read in one kernel, with none of the per-head views and copies in between.
+        (B, 1, nh x hs)."""
+        assert self.tables is not None and self.lengths is not None
+        return paged_attention.decode_attention_qkv(qkv, self.k, self.v, self.write, self.tables, self.lengths, nh, nkv)
+
     def _write(self, k: torch.Tensor, v: torch.Tensor) -> None:
         B, nkv, T, hs = k.shape
         # one index_copy_ per pool: the tokens' rows of (blocks x block_size, nkv, hs)

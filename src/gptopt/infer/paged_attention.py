@@ -23,7 +23,7 @@ import torch
 
 from gptopt.infer import cpu_kernels
 
-__all__ = ["decode_attention", "kernel"]
+__all__ = ["decode_attention", "decode_attention_qkv", "kernel"]
 
 
 @functools.cache
@@ -48,3 +48,13 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     B, nh, _, hs = q.shape
     out = k.paged_decode(q.reshape(B, nh, hs).float().contiguous(), k_pool, v_pool, tables, lengths, hs**-0.5)
     return out.view(B, nh, 1, hs).to(q.dtype)
+
+
+def decode_attention_qkv(qkv: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, write: torch.Tensor,
+                         tables: torch.Tensor, lengths: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
+    """A decode step's attention from c_attn's output qkv (B, 1, W), its queries and keys rotated: each row's key
+    and value written to its pool row write[b], then decode_attention's softmax over the row's blocks, in one call.
+    (B, 1, nh x hs) in qkv's dtype. Only where kernel() is built and the pools are qkv's dtype (serves_qkv)."""
+    B, hs = qkv.shape[0], k_pool.shape[-1]
+    out = kernel().paged_decode_qkv(qkv.view(B, -1), k_pool, v_pool, write, tables, lengths, nh, nkv, hs**-0.5)
+    return out.view(B, 1, nh * hs)
