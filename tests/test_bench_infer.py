@@ -73,7 +73,7 @@ def test_default_is_every_rung_and_unknown_names_list_the_valid_ones(
 ) -> None:
     assert [r.name for r in select_rungs("default")] == ["hf", "kv", "graphs", "compiled", "bf16", "int8", "int4",
                                                          "onnxruntime", "speculative"]
-    levers = ["kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights", "kv-fp32", "kv-unstacked", "kv-unfused"]
+    levers = ["kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights", "kv-fp32", "kv-stacked", "kv-unfused"]
     assert [r.name for r in select_rungs("levers")] == ["kv", *levers]  # each lever's gain is kv's rate over its rung's
     assert [r.name for r in select_rungs("all")] == [r.name for r in select_rungs("default")] + levers
     assert [r.name for r in select_rungs("kv,hf,kv")] == ["kv", "hf"]
@@ -140,16 +140,16 @@ def test_the_lever_rungs_decode_kvs_tokens_and_report_what_each_lever_buys(train
     assert cli.main(args) == 0
     results = json.loads((tmp_path / "b" / "infer_results.json").read_text())
     rungs = {r["name"]: r for r in results["rungs"]}
-    assert list(rungs) == ["kv", "kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights", "kv-fp32", "kv-unstacked",
+    assert list(rungs) == ["kv", "kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights", "kv-fp32", "kv-stacked",
                            "kv-unfused"]
     assert len(set(rungs["kv"]["tokens"])) > 3 and rungs["kv"]["lever_gain"] == []
     # fp32 already (this module's policy): nothing for bf16 weights to buy
     assert rungs["kv-fp32"]["status"] == "skipped" and "float32 here already" in rungs["kv-fp32"]["note"]
-    for name in ("kv-repeat-kv", "kv-plain-weights", "kv-unstacked", "kv-unfused"):
+    for name in ("kv-repeat-kv", "kv-plain-weights", "kv-stacked", "kv-unfused"):
         assert rungs[name]["tokens"] == rungs["kv"]["tokens"] and rungs[name]["max_logit_diff"] < 1e-3, rungs[name]
     kv = {p["batch_size"]: p["tokens_per_s"] for p in rungs["kv"]["batch_sweep"]}
     report_md = (tmp_path / "b" / "infer_report.md").read_text()
-    for name in ("kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights", "kv-unstacked", "kv-unfused"):
+    for name in ("kv-hf-sampling", "kv-repeat-kv", "kv-plain-weights", "kv-stacked", "kv-unfused"):
         r = rungs[name]
         own = {p["batch_size"]: p["tokens_per_s"] for p in r["batch_sweep"]}
         assert r["status"] == "ok" and [g["batch_size"] for g in r["lever_gain"]] == [1, 2]
@@ -232,7 +232,7 @@ def test_a_lever_rung_that_has_nothing_to_take_away_here_says_why(train_data: Pa
     assert rungs["kv-repeat-kv"]["status"] == "skipped" and "key/value head per query head" in \
         rungs["kv-repeat-kv"]["note"]
     assert rungs["kv-plain-weights"]["status"] == "ok" and rungs["kv-plain-weights"]["lever_gain"]
-    for name in ("kv-unstacked", "kv-unfused"):  # GPT-2's blocks: no SwiGLU, no RMSNorm, no rotary
+    for name in ("kv-stacked", "kv-unfused"):  # GPT-2's blocks: no SwiGLU, no RMSNorm, no rotary
         assert rungs[name]["status"] == "skipped" and "GPT-2's blocks have neither" in rungs[name]["note"]
     # without kv beside it a lever rung has no gain to give, and says how to get one
     assert cli.main(infer_args(train_data, tmp_path / "c", "kv-plain-weights")) == 0

@@ -101,7 +101,7 @@ def test_a_fused_block_adds_in_place_only_where_no_gradient_is_wanted() -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gate_and_up_run_as_one_packed_product_with_the_mlps_values(dtype: torch.dtype) -> None:
-    apart, stacked = _pair("llama", dtype, stack=False)
+    stacked, apart = _pair("llama", dtype, stack=True)  # kept apart by default
     mlp = stacked.transformer.h[0].mlp
     assert isinstance(mlp, PackedSwiGLU) and not isinstance(apart.transformer.h[0].mlp, PackedSwiGLU)
     assert {"c_gate.weight", "c_fc.weight"} <= set(mlp.state_dict())  # checkpoints and exports see no change

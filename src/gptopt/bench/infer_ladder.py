@@ -241,7 +241,7 @@ class InferBench:
         # The transforms generate and serve apply, in their order (dtype, int8 or int4, layout).
         quantize = "int8-weight" if rung.int8 else "int4-weight" if rung.int4 else "none"
         model = optimize_for_inference(self._model(dtype), self.plan, dtype=dtype, quantize=quantize,
-                                       layout=rung.without != "layout", stack=rung.without != "stack",
+                                       layout=rung.without != "layout", stack=rung.without == "stack",
                                        fuse=rung.without != "fuse")
         build = {"sampler": HFSamplingGenerator, "gqa": RepeatedKVGenerator}.get(rung.without or "", Generator)
         runner = GptoptRunner(model, self.plan, self.max_len, compile=rung.compile, cuda_graphs=rung.cuda_graphs,

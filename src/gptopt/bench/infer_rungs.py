@@ -26,8 +26,9 @@ from gptopt.utils.errors import UserError
 from gptopt.utils.extras import require
 
 AGREE_TOKENS = 32  # tokens compared with the baseline's: greedy paths may part later on near-ties
-# What a lever rung does the textbook way (LEVERS): the sampler, the grouped-query attention, the CPU weight layout,
-# bf16 weights (fp32 instead, where the CPU has native bf16), gate and up stacked, the fused block kernels
+# What a lever rung does the other way (LEVERS): the textbook sampler, the grouped-query attention, the CPU weight
+# layout, bf16 weights (fp32 instead, where the CPU has native bf16), gate and up (stacked as one product, which
+# the default leaves apart), the fused block kernels
 Lever = Literal["sampler", "gqa", "layout", "bf16", "stack", "fuse"]
 
 
@@ -76,8 +77,8 @@ LEVERS: list[InferRung] = [
               "buy (oneDNN-packed products in fp32 and bf16, fp32 ones column-major; CPUs only)", without="layout"),
     InferRung("kv-fp32", "kv with fp32 weights: what the default bf16 weights buy on a CPU with native bf16",
               without="bf16"),
-    InferRung("kv-unstacked", "kv with a SwiGLU MLP's gate and up as two products: what stacking them as one "
-              "packed product buys (Llama/Qwen3 on CPUs)", without="stack"),
+    InferRung("kv-stacked", "kv with a SwiGLU MLP's gate and up stacked as one packed product (vLLM's "
+              "gate_up_proj): what keeping them apart buys (Llama/Qwen3 on CPUs)", without="stack"),
     InferRung("kv-unfused", "kv with the blocks' RMSNorm, residual adds and rotary as aten calls: what the fused "
               "kernels buy (Llama/Qwen3 on CPUs)", without="fuse"),
 ]

@@ -213,17 +213,19 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
             and m.weight.is_floating_point() and m.weight.dim() == 2]
 
 
-def inference_layout(model: nn.Module, device_type: str, *, stack: bool = True, fuse: bool = True) -> nn.Module:
+def inference_layout(model: nn.Module, device_type: str, *, stack: bool = False, fuse: bool = True) -> nn.Module:
     """CPU inference: each float Linear a CpuLinear with a oneDNN-packed copy (fp32, and bf16 where bf16_packs),
     its weight column-major unless a bf16 copy serves all its products (the BLAS's one-row products read it so),
-    each GPT-2 MLP whose c_fc is packed a PackedGeluMLP and each SwiGLU MLP whose projections are packed a
-    PackedSwiGLU; in place. Same values, parameters and state dict.
+    each GPT-2 MLP whose c_fc is packed a PackedGeluMLP and, with stack, each SwiGLU MLP whose projections are
+    packed a PackedSwiGLU; in place. Same values, parameters and state dict.
 
     GPUs' GEMMs take either layout at full speed, so they are left alone. Quantised weights keep their layout;
     fp16 ones get no packed copy.
 
-    stack: False keeps a SwiGLU MLP's gate and up products apart; fuse: False keeps the Llama/Qwen3 blocks'
-    elementwise steps as aten calls (cpu_fused.fuse_blocks otherwise): the bench's lever rungs measure each.
+    stack: gate and up as one product. Off by default: the silu and the product over the stacked output's halves
+    (strided views) cost more than the one product saves (benchmarks/2026-12-07-bf16-cpu-serving.md, "The
+    levers"); the kv-stacked rung measures it. fuse: False keeps the Llama/Qwen3 blocks' elementwise steps as aten
+    calls (cpu_fused.fuse_blocks otherwise), as the kv-unfused rung measures.
     """
     if device_type != "cpu":
         return model

@@ -16,7 +16,7 @@ compress and export. The order, and why it is this one:
         (quantize.restore, which needs the fp32 weights of step 3 to recover the stored integers);
      b. int8 or int4 weight-only (quantize_int8, quantize_int4): swaps weights for torchao tensors, so
         after the cast (int4 runs bf16 on sm_80+ CUDA only: refused before step 1 elsewhere);
-     c. weight layout (cpu_layout.inference_layout: CpuLinear, packed fp32 or bf16 products, gate and up stacked;
+     c. weight layout (cpu_layout.inference_layout: CpuLinear, packed fp32 or bf16 products;
         cpu_fused.fuse_blocks: the Llama/Qwen3 blocks' norms and rotary as fused kernels): float weights only, so
         after int8.
   5. decode_graphs.compile_decode, once per Generator (it needs the KV cache, which the Generator owns):
@@ -171,13 +171,13 @@ def _check_quantize(quantize: str, plan: DevicePlan, dtype: torch.dtype) -> None
 
 
 def optimize_for_inference(model: GPT, plan: DevicePlan, *, dtype: torch.dtype, quantize: str = "none",
-            compression: dict[str, Any] | None = None, layout: bool = True, stack: bool = True,
+            compression: dict[str, Any] | None = None, layout: bool = True, stack: bool = False,
             fuse: bool = True) -> GPT:
     """Steps 4a-c of the module docstring, in place: the model in eval mode on plan.device, ready for a Generator.
 
     compression: a compressed checkpoint's record (it came back dequantised, in fp32), rebuilt for this
     device. layout: False for a caller that transforms the weights further (gptopt compress). stack, fuse:
-    inference_layout's (False: the bench's lever rungs without those fusions)."""
+    inference_layout's (the bench's lever rungs measure each)."""
     _check_quantize(quantize, plan, dtype)
     assert not (compression and quantize != "none"), "a compressed model is not quantised again"
     model = restore(model, compression, plan, dtype) if compression else model.to(device=plan.device, dtype=dtype)
