@@ -110,7 +110,9 @@ def test_fp16_weights_are_not_packed_and_bf16_ones_are_where_onednn_runs_bf16() 
     assert not any(getattr(m, "packed", None) is not None for m in moved.modules())
     _, moved = _pair()
     inference_layout(moved.to(torch.bfloat16), "cpu")
-    assert packed_products(moved) == bf16_packs()
+    assert all((getattr(m, "packed", None) is not None) == bf16_packs() for m in moved.modules()
+               if isinstance(m, CpuLinear))
+    assert not packed_products(moved)  # a compiled step's bf16 products are inductor's own
 
 
 def test_layout_saves_and_loads_like_any_model(tmp_path: Path) -> None:

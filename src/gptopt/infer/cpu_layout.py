@@ -121,7 +121,11 @@ class CpuLinear(nn.Linear):
         # (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
         # bf16 rows of any number take the packed copy: oneDNN's bf16 kernels beat the BLAS's on either
         # layout (benchmarks/2026-12-07-bf16-cpu-serving.md, "One projection").
+        # A compiled step's bf16 products are inductor's own (it packs the weights it freezes): the packed copy as
+        # an opaque operator there ran many times slower than the eager step.
         bf16 = self.weight.dtype == torch.bfloat16
+        if bf16 and torch.compiler.is_compiling():
+            return F.linear(x, self.weight, self.bias)
         packed = None if one and not self.gemv and not bf16 else self.packed_for(x)
         if packed is None:
             return F.linear(x, self.weight, self.bias)
@@ -215,7 +219,7 @@ def _float_linears(model: nn.Module) -> list[nn.Linear]:
 
 def inference_layout(model: nn.Module, device_type: str, *, stack: bool = False, fuse: bool = True) -> nn.Module:
     """CPU inference: each float Linear a CpuLinear with a oneDNN-packed copy (fp32, and bf16 where bf16_packs),
-    its weight column-major unless a bf16 copy serves all its products (the BLAS's one-row products read it so),
+    its weight column-major (the BLAS's one-row products, and a compiled step's bf16 GEMMs, read it so),
     each GPT-2 MLP whose c_fc is packed a PackedGeluMLP and, with stack, each SwiGLU MLP whose projections are
     packed a PackedSwiGLU; in place. Same values, parameters and state dict.
 
@@ -234,8 +238,7 @@ def inference_layout(model: nn.Module, device_type: str, *, stack: bool = False,
             layer = CpuLinear.convert(module)
             layer.pack()
             w = layer.weight
-            # bf16 with a packed copy multiplies every row count by it: its weight keeps the layout it loaded in
-            if not (layer.packed is not None and w.dtype == torch.bfloat16) and not w.t().is_contiguous():
+            if not w.t().is_contiguous():  # for the BLAS's one-row products, and a compiled step's bf16 GEMMs
                 w.data = w.data.t().contiguous().t()  # the Parameter object stays: ties (lm_head = wte) hold
             layer.gemv = False  # a multiply-and-sum along this layout ran much slower (gemv_linears)
     for mlp in model.modules():
@@ -254,23 +257,20 @@ def gemv_linears(model: nn.Module) -> nn.Module:
     the multiply-and-sum over its row-major weight, in place. Larger batches keep inference_layout's packed
     product (or F.linear), and so do eager one-row calls where there is a packed copy (F.linear otherwise). The
     weights go back to row-major (the sum runs along memory; inference_layout's column-major order made it much
-    slower). Quantised weights are left as they are, and so are packed bf16 ones (oneDNN's bf16 product beats
-    the sum at one row too); the parameters and state dict are unchanged."""
+    slower). Quantised weights are left as they are; the parameters and state dict are unchanged."""
     with torch.no_grad():
         for module in _float_linears(model):
             layer = CpuLinear.convert(module)
-            if layer.packed is not None and layer.weight.dtype == torch.bfloat16:
-                continue
             layer.weight.data = layer.weight.data.contiguous()  # a no-op if already row-major; ties hold
             layer.gemv = True
     return model
 
 
 def packed_products(model: nn.Module) -> bool:
-    """Whether every float Linear of `model` multiplies several rows by its oneDNN-packed copy
-    (inference_layout: fp32 weights, or bf16 where bf16_packs; oneDNN present), so that its weight's own layout
-    serves compiled one-row products only."""
+    """Whether every float Linear of `model` multiplies several rows by its oneDNN-packed copy in a compiled step
+    too (inference_layout: fp32 weights, oneDNN present), so that its weight's own layout serves compiled one-row
+    products only. bf16 copies serve eager steps only (CpuLinear.forward)."""
     linears = _float_linears(model)
     return torch.backends.mkldnn.is_available() and bool(linears) and all(
-        getattr(m, "packed", None) is not None and m.weight.dtype == m.packed.weight.dtype
-        and m.weight.device.type == "cpu" for m in linears)
+        getattr(m, "packed", None) is not None and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"
+        for m in linears)
