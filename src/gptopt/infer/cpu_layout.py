@@ -121,8 +121,8 @@ class CpuLinear(nn.Linear):
         # (benchmarks/2026-12-04-serving-vs-transformers.md, "The one-row step of a many-slot engine").
         # bf16 rows of any number take the packed copy: oneDNN's bf16 kernels beat the BLAS's on either
         # layout (benchmarks/2026-12-07-bf16-cpu-serving.md, "One projection").
-        # A compiled step's bf16 products are inductor's own (it packs the weights it freezes): the packed copy as
-        # an opaque operator there ran many times slower than the eager step.
+        # A compiled step's bf16 products stay inductor's own (it packs the weights it freezes), as they were
+        # before bf16 weights had packed copies.
         bf16 = self.weight.dtype == torch.bfloat16
         if bf16 and torch.compiler.is_compiling():
             return F.linear(x, self.weight, self.bias)
