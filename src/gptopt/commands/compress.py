@@ -35,7 +35,7 @@ from gptopt.config import CompressConfig, parse_prune
 from gptopt.data.bpb import bits_per_byte, bytes_per_token
 from gptopt.data.loader import DEFAULT_DATA, BatchDataset, TokenData, open_data
 from gptopt.data.tokenizer import TOKENIZER
-from gptopt.infer.load import load_for_inference, model_source
+from gptopt.infer.load import load_for_inference, model_source, weights_dtype
 from gptopt.infer.measure import GptoptRunner, interleaved, tensor_bytes
 from gptopt.infer.quantize import check_supported, compress_model
 from gptopt.models import checkpoint
@@ -188,7 +188,8 @@ def measure(cfg: CompressConfig, plan: DevicePlan, data: TokenData, source: Path
     """Load the original and the compressed checkpoint as generate does, and measure both. The original runs in the
     compressed model's dtype (fp32 for quantised weights on a CPU, load.weights_dtype), so that the ratios are the
     compression's and not a dtype's."""
-    dtype = "fp32" if plan.device.type == "cpu" and cfg.quantize != "none" else "auto"
+    runs_fp32 = weights_dtype("auto", plan, quantized=cfg.quantize != "none") == torch.float32
+    dtype = "fp32" if runs_fp32 else "auto"
     original, _ = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=dtype)
     compressed, _ = load_for_inference(str(directory), tokenizer=None, plan=plan)
     c = original.config

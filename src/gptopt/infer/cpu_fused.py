@@ -58,12 +58,9 @@ class FusedAttention(CausalSelfAttention):
         # the keys' and values' write with the attention), where the generic path splits, views and copies each.
         # Its rows' lengths stand for the mask there, as in the cache's attend.
         serves = getattr(kv_cache, "serves_qkv", None)
-        if serves is None or rope is None or x.shape[1] != 1 or self._kernels(x) is None:
+        if serves is None or rope is None or not serves(x) or self._kernels(x) is None:
             return super().forward(x, kv_cache, attn_mask, rope)
-        qkv = self._rotated(x, rope)
-        if not serves(qkv):
-            return super().forward(x, kv_cache, attn_mask, rope)
-        y = kv_cache.attend_qkv(qkv, self.n_head, self.n_kv)  # type: ignore[union-attr]
+        y = kv_cache.attend_qkv(self._rotated(x, rope), self.n_head, self.n_kv)  # type: ignore[union-attr]
         return self.resid_dropout(self.c_proj(y))
 
     def _kernels(self, x: torch.Tensor) -> object | None:

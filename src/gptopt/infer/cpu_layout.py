@@ -12,6 +12,8 @@ train afterwards (the packed copy would not follow, and an optimizer would see a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -186,22 +188,16 @@ class PackedSwiGLU(MLP):
         return self.dropout(self.c_proj(F.silu(gate).mul_(up)))
 
 
+@functools.cache
 def bf16_packs() -> bool:
     """Whether oneDNN's linear runs bf16 over a packed weight on this CPU: its bf16 kernels need AVX512 (native
     bf16 or emulated); elsewhere, or where they fail, bf16 weights keep the BLAS. Checked once, on a tiny product."""
-    global _BF16_PACKS
-    if _BF16_PACKS is None:
-        try:
-            w = torch.eye(16, dtype=torch.bfloat16)
-            x = torch.arange(16, dtype=torch.bfloat16)[None]
-            _BF16_PACKS = bool(torch.backends.mkldnn.is_available()
-                               and torch.equal(onednn_linear(x, onednn_pack(w), None), x))
-        except RuntimeError:
-            _BF16_PACKS = False
-    return _BF16_PACKS
-
-
-_BF16_PACKS: bool | None = None
+    try:
+        w = torch.eye(16, dtype=torch.bfloat16)
+        x = torch.arange(16, dtype=torch.bfloat16)[None]
+        return bool(torch.backends.mkldnn.is_available() and torch.equal(onednn_linear(x, onednn_pack(w), None), x))
+    except RuntimeError:
+        return False
 
 
 def packable(dtype: torch.dtype) -> bool:

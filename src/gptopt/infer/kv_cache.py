@@ -43,15 +43,15 @@ class _LayerView:
         assert self.tables is not None
         return paged_attention.decode_attention(q, self.k, self.v, self.tables, self.lengths)
 
-    def serves_qkv(self, qkv: torch.Tensor) -> bool:
-        """Whether attend_qkv serves this c_attn output: a decode step (one token a row) on the CPU kernel, in the
-        pool's dtype and contiguous."""
-        return self.lengths is not None and qkv.shape[1] == 1 and qkv.dtype == self.k.dtype and \
-            qkv.device.type == "cpu" and qkv.is_contiguous() and paged_attention.kernel() is not None
+    def serves_qkv(self, x: torch.Tensor) -> bool:
+        """Whether attend_qkv serves the attention of x (B, T, C), before its c_attn product: a decode step (one
+        token a row) on the CPU kernel, in the pool's dtype."""
+        return self.lengths is not None and x.shape[1] == 1 and x.dtype == self.k.dtype and \
+            x.device.type == "cpu" and paged_attention.kernel() is not None
 
     def attend_qkv(self, qkv: torch.Tensor, nh: int, nkv: int) -> torch.Tensor:
-        """A decode step's attention straight from c_attn's output (B, 1, W) (serves_qkv): the keys and values
-        written and the blocks read in one kernel, with none of the per-head views and copies in between.
+        """A decode step's attention straight from c_attn's output (B, 1, W), contiguous (serves_qkv): the keys and
+        values written and the blocks read in one kernel, with none of the per-head views and copies in between.
         (B, 1, nh x hs)."""
         assert self.tables is not None and self.lengths is not None
         return paged_attention.decode_attention_qkv(qkv, self.k, self.v, self.write, self.tables, self.lengths, nh, nkv)

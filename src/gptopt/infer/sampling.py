@@ -223,10 +223,9 @@ def inverse_cdf(probs: torch.Tensor, generators: Sequence[torch.Generator | None
         if g is not None:
             u[i].uniform_(generator=g)
     target = (1.0 - u).mul_(cdf[:, -1:])  # in (0, total]: never past the last token with any weight
-    tokens = torch.searchsorted(cdf, target).view(B)
-    # a row whose weights overflowed (NaN: a temperature that rounds to 0 in fp32) finds no token; it takes its
-    # argmax, as the race did
-    return torch.where(tokens < probs.shape[1], tokens, probs.argmax(dim=-1))
+    # a row whose weights overflowed (NaN: a temperature that rounds to 0 in fp32) finds no token past the
+    # vocabulary's end: it takes the last token, an id like any other, as the race took the first NaN's
+    return torch.searchsorted(cdf, target).view(B).clamp_max_(probs.shape[1] - 1)
 
 
 def race(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
