@@ -29,7 +29,7 @@ from serve_helpers import (  # noqa: E402
 )
 
 from gptopt.config import GPTConfig, ServeConfig, preset  # noqa: E402
-from gptopt.infer.generator import Generator  # noqa: E402
+from gptopt.infer.generator import BLOCK_SIZE, Generator  # noqa: E402
 from gptopt.infer.sampling import SamplingParams  # noqa: E402
 from gptopt.infer.scheduler import complete  # noqa: E402
 from gptopt.models.gpt import GPT  # noqa: E402
@@ -233,8 +233,9 @@ def test_a_compiled_cpu_engine_never_recompiles_for_its_solo_threads(varied_mode
                                                                       small: bool) -> None:
     """A request left alone in slot 1 (slot 0's finished first) runs the compiled 2-row graph under the count
     it was compiled under, not solo_threads (dynamo guards on the count: that would recompile mid-serving):
-    every core for a model above SMALL_MODEL_FLOPS, solo_threads for every step of one under it.
-    Greedy tokens equal the eager one-at-a-time path's."""
+    every core for a model above SMALL_MODEL_FLOPS, solo_threads for every step of one under it. The long
+    request's keys reach past a KV block's end (BLOCK_SIZE), where a length inside a block once compiled the
+    graph again. Greedy tokens equal the eager one-at-a-time path's."""
     from gptopt.serve import engine as engine_module
     from gptopt.serve.engine import Engine
 
@@ -242,7 +243,7 @@ def test_a_compiled_cpu_engine_never_recompiles_for_its_solo_threads(varied_mode
         monkeypatch.setattr(engine_module, "SMALL_MODEL_FLOPS", 0)
 
     short, long = [5, 17, 99], [8, 4, 200, 31]
-    params = SamplingParams(temperature=0, max_new_tokens=12)
+    params = SamplingParams(temperature=0, max_new_tokens=BLOCK_SIZE + 4)
     alone = [complete(Generator(varied_model, resolve("cpu"), max_batch_size=1), [p], params)[0][0]
              for p in (short, long)]
     had = torch.get_num_threads()

@@ -527,6 +527,11 @@ class Generator:
         blocks where they lie (paged_attention.py; a compiled graph gathers them, which inductor can fuse)."""
         tables = self.tables[rows]  # (B, max_blocks)
         W = (length + self.block_size - 1) // self.block_size
+        if not in_place:
+            # the gathered blocks attended whole, the mask hiding what lies past each row: cut to a length inside a
+            # block, they made dynamo guard on whether the length ends a block, and the first step at a block's end
+            # compiled the bucket's graph again while serving
+            length = W * self.block_size
         kv = self.cache.layers(self._write_rows(tables, pos), tables[:, :W], length,
                                lengths=pos.view(-1) + 1 if in_place else None)
         logits = self.model(tok, pos=pos, kv_cache=kv, attn_mask=self.cache.mask(pos, length))
@@ -561,8 +566,9 @@ class Generator:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs are consumed
             keys = self._keys  # a CUDA graph per length would be recorded every step: every table's whole width
         else:  # the asked rows' positions only, as the eager decode (an idle row's output, over fewer keys, is
-            # discarded)
-            keys = self._keys[: max(positions) + 1]
+            # discarded), but two blocks at least: a graph traced over one block specialises on it (dynamo's 0/1
+            # rule) and the first longer step compiled the bucket again while serving
+            keys = self._keys[: max(max(positions) + 1, self.block_size + 1)]
             maybe_mark_dynamic(keys, 0)
         assert self._step is not None
         logits = self._step(self._tensor(tok_all).view(-1, 1), self._tensor(pos_all).view(-1, 1), keys)
