@@ -20,6 +20,10 @@ from gptopt.config import DoctorConfig, ProfileConfig, TrainConfig, opt
 EXPECTED_OPTIONS = {
     "doctor": {"device", "json", "preset", "seq_len", "smoke"},
     "prepare": {
+        "chat_template",
+        "format",
+        "overlong",
+        "seq_len",
         "dataset",
         "dataset_config",
         "dataset_split",

@@ -215,7 +215,7 @@ def test_overwrite_replaces_prepared_data(corpus: Path, tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or old dir left behind
 
 
-@pytest.mark.parametrize("where", ["_encode", "_write_meta"])
+@pytest.mark.parametrize("where", ["_encode", "write_meta"])
 def test_interrupted_prepare_leaves_nothing(corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             where: str) -> None:
     old = tokenize_corpus(config(corpus, tmp_path / "old"))

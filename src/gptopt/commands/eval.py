@@ -28,6 +28,11 @@ token, its UTF-8 bytes counted. Without --data it is the val split of the data t
 The tokens go through the model in windows of its context that do not overlap, every token after the
 first predicted once: bits/byte = summed loss / ln 2 / bytes (bpb.bits_per_byte), end-of-text tokens
 counting no bytes. Any family and tokenizer: the unit does not depend on how the text was cut.
+
+The chat task scores a fine-tuned chat model on held-out conversations (--data, a .jsonl as `gptopt prepare`
+reads conversations): each line's last assistant message is the answer, the model's greedy reply to everything
+before it (rendered with its chat template) is its answer, and exact_match is the share that equal the answer,
+whitespace around either left out.
 """
 
 from __future__ import annotations
@@ -56,12 +61,17 @@ from gptopt.config import EvalConfig
 from gptopt.data.bpb import bits_per_byte, bytes_per_token
 from gptopt.data.loader import META, TokenData
 from gptopt.data.tokenizer import eot_id
+from gptopt.infer import chat
+from gptopt.infer.generator import Generator
 from gptopt.infer.load import load_for_inference, model_source
+from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models import checkpoint
 from gptopt.models.gpt import GPT
 from gptopt.outputs import check_output, lock_output, staged_dir, staged_file
 from gptopt.runtime import process
 from gptopt.runtime.device import DevicePlan, environment, resolve
+from gptopt.train import chat_data
 from gptopt.utils.errors import UserError
 from gptopt.utils.tables import text_table, to_json
 
@@ -358,6 +368,8 @@ def bits_per_byte_of(model: GPT, stream: np.ndarray, per_token: float | None, pl
 def table(results: dict[str, Any]) -> str:
     if results["task"] == "bpb":
         return bpb_table(results)
+    if results["task"] == "chat":
+        return chat_table(results)
     n = results["examples"]
     rows = [["acc", f"{results['acc']:.4f}", f"{results['correct']}/{n}"],
             ["acc_norm", f"{results['acc_norm']:.4f}", f"{results['correct_norm']}/{n}"]]
@@ -390,6 +402,8 @@ def _evaluate(cfg: EvalConfig, out: Path | None) -> int:
         check_output(out, kind=KIND, overwrite=cfg.overwrite, whole=True, flag="--output_dir")
     if cfg.task == "bpb":
         return _bits_per_byte(cfg, out)
+    if cfg.task == "chat":
+        return _chat(cfg, out)
     if cfg.data:
         path, where = Path(cfg.data).expanduser(), "--data"
     else:
@@ -428,6 +442,99 @@ def _bits_per_byte(cfg: EvalConfig, out: Path | None) -> int:
                "device": str(plan.device), "dtype": str(model.transformer.wte.weight.dtype).removeprefix("torch."),
                "environment": environment(plan)}
     return _report(cfg, out, results)
+
+
+def read_chat_answers(path: Path, limit: int | None) -> list[tuple[str, list[dict[str, str]], str]]:
+    """(where, the prompt's messages, the answer) of each held-out conversation of a .jsonl ({messages} or
+    {prompt, completion} lines): the answer is the last assistant message, the prompt everything before it. Read
+    and checked before the model loads; a bad line is one error naming it."""
+    reading = chat_data.detect(path)
+    if reading is None:
+        raise UserError(f"--data {path}: not a .jsonl of conversations; each line must be {{\"messages\": [...]}} or "
+                         "{\"prompt\": ..., \"completion\": ...}")
+    out = []
+    for where, messages in chat_data.read_lines(path, reading):
+        last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+        out.append((where, messages[:last], messages[last]["content"]))
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def chat_accuracy(model: GPT, tok: Tokenizer, template: chat.ChatTemplate, ends: Sequence[int],
+                  examples: Sequence[tuple[str, list[dict[str, str]], str]], plan: DevicePlan,
+                  batch_size: int) -> dict[str, Any]:
+    """Exact-match accuracy of greedy replies (the model's template, its end-of-turn tokens ending a reply; both
+    sides' surrounding whitespace left out), batched through the Generator; the first wrong replies, to read."""
+    block = model.config.block_size
+    gen = Generator(model, plan, max_batch_size=batch_size, max_len=block)
+    correct, too_long, wrong = 0, 0, []
+    for batch in tqdm(list(_batches(examples, batch_size)), desc="chat", unit="batch", file=sys.stderr):
+        prompts, answers = [], []
+        for where, messages, answer in batch:
+            ids = template.encode(tok, template.render(messages))
+            if len(ids) >= block:
+                too_long += 1
+                continue
+            prompts.append(ids)
+            answers.append((where, answer))
+        if not prompts:
+            continue
+        room = block - max(len(p) for p in prompts)
+        new = min(room, max(len(tok.encode(a).ids) for _, a in answers) + CHAT_SLACK)
+        params = SamplingParams(max_new_tokens=new, temperature=0.0, stop_token_ids=tuple(ends))
+        with plan.autocast():
+            replies = generate(gen, prompts, params)
+        for (where, answer), ids in zip(answers, replies, strict=True):
+            reply = tok.decode(ids)
+            if reply.strip() == answer.strip():
+                correct += 1
+            elif len(wrong) < SHOWN_WRONG:
+                wrong.append({"where": where, "answer": answer, "reply": reply})
+    n = len(examples)
+    return {"examples": n, "correct": correct, "exact_match": correct / n if n else 0.0, "too_long": too_long,
+            "wrong": wrong}
+
+
+CHAT_SLACK = 16  # new tokens past the longest answer of a batch: room to be wrong at length, and to end the turn
+SHOWN_WRONG = 5  # wrong replies the results keep, to read
+
+
+def _chat(cfg: EvalConfig, out: Path | None) -> int:
+    if not cfg.data:
+        raise UserError("the chat task scores held-out conversations: pass --data FILE.jsonl, whose last assistant "
+                         "turn in each line is the answer")
+    path = Path(cfg.data).expanduser()
+    examples = read_chat_answers(path, cfg.limit)  # before the model loads
+    folders = chat.template_folders(cfg.model, cfg.tokenizer)
+    template = chat.load_template(None, folders)
+    if template is None:
+        raise UserError(chat.no_template(folders))
+    plan = resolve(cfg.device, quiet=True)
+    process.set_matmul_precision(plan)
+    model, tok = load_for_inference(cfg.model, tokenizer=cfg.tokenizer, plan=plan, dtype=cfg.dtype)
+    template = chat.load_template(None, folders, tok)
+    assert template is not None
+    scores = chat_accuracy(model, tok, template, chat.end_token_ids(folders, tok), examples, plan, cfg.batch_size)
+    results = {"task": cfg.task, "model": str(model_source(cfg.model)), "data": str(path.resolve()),
+               "template": template.source, **scores, "device": str(plan.device),
+               "dtype": str(model.transformer.wte.weight.dtype).removeprefix("torch."),
+               "environment": environment(plan)}
+    return _report(cfg, out, results)
+
+
+def chat_table(results: dict[str, Any]) -> str:
+    n = results["examples"]
+    rows = [["exact match", f"{results['exact_match']:.4f}", f"{results['correct']}/{n}"]]
+    title = (f"gptopt eval: chat, {n:,} conversations of {results['data']}, {results['model']} on "
+             f"{results['device']} ({results['dtype']})")
+    lines = [title, text_table(["", "score", "correct"], rows),
+             "  the greedy reply to each conversation up to its last assistant turn, against that turn (whitespace "
+             "around either left out)"]
+    if results["too_long"]:
+        lines.append(f"  {results['too_long']} prompts do not fit the model's context: counted wrong")
+    lines += [f"  wrong at {w['where']}: {w['reply']!r} (answer {w['answer']!r})" for w in results["wrong"]]
+    return "\n".join(lines)
 
 
 def _report(cfg: EvalConfig, out: Path | None, results: dict[str, Any]) -> int:

@@ -287,7 +287,7 @@ class CompressConfig:
             raise UserError("nothing to do: give --quantize METHOD and/or --prune FRACTION|2:4")
 
 
-EVAL_TASKS = ("hellaswag", "bpb")
+EVAL_TASKS = ("hellaswag", "bpb", "chat")
 MAX_EXAMPLES = 10**8  # HellaSwag's val set has 10,042; a limit beyond this is a typo
 
 
@@ -299,13 +299,15 @@ class EvalConfig:
     task: str = opt("hellaswag", "hellaswag: pick the right one of 4 endings, completion-style; acc by the summed "
                     "log-likelihood of each ending, acc_norm by its log-likelihood per byte of the ending's "
                     "text (lm-eval's length normalisation, not llm.c's per token); bpb: bits per byte of held-out "
-                    "text (comparable across tokenizers), in windows of the model's context that do not overlap",
+                    "text (comparable across tokenizers), in windows of the model's context that do not overlap; "
+                    "chat: exact-match accuracy of the greedy reply to held-out conversations",
                     choices=EVAL_TASKS)
     data: str | None = opt(None, "hellaswag: a .jsonl in HellaSwag's published format (ctx or ctx_a + ctx_b, 4 "
                            "endings, label); default: HellaSwag's val set, downloaded once into ~/.cache/gptopt "
                            "(online only). bpb: a text file or a folder of them (tokenized with the model's "
                            "tokenizer), or a data dir from gptopt prepare (its val split); default: the val split "
-                           "of the data the model was trained on")
+                           "of the data the model was trained on. chat: a .jsonl of conversations ({messages} or "
+                           "{prompt, completion}), the last assistant turn of each the answer")
     limit: int | None = opt(None, "score only the first N examples (bpb: windows)", ge=1, le=MAX_EXAMPLES)
     batch_size: int = opt(4, "examples per forward, each one row per ending (bpb: windows); memory grows with rows "
                           "x length x vocabulary", ge=1, le=MAX_BATCH)

@@ -74,11 +74,23 @@ class PrepareConfig:
     seed: int = opt(1337, "seed of the document shuffle that makes the train/val split", ge=0, le=MAX_SEED)
     overwrite: bool = opt(False, "replace the train.bin, val.bin, meta.json and tokenizer.json an earlier prepare "
                                  "wrote in output_dir (other files there are never touched)")
+    # conversations (supervised fine-tuning): train/chat_data.py
+    format: str = opt("auto", "how --input is read: auto (a .jsonl of {messages} or {prompt, completion} lines is "
+                              "conversations, anything else text), text, messages, prompt_completion",
+                      choices=("auto", "text", "messages", "prompt_completion"))
+    seq_len: int = opt(1024, "conversations: the tokens of a packed row, the context train uses (at most the "
+                             "model's)", ge=8, le=1 << 20)
+    overlong: str = opt("refuse", "conversations: one longer than --seq_len is refused with its line (refuse) or cut "
+                                  "into rows of its own (split)", choices=("refuse", "split"))
+    chat_template: str | None = opt(None, "conversations: a Jinja template file, or 'default' (gptopt's ChatML, its "
+                                          "markers added to the tokenizer); default: the model's own, else 'default'")
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.input and self.dataset:
             raise UserError("give either --input or --dataset, not both")
+        if self.format in ("messages", "prompt_completion") and not self.input:
+            raise UserError(f"--format {self.format} reads conversations from --input FILE.jsonl: give --input")
 
 
 def check_cpu_amp(device: str, use_amp: bool, amp_dtype: str) -> None:

@@ -46,11 +46,15 @@ from gptopt.utils.extras import require
 log = logging.getLogger("gptopt")
 
 FORMAT = "gptopt-tokens"
-VERSION = 1
+VERSION = 1  # what a text prepare writes
+CHAT_VERSION = 2  # chat data's rows (train/chat_data.py): a reader of version 1 refuses it rather than misread it
 META = "meta.json"
 SPLITS = ("train", "val")
 KIND = "prepared-data"  # the outputs mark of a folder prepare wrote into
-OURS = ("train.bin", "val.bin", META, TOKENIZER)  # what prepare writes there; nothing else is touched
+# What prepare writes there; nothing else is touched. Chat data (train/chat_data.py) adds each split's mask and
+# positions, and the chat template and special tokens of the model it was tokenized for.
+OURS = ("train.bin", "val.bin", META, TOKENIZER, "train.mask.bin", "val.mask.bin", "train.pos.bin", "val.pos.bin",
+        "chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json")
 
 
 # What a folder given to --input contributes: text-like suffixes only, so binaries, images and
@@ -385,7 +389,7 @@ def _write_shards(corpus: Corpus, tok: Tokenizer, eot: int, dtype: np.dtype, val
     return counts
 
 
-def _write_meta(out: Path, meta: dict[str, Any]) -> None:
+def write_meta(out: Path, meta: dict[str, Any]) -> None:
     with open(out / META, "w") as fh:
         json.dump(meta, fh, indent=2)
 
@@ -410,7 +414,7 @@ def _legacy(out: Path) -> bool:
     return isinstance(meta, dict) and meta.get("format") == FORMAT
 
 
-def _check_input(config: PrepareConfig, out: Path) -> None:
+def check_input(config: PrepareConfig, out: Path) -> None:
     """The corpus is read while the new files are written: it must not be among them, nor hold them."""
     if not config.input:
         return
@@ -438,7 +442,7 @@ def tokenize_corpus(config: PrepareConfig) -> Path:
 
 
 def _prepare(config: PrepareConfig, out: Path) -> Path:
-    _check_input(config, out)
+    check_input(config, out)
     if config.overwrite and out.is_dir():
         _adopt_legacy(out)  # writes a mark: only once nothing else can refuse
     old = check_output(out, kind=KIND, overwrite=config.overwrite, ours=OURS)
@@ -504,5 +508,5 @@ def _prepare(config: PrepareConfig, out: Path) -> Path:
             "seed": config.seed,
             "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         }
-        _write_meta(tmp, meta)
+        write_meta(tmp, meta)
     return out

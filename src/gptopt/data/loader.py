@@ -21,7 +21,7 @@ import torch
 from tokenizers import Tokenizer
 
 from gptopt.config import PrepareConfig
-from gptopt.data.corpus import FORMAT, META, SPLITS, VERSION, tokenize_corpus
+from gptopt.data.corpus import CHAT_VERSION, FORMAT, META, SPLITS, tokenize_corpus
 from gptopt.data.tokenizer import TOKENIZER, load_tokenizer
 from gptopt.outputs import lock_output
 from gptopt.runtime import signals
@@ -60,6 +60,9 @@ class TokenData:
         for split in SPLITS:  # a damaged shard too: found now, not at the first evaluation
             if self.meta is not None or (self.directory / f"{split}.bin").is_file():
                 self._shard_tokens(split)
+                if self.chat is not None:
+                    self._shard_tokens(split, "mask")
+                    self._shard_tokens(split, "pos")
 
     def _check_tokenizer(self, tok: Tokenizer | None) -> None:
         if tok is None or self.meta is None:
@@ -96,6 +99,27 @@ class TokenData:
     def eot_id(self) -> int | None:
         return self.meta["tokenizer"]["eot_id"] if self.meta else None
 
+    @property
+    def chat(self) -> dict[str, Any] | None:
+        """meta.json's "chat" of conversation data (train/chat_data.py wrote it: rows, their length, the template);
+        None for text."""
+        return self.meta.get("chat") if self.meta else None
+
+    def rows(self, split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Chat data's packed rows of a split: token ids, loss mask and positions, each (rows, seq_len) memmaps."""
+        assert self.chat is not None, "rows() reads chat data"
+        L = self.chat["seq_len"]
+        ids = self.tokens(split)
+        key = (split, "mask"), (split, "pos")
+        for (s, part), dtype in zip(key, (np.dtype("<u1"), np.dtype(self.chat["pos_dtype"]).newbyteorder("<")),
+                                    strict=True):
+            if f"{s}.{part}" not in self._arrays:
+                n = self._shard_tokens(s, part)
+                path = self.directory / f"{s}.{part}.bin"
+                self._arrays[f"{s}.{part}"] = np.memmap(path, dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+        return (ids.reshape(-1, L), self._arrays[f"{split}.mask"].reshape(-1, L),
+                self._arrays[f"{split}.pos"].reshape(-1, L))
+
     def tokens(self, split: str) -> np.ndarray:
         """The split's token ids as a read-only memmap (an empty array for an empty file)."""
         if split not in SPLITS:
@@ -106,17 +130,20 @@ class TokenData:
             self._arrays[split] = np.memmap(path, self._dtype, mode="r", shape=(n,)) if n else np.zeros(0, self._dtype)
         return self._arrays[split]
 
-    def _shard_tokens(self, split: str) -> int:
-        """The token count of a split's shard, checked against meta.json: one line with the fix if it is not."""
-        path = self.directory / f"{split}.bin"
+    def _shard_tokens(self, split: str, part: str | None = None) -> int:
+        """The token count of a split's shard (part: chat data's "mask" or "pos" beside it), checked against
+        meta.json: one line with the fix if it is not."""
+        path = self.directory / (f"{split}.bin" if part is None else f"{split}.{part}.bin")
         if not path.is_file():
             raise UserError(f"{path} is missing; re-run `gptopt prepare --overwrite --output_dir {self.directory}`")
+        dtype = self._dtype if part is None else np.dtype("<u1") if part == "mask" else \
+            np.dtype(self.chat["pos_dtype"]) if self.chat else self._dtype
         size = path.stat().st_size
-        n, rest = divmod(size, self._dtype.itemsize)
+        n, rest = divmod(size, dtype.itemsize)
         expected = self.meta[f"{split}_tokens"] if self.meta else n
-        if rest or n != expected:
+        if rest or n != expected or self.chat is not None and n % self.chat["seq_len"]:
             raise UserError(
-                f"{path} holds {size} bytes, not {expected} {self._dtype.name} tokens: it is truncated or "
+                f"{path} holds {size} bytes, not {expected} {dtype.name} tokens: it is truncated or "
                 f"changed; re-run `gptopt prepare --overwrite --output_dir {self.directory}`"
             )
         return n
@@ -190,8 +217,13 @@ def read_meta(path: Path) -> dict[str, Any]:
     if not isinstance(meta, dict):
         raise bad(f"expected a JSON object, got {type(meta).__name__}")
     version = meta.get("version", 0)
-    if meta.get("format") != FORMAT or not _is_count(version) or version > VERSION:
-        raise bad(f"not gptopt token data of version <= {VERSION} (format {meta.get('format')!r}, version {version!r})")
+    if meta.get("format") != FORMAT or not _is_count(version) or version > CHAT_VERSION:
+        raise bad(f"not gptopt token data of version <= {CHAT_VERSION} (format {meta.get('format')!r}, "
+                  f"version {version!r})")
+    chat = meta.get("chat")
+    if chat is not None and not (isinstance(chat, dict) and _is_count(chat.get("seq_len")) and chat["seq_len"] > 1
+                                 and chat.get("pos_dtype") in _DTYPES):
+        raise bad(f"chat must be an object with seq_len (> 1) and pos_dtype, got {chat!r}")
     if not _is_count(meta.get("vocab_size")) or meta["vocab_size"] < 1:
         raise bad(f"vocab_size must be a positive integer, got {meta.get('vocab_size')!r}")
     if meta.get("dtype") not in _DTYPES:
@@ -334,6 +366,75 @@ class BatchDataset(torch.utils.data.Dataset):
         starts = np.linspace(0, last, num=count).astype(np.int64)[self.rank :: self.world_size]
         for i in range(n):
             yield self._windows(tokens, starts[i * self.batch_size : (i + 1) * self.batch_size])
+
+
+IGNORE_INDEX = -100  # a target the loss leaves out: F.cross_entropy's ignore_index, as models.loss's
+
+
+class ChatRows(torch.utils.data.Dataset):
+    """Chat data's micro-batches (train/chat_data.py packed the rows): item `step` is (x, y, pos), int64 (B, T)
+    with T the rows' length. y is the next token where the loss counts it (the mask, inside one conversation),
+    else IGNORE_INDEX, the row's last position included; pos restarts at every conversation, and a model attends
+    within a conversation alone (models.gpt.document_mask).
+
+    Rows are taken in epochs: epoch e is a permutation of the split's rows seeded by (seed, e), and global sample
+    i is row i mod N of epoch i // N, so every row is seen once an epoch and item `step` is a pure function of
+    (seed, step): a resumed run sees exactly its batches. Under DDP the step's global batch is world_size * B
+    samples, rank r taking r*B .. (r+1)*B, as BatchDataset's."""
+
+    def __init__(self, data: TokenData, split: str, batch_size: int, seed: int, rank: int = 0,
+                 world_size: int = 1) -> None:
+        if data.chat is None:
+            raise UserError(f"{data.directory} holds text, not conversations")
+        self.data, self.split, self.batch_size, self.seed = data, split, batch_size, seed
+        self.rank, self.world_size = rank, world_size
+        self.seq_len = data.chat["seq_len"]
+        self.n = check_rows(data, split)
+        self._perm: tuple[int, np.ndarray] | None = None
+
+    def __len__(self) -> int:
+        return ENDLESS
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            self._perm = (epoch, np.random.default_rng([self.seed, epoch]).permutation(self.n))
+        return self._perm[1]
+
+    def __getitem__(self, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if step < 0:
+            raise IndexError(f"step must be >= 0, got {step}")
+        B = self.batch_size
+        first = (step * self.world_size + self.rank) * B
+        picks = [int(self._order(i // self.n)[i % self.n]) for i in range(first, first + B)]
+        return self._batch(np.asarray(picks), np.ones(B, dtype=bool))
+
+    def _batch(self, picks: np.ndarray, real: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids, mask, pos = (np.asarray(a[picks]).astype(np.int64) for a in self.data.rows(self.split))
+        y = np.full_like(ids, IGNORE_INDEX)
+        counted = (mask[:, 1:] == 1) & (pos[:, 1:] > 0) & real[:, None]
+        y[:, :-1] = np.where(counted, ids[:, 1:], IGNORE_INDEX)
+        return torch.from_numpy(ids), torch.from_numpy(y), torch.from_numpy(pos)
+
+    def eval_batches(self, n: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Every row of the split once, in order, in batches of B (at most n batches): each rank every
+        world_size-th row, and every rank as many batches (the last filled with rows that count nothing), so that
+        sharded forwards stay in step."""
+        per_step = self.batch_size * self.world_size
+        steps = -(-self.n // per_step)
+        if n is not None:
+            steps = min(steps, n)
+        for s in range(steps):
+            idx = np.arange(s * per_step, (s + 1) * per_step)[self.rank :: self.world_size]
+            yield self._batch(idx % self.n, idx < self.n)
+
+
+def check_rows(data: TokenData, split: str) -> int:
+    """Chat data's rows in a split; refused when it has none."""
+    n = len(data.rows(split)[0])
+    if n == 0:
+        raise UserError(f"the {split} split of {data.directory} holds no conversation: prepare it with more "
+                        "conversations (a larger --val_fraction for val)")
+    return n
 
 
 def check_split(data: TokenData, split: str, seq_len: int, *, other_fix: str | None = None) -> int:

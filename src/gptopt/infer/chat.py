@@ -41,6 +41,13 @@ PLAIN_NAMES = {"system": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_FORMAT = "System: ...\\nUser: ...\\nAssistant: ...\\nUser: ...\\nAssistant:"
 # A plain-template reply ends where the model starts the next turn itself: a base model does.
 PLAIN_STOP = ("\nUser:", "\nSystem:")
+# The template gptopt gives a model whose tokenizer it trained itself (`gptopt prepare` of conversations with such a
+# tokenizer): ChatML, as SmolLM2 and Qwen3 use, its two markers added to the tokenizer as special tokens, so that no
+# text a user writes can spell them, and <|im_end|> ends each turn (a reply stops there).
+DEFAULT_START, DEFAULT_END = "<|im_start|>", "<|im_end|>"
+DEFAULT_TEMPLATE = ("{% for message in messages %}" + DEFAULT_START + "{{ message['role'] }}\n{{ message['content'] }}"
+                    + DEFAULT_END + "\n{% endfor %}{% if add_generation_prompt %}" + DEFAULT_START
+                    + "assistant\n{% endif %}")
 NO_TEMPLATE = ("this model has no chat template ({where}); give one with --chat_template FILE (a Jinja "
                "template), or --chat_template plain for the built-in 'System/User/Assistant:' lines")
 
@@ -63,15 +70,17 @@ class ChatTemplate:
         self.add_special_tokens = text is None
         self._compiled = None if text is None else _compile(text, source)
 
-    def render(self, messages: list[dict[str, str]]) -> str:
-        """The prompt for checked messages (check_messages). ValueError names the template and the
+    def render(self, messages: list[dict[str, str]], *, generation_prompt: bool = True) -> str:
+        """The prompt for checked messages (check_messages); generation_prompt False: the conversation as it stands,
+        without the opening of a reply to come (what fine-tuning trains on). ValueError names the template and the
         problem when the template fails (its own raise_exception included)."""
         if self._compiled is None:
-            return "".join(f"{PLAIN_NAMES[m['role']]}: {m['content']}\n" for m in messages) + "Assistant:"
+            return "".join(f"{PLAIN_NAMES[m['role']]}: {m['content']}\n" for m in messages) + \
+                ("Assistant:" if generation_prompt else "")
         jinja2 = require("jinja2", "chat", "a Jinja chat template")
         try:
-            return self._compiled.render(messages=messages, add_generation_prompt=True, bos_token=self.bos_token,
-                                         eos_token=self.eos_token)
+            return self._compiled.render(messages=messages, add_generation_prompt=generation_prompt,
+                                         bos_token=self.bos_token, eos_token=self.eos_token)
         except jinja2.TemplateError as e:
             raise UserError(f"{self.kind} failed on these messages: {e}") from None
         except Exception as e:  # a template is code: a TypeError or ZeroDivisionError in it is its own fault

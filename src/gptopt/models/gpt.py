@@ -42,6 +42,14 @@ def _causal_mask(T: int, S: int, offset: int, device: torch.device) -> torch.Ten
     return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
+def document_mask(pos: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool for positions (B, T) of packed documents, each starting where its position is 0: True where
+    query i may see key j, j <= i in the same document, so that packed conversations attend to themselves alone."""
+    doc = (pos == 0).cumsum(-1)  # (B, T): the document each token belongs to
+    causal = _causal_mask(pos.size(-1), pos.size(-1), 0, pos.device)
+    return ((doc[:, :, None] == doc[:, None, :]) & causal).unsqueeze(1)
+
+
 class RMSNorm(nn.RMSNorm):
     """nn.RMSNorm computed in fp32 and returned in its input's dtype, as transformers' Llama and Qwen3 do. Autocast
     leaves rms_norm to its input's dtype, and a bf16 input with the fp32 weight misses the fused kernel."""
@@ -342,4 +350,7 @@ class GPT(nn.Module):
         if self.config.loss == "chunked":  # the same loss and gradients, without the full logits (loss.py)
             return linear_cross_entropy(x, self.lm_head.weight, targets, V)
         logits = self.lm_head(x)[..., :V]  # padded rows are never real tokens
-        return F.cross_entropy(logits.reshape(-1, V).float(), targets.reshape(-1), ignore_index=IGNORE_INDEX)
+        t = targets.reshape(-1)
+        # the mean over the counted targets; a batch with none counts 0, not NaN (a chat row may supervise nothing)
+        total = F.cross_entropy(logits.reshape(-1, V).float(), t, ignore_index=IGNORE_INDEX, reduction="sum")
+        return total / (t != IGNORE_INDEX).sum().clamp(min=1)

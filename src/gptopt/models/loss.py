@@ -47,7 +47,7 @@ def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.T
         return _LinearCrossEntropy.apply(x2, weight, t, vocab_size, rows)
     with torch.no_grad():
         total, count = _chunks(x2, weight, t, vocab_size, rows, None)
-    return total / count
+    return total / count.clamp(min=1)
 
 
 def _chunks(x: torch.Tensor, weight: torch.Tensor, t: torch.Tensor, vocab: int, rows: int,
@@ -93,7 +93,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # summed over chunks in fp32
         total, count = _chunks(x, weight, t, vocab, rows, (gx, gw))
         ctx.save_for_backward(gx, gw.to(weight.dtype))
-        return total / count
+        return total / count.clamp(min=1)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]

@@ -80,6 +80,13 @@ def all_reduce_mean(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return value
 
 
+def all_reduce_sum(value: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    if info.enabled and info.world_size > 1:
+        value = value.clone()
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
 def any_rank(flag: bool, info: DistInfo, device: torch.device) -> bool:
     """True on every rank if it is true on any: ranks must agree to stop, or collectives hang."""
     if not (info.enabled and info.world_size > 1):

@@ -62,15 +62,15 @@ READ_EVERY = 100
 class DeviceBatches:
     """The loader's batches, moved to the device; counts the time spent waiting for the loader."""
 
-    def __init__(self, batches: Iterator[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> None:
+    def __init__(self, batches: Iterator[tuple[torch.Tensor, ...]], device: torch.device) -> None:
         self.batches, self.device = batches, device
         self.wait = 0.0  # seconds; the caller resets it per step
 
-    def __call__(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, micro: int) -> tuple[torch.Tensor, ...]:
         t = time.perf_counter()
-        x, y = next(self.batches)
+        batch = next(self.batches)  # (x, y), or chat data's (x, y, pos)
         self.wait += time.perf_counter() - t
-        return x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        return tuple(b.to(self.device, non_blocking=True) for b in batch)
 
     def close(self) -> None:
         """Let the loader go now: its iterator shuts its worker processes down as it is freed. Left to the end of
@@ -137,21 +137,40 @@ class Trainer:
         self.resume_dir = resume.resume_dir(cfg)
         self.raw = resume.build_model(cfg, self.attention, self.data.model_vocab_size, self.resume_dir)
         resume.check_tokenizer(cfg, self.data, self.resume_dir)
-        self.carried = resume.carried_files(cfg, self.resume_dir)  # the source's template and end ids
+        if self.resume_dir is None and cfg.init_from != "scratch":
+            self.raw = resume.fit_added_tokens(self.raw, self.data)
+        # the source's template and end ids; chat data's template, which the run learns to follow
+        self.carried = resume.carried_files(cfg, self.resume_dir, self.data)
         self.model_config = self.raw.config
         # A pretrained model's own context, known only once it is loaded: gpt2's 1024, a debug model's 64.
         self.seq_len = cfg.seq_len or self.model_config.block_size
-        if self.seq_len > self.model_config.block_size:
-            context = self.model_config.block_size
+        context = self.model_config.block_size
+        if self.data.chat is not None:  # conversations were packed into rows of this length at prepare time
+            rows = self.data.chat["seq_len"]
+            if cfg.seq_len is not None and cfg.seq_len != rows:
+                raise UserError(f"--seq_len {cfg.seq_len}: {cfg.data_dir} holds conversations packed into rows of "
+                                 f"{rows} tokens; drop --seq_len, or prepare them again with --seq_len {cfg.seq_len}")
+            if cfg.align_documents:
+                raise UserError("--align_documents: conversations always start where they were packed; drop it")
+            if rows > context:
+                raise UserError(f"{cfg.data_dir} holds rows of {rows} tokens, more than the model's context "
+                                 f"{context}: prepare the conversations again with --seq_len {context} or less")
+            self.seq_len = rows
+        if self.seq_len > context:
             raise UserError(f"--seq_len {self.seq_len} exceeds the model's context {context}: use --seq_len {context} "
                              "or less")
         self.data.check_vocab(self.model_config.vocab_size)
         # Both splits the run reads, before its first step: a val split found too short at the first evaluation
         # would cost every step before it.
-        data.check_split(self.data, "train", self.seq_len)
-        if cfg.eval_every:
-            data.check_split(self.data, "val", self.seq_len,
-                             other_fix="train without evaluation (--eval_interval 0)")
+        if self.data.chat is not None:
+            data.check_rows(self.data, "train")
+            if cfg.eval_every:
+                data.check_rows(self.data, "val")
+        else:
+            data.check_split(self.data, "train", self.seq_len)
+            if cfg.eval_every:
+                data.check_split(self.data, "val", self.seq_len,
+                                 other_fix="train without evaluation (--eval_interval 0)")
         self.state: dict[str, Any] = checkpoint.load_train_state(self.resume_dir) if self.resume_dir else {}
         resume.check_ranks_resume_alike(self.state, self.resume_dir, info, self.plan.device)
         self.lineage = resume.lineage(self.out, self.resume_dir, info)
@@ -217,8 +236,11 @@ class Trainer:
         progress = self.checkpoints.restore(self.state, self.raw, self.train_step, self.prep.sharded,
                                             Progress(last_good=self.resume_dir))
         loader_opts = loader_options(self.cfg, self.plan.device.type)
-        ds = data.BatchDataset(self.data, "train", cfg.batch_size, self.seq_len, cfg.seed, info.rank, info.world_size,
-                               align=cfg.align_documents)
+        ds: torch.utils.data.Dataset = (
+            data.ChatRows(self.data, "train", cfg.batch_size, cfg.seed, info.rank, info.world_size)
+            if self.data.chat is not None else
+            data.BatchDataset(self.data, "train", cfg.batch_size, self.seq_len, cfg.seed, info.rank, info.world_size,
+                              align=cfg.align_documents))
         start_micro = progress.step * cfg.gradient_accumulation_steps
         self.batches = DeviceBatches(iter(data.make_loader(ds, start_micro, **loader_opts)), plan.device)
         self.peak, self.peak_source = self._peak()

@@ -41,6 +41,38 @@ def sample(model: GPT, plan: DevicePlan, tokenizer: Any, eot_id: int | None, n_t
     return tokenizer.decode(ids) if tokenizer is not None else " ".join(map(str, ids))
 
 
+@torch.no_grad()
+def chat_sample(model: GPT, plan: DevicePlan, tokens: Any, n_tokens: int) -> str:
+    """The eval log's sample of chat data: the first val conversation's prompt (its tokens up to the first one the
+    loss counts), then the model's greedy reply, up to n_tokens or an end-of-turn (any token the template or the
+    tokenizer ends a turn with), as '...END OF THE PROMPT -> REPLY'."""
+    ids, mask, pos = tokens.rows("val")
+    ends = [i for i in range(1, ids.shape[1]) if pos[0, i] == 0] + [ids.shape[1]]
+    row, row_mask = [int(t) for t in ids[0, : ends[0]]], [int(m) for m in mask[0, : ends[0]]]
+    prompt = row[: row_mask.index(1)] if 1 in row_mask else row
+    tok = tokens.tokenizer()
+    stops = tuple(i for i in {tokens.eot_id, *(tok.token_to_id(t) for t in END_OF_TURN)} if i is not None) \
+        if tok is not None else ()
+    room = model.config.block_size - len(prompt)
+    if room < 1:
+        return ""
+    params = SamplingParams(max_new_tokens=min(n_tokens, room), temperature=0.0, stop_token_ids=stops)
+    gen = Generator(model, plan, max_batch_size=1, max_len=min(model.config.block_size, len(prompt) + n_tokens))
+    with plan.autocast():
+        reply = generate(gen, [prompt], params)[0]
+    if tok is None:
+        return f"{prompt} -> {reply}"
+    asked = tok.decode(prompt, skip_special_tokens=False)
+    return f"...{asked[-SAMPLE_PROMPT_CHARS:]} -> {tok.decode(reply, skip_special_tokens=False)}"
+
+
+SAMPLE_PROMPT_CHARS = 80  # the prompt's end the log shows: the question, not the system prompt before it
+
+
+# The end-of-turn tokens of the templates fine-tuning meets: ChatML's (gptopt's default, SmolLM2, Qwen3), Llama 3's
+END_OF_TURN = ("<|im_end|>", "<|eot_id|>")
+
+
 class Metrics:
     """metrics.jsonl (one JSON object per logged step or eval) and TensorBoard scalars, rank 0 only."""
 

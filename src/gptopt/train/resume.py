@@ -151,16 +151,44 @@ def build_model(cfg: TrainConfig, attention: str, data_vocab: int, resumed: Path
     return hf.load_pretrained(source, vocab_pad_multiple=cfg.vocab_padding, **runtime)
 
 
-def carried_files(cfg: TrainConfig, resumed: Path | None) -> dict[str, bytes]:
+def carried_files(cfg: TrainConfig, resumed: Path | None, data: TokenData | None = None) -> dict[str, bytes]:
     """What the run's checkpoints keep of the model it starts from (hf_files.carried: its chat template, special
     tokens and every end id), from the resumed checkpoint, --init_from's folders (those generate --model reads
     them from), or a hub name's snapshot (build_model fetched it, with these files), so that a fine-tuned chat
-    model chats and ends its turns as its source did. None for a run from scratch."""
+    model chats and ends its turns as its source did; and over those, chat data's own template and special tokens
+    (`data`: what the conversations were rendered with, which the model learns). None for a run from scratch on
+    text."""
+    ours = {f.name: f.read_bytes() for f in hf_files.chat_files([data.directory])} if data and data.chat else {}
     if resumed is None and cfg.init_from == "scratch":
-        return {}
+        return ours
     if resumed is None and isinstance(source := model_source(cfg.init_from, "--init_from"), str):
-        return hf_files.carried([hf.hub_folder(source, fetched=True)])
-    return hf_files.carried(chat.template_folders(str(resumed) if resumed is not None else cfg.init_from))
+        return {**hf_files.carried([hf.hub_folder(source, fetched=True)]), **ours}
+    return {**hf_files.carried(chat.template_folders(str(resumed) if resumed is not None else cfg.init_from)),
+            **ours}
+
+
+def fit_added_tokens(model: GPT, data: TokenData) -> GPT:
+    """The model with room for the special tokens chat data added to its tokenizer (gptopt's default template's
+    markers, ids past its vocabulary): its embedding (and untied head) grown to the data's vocabulary, the new rows
+    the mean of the old (a token the model has never seen starts as an average one, not as noise). Unchanged
+    otherwise."""
+    vocab = data.vocab_size
+    if data.chat is None or not data.chat.get("added_tokens") or vocab is None or vocab <= model.config.vocab_size:
+        return model
+    old = model.config.vocab_size
+    grown = GPT(dataclasses.replace(model.config, vocab_size=vocab))
+    state = model.state_dict()
+    for name in ("transformer.wte.weight", "lm_head.weight"):
+        w = state[name]
+        new = grown.state_dict()[name].clone()
+        new[:old] = w[:old]
+        new[old:vocab] = w[:old].mean(dim=0)
+        new[vocab:] = 0  # padding rows are never tokens
+        state[name] = new
+    grown.load_state_dict(state)
+    log.info("grew the vocabulary from %d to %d for the chat data's special tokens (%s)", old, vocab,
+             ", ".join(data.chat["added_tokens"]))
+    return grown
 
 
 def _with_config(model: GPT, config: GPTConfig) -> GPT:
@@ -184,7 +212,9 @@ def check_tokenizer(cfg: TrainConfig, data: TokenData, resumed: Path | None) -> 
         checkpoint.is_gptopt_dir(source) else None
     theirs = own_tokenizer(source)
     digest = recorded or (tokenizer_digest(theirs) if theirs is not None else None)
-    if digest is None or digest == tokenizer_digest(ours):
+    # chat data tokenized by the model's tokenizer with the default template's markers added (fit_added_tokens)
+    base = data.chat.get("base_tokenizer") if data.chat else None
+    if digest is None or digest in (tokenizer_digest(ours), base):
         return
     where = source / TOKENIZER if isinstance(source, Path) and (source / TOKENIZER).is_file() else source
     raise UserError(f"--data_dir {cfg.data_dir} was tokenized with another tokenizer than {what}'s (tokenizer "

@@ -25,6 +25,8 @@ from torch.profiler import record_function
 
 from gptopt.config import TrainConfig
 from gptopt.data import loader as data
+from gptopt.models.gpt import document_mask
+from gptopt.models.loss import IGNORE_INDEX
 from gptopt.runtime.device import DevicePlan, sdpa_backends
 from gptopt.runtime.torch_private import graph_break_reason, skip_step_if
 from gptopt.train import distributed
@@ -35,8 +37,9 @@ from gptopt.utils.errors import UserError
 # Names the step's one host sync in traces: `gptopt profile` does not count it as an avoidable sync.
 READOUT_RANGE = "gptopt::readout"
 
-# (micro-step index) -> (inputs, targets) already on the device; the caller times its own data waits
-NextBatch = Callable[[int], "tuple[torch.Tensor, torch.Tensor]"]
+# (micro-step index) -> (inputs, targets) already on the device, or (inputs, targets, positions) of packed
+# conversations (data.loader.ChatRows); the caller times its own data waits
+NextBatch = Callable[[int], "tuple[torch.Tensor, ...]"]
 
 
 LOADER_FIELDS = ("num_workers", "pin_memory", "prefetch_factor", "persistent_workers")  # TrainConfig's DataLoader
@@ -55,13 +58,20 @@ def loader_options(cfg: TrainConfig, device_type: str) -> dict[str, Any]:
 
 def forward_backward(
     model: nn.Module, x: torch.Tensor, y: torch.Tensor, plan: DevicePlan,
-    scaler: torch.amp.GradScaler | None, accum: int,
+    scaler: torch.amp.GradScaler | None, accum: int, *, pos: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One micro-step: the loss is divided by the accumulation count so the summed gradients are
-    those of the mean over the whole global batch. Returns that scaled loss, detached."""
+    those of the mean over the whole global batch; or, given its `weight` (chat_weights), multiplied by it.
+    pos: packed conversations' positions, each attending to itself alone (document_mask). Returns that scaled
+    loss, detached."""
     try:
         with plan.autocast():
-            loss = model(x, y) / accum
+            if pos is None:
+                loss = model(x, y)
+            else:
+                loss = model(x, y, pos=pos, attn_mask=document_mask(pos))
+            loss = loss / accum if weight is None else loss * weight
     except Exception as e:
         reason = graph_break_reason(e)
         if reason:
@@ -72,6 +82,16 @@ def forward_backward(
         raise
     (scaler.scale(loss) if scaler is not None else loss).backward()
     return loss.detach()
+
+
+def chat_weights(batches: list[tuple[torch.Tensor, ...]], info: DistInfo) -> torch.Tensor:
+    """Each micro-batch's loss weight when their targets differ in number (chat data: only the assistant's
+    tokens count): its count of targets over the step's, every micro-batch of every rank, times world_size (DDP and
+    FSDP average the ranks' gradients). The weighted means then sum to the mean over every supervised token of the
+    global batch, whatever the accumulation and the ranks. On the device: no host sync."""
+    counts = torch.stack([(b[1] != IGNORE_INDEX).sum() for b in batches]).float()
+    total = distributed.all_reduce_sum(counts.sum(), info)
+    return counts * info.world_size / total.clamp(min=1)
 
 
 class StepResult:
@@ -157,11 +177,14 @@ class TrainStep:
         # summed in place as each micro-step ends: a CUDA-graph output is overwritten by the next replay
         loss_sum = torch.zeros((), device=self.plan.device)
         sync_ranks = self.info.world_size > 1
+        batches = [next_batch(micro) for micro in range(self.accum)]
+        weights = chat_weights(batches, self.info) if len(batches[0]) == 3 else None
         with sdpa_backends(cfg.sdpa_backend):
-            for micro in range(self.accum):
-                x, y = next_batch(micro)
+            for micro, (x, y, *pos) in enumerate(batches):
                 with distributed.no_sync(self.model, sync_ranks and micro < self.accum - 1):
-                    loss_sum += forward_backward(self.model, x, y, self.plan, self.scaler, self.accum)
+                    loss_sum += forward_backward(self.model, x, y, self.plan, self.scaler, self.accum,
+                                                 pos=pos[0] if pos else None,
+                                                 weight=weights[micro] if weights is not None else None)
         return self.update(loss_sum)
 
     def update(self, loss_sum: torch.Tensor) -> StepResult:

@@ -17,11 +17,12 @@ from tqdm import tqdm
 from gptopt.config import TrainConfig
 from gptopt.data import loader as data
 from gptopt.data.bpb import bits_per_byte, bytes_per_token
-from gptopt.models.gpt import GPT
+from gptopt.models.gpt import GPT, document_mask
+from gptopt.models.loss import IGNORE_INDEX
 from gptopt.runtime.device import DevicePlan
 from gptopt.train import distributed
 from gptopt.train.distributed import DistInfo
-from gptopt.train.metrics import Metrics, Progress, sample
+from gptopt.train.metrics import Metrics, Progress, chat_sample, sample
 
 
 @torch.no_grad()
@@ -31,20 +32,35 @@ def evaluate(model: GPT, tokens: data.TokenData, cfg: TrainConfig, plan: DeviceP
     perplexity, bits per byte, the sample (--sample_tokens) and train_s: the training steps' wall time so far (bench
     --mode quality's curves of val loss against training time). The model goes back to training mode."""
     model.eval()
-    ds = data.BatchDataset(tokens, "val", cfg.batch_size, seq_len, cfg.seed, info.rank, info.world_size)
-    losses = []
-    for x, y in ds.eval_batches(cfg.eval_iters):
-        with plan.autocast():
-            losses.append(model(x.to(plan.device), y.to(plan.device)).float())
-    val = distributed.all_reduce_mean(torch.stack(losses).mean(), info).item()
+    if tokens.chat is not None:  # conversations: the mean over every assistant token of every val row
+        rows = data.ChatRows(tokens, "val", cfg.batch_size, cfg.seed, info.rank, info.world_size)
+        total = torch.zeros(2, device=plan.device)  # (the summed loss, the targets counted)
+        for x, y, pos in rows.eval_batches(cfg.eval_iters):
+            x, y, pos = x.to(plan.device), y.to(plan.device), pos.to(plan.device)
+            with plan.autocast():
+                loss = model(x, y, pos=pos, attn_mask=document_mask(pos)).float()
+            n = (y != IGNORE_INDEX).sum()
+            total += torch.stack([loss * n, n.float()])
+        total = distributed.all_reduce_sum(total, info)
+        val = (total[0] / total[1].clamp(min=1)).item()
+    else:
+        ds = data.BatchDataset(tokens, "val", cfg.batch_size, seq_len, cfg.seed, info.rank, info.world_size)
+        losses = []
+        for x, y in ds.eval_batches(cfg.eval_iters):
+            with plan.autocast():
+                losses.append(model(x.to(plan.device), y.to(plan.device)).float())
+        val = distributed.all_reduce_mean(torch.stack(losses).mean(), info).item()
     text = ""
-    if cfg.sample_tokens:
+    if cfg.sample_tokens and tokens.chat is not None:
+        text = chat_sample(model, plan, tokens, cfg.sample_tokens)
+    elif cfg.sample_tokens:
         text = sample(model, plan, tokens.tokenizer(), tokens.eot_id, cfg.sample_tokens, cfg.seed + step)
     model.train()
     if info.is_main:
         assert metrics is not None
         ppl = math.exp(min(val, 50.0))
-        bpb = bits_per_byte(val, bytes_per_token(tokens, "val"))  # None for nanoGPT data (no tokenizer)
+        # None for nanoGPT data (no tokenizer), and for conversations (the loss covers the replies, not the bytes)
+        bpb = bits_per_byte(val, bytes_per_token(tokens, "val")) if tokens.chat is None else None
         tqdm.write(f"step {step}: val loss {val:.4f}, perplexity {ppl:.2f}"
                    + (f", {bpb:.4f} bits/byte" if bpb is not None else "")
                    + (f"\n  sample: {text!r}" if text else ""))

@@ -1,0 +1,300 @@
+"""Supervised fine-tuning on conversations: prepare's rows and masks, the packed rows' isolation, the loss under
+accumulation, resume, and the fine-tuned model's template and end of turn (train/chat_data.py, data/loader.py's
+ChatRows, train/step.py's chat_weights).
+
+    pytest tests/test_sft.py
+    pytest -m slow tests/test_sft.py    # the end-to-end task: a tiny model taught to answer in CPU minutes
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import io
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import (
+    CHAT,
+    TRAIN_FAST,
+    chat_model_dir,
+    family_config,
+    file_tree,
+    last_json_line,
+    load_script,
+    train_losses,
+    train_run,
+)
+from tokenizers import Tokenizer
+
+from gptopt import cli
+from gptopt.commands import eval as eval_cmd
+from gptopt.config import PrepareConfig
+from gptopt.data.loader import IGNORE_INDEX, ChatRows, TokenData
+from gptopt.infer import chat
+from gptopt.infer.load import find_tokenizer, load_for_inference, model_source
+from gptopt.models.gpt import GPT, document_mask
+from gptopt.runtime.device import resolve
+from gptopt.train import chat_data
+from gptopt.train.distributed import DistInfo
+from gptopt.train.step import chat_weights, forward_backward
+from gptopt.utils.errors import UserError
+
+CONVERSATIONS = [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "ab"},
+     {"role": "assistant", "content": "ba"}, {"role": "user", "content": "xyz"},
+     {"role": "assistant", "content": "zyx"}],
+    [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ih"}],
+    [{"role": "user", "content": "cat"}, {"role": "assistant", "content": "tac"}],
+    [{"role": "user", "content": "dog"}, {"role": "assistant", "content": "god"}],
+    [{"role": "user", "content": "sun"}, {"role": "assistant", "content": "nus"}],
+    [{"role": "user", "content": "pot"}, {"role": "assistant", "content": "top"}],
+]
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def prepare(src: Path, out: Path, tokenizer: Path, **kw: Any) -> TokenData:
+    """`gptopt prepare` of conversations, as its command reads them (by content unless kw says)."""
+    from gptopt.commands import prepare as prepare_cmd
+
+    cfg = PrepareConfig(input=str(src), output_dir=str(out), tokenizer=str(tokenizer), **{"seq_len": 64, **kw})
+    assert prepare_cmd.main(cfg) == 0
+    return TokenData(out)
+
+
+@pytest.fixture(scope="module")
+def chat_data_dir(trained_out: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """CONVERSATIONS (twice over, so that val holds some) prepared for trained_out's model: gptopt's default
+    template, its markers added to the debug tokenizer."""
+    tmp = tmp_path_factory.mktemp("chat")
+    src = write_jsonl(tmp / "chats.jsonl", [{"messages": m} for m in CONVERSATIONS * 4])
+    prepare(src, tmp / "data", trained_out, val_fraction=0.2)
+    return tmp / "data"
+
+
+def supervised_text(data: TokenData, split: str = "train") -> list[str]:
+    """Each conversation's targets, decoded: what the loss counts."""
+    ds = ChatRows(data, split, batch_size=1, seed=0)
+    tok = data.tokenizer()
+    assert tok is not None
+    out = []
+    for _x, y, pos in ds.eval_batches():
+        starts = (pos[0] == 0).nonzero().flatten().tolist() + [pos.shape[1]]
+        for a, b in zip(starts, starts[1:], strict=False):
+            targets = [t for t in y[0, a:b].tolist() if t != IGNORE_INDEX]
+            if targets:
+                out.append(tok.decode(targets, skip_special_tokens=False))
+    return out
+
+
+def test_the_loss_counts_each_assistant_turn_and_its_end_of_turn_token_only(chat_data_dir: Path) -> None:
+    data = TokenData(chat_data_dir)
+    want = {"ba<|im_end|>zyx<|im_end|>", "ih<|im_end|>", "tac<|im_end|>", "god<|im_end|>", "nus<|im_end|>",
+            "top<|im_end|>"}
+    got = supervised_text(data) + supervised_text(data, "val")
+    assert set(got) == want and len(got) == len(CONVERSATIONS) * 4
+    assert data.chat["added_tokens"] == ["<|im_start|>", "<|im_end|>"]
+    assert (chat_data_dir / "chat_template.jinja").read_text() == chat.DEFAULT_TEMPLATE
+
+
+def test_prompt_completion_pairs_are_recognised_by_content_and_supervise_the_completion(
+        trained_out: Path, tmp_path: Path) -> None:
+    pairs = [{"prompt": f"say {w}", "completion": w[::-1]} for w in ("ab", "cd", "ef", "gh")]
+    src = write_jsonl(tmp_path / "pairs.jsonl", pairs)
+    assert chat_data.detect(src) == "prompt_completion"
+    data = prepare(src, tmp_path / "data", trained_out, val_fraction=0.25)
+    assert data.chat["reading"] == "prompt_completion"
+    assert sorted(supervised_text(data) + supervised_text(data, "val")) == \
+        sorted(f"{w[::-1]}<|im_end|>" for w in ("ab", "cd", "ef", "gh"))
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "llama"])
+def test_a_hugging_face_folders_template_masks_every_turn_of_a_multi_turn_conversation(
+        kind: str, debug_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    """Qwen3's template renders an earlier reply otherwise once later turns follow (the last gets an empty think
+    block): each turn's content and end-of-turn token are still the ones counted."""
+    folder = chat_model_dir(kind, debug_tokenizer, tmp_path / kind)
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CONVERSATIONS[0]}] * 3)
+    data = prepare(src, tmp_path / "data", folder, val_fraction=0.4, seq_len=256)
+    eos = CHAT[kind][3]
+    assert supervised_text(data) == [f"ba{eos}zyx{eos}"] * 2
+    assert not data.chat["added_tokens"]  # the model's own tokens: nothing added, no embedding to grow
+    assert json.loads((tmp_path / "data" / "tokenizer_config.json").read_text())["eos_token"] == eos
+
+
+@pytest.mark.parametrize("line, reason", [
+    ("{not json", "not JSON"),
+    ({"messages": [{"role": "user", "content": "hi"}]}, "no assistant message"),
+    ({"messages": [{"role": "robot", "content": "hi"}]}, "role must be one of"),
+    ({"prompt": "hi"}, "no \"messages\""),
+])
+def test_a_bad_line_is_refused_with_its_number_and_nothing_is_written(trained_out: Path, tmp_path: Path,
+                                                                         line: Any, reason: str) -> None:
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CONVERSATIONS[:2]] + [line])
+    before = file_tree(tmp_path)
+    with pytest.raises(UserError, match=rf"chats.jsonl:3: .*{reason}"):
+        prepare(src, tmp_path / "data", trained_out)
+    assert file_tree(tmp_path) == before
+
+
+def test_an_overlong_conversation_is_refused_or_split_never_cut(trained_out: Path, tmp_path: Path) -> None:
+    long = [{"role": "user", "content": "x " * 40}, {"role": "assistant", "content": "y " * 80}]
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in [*CONVERSATIONS, long]])
+    with pytest.raises(UserError, match=r"chats.jsonl:7: the conversation takes .* tokens, more than .*--overlong"):
+        prepare(src, tmp_path / "data", trained_out, val_fraction=0.1, seed=1)
+    data = prepare(src, tmp_path / "data", trained_out, val_fraction=0.1, seed=1, overlong="split")
+    splits = data.chat["splits"]
+    assert splits["train"]["split_pieces"] + splits["val"]["split_pieces"] >= 2
+    every = sum(s["tokens"] for s in splits.values())
+    tok = data.tokenizer()
+    template = chat.ChatTemplate("t", chat.DEFAULT_TEMPLATE, kind="t", eos_token=chat.DEFAULT_END)
+    assert tok is not None
+    assert every == sum(len(chat_data.tokenize(template, tok, m).ids) for m in [*CONVERSATIONS, long])  # nothing lost
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_a_packed_conversation_sees_itself_alone(family: str) -> None:
+    """Logits of a conversation packed after another, its positions restarting and the document mask on, equal
+    its logits alone: nothing of the first reaches it (learned positions and rotary alike)."""
+    model = GPT(family_config(family, vocab_size=64)).eval()
+    torch.manual_seed(0)
+    a, b = torch.randint(0, 64, (1, 11)), torch.randint(0, 64, (1, 9))
+    row = torch.cat([a, b], dim=1)
+    pos = torch.cat([torch.arange(11), torch.arange(9)]).unsqueeze(0)
+    with torch.no_grad():
+        packed = model(row, pos=pos, attn_mask=document_mask(pos))
+        alone_a, alone_b = model(a), model(b)
+        unmasked = model(row, pos=pos)
+    torch.testing.assert_close(packed[:, :11], alone_a, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed[:, 11:], alone_b, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(unmasked[:, 11:], alone_b, atol=1e-3)  # without the mask it would see the first
+
+
+def test_the_loss_and_gradients_are_the_same_with_accumulation_1_and_4(chat_data_dir: Path,
+                                                                         debug_config: Any) -> None:
+    """Rows supervise different numbers of tokens: the loss is the mean over every supervised token of the global
+    batch (chat_weights), not a mean of micro-batch means."""
+    data = TokenData(chat_data_dir)
+    plan = dataclasses.replace(resolve("cpu"), amp_dtype=None)  # fp32: bf16 rounds otherwise at other shapes
+    x, y, pos = ChatRows(data, "train", batch_size=4, seed=0)[0]
+    counts = (y != IGNORE_INDEX).sum(dim=1)
+    assert len(set(counts.tolist())) > 1  # otherwise a mean of means would agree too
+    base = GPT(dataclasses.replace(debug_config, vocab_size=data.vocab_size))
+    grads, losses = [], []
+    for accum in (1, 4):
+        model = copy.deepcopy(base)
+        batches = [(x[i::accum], y[i::accum], pos[i::accum]) for i in range(accum)]
+        weights = chat_weights(batches, DistInfo())
+        loss = sum(forward_backward(model, bx, by, plan, None, accum, pos=bp, weight=w)
+                   for (bx, by, bp), w in zip(batches, weights, strict=True))
+        losses.append(float(loss))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert losses[0] == pytest.approx(losses[1], rel=1e-5)
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_sft_resumes_bitwise_and_the_model_chats_with_the_datas_template(chat_data_dir: Path, trained_out: Path,
+                                                                         tmp_path: Path) -> None:
+    """4 steps straight, and 2 then 2 resumed, train on the same rows with the same losses; the grown vocabulary
+    (the template's markers) and the template reach the checkpoint, so generate and serve find the template and
+    end a reply at <|im_end|>."""
+    kw = dict(TRAIN_FAST, init_from=str(trained_out), batch_size=2, gradient_accumulation_steps=2, seq_len=None)
+    kw.pop("preset")
+    assert train_run(chat_data_dir, tmp_path / "straight", max_steps=4, **kw) == 0
+    assert train_run(chat_data_dir, tmp_path / "resumed", max_steps=2, **kw) == 0
+    assert train_run(chat_data_dir, tmp_path / "resumed", max_steps=4, resume="auto", **kw) == 0
+    assert train_losses(tmp_path / "straight") == train_losses(tmp_path / "resumed")
+    folders = chat.template_folders(str(tmp_path / "straight"))
+    tok = find_tokenizer(model_source(str(tmp_path / "straight")))
+    template = chat.load_template(None, folders, tok)
+    assert template is not None and template.text == chat.DEFAULT_TEMPLATE
+    assert tok.token_to_id(chat.DEFAULT_END) in chat.end_token_ids(folders, tok)
+
+
+def test_train_refuses_a_seq_len_other_than_the_rows(chat_data_dir: Path, trained_out: Path, tmp_path: Path) -> None:
+    kw = dict(TRAIN_FAST, init_from=str(trained_out), seq_len=32)
+    kw.pop("preset")
+    with pytest.raises(UserError, match="packed into rows of 64 tokens"):
+        train_run(chat_data_dir, tmp_path / "out", max_steps=1, **kw)
+
+
+def test_eval_chat_counts_exact_replies(trained_out: Path, tmp_path: Path) -> None:
+    """A held-out set whose answers are the model's own greedy replies scores 1; change one answer and that one
+    is wrong, shown with its line."""
+    model_dir = tmp_path / "m"
+    shutil.copytree(trained_out, model_dir)
+    (model_dir / "chat_template.jinja").write_text(chat.DEFAULT_TEMPLATE)
+    src = write_jsonl(tmp_path / "held.jsonl", [{"messages": m} for m in CONVERSATIONS[1:4]])
+    examples = eval_cmd.read_chat_answers(src, None)
+    plan = resolve("cpu")
+    model, tok = load_for_inference(str(model_dir), tokenizer=None, plan=plan, dtype="fp32")
+    folders = chat.template_folders(str(model_dir))
+    template = chat.load_template(None, folders, tok)
+    assert template is not None
+    first = eval_cmd.chat_accuracy(model, tok, template, chat.end_token_ids(folders, tok), examples, plan, 2)
+    own = [(w, m, r["reply"]) for (w, m, _), r in zip(examples, first["wrong"], strict=True)]
+    assert len(own) == 3
+    scored = eval_cmd.chat_accuracy(model, tok, template, chat.end_token_ids(folders, tok), own, plan, 2)
+    assert scored["exact_match"] == 1.0
+    own[1] = (own[1][0], own[1][1], own[1][2] + " and more")
+    scored = eval_cmd.chat_accuracy(model, tok, template, chat.end_token_ids(folders, tok), own, plan, 2)
+    assert scored["correct"] == 2 and [w["where"] for w in scored["wrong"]] == [own[1][0]]
+
+
+@pytest.mark.slow
+def test_a_tiny_pretrained_model_learns_the_chat_task(tmp_path: Path) -> None:
+    """benchmarks/chat_task.py's task: the tiny preset pretrained on the stdlib corpus answers ~0% before, and at
+    least 90% of held-out conversations exactly after a few CPU minutes of fine-tuning, keeping its raw text
+    within 5% bits per byte."""
+    task = load_script("chat_task")
+    assert task.main(["--output_dir", str(tmp_path / "task"), "--train", "3000", "--heldout", "100"]) == 0
+    assert cli.main(["prepare", "--output_dir", str(tmp_path / "text"), "--vocab_size", "4096",
+                     "--max_documents", "300"]) == 0
+    assert cli.main(["train", "--preset", "tiny", "--data_dir", str(tmp_path / "text"), "--output_dir",
+                     str(tmp_path / "base"), "--max_steps", "300", "--seq_len", "128", "--batch_size", "16",
+                     "--use_amp", "--eval_interval", "0", "--sample_tokens", "0", "--no-tensorboard"]) == 0
+    assert cli.main(["prepare", "--input", str(tmp_path / "task" / "train.jsonl"), "--tokenizer",
+                     str(tmp_path / "base"), "--output_dir", str(tmp_path / "chat"), "--seq_len", "256"]) == 0
+    scores = {}
+    for name in ("base",):
+        scores[name] = _chat_score(tmp_path / name, tmp_path / "task" / "heldout.jsonl", tmp_path / "chat")
+    assert scores["base"] <= 0.05
+    assert cli.main(["train", "--init_from", str(tmp_path / "base"), "--data_dir", str(tmp_path / "chat"),
+                     "--output_dir", str(tmp_path / "sft"), "--max_steps", "300", "--batch_size", "8",
+                     "--learning_rate", "1e-3", "--use_amp", "--eval_interval", "0", "--sample_tokens", "0",
+                     "--no-tensorboard"]) == 0
+    assert _chat_score(tmp_path / "sft", tmp_path / "task" / "heldout.jsonl") >= 0.9
+    held_text = tmp_path / "held.txt"  # the text data's val split as text: both models' tokenizers read it alike
+    text = TokenData(tmp_path / "text")
+    assert text.tokenizer() is not None
+    held_text.write_text(text.tokenizer().decode(text.tokens("val")[:20000].tolist()), encoding="utf-8")
+    bpb = {name: _bpb(tmp_path / name, held_text) for name in ("base", "sft")}
+    assert bpb["sft"] <= bpb["base"] * 1.05
+
+
+def _chat_score(model: Path, held: Path, template_from: Path | None = None) -> float:
+    if template_from is not None:  # the base model has no template: score it with the one fine-tuning uses
+        for name in ("chat_template.jinja", "tokenizer_config.json"):
+            latest = next(p for p in sorted(model.glob("ckpt-*")))
+            (latest / name).write_bytes((template_from / name).read_bytes())
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(["eval", "--model", str(model), "--task", "chat", "--data", str(held), "--json",
+                         "--batch_size", "16"]) == 0
+    return last_json_line(buf.getvalue())["exact_match"]
+
+
+def _bpb(model: Path, text: Path) -> float:
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert cli.main(["eval", "--model", str(model), "--task", "bpb", "--data", str(text), "--json"]) == 0
+    return last_json_line(buf.getvalue())["bits_per_byte"]
