@@ -83,6 +83,7 @@ EXPECTED_OPTIONS = {
         "preset",
         "profile",
         "resume",
+        "sample_every",
         "sample_tokens",
         "save_interval",
         "save_total_limit",

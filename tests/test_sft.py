@@ -23,6 +23,7 @@ from conftest import (
     CHAT,
     TRAIN_FAST,
     chat_model_dir,
+    eval_samples,
     family_config,
     file_tree,
     last_json_line,
@@ -37,7 +38,10 @@ from gptopt.commands import eval as eval_cmd
 from gptopt.config import PrepareConfig
 from gptopt.data.loader import IGNORE_INDEX, ChatRows, TokenData
 from gptopt.infer import chat
+from gptopt.infer.generator import Generator
 from gptopt.infer.load import find_tokenizer, load_for_inference, model_source
+from gptopt.infer.sampling import SamplingParams
+from gptopt.infer.scheduler import generate
 from gptopt.models.gpt import GPT, document_mask
 from gptopt.runtime.device import resolve
 from gptopt.train import chat_data
@@ -298,3 +302,69 @@ def _bpb(model: Path, text: Path) -> float:
     with contextlib.redirect_stdout(buf):
         assert cli.main(["eval", "--model", str(model), "--task", "bpb", "--data", str(text), "--json"]) == 0
     return last_json_line(buf.getvalue())["bits_per_byte"]
+
+
+def test_an_exported_fine_tuned_model_answers_in_transformers_as_in_gptopt(chat_data_dir: Path, trained_out: Path,
+                                                                            tmp_path: Path) -> None:
+    """export --format hf keeps the template and the end of turn: transformers' apply_chat_template and generate
+    give gptopt's greedy reply, ending at <|im_end|>."""
+    transformers = pytest.importorskip("transformers")
+    kw = dict(TRAIN_FAST, init_from=str(trained_out), seq_len=None)
+    kw.pop("preset")
+    assert train_run(chat_data_dir, tmp_path / "run", max_steps=2, **kw) == 0
+    export = tmp_path / "hf"
+    assert cli.main(["export", "--model", str(tmp_path / "run"), "--format", "hf", "--output_dir", str(export)]) == 0
+    messages = CONVERSATIONS[2][:1]
+    theirs = transformers.AutoTokenizer.from_pretrained(export)
+    ids = theirs.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    model = transformers.AutoModelForCausalLM.from_pretrained(export).eval()
+    with torch.no_grad():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False)[0, len(ids):].tolist()
+    end = theirs.convert_tokens_to_ids(chat.DEFAULT_END)
+    assert end in transformers.GenerationConfig.from_pretrained(export).eos_token_id
+
+    plan = dataclasses.replace(resolve("cpu"), amp_dtype=None)
+    ours, tok = load_for_inference(str(tmp_path / "run"), tokenizer=None, plan=plan, dtype="fp32")
+    folders = chat.template_folders(str(tmp_path / "run"))
+    template = chat.load_template(None, folders, tok)
+    assert template is not None
+    prompt = template.encode(tok, template.render(messages))
+    assert prompt == ids
+    reply = generate(Generator(ours, plan, max_batch_size=1, max_len=64), [prompt],
+                     SamplingParams(max_new_tokens=12, temperature=0.0,
+                                    stop_token_ids=chat.end_token_ids(folders, tok)))[0]
+    # transformers keeps the end-of-turn token it stopped at; gptopt's reply ends before it
+    assert out[: len(reply)] == reply and out[len(reply):] in ([], [end], [tok.token_to_id("<|endoftext|>")])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+def test_a_hugging_face_chat_model_fine_tunes_on_its_own_template(kind: str, debug_tokenizer: Tokenizer,
+                                                                  tmp_path: Path) -> None:
+    """A Llama- or Qwen3-shaped Hugging Face folder: its own template and tokens (nothing added, no vocabulary
+    grown), the loss falling on its replies, and its checkpoints carrying its template and end-of-turn token."""
+    folder = chat_model_dir(kind, debug_tokenizer, tmp_path / kind)
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CONVERSATIONS[1:] * 4])
+    prepare(src, tmp_path / "data", folder, val_fraction=0.2, seq_len=64)
+    kw = dict(TRAIN_FAST, init_from=str(folder), seq_len=None, learning_rate=3e-3, batch_size=2)
+    kw.pop("preset")
+    assert train_run(tmp_path / "data", tmp_path / "run", max_steps=8, **kw) == 0
+    losses = train_losses(tmp_path / "run")
+    assert losses[8] < losses[1]
+    folders = chat.template_folders(str(tmp_path / "run"))
+    tok = find_tokenizer(model_source(str(tmp_path / "run")))
+    template = chat.load_template(None, folders, tok)
+    assert template is not None and template.text == CHAT[kind][0]
+    assert tok.token_to_id(CHAT[kind][3]) in chat.end_token_ids(folders, tok)
+    assert tok.get_vocab_size() == debug_tokenizer.get_vocab_size() + len(CHAT[kind][1])
+
+
+def test_sample_every_logs_the_models_reply_to_a_val_conversation(chat_data_dir: Path, trained_out: Path,
+                                                                   tmp_path: Path) -> None:
+    kw = dict(TRAIN_FAST, init_from=str(trained_out), seq_len=None, sample_tokens=4, sample_every=2)
+    kw.pop("preset")
+    assert train_run(chat_data_dir, tmp_path / "run", max_steps=4, **kw) == 0
+    samples = eval_samples(tmp_path / "run")
+    assert sorted(samples) == [2, 4]
+    for text in samples.values():  # the val conversation's prompt ends where a reply begins, then the reply
+        prompt, _, _reply = text.partition(" -> ")
+        assert prompt.endswith("<|im_start|>assistant\n")

@@ -235,8 +235,10 @@ class TrainConfig:
                                     le=MAX_STEPS)
     eval_iters: int = opt(20, "val batches per evaluation (--eval_interval 0 turns evaluation off)", ge=1, le=100_000,
                           hint="--eval_interval 0 turns evaluation off")
-    sample_tokens: int = opt(48, "tokens of generated sample shown at each evaluation; 0: no sample",
-                             ge=0, le=MAX_NEW_TOKENS)
+    sample_tokens: int = opt(48, "tokens of generated sample shown at each evaluation (chat data: the greedy reply "
+                                 "to a val conversation); 0: no sample", ge=0, le=MAX_NEW_TOKENS)
+    sample_every: int = opt(0, "also show and log the sample every N steps, between evaluations; 0: at evaluations "
+                               "only", ge=0, le=MAX_STEPS)
     log_interval: int = opt(10, "write a metrics.jsonl record every N steps (and at step 1); 0: step 1 only",
                             ge=0, le=MAX_STEPS)
     save_interval: int = opt(500, "checkpoint every N steps (and always at the end); 0: only at the end",
@@ -291,6 +293,9 @@ class TrainConfig:
         if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup_steps:
             raise UserError(f"--lr_decay_steps ({self.lr_decay_steps}) must come after the warmup "
                              f"(--warmup_steps {self.warmup_steps}): the cosine decay starts where the warmup ends")
+        if self.sample_every and not self.sample_tokens:
+            raise UserError("--sample_every shows a sample of --sample_tokens tokens: give --sample_tokens N (> 0), "
+                            "or drop --sample_every")
         if self.target_loss is not None and self.eval_interval == 0:
             raise UserError("--target_loss needs evaluations to notice the target: drop --eval_interval 0 "
                              "(the default evaluates about 100 times over max_steps)")

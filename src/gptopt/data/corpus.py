@@ -54,7 +54,7 @@ KIND = "prepared-data"  # the outputs mark of a folder prepare wrote into
 # What prepare writes there; nothing else is touched. Chat data (train/chat_data.py) adds each split's mask and
 # positions, and the chat template and special tokens of the model it was tokenized for.
 OURS = ("train.bin", "val.bin", META, TOKENIZER, "train.mask.bin", "val.mask.bin", "train.pos.bin", "val.pos.bin",
-        "chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json")
+        "chat_template.jinja", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 
 
 # What a folder given to --input contributes: text-like suffixes only, so binaries, images and

@@ -46,7 +46,7 @@ from gptopt.data import corpus
 from gptopt.data.tokenizer import TOKENIZER, eot_id, tokenizer_digest
 from gptopt.infer import chat
 from gptopt.infer.load import find_tokenizer, model_source
-from gptopt.models.hf_files import CHAT_FILES, TEMPLATE_FILE, TOKENIZER_CONFIG
+from gptopt.models.hf_files import CHAT_FILES, GENERATION_CONFIG, TEMPLATE_FILE, TOKENIZER_CONFIG
 from gptopt.outputs import check_output, lock_output, staged_files
 from gptopt.utils.errors import UserError
 
@@ -238,8 +238,11 @@ def _default(tok: Tokenizer) -> tuple[chat.ChatTemplate, dict[str, bytes], list[
     tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in added])
     eot = chat.EOT if eot_id(tok) is not None else chat.DEFAULT_END
     config = {"bos_token": eot, "eos_token": chat.DEFAULT_END, "chat_template": chat.DEFAULT_TEMPLATE}
+    # a reply ends at <|im_end|> or the end of text, in transformers' generate too (an export carries this file)
+    ends = [i for i in (tok.token_to_id(chat.DEFAULT_END), eot_id(tok)) if i is not None]
     files = {TEMPLATE_FILE: chat.DEFAULT_TEMPLATE.encode(),
-             TOKENIZER_CONFIG: (json.dumps(config, indent=2) + "\n").encode()}
+             TOKENIZER_CONFIG: (json.dumps(config, indent=2) + "\n").encode(),
+             GENERATION_CONFIG: (json.dumps({"eos_token_id": ends}, indent=2) + "\n").encode()}
     template = chat.ChatTemplate("gptopt's default chat template (ChatML)", chat.DEFAULT_TEMPLATE,
                                  kind="the default chat template", bos_token=eot, eos_token=chat.DEFAULT_END)
     return template, files, added

@@ -305,6 +305,8 @@ class Trainer:
                     self._read_steps(progress)
                 if evaluated:
                     self._evaluate(progress)
+                elif cfg.sample_every and progress.step % cfg.sample_every == 0:
+                    validation.log_sample(self.raw, self.data, cfg, self.plan, self.info, progress.step, self.metrics)
                 reached = progress.target is not None
                 if reached or last_step or (cfg.save_interval and progress.step % cfg.save_interval == 0):
                     self._read_steps(progress)  # a checkpoint holds the train time and counts up to its step

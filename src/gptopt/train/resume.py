@@ -158,7 +158,7 @@ def carried_files(cfg: TrainConfig, resumed: Path | None, data: TokenData | None
     model chats and ends its turns as its source did; and over those, chat data's own template and special tokens
     (`data`: what the conversations were rendered with, which the model learns). None for a run from scratch on
     text."""
-    ours = {f.name: f.read_bytes() for f in hf_files.chat_files([data.directory])} if data and data.chat else {}
+    ours = hf_files.carried([data.directory]) if data and data.chat else {}
     if resumed is None and cfg.init_from == "scratch":
         return ours
     if resumed is None and isinstance(source := model_source(cfg.init_from, "--init_from"), str):

@@ -50,11 +50,7 @@ def evaluate(model: GPT, tokens: data.TokenData, cfg: TrainConfig, plan: DeviceP
             with plan.autocast():
                 losses.append(model(x.to(plan.device), y.to(plan.device)).float())
         val = distributed.all_reduce_mean(torch.stack(losses).mean(), info).item()
-    text = ""
-    if cfg.sample_tokens and tokens.chat is not None:
-        text = chat_sample(model, plan, tokens, cfg.sample_tokens)
-    elif cfg.sample_tokens:
-        text = sample(model, plan, tokens.tokenizer(), tokens.eot_id, cfg.sample_tokens, cfg.seed + step)
+    text = _sample_text(model, tokens, cfg, plan, step) if cfg.sample_tokens else ""
     model.train()
     if info.is_main:
         assert metrics is not None
@@ -67,6 +63,28 @@ def evaluate(model: GPT, tokens: data.TokenData, cfg: TrainConfig, plan: DeviceP
         metrics.write({"step": step, "val_loss": val, "val_ppl": ppl, "val_bpb": bpb, "sample": text,
                        "train_s": train_s})
     return val
+
+
+def _sample_text(model: GPT, tokens: data.TokenData, cfg: TrainConfig, plan: DevicePlan, step: int) -> str:
+    """The eval log's sample: the greedy reply to a val conversation for chat data, else text from a document's
+    start."""
+    if tokens.chat is not None:
+        return chat_sample(model, plan, tokens, cfg.sample_tokens)
+    return sample(model, plan, tokens.tokenizer(), tokens.eot_id, cfg.sample_tokens, cfg.seed + step)
+
+
+@torch.no_grad()
+def log_sample(model: GPT, tokens: data.TokenData, cfg: TrainConfig, plan: DevicePlan, info: DistInfo, step: int,
+               metrics: Metrics | None) -> None:
+    """--sample_every: the sample alone, between evaluations, said and written to metrics.jsonl (rank 0). Every
+    rank generates it: a sharded model's forwards are collective."""
+    model.eval()
+    text = _sample_text(model, tokens, cfg, plan, step)
+    model.train()
+    if info.is_main:
+        assert metrics is not None
+        tqdm.write(f"step {step}: sample: {text!r}")
+        metrics.write({"step": step, "sample": text})
 
 
 def record(progress: Progress, val: float, target_loss: float | None, metrics: Metrics | None) -> None:
