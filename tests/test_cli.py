@@ -64,6 +64,8 @@ EXPECTED_OPTIONS = {
         "gradient_checkpointing",
         "init_from",
         "learning_rate",
+        "lora_alpha",
+        "lora_rank",
         "log_interval",
         "loss",
         "max_bad_steps",

@@ -164,6 +164,10 @@ class TrainConfig:
                                          f"shapes); default: {VOCAB_PAD_MULTIPLE} for a new run, and a resumed run "
                                          "keeps its checkpoint's (one given for it must match)",
                                          ge=1, le=MAX_PAD_MULTIPLE)
+    # LoRA (models/lora.py): adapters on the blocks' projections, the model's own weights frozen
+    lora_rank: int = opt(0, "train low-rank adapters of this rank on the attention and MLP projections instead of "
+                            "every weight (with --init_from); 0: full fine-tuning", ge=0, le=4096)
+    lora_alpha: float = opt(16.0, "LoRA's scale numerator: the update is alpha / rank x B A", gt=0.0, le=1e6)
     # batch and length of the run
     batch_size: int = opt(16, "micro-batch: sequences per forward/backward on each device", ge=1, le=MAX_BATCH)
     gradient_accumulation_steps: int = opt(1, "micro-batches per optimizer step (global batch = this x batch x ranks)",
@@ -260,6 +264,14 @@ class TrainConfig:
             raise UserError(f"--min_lr ({self.min_lr}) must not exceed --learning_rate ({self.learning_rate}): "
                              "it is where the cosine decay ends")
         check_loader(self.num_workers, self.prefetch_factor, self.persistent_workers)
+        if self.lora_rank and self.init_from == "scratch" and self.resume is None:
+            raise UserError("--lora_rank adapts a trained model: give --init_from MODEL, or drop --lora_rank to "
+                            "train from scratch")
+        if self.lora_rank and self.optimizer == "muon":
+            raise UserError("--lora_rank trains small adapter matrices, which Muon is not for: use --optimizer adamw")
+        if self.lora_rank and self.fsdp:
+            raise UserError("--lora_rank with --fsdp is not supported: LoRA's adapters are small, use DDP "
+                            "(drop --fsdp)")
         if self.cpu_offload and not self.fsdp:
             raise UserError("--cpu_offload needs --fsdp (it is FSDP2's offload policy)")
         if self.sdpa_backend != "auto" and self.attention == "eager":

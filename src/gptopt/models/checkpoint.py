@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 
 from gptopt.config import GPTConfig
 from gptopt.data.tokenizer import TOKENIZER
+from gptopt.models import lora
 from gptopt.models.compressed import unpack_state
 from gptopt.models.gpt import GPT
 from gptopt.models.hf_files import write_carried
@@ -91,8 +92,11 @@ def training_data(directory: str | os.PathLike[str]) -> str | None:
     return str(data_dir) if isinstance(data_dir, str) and data_dir else None
 
 
-def load_model(directory: str | os.PathLike[str], *, map_location: str | torch.device = "cpu") -> GPT:
-    """A GPT from a gptopt model directory; every key and shape is checked against the config."""
+def load_model(directory: str | os.PathLike[str], *, map_location: str | torch.device = "cpu",
+               merge_lora: bool = True) -> GPT:
+    """A GPT from a gptopt model directory; every key and shape is checked against the config. A LoRA run's
+    checkpoint (meta.json's "lora") comes with its adapters merged into the weights, or without them
+    (merge_lora False: the frozen weights a resumed run adapts further)."""
     directory = Path(directory)
     meta = read_meta(directory)
     config = GPTConfig.from_dict(meta["model"])
@@ -105,6 +109,13 @@ def load_model(directory: str | os.PathLike[str], *, map_location: str | torch.d
         raise UserError(f"{weights}: cannot read weights ({e}); the file is truncated or corrupt") from None
     if meta.get("compression"):  # written by gptopt compress: integers + scales, dequantised here
         state = unpack_state(state, meta["compression"], str(weights))
+    if meta.get("lora") and merge_lora:
+        adapter = directory / lora.ADAPTER
+        try:
+            tensors = load_file(str(adapter), device=str(map_location))
+        except Exception as e:
+            raise UserError(f"{adapter}: cannot read the LoRA adapters ({e}); the checkpoint is incomplete") from None
+        state = lora.merge_into(state, tensors, meta["lora"]["alpha"], meta["lora"]["rank"])
     model = GPT(config)
     expected = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight" or not config.tie_embeddings}
     check_state(expected, state, str(weights))

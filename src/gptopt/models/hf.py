@@ -581,3 +581,33 @@ def export_hf(model: GPT, directory: str | os.PathLike[str], *, overwrite: bool 
         # transformers refuses safetensors files without the "format" metadata.
         save_file(state, str(tmp / SAFETENSORS), metadata={"format": "pt"})
     return target
+
+
+def peft_adapter(config: GPTConfig, lora: dict[str, torch.Tensor], rank: int, alpha: float
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """LoRA adapters (models.lora, gptopt's names) as peft writes them for this model's Hugging Face family: the
+    tensors of adapter_model.safetensors and adapter_config.json. Llama and Qwen3 split c_attn into q_proj, k_proj
+    and v_proj: each takes the shared A and its rows of B, which is the same update; GPT-2's Conv1D layers keep
+    their names (peft's fan_in_fan_out)."""
+    gpt2 = family(config) == "gpt2"
+    q, kv = config.n_head * config.head_dim, config.kv_heads * config.head_dim
+    tensors: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    for key, t in lora.items():
+        module, _, which = key.rpartition(".")  # transformer.h.I.attn.c_attn, lora_A
+        i, part = module.removeprefix("transformer.h.").split(".", 1)
+        if gpt2:
+            names = {f"transformer.h.{i}.{part}": t}
+        elif part == "attn.c_attn":
+            pieces = t.split([q, kv, kv]) if which == "lora_B" else (t, t, t)
+            names = {f"model.layers.{i}.self_attn.{p}": x
+                     for p, x in zip(("q_proj", "k_proj", "v_proj"), pieces, strict=True)}
+        else:
+            names = {f"model.layers.{i}.{GPTOPT_NAMES[part]}": t}
+        for name, x in names.items():
+            tensors[f"base_model.model.{name}.{which}.weight"] = x.detach().cpu().clone()  # q, k, v: one A each
+            targets.add(name.rsplit(".", 1)[-1])
+    peft_config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha,
+                   "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": gpt2, "target_modules": sorted(targets),
+                   "inference_mode": True, "base_model_name_or_path": None}
+    return tensors, peft_config

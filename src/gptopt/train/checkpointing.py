@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from safetensors.torch import save as safetensors_bytes
+
 from gptopt import outputs
 from gptopt.config import TrainConfig
 from gptopt.data.loader import TokenData
 from gptopt.data.tokenizer import TOKENIZER, tokenizer_digest
-from gptopt.models import checkpoint
+from gptopt.models import checkpoint, hf, lora
 from gptopt.models.gpt import GPT
 from gptopt.runtime.device import DevicePlan, environment
 from gptopt.train import distributed, resume
@@ -134,9 +137,19 @@ class Checkpointer:
                     "data_dir": str(data_dir),
                     **({"tokenizer": str(data_dir / TOKENIZER), "tokenizer_digest": tokenizer_digest(tokenizer)}
                        if tokenizer else {})}
+            files = self.carried
+            if self.cfg.lora_rank:  # the frozen weights as they were, the adapters beside them (models/lora.py)
+                model_state, adapters = lora.split_state(model_state)
+                rank, alpha = self.cfg.lora_rank, self.cfg.lora_alpha
+                meta["lora"] = {"rank": rank, "alpha": alpha, "targets": list(lora.TARGETS)}
+                files = {**files, lora.ADAPTER: safetensors_bytes({k: v.contiguous() for k, v in adapters.items()})}
+                with contextlib.suppress(UserError):  # a mix of families maps onto no Hugging Face model
+                    tensors, config = hf.peft_adapter(raw.config, adapters, rank, alpha)
+                    files[lora.PEFT_WEIGHTS] = safetensors_bytes(tensors)
+                    files[lora.PEFT_CONFIG] = (json.dumps(config, indent=2) + "\n").encode()
             path = checkpoint.save_checkpoint(self.out, progress.step, raw.config, model_state, train_state,
                                               meta=meta, keep=self.cfg.save_total_limit, parent=self.lineage,
-                                              tokenizer=tokenizer, files=self.carried)
+                                              tokenizer=tokenizer, files=files)
             self.lineage = checkpoint.lineage(path)
             if self.folder is not None and retire_old:
                 self.folder.retire()  # the new run has a checkpoint of its own: the old run goes

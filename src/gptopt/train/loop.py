@@ -139,6 +139,7 @@ class Trainer:
         resume.check_tokenizer(cfg, self.data, self.resume_dir)
         if self.resume_dir is None and cfg.init_from != "scratch":
             self.raw = resume.fit_added_tokens(self.raw, self.data)
+        self.raw = resume.with_lora(self.raw, cfg, self.resume_dir)
         # the source's template and end ids; chat data's template, which the run learns to follow
         self.carried = resume.carried_files(cfg, self.resume_dir, self.data)
         self.model_config = self.raw.config

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from gptopt import outputs
 from gptopt.config import (
@@ -34,7 +35,7 @@ from gptopt.data.loader import TokenData
 from gptopt.data.tokenizer import TOKENIZER, tokenizer_digest
 from gptopt.infer import chat
 from gptopt.infer.load import model_source, own_tokenizer
-from gptopt.models import checkpoint, hf, hf_files
+from gptopt.models import checkpoint, hf, hf_files, lora
 from gptopt.models.gpt import GPT
 from gptopt.train import distributed
 from gptopt.train.distributed import DistInfo
@@ -138,7 +139,8 @@ def build_model(cfg: TrainConfig, attention: str, data_vocab: int, resumed: Path
         meta = checkpoint.read_meta(resumed)
         stored = GPTConfig.from_dict(meta["model"])
         check_resumed_shape(cfg, stored, meta.get("train_config") or {}, resumed)
-        return _with_config(checkpoint.load_model(resumed), dataclasses.replace(stored, **runtime))
+        # a LoRA run's frozen weights as they were: with_lora puts its adapters back over them
+        return _with_config(checkpoint.load_model(resumed, merge_lora=False), dataclasses.replace(stored, **runtime))
     if cfg.init_from == "scratch":
         return GPT(preset_for_data(cfg.preset or DEFAULT_PRESET, data_vocab, vocab_pad_multiple=cfg.vocab_padding,
                                    **arch_overrides(cfg.arch), **runtime))
@@ -165,6 +167,31 @@ def carried_files(cfg: TrainConfig, resumed: Path | None, data: TokenData | None
         return {**hf_files.carried([hf.hub_folder(source, fetched=True)]), **ours}
     return {**hf_files.carried(chat.template_folders(str(resumed) if resumed is not None else cfg.init_from)),
             **ours}
+
+
+def with_lora(model: GPT, cfg: TrainConfig, resumed: Path | None) -> GPT:
+    """The model with --lora_rank's adapters (models.lora.add_lora): new ones, or a resumed run's own, which must
+    be of the rank it asks. Unchanged without --lora_rank and without adapters to resume."""
+    had = checkpoint.read_meta(resumed).get("lora") if resumed is not None else None
+    if had and had["rank"] != cfg.lora_rank:
+        raise UserError(f"--lora_rank {cfg.lora_rank}: the run resumed from {resumed} trains adapters of rank "
+                         f"{had['rank']}; give --lora_rank {had['rank']}")
+    if not cfg.lora_rank:
+        return model
+    if had and had["alpha"] != cfg.lora_alpha:
+        raise UserError(f"--lora_alpha {cfg.lora_alpha}: the run resumed from {resumed} scales its adapters by "
+                         f"{had['alpha']}; give --lora_alpha {had['alpha']}")
+    lora.add_lora(model, cfg.lora_rank, cfg.lora_alpha)
+    if had:
+        tensors = load_file(str(resumed / lora.ADAPTER))  # type: ignore[operator]
+        missing = set(lora.adapters(model)) - set(tensors)
+        if missing:
+            raise UserError(f"{resumed}: its adapters lack {sorted(missing)[:3]}; the checkpoint is incomplete")
+        model.load_state_dict(tensors, strict=False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    log.info("LoRA rank %d (alpha %g) on %s: %s trainable parameters of %s", cfg.lora_rank, cfg.lora_alpha,
+             ", ".join(lora.TARGETS), f"{trainable:,}", f"{model.num_params():,}")
+    return model
 
 
 def fit_added_tokens(model: GPT, data: TokenData) -> GPT:
