@@ -37,6 +37,8 @@ EXPECTED_OPTIONS = {
         "tokenizer",
         "val_fraction",
         "vocab_size",
+        "text_data",
+        "text_share",
     },
     "train": {
         "align_documents",

@@ -301,7 +301,7 @@ def test_a_tiny_pretrained_model_learns_the_chat_task(tmp_path: Path) -> None:
 
 
 # The fine-tuning of the report and the slow test: CPU minutes on the tiny preset
-SFT_RECIPE = ("--max_steps", "1200", "--batch_size", "8", "--learning_rate", "2e-3", "--warmup_steps", "30",
+SFT_RECIPE = ("--max_steps", "1500", "--batch_size", "8", "--learning_rate", "1e-3", "--warmup_steps", "30",
               "--use_amp")
 
 
@@ -449,3 +449,21 @@ def test_peft_loads_a_lora_checkpoint_over_the_hugging_face_base(kind: str, debu
         merged = exported(input_ids=x).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(merged, want, atol=1e-4, rtol=1e-4)
+
+
+def test_text_share_mixes_windows_of_the_models_text_into_the_train_rows(chat_data_dir: Path, trained_out: Path,
+                                                                         train_data: Path, tmp_path: Path) -> None:
+    """--text_data's windows, every token learned, make --text_share of the train rows; val keeps the
+    conversations alone, and text of another tokenizer is refused."""
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CONVERSATIONS * 4])
+    data = prepare(src, tmp_path / "mixed", trained_out, val_fraction=0.2, text_data=str(train_data), text_share=0.5)
+    train = data.chat["splits"]["train"]
+    assert train["text_rows"] == round(train["rows"] - train["text_rows"])
+    ids, mask, _ = data.rows("train")
+    text = TokenData(train_data).tokens("train")
+    first_text = len(ids) - train["text_rows"]
+    assert ids[first_text].tolist() == text[:64].tolist()  # the first window starts the split
+    assert mask[first_text:, 1:].all() and not mask[first_text:, 0].any()
+    assert "text_rows" not in data.chat["splits"]["val"]
+    with pytest.raises(UserError, match="not text tokenized with the model's tokenizer"):  # conversations are not
+        prepare(src, tmp_path / "refused", trained_out, text_data=str(chat_data_dir), text_share=0.5)

@@ -84,11 +84,17 @@ class PrepareConfig:
                                   "into rows of its own (split)", choices=("refuse", "split"))
     chat_template: str | None = opt(None, "conversations: a Jinja template file, or 'default' (gptopt's ChatML, its "
                                           "markers added to the tokenizer); default: the model's own, else 'default'")
+    text_data: str | None = opt(None, "conversations: a data dir `gptopt prepare` made of text with the model's "
+                                      "tokenizer, whose windows are mixed into the train rows (--text_share)")
+    text_share: float = opt(0.0, "conversations: the share of train rows that are --text_data windows, every token "
+                                 "learned, so that fine-tuning keeps the model's text; 0: none", ge=0.0, lt=0.95)
 
     def __post_init__(self) -> None:
         check_fields(self)
         if self.input and self.dataset:
             raise UserError("give either --input or --dataset, not both")
+        if self.text_share and not self.text_data:
+            raise UserError("--text_share mixes windows of --text_data into the rows: give --text_data DATA_DIR")
         if self.format in ("messages", "prompt_completion") and not self.input:
             raise UserError(f"--format {self.format} reads conversations from --input FILE.jsonl: give --input")
 

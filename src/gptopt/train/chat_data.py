@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from gptopt.config import PrepareConfig
 from gptopt.data import corpus
+from gptopt.data.loader import TokenData
 from gptopt.data.tokenizer import TOKENIZER, eot_id, tokenizer_digest
 from gptopt.infer import chat
 from gptopt.infer.load import find_tokenizer, model_source
@@ -300,6 +301,34 @@ def position_dtype(seq_len: int) -> np.dtype:
     return np.dtype("<u2") if seq_len <= 1 << 16 else np.dtype("<u4")
 
 
+def with_text(packed: Packed, config: PrepareConfig, base_digest: str) -> Packed:
+    """The train rows and, appended, windows of --text_data's train split, every token a target, so that they
+    make --text_share of the rows: what the model learns of the conversations' replies alone would otherwise pull
+    all its predictions towards them, and its text is lost. Windows spread evenly over the split, one document
+    segment each (as pretraining's windows run across documents): a pure function of the files."""
+    text = TokenData(config.text_data or "")
+    tok = text.tokenizer()
+    if tok is None or tokenizer_digest(tok) != base_digest or text.chat is not None:
+        raise UserError(f"--text_data {config.text_data}: not text tokenized with the model's tokenizer; prepare it "
+                         f"with `gptopt prepare --input TEXT --tokenizer {config.tokenizer} --output_dir DIR`")
+    L = config.seq_len
+    tokens = text.tokens("train")
+    n = round(len(packed.ids) * config.text_share / (1 - config.text_share))
+    if len(tokens) < L or n == 0:
+        raise UserError(f"--text_data {config.text_data}: its train split holds {len(tokens):,} tokens for {n} rows "
+                         f"of {L}; give more text or a larger --text_share")
+    starts = np.linspace(0, len(tokens) - L, num=n).astype(np.int64)
+    ids = np.stack([np.asarray(tokens[s:s + L]) for s in starts]).astype(packed.ids.dtype)
+    mask = np.ones_like(ids, dtype=np.uint8)
+    mask[:, 0] = 0  # a row's first token has nothing before it to be predicted from
+    pos = np.broadcast_to(np.arange(L, dtype=packed.pos.dtype), ids.shape)
+    out = Packed(np.concatenate([packed.ids, ids]), np.concatenate([packed.mask, mask]),
+                 np.concatenate([packed.pos, pos]), packed.conversations, packed.pieces, dict(packed.counts))
+    out.counts.update(rows=len(out.ids), text_rows=n, tokens=packed.counts["tokens"] + ids.size,
+                      supervised=int(out.mask.sum()))
+    return out
+
+
 # ----------------------------------------------------------------------------------------------
 # prepare
 
@@ -339,6 +368,8 @@ def prepare_chat(config: PrepareConfig, reading: str) -> Path:
             packed.counts = {"rows": len(packed.ids), "tokens": int(sum(len(p.ids) for p in pieces)),
                              "supervised": int(packed.mask.sum())}
             split_rows[split] = packed
+        if config.text_share:
+            split_rows["train"] = with_text(split_rows["train"], config, record["base_tokenizer"])
         if not split_rows["train"].counts["supervised"]:
             raise UserError(f"--input {path}: no assistant token survives in the train split; check the data")
         with staged_files(out, kind=corpus.KIND, replace=old, ours=corpus.OURS, last=corpus.META) as tmp:

@@ -189,8 +189,8 @@ def with_lora(model: GPT, cfg: TrainConfig, resumed: Path | None) -> GPT:
             raise UserError(f"{resumed}: its adapters lack {sorted(missing)[:3]}; the checkpoint is incomplete")
         model.load_state_dict(tensors, strict=False)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    log.info("LoRA rank %d (alpha %g) on %s: %s trainable parameters of %s", cfg.lora_rank, cfg.lora_alpha,
-             ", ".join(lora.TARGETS), f"{trainable:,}", f"{model.num_params():,}")
+    log.info("LoRA rank %d (alpha %g) on %d projections: %s trainable parameters of %s", cfg.lora_rank,
+             cfg.lora_alpha, len(lora.adapters(model)) // 2, f"{trainable:,}", f"{model.num_params():,}")
     return model
 
 
