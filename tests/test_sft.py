@@ -269,7 +269,8 @@ def test_a_tiny_pretrained_model_learns_the_chat_task(tmp_path: Path) -> None:
                      str(tmp_path / "base"), "--max_steps", "500", "--use_amp", "--eval_interval", "0",
                      "--sample_tokens", "0", "--no-tensorboard"]) == 0
     assert cli.main(["prepare", "--input", str(tmp_path / "task" / "train.jsonl"), "--tokenizer",
-                     str(tmp_path / "base"), "--output_dir", str(tmp_path / "chat"), "--seq_len", "256"]) == 0
+                     str(tmp_path / "base"), "--output_dir", str(tmp_path / "chat"), "--seq_len", "256",
+                     "--text_data", str(tmp_path / "text"), "--text_share", "0.25"]) == 0
     before = tmp_path / "before"  # the base model given the template fine-tuning teaches, to be asked before it
     shutil.copytree(tmp_path / "base", before)
     for name in ("chat_template.jinja", "tokenizer_config.json"):
@@ -301,7 +302,7 @@ def test_a_tiny_pretrained_model_learns_the_chat_task(tmp_path: Path) -> None:
 
 
 # The fine-tuning of the report and the slow test: CPU minutes on the tiny preset
-SFT_RECIPE = ("--max_steps", "1500", "--batch_size", "8", "--learning_rate", "1e-3", "--warmup_steps", "30",
+SFT_RECIPE = ("--max_steps", "2400", "--batch_size", "8", "--learning_rate", "1e-3", "--warmup_steps", "30",
               "--use_amp")
 
 
@@ -467,3 +468,32 @@ def test_text_share_mixes_windows_of_the_models_text_into_the_train_rows(chat_da
     assert "text_rows" not in data.chat["splits"]["val"]
     with pytest.raises(UserError, match="not text tokenized with the model's tokenizer"):  # conversations are not
         prepare(src, tmp_path / "refused", trained_out, text_data=str(chat_data_dir), text_share=0.5)
+
+
+def test_a_lora_run_is_overwritten_or_refused_as_a_run_is(chat_data_dir: Path, trained_out: Path,
+                                                          tmp_path: Path) -> None:
+    """--overwrite replaces a LoRA run (its adapter files are gptopt's); a run of every weight is not resumed as
+    LoRA; and under LoRA's frozen embedding the end of a turn starts as the end-of-text token, so a reply ends."""
+    from gptopt.models import checkpoint
+
+    assert lora_run(chat_data_dir, trained_out, tmp_path / "run", 1) == 0
+    assert lora_run(chat_data_dir, trained_out, tmp_path / "run", 1, overwrite=True) == 0
+    kw = dict(TRAIN_FAST, init_from=str(trained_out), seq_len=None)
+    kw.pop("preset")
+    assert train_run(chat_data_dir, tmp_path / "full", max_steps=1, **kw) == 0
+    with pytest.raises(UserError, match="trains every weight"):
+        train_run(chat_data_dir, tmp_path / "full", max_steps=2, resume="auto", lora_rank=4, **kw)
+    model = checkpoint.load_model(checkpoint.latest_checkpoint(tmp_path / "run"))  # type: ignore[arg-type]
+    tok = TokenData(chat_data_dir).tokenizer()
+    assert tok is not None
+    wte = model.transformer.wte.weight
+    assert torch.equal(wte[tok.token_to_id(chat.DEFAULT_END)], wte[tok.token_to_id("<|endoftext|>")])
+
+
+def test_text_readers_refuse_conversation_rows(chat_data_dir: Path, trained_out: Path) -> None:
+    from gptopt.data.loader import BatchDataset
+
+    with pytest.raises(UserError, match="holds conversations packed for fine-tuning"):
+        BatchDataset(TokenData(chat_data_dir), "train", 2, 16, seed=0)
+    with pytest.raises(UserError, match="holds conversations packed for fine-tuning"):
+        eval_cmd.read_held_out(chat_data_dir, "--data")

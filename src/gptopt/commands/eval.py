@@ -293,6 +293,10 @@ def read_held_out(path: Path, where: str) -> HeldOut:
         raise UserError(f"{where} {path}: no such file or folder; {HELD_OUT_HINT}")
     if path.is_dir() and ((path / META).is_file() or (path / "train.bin").is_file()):
         data = TokenData(path)
+        if data.chat is not None:  # a fine-tuned model's default: its rows are conversations and padding
+            raise UserError(f"{where} {path} holds conversations packed for fine-tuning, not text; give held-out "
+                             "text with --data (a text file, a folder of them, or a text data dir), or score the "
+                             "replies with --task chat")
         if data.tokenizer() is None:
             raise UserError(f"{where} {path} stores no tokenizer (nanoGPT's train.bin/val.bin), so its bytes cannot "
                              "be counted; give the text itself: a text file or a folder of text files")

@@ -275,6 +275,9 @@ class TrainConfig:
                             "train from scratch")
         if self.lora_rank and self.optimizer == "muon":
             raise UserError("--lora_rank trains small adapter matrices, which Muon is not for: use --optimizer adamw")
+        if self.lora_rank and self.fp8:
+            raise UserError("--lora_rank with --fp8 is not supported: float8 layers would replace the adapted ones; "
+                            "drop --fp8")
         if self.lora_rank and self.fsdp:
             raise UserError("--lora_rank with --fsdp is not supported: LoRA's adapters are small, use DDP "
                             "(drop --fsdp)")

@@ -298,6 +298,9 @@ class BatchDataset(torch.utils.data.Dataset):
             raise UserError(f"seed must be >= 0, got {seed}")
         if not 0 <= rank < world_size:
             raise UserError(f"rank must be in [0, world_size={world_size}), got {rank}")
+        if data.chat is not None:  # packed rows, padding and all, are no text stream
+            raise UserError(f"{data.directory} holds conversations packed for fine-tuning (gptopt train reads them); "
+                            "this reads text: give a data dir `gptopt prepare` made of text")
         self.data, self.split = data, split
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.rank, self.world_size = rank, world_size

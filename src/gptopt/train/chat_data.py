@@ -237,8 +237,9 @@ def _default(tok: Tokenizer) -> tuple[chat.ChatTemplate, dict[str, bytes], list[
     markers = [chat.DEFAULT_START, chat.DEFAULT_END]
     added = [m for m in markers if tok.token_to_id(m) is None]
     tok.add_special_tokens([AddedToken(m, special=True, normalized=False) for m in added])
-    eot = chat.EOT if eot_id(tok) is not None else chat.DEFAULT_END
-    config = {"bos_token": eot, "eos_token": chat.DEFAULT_END, "chat_template": chat.DEFAULT_TEMPLATE}
+    eot = chat.EOT if eot_id(tok) is not None else ""
+    config = {**({"bos_token": eot} if eot else {}), "eos_token": chat.DEFAULT_END,
+              "chat_template": chat.DEFAULT_TEMPLATE}
     # a reply ends at <|im_end|> or the end of text, in transformers' generate too (an export carries this file)
     ends = [i for i in (tok.token_to_id(chat.DEFAULT_END), eot_id(tok)) if i is not None]
     files = {TEMPLATE_FILE: chat.DEFAULT_TEMPLATE.encode(),
@@ -365,8 +366,10 @@ def prepare_chat(config: PrepareConfig, reading: str) -> Path:
             pieces = [p for w, c in chosen for p in split_pieces(c, config.seq_len, config.overlong, w)]
             packed = pack(pieces, config.seq_len, pad, dtype)
             packed.conversations, packed.pieces = len(chosen), len(pieces) - len(chosen)
+            # a target where the mask says so inside its conversation (a split piece's first token is none)
+            targets = int(((packed.mask == 1) & (packed.pos > 0)).sum())
             packed.counts = {"rows": len(packed.ids), "tokens": int(sum(len(p.ids) for p in pieces)),
-                             "supervised": int(packed.mask.sum())}
+                             "supervised": targets}
             split_rows[split] = packed
         if config.text_share:
             split_rows["train"] = with_text(split_rows["train"], config, record["base_tokenizer"])

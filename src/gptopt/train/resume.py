@@ -48,7 +48,8 @@ RUN_KIND = "train-run"  # the output-folder mark (outputs.mark) of a training ru
 # only --resume continues and only --overwrite replaces. The user's other files there are never touched.
 # What a run writes inside its folders: anything else there is the user's, and --overwrite keeps away.
 RUN_CONTENTS = {f"{checkpoint.PREFIX}*": [checkpoint.WEIGHTS, checkpoint.META, checkpoint.TRAIN_STATE, TOKENIZER,
-                                          *hf_files.CHAT_FILES, hf_files.GENERATION_CONFIG],
+                                          *hf_files.CHAT_FILES, hf_files.GENERATION_CONFIG, lora.ADAPTER,
+                                          lora.PEFT_WEIGHTS, lora.PEFT_CONFIG],
                 "logs": ["events.out.tfevents.*", "profile/*"]}
 RUN_ENTRIES = (f"{checkpoint.PREFIX}*", checkpoint.LATEST, "metrics.jsonl", "run.json", "monitor.json", "logs")
 
@@ -173,6 +174,9 @@ def with_lora(model: GPT, cfg: TrainConfig, resumed: Path | None) -> GPT:
     """The model with --lora_rank's adapters (models.lora.add_lora): new ones, or a resumed run's own, which must
     be of the rank it asks. Unchanged without --lora_rank and without adapters to resume."""
     had = checkpoint.read_meta(resumed).get("lora") if resumed is not None else None
+    if resumed is not None and not had and cfg.lora_rank:
+        raise UserError(f"--lora_rank {cfg.lora_rank}: the run resumed from {resumed} trains every weight; resume it "
+                         "without --lora_rank, or start LoRA from it with --init_from and a new --output_dir")
     if had and had["rank"] != cfg.lora_rank:
         raise UserError(f"--lora_rank {cfg.lora_rank}: the run resumed from {resumed} trains adapters of rank "
                          f"{had['rank']}; give --lora_rank {had['rank']}")
@@ -197,12 +201,16 @@ def with_lora(model: GPT, cfg: TrainConfig, resumed: Path | None) -> GPT:
 def fit_added_tokens(model: GPT, data: TokenData) -> GPT:
     """The model with room for the special tokens chat data added to its tokenizer (gptopt's default template's
     markers, ids past its vocabulary): its embedding (and untied head) grown to the data's vocabulary, the new rows
-    the mean of the old (a token the model has never seen starts as an average one, not as noise). Unchanged
-    otherwise."""
+    the mean of the old (a token the model has never seen starts as an average one, not as noise), but the end of a
+    turn starts as the end-of-text token, which it is most like: under LoRA, whose embedding stays frozen, the two
+    markers would otherwise tie in every prediction and a reply could not end. Unchanged otherwise."""
     vocab = data.vocab_size
     if data.chat is None or not data.chat.get("added_tokens") or vocab is None or vocab <= model.config.vocab_size:
         return model
     old = model.config.vocab_size
+    tok = data.tokenizer()
+    end = tok.token_to_id(chat.DEFAULT_END) if tok is not None else None
+    eot = data.eot_id
     grown = GPT(dataclasses.replace(model.config, vocab_size=vocab))
     state = model.state_dict()
     for name in ("transformer.wte.weight", "lm_head.weight"):
@@ -210,6 +218,8 @@ def fit_added_tokens(model: GPT, data: TokenData) -> GPT:
         new = grown.state_dict()[name].clone()
         new[:old] = w[:old]
         new[old:vocab] = w[:old].mean(dim=0)
+        if end is not None and eot is not None and old <= end < vocab and eot < old:
+            new[end] = w[eot]
         new[vocab:] = 0  # padding rows are never tokens
         state[name] = new
     grown.load_state_dict(state)
