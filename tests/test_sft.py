@@ -497,3 +497,16 @@ def test_text_readers_refuse_conversation_rows(chat_data_dir: Path, trained_out:
         BatchDataset(TokenData(chat_data_dir), "train", 2, 16, seed=0)
     with pytest.raises(UserError, match="holds conversations packed for fine-tuning"):
         eval_cmd.read_held_out(chat_data_dir, "--data")
+
+
+def test_the_chat_task_holds_out_word_lists_training_never_answers_last(tmp_path: Path) -> None:
+    task = load_script("chat_task")
+    assert task.main(["--output_dir", str(tmp_path), "--train", "300", "--heldout", "40"]) == 0
+    train, held = ([json.loads(line)["messages"] for line in (tmp_path / name).read_text().splitlines()]
+                   for name in ("train.jsonl", "heldout.jsonl"))
+    assert (len(train), len(held)) == (300, 40)
+    last = {m[-1]["content"] for m in train}
+    for m in held:
+        words = m[-2]["content"].removeprefix("Reverse: ").split()
+        assert m[-1]["content"] == " ".join(reversed(words)) and m[-1]["content"] not in last
+    assert chat_data.detect(tmp_path / "train.jsonl") == "messages"
