@@ -510,3 +510,17 @@ def test_the_chat_task_holds_out_word_lists_training_never_answers_last(tmp_path
         words = m[-2]["content"].removeprefix("Reverse: ").split()
         assert m[-1]["content"] == " ".join(reversed(words)) and m[-1]["content"] not in last
     assert chat_data.detect(tmp_path / "train.jsonl") == "messages"
+
+
+def test_trl_supervises_the_tokens_gptopt_does(debug_tokenizer: Tokenizer, tmp_path: Path) -> None:
+    """benchmarks/trl_masks.py: TRL's SFTTrainer (assistant_only_loss) and gptopt's prepare agree token by token on
+    a folder without a template of its own (the marked ChatML) (skipped where trl is not installed)."""
+    pytest.importorskip("trl")
+    folder = chat_model_dir("qwen3", debug_tokenizer, tmp_path / "qwen3")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    del config["chat_template"]
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    tool = load_script("trl_masks")
+    copy_ = tool.marked_copy(folder, tmp_path / "work")
+    result = tool.compare(copy_, CONVERSATIONS, tmp_path / "work")
+    assert result["same"] == len(CONVERSATIONS) and result["supervised_gptopt"] == result["supervised_trl"] > 0
