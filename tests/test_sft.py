@@ -524,3 +524,11 @@ def test_trl_supervises_the_tokens_gptopt_does(debug_tokenizer: Tokenizer, tmp_p
     copy_ = tool.marked_copy(folder, tmp_path / "work")
     result = tool.compare(copy_, CONVERSATIONS, tmp_path / "work")
     assert result["same"] == len(CONVERSATIONS) and result["supervised_gptopt"] == result["supervised_trl"] > 0
+
+
+def test_a_line_that_is_not_utf8_is_refused_with_its_number(trained_out: Path, tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "chats.jsonl", [{"messages": m} for m in CONVERSATIONS[:2]])
+    src.write_bytes(src.read_bytes() + b'{"messages": [{"role": "user", "content": "\xff"}]}\n')
+    with pytest.raises(UserError, match=r"chats.jsonl:3: not UTF-8 text"):
+        prepare(src, tmp_path / "data", trained_out)
+    assert not (tmp_path / "data").exists()

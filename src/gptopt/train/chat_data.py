@@ -110,19 +110,21 @@ def read_lines(path: Path, reading: str) -> Iterator[tuple[str, list[dict[str, s
     if not files:
         raise UserError(f"--input {path}: no .jsonl file of conversations; give a .jsonl file or a folder of them")
     for f in files:
-        with open(f, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
+        with open(f, "rb") as fh:  # decoded line by line: a bad byte is told with its line
+            for n, raw in enumerate(fh, 1):
                 where = f"{f}:{n}"
                 try:
-                    row = json.loads(line)
-                except ValueError as e:
-                    raise UserError(f"{where}: not JSON ({e}); fix or remove the line") from None
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise UserError(f"{where}: not UTF-8 text ({e.reason}); fix the file's encoding") from None
+                if not line.strip():
+                    continue
                 try:
-                    yield where, conversation(row, reading)
-                except UserError as e:
-                    raise UserError(f"{where}: {e}; fix or remove the line") from None
+                    messages = conversation(json.loads(line), reading)
+                except ValueError as e:  # json's errors and UserError (a ValueError) alike
+                    what = e if isinstance(e, UserError) else f"not JSON ({e})"
+                    raise UserError(f"{where}: {what}; fix or remove the line") from None
+                yield where, messages
 
 
 def conversation(row: Any, reading: str) -> list[dict[str, str]]:
