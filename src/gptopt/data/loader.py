@@ -109,26 +109,28 @@ class TokenData:
         """Chat data's packed rows of a split: token ids, loss mask and positions, each (rows, seq_len) memmaps."""
         assert self.chat is not None, "rows() reads chat data"
         L = self.chat["seq_len"]
-        ids = self.tokens(split)
-        key = (split, "mask"), (split, "pos")
-        for (s, part), dtype in zip(key, (np.dtype("<u1"), np.dtype(self.chat["pos_dtype"]).newbyteorder("<")),
-                                    strict=True):
-            if f"{s}.{part}" not in self._arrays:
-                n = self._shard_tokens(s, part)
-                path = self.directory / f"{s}.{part}.bin"
-                self._arrays[f"{s}.{part}"] = np.memmap(path, dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
-        return (ids.reshape(-1, L), self._arrays[f"{split}.mask"].reshape(-1, L),
-                self._arrays[f"{split}.pos"].reshape(-1, L))
+        return tuple(self._shard(split, part).reshape(-1, L) for part in (None, "mask", "pos"))  # type: ignore[return-value]
 
     def tokens(self, split: str) -> np.ndarray:
         """The split's token ids as a read-only memmap (an empty array for an empty file)."""
+        return self._shard(split)
+
+    def _shard(self, split: str, part: str | None = None) -> np.ndarray:
+        """A split's token ids (part: chat data's "mask" or "pos" beside them) as a read-only memmap, mapped once."""
         if split not in SPLITS:
             raise UserError(f"split must be one of {SPLITS}, got {split!r}")
-        if split not in self._arrays:
-            path, n = self.directory / f"{split}.bin", self._shard_tokens(split)
+        key = split if part is None else f"{split}.{part}"
+        if key not in self._arrays:
+            path, n, dtype = self.directory / f"{key}.bin", self._shard_tokens(split, part), self._part_dtype(part)
             # np.memmap cannot map an empty file
-            self._arrays[split] = np.memmap(path, self._dtype, mode="r", shape=(n,)) if n else np.zeros(0, self._dtype)
-        return self._arrays[split]
+            self._arrays[key] = np.memmap(path, dtype, mode="r", shape=(n,)) if n else np.zeros(0, dtype)
+        return self._arrays[key]
+
+    def _part_dtype(self, part: str | None) -> np.dtype:
+        if part is None:
+            return self._dtype
+        assert self.chat is not None, "a mask or positions shard is chat data's"
+        return np.dtype("<u1") if part == "mask" else np.dtype(self.chat["pos_dtype"]).newbyteorder("<")
 
     def _shard_tokens(self, split: str, part: str | None = None) -> int:
         """The token count of a split's shard (part: chat data's "mask" or "pos" beside it), checked against
@@ -136,8 +138,7 @@ class TokenData:
         path = self.directory / (f"{split}.bin" if part is None else f"{split}.{part}.bin")
         if not path.is_file():
             raise UserError(f"{path} is missing; re-run `gptopt prepare --overwrite --output_dir {self.directory}`")
-        dtype = self._dtype if part is None else np.dtype("<u1") if part == "mask" else \
-            np.dtype(self.chat["pos_dtype"]) if self.chat else self._dtype
+        dtype = self._part_dtype(part)
         size = path.stat().st_size
         n, rest = divmod(size, dtype.itemsize)
         expected = self.meta[f"{split}_tokens"] if self.meta else n

@@ -48,10 +48,6 @@ class LoRALinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias) + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scale
 
-    def merged(self) -> torch.Tensor:
-        """The weight with the update added: W + scale B A."""
-        return self.weight + (self.lora_B.float() @ self.lora_A.float() * self.scale).to(self.weight.dtype)
-
 
 def add_lora(model: nn.Module, rank: int, alpha: float) -> nn.Module:
     """`model` (a GPT) with each TARGETS projection of each block a LoRALinear, in place, and every other

@@ -47,7 +47,7 @@ from gptopt.data.loader import TokenData
 from gptopt.data.tokenizer import TOKENIZER, eot_id, tokenizer_digest
 from gptopt.infer import chat
 from gptopt.infer.load import find_tokenizer, model_source
-from gptopt.models.hf_files import CHAT_FILES, GENERATION_CONFIG, TEMPLATE_FILE, TOKENIZER_CONFIG
+from gptopt.models.hf_files import GENERATION_CONFIG, TEMPLATE_FILE, TOKENIZER_CONFIG, chat_files
 from gptopt.outputs import check_output, lock_output, staged_files
 from gptopt.utils.errors import UserError
 
@@ -207,30 +207,20 @@ def resolve(option: str, chat_template: str | None) -> tuple[Tokenizer, chat.Cha
     tok = find_tokenizer(source, "--tokenizer")
     base = tokenizer_digest(tok)
     folders = chat.template_folders(option)
-    template = chat.load_template(chat_template, folders, tok) if chat_template != "default" else None
-    if chat_template is None and template is None or chat_template == "default":
+    template = None if chat_template == "default" else chat.load_template(chat_template, folders, tok)
+    if template is None:  # asked for, or the model has none of its own (a named file that is missing was refused)
         template, files, added = _default(tok)
     else:
-        assert template is not None
         if template.text is None:
             raise UserError("--chat_template plain has no end-of-turn token to learn; give a Jinja template, or "
                              "leave --chat_template out for the model's own (or gptopt's default)")
-        files = {f.name: f.read_bytes() for f in _chat_files(folders)}
+        files = {f.name: f.read_bytes() for f in chat_files(folders)}
         if chat_template is not None:
             files[TEMPLATE_FILE] = template.text.encode()
         added = []
     record = {"source": str(source), "template": template.source, "base_tokenizer": base, "added_tokens": added,
               "template_sha256": hashlib.sha256((template.text or "").encode()).hexdigest()[:16]}
     return tok, template, files, record
-
-
-def _chat_files(folders: Sequence[Path]) -> list[Path]:
-    seen: dict[str, Path] = {}
-    for d in folders:
-        for name in CHAT_FILES:
-            if name not in seen and (d / name).is_file():
-                seen[name] = d / name
-    return list(seen.values())
 
 
 def _default(tok: Tokenizer) -> tuple[chat.ChatTemplate, dict[str, bytes], list[str]]:

@@ -12,8 +12,10 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from gptopt.infer import chat
 from gptopt.infer.generator import Generator
 from gptopt.infer.sampling import SamplingParams
 from gptopt.infer.scheduler import generate
@@ -47,12 +49,13 @@ def chat_sample(model: GPT, plan: DevicePlan, tokens: Any, n_tokens: int) -> str
     loss counts), then the model's greedy reply, up to n_tokens or an end-of-turn (any token the template or the
     tokenizer ends a turn with), as '...END OF THE PROMPT -> REPLY'."""
     ids, mask, pos = tokens.rows("val")
-    ends = [i for i in range(1, ids.shape[1]) if pos[0, i] == 0] + [ids.shape[1]]
-    row, row_mask = [int(t) for t in ids[0, : ends[0]]], [int(m) for m in mask[0, : ends[0]]]
-    prompt = row[: row_mask.index(1)] if 1 in row_mask else row
+    starts = np.flatnonzero(pos[0, 1:] == 0)  # where the row's second conversation (or its padding) begins
+    end = int(starts[0]) + 1 if len(starts) else ids.shape[1]
+    supervised = np.flatnonzero(mask[0, :end])
+    prompt = [int(t) for t in ids[0, : int(supervised[0]) if len(supervised) else end]]
     tok = tokens.tokenizer()
-    stops = tuple(i for i in {tokens.eot_id, *(tok.token_to_id(t) for t in END_OF_TURN)} if i is not None) \
-        if tok is not None else ()
+    # the data folder holds the template's files: its end-of-turn token ends the reply, as serve's would
+    stops = chat.end_token_ids([tokens.directory], tok) if tok is not None else ()
     room = model.config.block_size - len(prompt)
     if room < 1:
         return ""
@@ -68,9 +71,6 @@ def chat_sample(model: GPT, plan: DevicePlan, tokens: Any, n_tokens: int) -> str
 
 SAMPLE_PROMPT_CHARS = 80  # the prompt's end the log shows: the question, not the system prompt before it
 
-
-# The end-of-turn tokens of the templates fine-tuning meets: ChatML's (gptopt's default, SmolLM2, Qwen3), Llama 3's
-END_OF_TURN = ("<|im_end|>", "<|eot_id|>")
 
 
 class Metrics:
